@@ -1,0 +1,81 @@
+"""The architecture contract. Model plugins subclass ``Architecture``; the core never imports them.
+
+A component is ``(block, layer)``: ``("input-layer", None)``, ``("layer", i)``, ``("experts", i)``,
+``("output-layer", None)``. Placement binds each component to one backend device and store.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+Component = tuple[str, int | None]
+
+
+def component_label(c: Component) -> str:
+    block, layer = c
+    if block == "layer":
+        return f"layers.{layer}"
+    if block == "experts":
+        return f"layers.{layer}.experts"
+    return block
+
+
+@dataclass
+class TensorLayout:
+    """Which checkpoint tensors each component needs, and which ones the architecture skips on purpose."""
+
+    needs: dict[Component, list[str]] = field(default_factory=dict)
+    skipped: dict[str, str] = field(default_factory=dict)  # name -> reason (vision tower, MTP head...)
+
+
+class Architecture(ABC):
+    """A model family bound to one checkpoint's config."""
+
+    model_type: str = ""
+    num_layers: int = 0
+    vocab_size: int = 0
+    max_context: int = 0
+
+    def __init__(self, config: dict):
+        self.config = config
+
+    @abstractmethod
+    def layout(self, names: Iterable[str]) -> TensorLayout:
+        """Map the checkpoint's tensor names to components (a tied tensor may serve two)."""
+
+    @abstractmethod
+    def is_matrix(self, name: str) -> bool:
+        """True for weights consumed by linear/embedding ops (stored in a weight format)."""
+
+    @abstractmethod
+    def components(self) -> list[Component]:
+        """Every component of this model, in execution order."""
+
+    def cache_bytes(self, layer: int, context: int, kv_bytes: float) -> int:
+        """Bytes of cache (KV or recurrent state) that ``layer`` needs for ``context`` tokens."""
+        return 0
+
+    def required_ops(self, component: Component) -> set[str]:
+        """Ops the component calls; the plan refuses a backend that lacks one."""
+        return set()
+
+    @abstractmethod
+    def build(self, weights: dict[Component, dict[str, Any]], backends: dict[Component, Any], kv: dict):
+        """Return a ``Model`` running on the given per-component backends."""
+
+
+class Model(ABC):
+    """A loaded model: ``forward`` over a cache that holds every layer's state."""
+
+    vocab_size: int = 0
+
+    @abstractmethod
+    def new_cache(self, context_size: int) -> Any:
+        """A preallocated cache for ``context_size`` tokens (``.pos`` is the number of tokens seen)."""
+
+    @abstractmethod
+    def forward(self, ids: list[int], cache: Any, all_logits: bool = False) -> Any:
+        """Run ``ids`` after ``cache.pos`` tokens; return host logits (T or 1, vocab) as f32."""

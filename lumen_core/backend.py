@@ -1,0 +1,134 @@
+"""The backend contract: devices, memory, weight upload, and op lookup.
+
+A backend owns its tensors. Architecture code never imports numpy/cupy/wgpu: it calls ``ops.<name>(...)``
+and uses only the small tensor protocol every backend's arrays support (see ``docs/ops.md``):
+``.shape``, ``.reshape``, basic slicing, ``+ - * /`` with tensors and Python scalars.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import PlanError
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    name: str  # "cpu", "cuda:0"
+    total_bytes: int
+    free_bytes: int
+    description: str = ""
+
+
+@dataclass
+class Weight:
+    """A weight matrix on a backend, in a storage format; ops dispatch on ``format``."""
+
+    data: Any  # backend array (for fp8: the e4m3 values)
+    format: str  # "f32", "bf16", "fp8"
+    shape: tuple[int, ...]
+    scale: Any = None  # fp8: per-block / per-channel / per-tensor scale (backend array)
+    block: tuple[int, int] | None = None  # fp8 block size, e.g. (128, 128); None = per-channel/tensor
+
+    @property
+    def nbytes(self) -> int:
+        n = int(getattr(self.data, "nbytes", 0))
+        return n + int(getattr(self.scale, "nbytes", 0) if self.scale is not None else 0)
+
+
+class Backend(ABC):
+    """One device of one backend kind. Subclasses register through ``register_backends``."""
+
+    name: str = ""
+    stores: tuple[str, ...] = ()  # the weight stores this backend can compute from
+
+    def __init__(self, device: str, registry):
+        self.device = device
+        self.registry = registry
+        self.ops = OpSet(self)
+
+    @classmethod
+    @abstractmethod
+    def devices(cls) -> list[DeviceInfo]:
+        """The devices of this kind present on this machine."""
+
+    @abstractmethod
+    def weight(self, array, fmt: str, store: str, scale=None, block=None) -> Weight:
+        """Put a host array (numpy, from the checkpoint reader) on this device as a Weight."""
+
+    @abstractmethod
+    def tensor(self, array) -> Any:
+        """Put a host array (f32 activations, small vectors, norm weights) on this device."""
+
+    @abstractmethod
+    def to_host(self, x) -> Any:
+        """A numpy copy of a backend array."""
+
+    def take(self, x):
+        """Bring an activation computed on another device here (identity when already here)."""
+        return x if self.owns(x) else self.tensor(x if _is_numpy(x) else _host_of(x))
+
+    def owns(self, x) -> bool:
+        return _is_numpy(x)
+
+    @classmethod
+    def device_info(cls, device: str) -> DeviceInfo:
+        for info in cls.devices():
+            if info.name == device:
+                return info
+        names = ", ".join(i.name for i in cls.devices()) or "none"
+        raise PlanError(f"device {device!r} does not exist on this machine (present: {names})")
+
+
+def _is_numpy(x) -> bool:
+    return type(x).__module__ == "numpy"
+
+
+def _host_of(x):
+    to_host = getattr(x, "_lumen_to_host", None)
+    if to_host is not None:
+        return to_host()
+    if hasattr(x, "get"):  # cupy
+        return x.get()
+    raise TypeError(f"cannot move a {type(x).__name__} across devices")
+
+
+class OpSet:
+    """``ops.<name>(...)`` resolved against the registry for one backend, with weight-format variants."""
+
+    def __init__(self, backend: Backend):
+        self._backend = backend
+        self._cache: dict[tuple[str, str | None], Any] = {}
+
+    def __getattr__(self, op: str):
+        if op.startswith("_"):
+            raise AttributeError(op)
+        return _BoundOp(self, op)
+
+    def resolve(self, op: str, variant: str | None = None):
+        key = (op, variant)
+        fn = self._cache.get(key)
+        if fn is None:
+            fn = self._backend.registry.op(op, self._backend.name, variant)
+            if fn is None:
+                raise PlanError(
+                    f"op {op!r} (variant {variant}) is not implemented by backend {self._backend.name!r}"
+                )
+            self._cache[key] = fn
+        return fn
+
+    def has(self, op: str) -> bool:
+        return self._backend.registry.op(op, self._backend.name) is not None
+
+
+class _BoundOp:
+    __slots__ = ("opset", "op")
+
+    def __init__(self, opset: OpSet, op: str):
+        self.opset, self.op = opset, op
+
+    def __call__(self, *args, **kwargs):
+        variant = next((a.format for a in args if isinstance(a, Weight)), None)
+        return self.opset.resolve(self.op, variant)(*args, **kwargs)

@@ -1,0 +1,46 @@
+"""Checkpoint readers: turn a path into a config dict, lazily readable tensors and tokenizer files."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from ..errors import CheckpointError
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    dtype: str  # safetensors dtype string: "F32", "BF16", "F8_E4M3", ...
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+class Checkpoint(Protocol):
+    path: Path
+    config: dict  # the architecture's HF-style config (text part for multimodal checkpoints is left in)
+    tensors: dict[str, TensorInfo]
+
+    def read(self, name: str) -> Any:
+        """The tensor as a read-only numpy array (a view on the mapped file where possible)."""
+
+    def tokenizer_dir(self) -> Path | None:
+        """Where tokenizer.json and friends live, if anywhere."""
+
+
+def open_checkpoint(path: str | Path, registry) -> Checkpoint:
+    """Open ``path`` with the first registered checkpoint format that recognises it."""
+    from ..plugins import import_object
+
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise CheckpointError(f"checkpoint not found: {p} (model.path must be an HF checkpoint directory)")
+    for entry in registry.checkpoint_formats.values():
+        if entry.extra["detect"](p):
+            return import_object(entry.value)(p)
+    names = ", ".join(sorted(registry.checkpoint_formats)) or "none"
+    raise CheckpointError(
+        f"{p} is not a checkpoint any installed reader understands (readers: {names}); "
+        "expected an HF directory with config.json and *.safetensors"
+    )

@@ -1,0 +1,462 @@
+"""The Lumen config: load, validate (schema + structural checks) and answer placement questions.
+
+Placement follows one rule, documented in docs/config.md: a block's omitted `compute`/`store` come from
+its parent, up to `model`, whose own defaults are `cpu` and `ram`. Nothing here looks at a checkpoint or
+a device; the plan does that later with the numbers.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import json
+import os
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+from jsonschema.exceptions import ValidationError, best_match
+
+from lumen_core.errors import ConfigError
+
+DEFAULT_COMPUTE = "cpu"
+DEFAULT_STORE = "ram"
+DEFAULT_KV_TYPE = "f32"
+COMPONENTS = ("input-layer", "output-layer", "layer", "experts", "vision")
+HOST_STORES = ("ram", "mmap")
+_JSON_TYPES = {bool: "boolean", int: "integer", float: "number", str: "string",
+               list: "array", dict: "object", type(None): "null"}
+_SAMPLING_NAMES = {"temperature": "temperature", "top-k": "top_k", "top-p": "top_p", "min-p": "min_p",
+                   "seed": "seed", "max-tokens": "max_tokens", "stop": "stop",
+                   "repetition-penalty": "repetition_penalty"}
+_SERVER_NAMES = {"host": "host", "port": "port", "api-keys": "api_keys"}
+
+
+# ---------------------------------------------------------------- schema
+
+
+def _schema_path() -> Path:
+    # An installed wheel carries the schema inside the package (force-include); a checkout has it at the root.
+    inside = Path(__file__).parent / "schemas" / "config.schema.json"
+    return inside if inside.exists() else Path(__file__).parent.parent / "schemas" / "config.schema.json"
+
+
+@cache
+def _cached_schema() -> dict:
+    return json.loads(_schema_path().read_text(encoding="utf-8"))
+
+
+def schema() -> dict:
+    """The JSON Schema of the config (a copy: callers may mutate it)."""
+    return copy.deepcopy(_cached_schema())
+
+
+@cache
+def _validator() -> jsonschema.Draft202012Validator:
+    return jsonschema.Draft202012Validator(_cached_schema())
+
+
+# ---------------------------------------------------------------- JSON paths
+
+
+def json_path(parts) -> str:
+    """`['model', 'hidden-layers', 'ranges', 0, 'start']` -> `model.hidden-layers.ranges[0].start`."""
+    text = ""
+    for part in parts:
+        text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else str(part))
+    return text
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+# ---------------------------------------------------------------- reading
+
+
+def _reject_constant(name: str):
+    # json accepts NaN/Infinity, which would slip past every numeric bound in the schema.
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _no_duplicates(pairs: list) -> dict:
+    # json keeps the last of two equal keys silently; two `store`s in one block is a mistake worth naming.
+    seen: dict = {}
+    for key, value in pairs:
+        if key in seen:
+            raise ConfigError("", f"duplicate key '{key}' in one object", "keep one of the two")
+        seen[key] = value
+    return seen
+
+
+def _read_json(path: Path) -> Any:
+    if not path.exists():
+        raise ConfigError("", f"file not found: {path}", "check the path of the config file")
+    if path.is_dir():
+        raise ConfigError("", f"not a file: {path}",
+                          "pass a JSON config file (a checkpoint dir goes to --model)")
+    try:
+        text = path.read_text(encoding="utf-8")
+        return json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_reject_constant)
+    except json.JSONDecodeError as e:
+        raise ConfigError("", f"invalid JSON in {path} at line {e.lineno}, column {e.colno}: {e.msg}",
+                          "fix the JSON syntax (no trailing commas or comments)") from None
+    except (UnicodeDecodeError, ValueError) as e:
+        raise ConfigError("", f"cannot read {path}: {e}", "save the config as UTF-8 JSON") from None
+
+
+# ---------------------------------------------------------------- schema errors, in words
+
+
+def _type_name(value: Any) -> str:
+    return _JSON_TYPES.get(type(value), type(value).__name__)
+
+
+def _unknown_key(error: ValidationError) -> ConfigError:
+    allowed = sorted(error.schema.get("properties", {}))
+    extra = [k for k in error.instance if k not in allowed]
+    message = f"unknown key '{extra[0]}'; allowed keys: {', '.join(allowed)}"
+    if len(extra) > 1:
+        message += f" (also unknown: {', '.join(repr(k) for k in extra[1:])})"
+    close = difflib.get_close_matches(extra[0], allowed, n=1)
+    fix = f"did you mean '{close[0]}'?" if close else "remove the key or move it to the block it belongs to"
+    return ConfigError(_join(json_path(error.absolute_path), extra[0]), message, fix)
+
+
+def _missing_key(error: ValidationError) -> ConfigError:
+    missing = next(k for k in error.validator_value if k not in error.instance)
+    return ConfigError(_join(json_path(error.absolute_path), missing),
+                       f"missing required key '{missing}'", f"add '{missing}'")
+
+
+def _show(value: Any, limit: int = 60) -> str:
+    # A whole block given where a string belongs would flood the message; its start is enough.
+    text = json.dumps(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _wrong_type(error: ValidationError) -> ConfigError:
+    value = error.instance
+    return ConfigError(json_path(error.absolute_path),
+                       f"expected {error.validator_value}, got {_type_name(value)} {_show(value)}",
+                       f"write a JSON {error.validator_value}")
+
+
+def _not_in_enum(error: ValidationError) -> ConfigError:
+    allowed = ", ".join(str(v) for v in error.validator_value)
+    return ConfigError(json_path(error.absolute_path),
+                       f"{_show(error.instance)} is not allowed; allowed values: {allowed}",
+                       f"use one of: {allowed}")
+
+
+def _bad_pattern(error: ValidationError) -> ConfigError:
+    # The only pattern in the schema is the compute device.
+    return ConfigError(json_path(error.absolute_path),
+                       f"{_show(error.instance)} is not a compute device",
+                       "use cpu, cuda:N or wgpu:N (N = device index, e.g. cuda:0)")
+
+
+_BOUNDS = {"minimum": ">=", "exclusiveMinimum": ">", "maximum": "<=", "exclusiveMaximum": "<"}
+
+
+def _out_of_bounds(error: ValidationError) -> ConfigError:
+    bound = f"{_BOUNDS[error.validator]} {error.validator_value}"
+    return ConfigError(json_path(error.absolute_path), f"must be {bound}, got {_show(error.instance)}",
+                       f"use a value {bound}")
+
+
+def _schema_error(error: ValidationError) -> ConfigError:
+    handler = {"additionalProperties": _unknown_key, "required": _missing_key, "type": _wrong_type,
+               "enum": _not_in_enum, "pattern": _bad_pattern, **dict.fromkeys(_BOUNDS, _out_of_bounds),
+               }.get(error.validator)
+    if handler:
+        return handler(error)
+    # Anything else (an empty string): jsonschema's own sentence names the rule and the value.
+    return ConfigError(json_path(error.absolute_path), error.message,
+                       "see docs/config.md for the allowed values")
+
+
+def validate_schema(raw: Any) -> None:
+    """Raise one ConfigError, for jsonschema's best match, if `raw` breaks the schema."""
+    error = best_match(_validator().iter_errors(raw))
+    if error is not None:
+        raise _schema_error(error)
+
+
+# ---------------------------------------------------------------- placement resolution
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a component computes and where its weights live."""
+
+    compute: str
+    store: str
+
+    @property
+    def backend(self) -> str:
+        return self.compute.split(":")[0]
+
+    @property
+    def device(self) -> str:
+        return self.compute
+
+
+@dataclass(frozen=True)
+class _Resolved:
+    placement: Placement
+    compute_from: tuple[int, str]  # (depth in the chain, JSON path of the key), depth -1 = built-in default
+    store_from: tuple[int, str]
+    block: str  # the most specific block that wrote compute or store
+
+
+def _pick(chain: list[tuple[str, dict]], key: str, default: str, root: str) -> tuple[str, tuple[int, str]]:
+    for depth in range(len(chain) - 1, -1, -1):
+        path, block = chain[depth]
+        if key in block:
+            return block[key], (depth, _join(path, key))
+    return default, (-1, _join(root, key))
+
+
+def _resolve(chain: list[tuple[str, dict]]) -> _Resolved:
+    """Apply the chain, least specific block first; the most specific block that sets a key wins."""
+    root = chain[0][0]
+    compute, compute_from = _pick(chain, "compute", DEFAULT_COMPUTE, root)
+    store, store_from = _pick(chain, "store", DEFAULT_STORE, root)
+    depth = max(compute_from[0], store_from[0])
+    return _Resolved(Placement(compute, store), compute_from, store_from, chain[max(depth, 0)][0])
+
+
+def _range_index(ranges: list[dict], layer: int | None) -> int | None:
+    if layer is None:
+        return None
+    return next((i for i, r in enumerate(ranges) if r["start"] <= layer <= r["end"]), None)
+
+
+def _chain(model: dict, root: str, component: str, layer: int | None = None,
+           vision: dict | None = None) -> list[tuple[str, dict]]:
+    """The blocks that decide a component's placement, least specific first."""
+    if component not in COMPONENTS:
+        raise ValueError(f"unknown component {component!r}; expected one of {', '.join(COMPONENTS)}")
+    chain = [(root, model)]
+    if component == "vision":
+        # `vision` sits beside `model` in the file but inherits from it, like every other component.
+        return chain + [("vision", vision or {})]
+    if component in ("input-layer", "output-layer"):
+        return chain + [(_join(root, component), model.get(component, {}))]
+    hidden = model.get("hidden-layers", {})
+    chain.append((_join(root, "hidden-layers"), hidden))
+    return chain + _layer_links(hidden, _join(root, "hidden-layers"), component, layer)
+
+
+def _layer_links(hidden: dict, hpath: str, component: str, layer: int | None) -> list[tuple[str, dict]]:
+    # Precedence for experts, most specific last: hidden-layers, range, hidden-layers.experts, range.experts.
+    ranges = hidden.get("ranges", [])
+    index = _range_index(ranges, layer)
+    links = [] if index is None else [(f"{hpath}.ranges[{index}]", ranges[index])]
+    if component == "experts":
+        links.append((f"{hpath}.experts", hidden.get("experts", {})))
+        if index is not None:
+            links.append((f"{hpath}.ranges[{index}].experts", ranges[index].get("experts", {})))
+    return links
+
+
+# ---------------------------------------------------------------- structural checks
+
+
+def _source(origin: tuple[int, str]) -> str:
+    return origin[1] + (" (default)" if origin[0] < 0 else "")
+
+
+def _check_pair(resolved: _Resolved, component: str) -> None:
+    place = resolved.placement
+    if place.store != "vram" or place.backend != "cpu":
+        return
+    # Blame the more specific of the two written values: that is the one that introduced the conflict.
+    compute_wins = resolved.compute_from[0] > resolved.store_from[0]
+    blamed = resolved.compute_from if compute_wins else resolved.store_from
+    both = (f"compute cpu from {_source(resolved.compute_from)}, "
+            f"store vram from {_source(resolved.store_from)}")
+    if component == "experts":
+        message = f"experts computed on cpu need their weights in host memory ({both})"
+        fix = "set experts.store to ram or mmap, or experts.compute to cuda:N / wgpu:N"
+    else:
+        message = f"store vram needs a GPU compute device, but {component} computes on cpu ({both})"
+        fix = "set compute to cuda:N or wgpu:N, or store to ram or mmap"
+    raise ConfigError(blamed[1], message, fix)
+
+
+def _check_ranges_shape(ranges: list[dict], hpath: str) -> None:
+    for i, r in enumerate(ranges):
+        if r["start"] > r["end"]:
+            raise ConfigError(f"{hpath}.ranges[{i}].start", f"start {r['start']} is after end {r['end']}",
+                              "swap start and end (end is inclusive)")
+        for j in range(i):
+            if r["start"] <= ranges[j]["end"] and ranges[j]["start"] <= r["end"]:
+                raise ConfigError(f"{hpath}.ranges[{i}]", _overlap_message(ranges, j, i),
+                                  "make the ranges disjoint: each layer may belong to one range at most")
+
+
+def _overlap_message(ranges: list[dict], j: int, i: int) -> str:
+    a, b = ranges[j], ranges[i]
+    lo, hi = max(a["start"], b["start"]), min(a["end"], b["end"])
+    return (f"ranges[{i}] (layers {b['start']}-{b['end']}) overlaps ranges[{j}] "
+            f"(layers {a['start']}-{a['end']}) on layers {lo}-{hi}")
+
+
+def _check_placements(model: dict, root: str) -> None:
+    ranges = model.get("hidden-layers", {}).get("ranges", [])
+    # Layers outside every range use hidden-layers' own values; each range's first layer stands for the range.
+    layers = [None] + [r["start"] for r in ranges]
+    for component in ("input-layer", "output-layer"):
+        _check_pair(_resolve(_chain(model, root, component)), component)
+    for layer in layers:
+        for component in ("layer", "experts"):
+            _check_pair(_resolve(_chain(model, root, component, layer)), component)
+
+
+def _check_fp8_attention(model: dict, root: str) -> None:
+    if model.get("attention", {}).get("compute-quantization", "none") != "fp8":
+        return
+    kv = model.get("hidden-layers", {}).get("kv-cache", {})
+    types = {k: kv.get(k, DEFAULT_KV_TYPE) for k in ("type-k", "type-v")}
+    if any(t != "fp8" for t in types.values()):
+        raise ConfigError(_join(root, "attention.compute-quantization"),
+                          f"fp8 attention needs an fp8 KV cache, but type-k is {types['type-k']} "
+                          f"and type-v is {types['type-v']}",
+                          f"set {root}.hidden-layers.kv-cache.type-k and type-v to fp8, "
+                          "or compute-quantization to none")
+
+
+def _check_model(model: dict, root: str) -> None:
+    hpath = _join(root, "hidden-layers")
+    _check_ranges_shape(model.get("hidden-layers", {}).get("ranges", []), hpath)
+    _check_placements(model, root)
+    _check_fp8_attention(model, root)
+
+
+def _check_vision(raw: dict) -> None:
+    if "vision" in raw:
+        _check_pair(_resolve(_chain(raw["model"], "model", "vision", vision=raw["vision"])), "vision")
+
+
+def check_structure(raw: dict) -> None:
+    """The semantic checks that need no checkpoint or device; raises the first ConfigError."""
+    _check_model(raw["model"], "model")
+    _check_vision(raw)
+    if "draft" in raw:
+        _check_model(raw["draft"]["model"], "draft.model")
+
+
+# ---------------------------------------------------------------- the Config object
+
+
+@dataclass(frozen=True)
+class KVCacheConfig:
+    """`context_size` None: use the model's max_position_embeddings. `store` None: each layer's device."""
+
+    context_size: int | None
+    store: str | None
+    type_k: str
+    type_v: str
+
+
+def _resolve_model_path(text: str, base_dir: Path) -> Path:
+    path = Path(text).expanduser()
+    return path if path.is_absolute() else (base_dir / path)
+
+
+class Config:
+    """A validated config. Build it with `load_config`; this class trusts its input."""
+
+    def __init__(self, raw: dict, source: str, base_dir: str | os.PathLike | None = None):
+        self.raw = raw
+        self.source = source
+        self.base_dir = Path(base_dir) if base_dir is not None else Path.cwd()
+        self.model_path = _resolve_model_path(raw["model"]["path"], self.base_dir)
+
+    def __repr__(self) -> str:
+        return f"Config(source={self.source!r}, model_path={str(self.model_path)!r})"
+
+    @property
+    def draft_model_path(self) -> Path | None:
+        draft = self.raw.get("draft")
+        return _resolve_model_path(draft["model"]["path"], self.base_dir) if draft else None
+
+    def _resolved(self, component: str, layer: int | None) -> _Resolved:
+        return _resolve(_chain(self.raw["model"], "model", component, layer, self.raw.get("vision")))
+
+    def placement(self, component: str, layer: int | None = None) -> Placement:
+        """Effective placement of input-layer, output-layer, layer N, the experts of layer N, or vision."""
+        return self._resolved(component, layer).placement
+
+    def placement_path(self, component: str, layer: int | None = None) -> str:
+        """The most specific block that wrote the component's compute or store (`model` if none did)."""
+        return self._resolved(component, layer).block
+
+    def ranges(self) -> list[dict]:
+        """The layer ranges, each a copy with its position in the list under `index`."""
+        ranges = self.raw["model"].get("hidden-layers", {}).get("ranges", [])
+        return [{"index": i, **copy.deepcopy(r)} for i, r in enumerate(ranges)]
+
+    def check_ranges(self, num_layers: int) -> None:
+        """Refuse a range that reaches past the model's last layer (needs the checkpoint's layer count)."""
+        for r in self.ranges():
+            if r["end"] >= num_layers:
+                raise ConfigError(f"model.hidden-layers.ranges[{r['index']}].end",
+                                  f"end {r['end']} is past the last layer: the model has {num_layers} "
+                                  f"layers (0-{num_layers - 1})",
+                                  f"set end to at most {num_layers - 1}")
+
+    def kv_cache(self) -> KVCacheConfig:
+        kv = self.raw["model"].get("hidden-layers", {}).get("kv-cache", {})
+        return KVCacheConfig(kv.get("context-size"), kv.get("store"),
+                             kv.get("type-k", DEFAULT_KV_TYPE), kv.get("type-v", DEFAULT_KV_TYPE))
+
+    def sampling_defaults(self) -> dict:
+        params = self.raw["model"].get("other-parameters", {})
+        return {_SAMPLING_NAMES[k]: copy.deepcopy(v) for k, v in params.items()}
+
+    def server_parameters(self) -> dict:
+        params = self.raw.get("server-parameters", {})
+        return {_SERVER_NAMES[k]: copy.deepcopy(v) for k, v in params.items()}
+
+    def requested_features(self) -> list[tuple[str, str]]:
+        """(json_path, feature) of what the engine may not support yet; it refuses those it can't do."""
+        model = self.raw["model"]
+        wanted = [("vision", "vision tower", "vision" in self.raw),
+                  ("draft", "speculative decoding", "draft" in self.raw),
+                  ("model.attention.compute-quantization", "fp8 attention",
+                   model.get("attention", {}).get("compute-quantization", "none") != "none"),
+                  ("model.hidden-layers.kv-cache.store", "kv-cache store",
+                   "store" in model.get("hidden-layers", {}).get("kv-cache", {}))]
+        return [(path, feature) for path, feature, on in wanted if on]
+
+
+# ---------------------------------------------------------------- entry points
+
+
+def load_config(source: str | os.PathLike | dict, base_dir: str | os.PathLike | None = None) -> Config:
+    """Read, validate and check a config file (or an already-parsed dict); raise ConfigError if it can't run.
+
+    Relative `model.path` is resolved against the file's directory, or `base_dir` (cwd if None) for a dict.
+    """
+    if isinstance(source, dict):
+        raw, name = copy.deepcopy(source), "<dict>"
+    else:
+        path = Path(source).expanduser()
+        raw, name, base_dir = _read_json(path), str(path), path.resolve().parent
+    validate_schema(raw)
+    check_structure(raw)
+    return Config(raw, name, base_dir)
+
+
+def config_from_path_or_model(arg: str | os.PathLike | dict) -> Config:
+    """A checkpoint dir or .gguf file gets the minimal all-CPU config; anything else is a config file."""
+    if not isinstance(arg, dict):
+        text = os.fspath(arg)
+        if Path(text).expanduser().is_dir() or text.lower().endswith(".gguf"):
+            return load_config({"model": {"path": text, "compute": "cpu", "store": "ram"}})
+    return load_config(arg)

@@ -1,0 +1,187 @@
+"""The engine: validate → plan → load → prefill → decode → sample → detokenize. No screen, no socket:
+the CLI and the server are thin faces over this."""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from .architecture import Architecture, Model
+from .checkpoint import open_checkpoint
+from .config import Config, load_config
+from .errors import InputError
+from .loader import LoadReport, load_weights
+from .plan import Plan, make_plan
+from .plugins import get_registry
+from .sampling import SamplingParams, make_sampler
+from .tokenizer import StopMatcher, StreamDecoder, Tokenizer
+
+PREFILL_CHUNK = 512  # tokens per forward call when scoring long texts (bounds activation memory)
+
+
+@dataclass
+class Stats:
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    finish_reason: str = ""
+
+    def summary(self) -> str:
+        pre = self.prompt_tokens / self.prefill_seconds if self.prefill_seconds else 0.0
+        dec = (self.generated_tokens - 1) / self.decode_seconds if self.decode_seconds else 0.0
+        return (f"prompt {self.prompt_tokens} tok, {pre:.1f} tok/s; generated {self.generated_tokens} tok, "
+                f"{dec:.1f} tok/s; finish: {self.finish_reason}")
+
+
+class Engine:
+    """A loaded model with its tokenizer, ready to generate and score text."""
+
+    def __init__(self, config: Config, arch: Architecture, model: Model, tokenizer: Tokenizer | None,
+                 plan: Plan, report: LoadReport):
+        self.config, self.arch, self.model, self.tokenizer = config, arch, model, tokenizer
+        self.plan, self.report = plan, report
+        self.context_size = plan.context_size
+        self.stats = Stats()
+
+    @classmethod
+    def load(cls, source, progress: bool = True) -> Engine:
+        config = source if isinstance(source, Config) else load_config(source)
+        registry = get_registry()
+        ckpt = open_checkpoint(config.model_path, registry)
+        model_type = ckpt.config.get("model_type", "<missing>")
+        arch = registry.architecture_class(model_type)(ckpt.config)
+        plan, resolved = make_plan(config, arch, ckpt, registry)
+        backends = _backends(resolved["placements"], registry)
+        weights, report = load_weights(ckpt, arch, resolved["layout"], resolved["placements"], backends,
+                                       progress)
+        model = arch.build(weights, backends, resolved["kv"])
+        tok_dir = ckpt.tokenizer_dir()
+        tokenizer = Tokenizer.from_dir(tok_dir) if tok_dir else None
+        return cls(config, arch, model, tokenizer, plan, report)
+
+    # -- tokens ------------------------------------------------------------------------------------------
+    def encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise InputError(f"{self.config.model_path} has no tokenizer.json: pass token ids instead of text")
+        return self.tokenizer.encode(text)
+
+    def chat_prompt(self, messages: list[dict], **template_kwargs) -> str:
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **template_kwargs)
+
+    def check_length(self, n: int) -> None:
+        if n > self.context_size:
+            raise InputError(
+                f"the prompt has {n} tokens but the context size is {self.context_size}; shorten it or raise "
+                "model.hidden-layers.kv-cache.context-size"
+            )
+        if n == 0:
+            raise InputError("the prompt is empty (0 tokens)")
+
+    # -- generation --------------------------------------------------------------------------------------
+    def generate_tokens(self, prompt_ids: list[int], max_tokens: int = 256,
+                        params: SamplingParams | None = None) -> Iterator[int]:
+        """Yield new token ids until EOS, ``max_tokens`` or the context is full."""
+        params = params or SamplingParams(temperature=0.0)
+        params.validate()
+        self.check_length(len(prompt_ids))
+        sample, eos = make_sampler(params), self._eos()
+        cache = self.model.new_cache(self.context_size)
+        self.stats = st = Stats(prompt_tokens=len(prompt_ids))
+        t0 = time.perf_counter()
+        logits = self.model.forward(list(prompt_ids), cache)
+        st.prefill_seconds = time.perf_counter() - t0
+        seen = list(prompt_ids)
+        t1 = time.perf_counter()
+        st.finish_reason = "length"
+        while st.generated_tokens < max_tokens:
+            tok = sample(np.asarray(logits[-1], dtype=np.float32), seen)
+            st.generated_tokens += 1
+            if tok in eos:
+                st.finish_reason = "stop"
+                break
+            yield tok
+            seen.append(tok)
+            if cache.pos >= self.context_size or st.generated_tokens >= max_tokens:
+                st.finish_reason = "length"
+                break
+            logits = self.model.forward([tok], cache)
+        st.decode_seconds = time.perf_counter() - t1
+
+    def generate(self, prompt: str | list[int], max_tokens: int | None = None, stop: list[str] | None = None,
+                 **sampling) -> Iterator[str]:
+        """Stream the newly generated text. ``sampling``: temperature, top_k, top_p, min_p, seed, ..."""
+        defaults = self.config.sampling_defaults()
+        max_tokens = max_tokens or defaults.get("max_tokens", 256)
+        stop = stop if stop is not None else defaults.get("stop", [])
+        params = _params(defaults, sampling)
+        ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        decoder, matcher = StreamDecoder(self.tokenizer), StopMatcher(stop)
+        for tok in self.generate_tokens(ids, max_tokens, params):
+            text, stopped = matcher.push(decoder.push(tok))
+            if text:
+                yield text
+            if stopped:
+                self.stats.finish_reason = "stop"
+                return
+        text, stopped = matcher.push(decoder.flush())
+        tail = text + ("" if stopped else matcher.flush())
+        if tail:
+            yield tail
+
+    # -- scoring -----------------------------------------------------------------------------------------
+    def perplexity(self, text: str | list[int]) -> dict:
+        """Mean negative log-likelihood (nats) of each token given the ones before it."""
+        ids = self.encode(text) if isinstance(text, str) else list(text)
+        if len(ids) < 2:
+            raise InputError(f"perplexity needs at least 2 tokens; the text has {len(ids)}")
+        self.check_length(len(ids))
+        cache = self.model.new_cache(self.context_size)
+        total = 0.0
+        for s in range(0, len(ids) - 1, PREFILL_CHUNK):
+            chunk = ids[s:min(s + PREFILL_CHUNK, len(ids) - 1)]
+            logits = np.asarray(self.model.forward(chunk, cache, all_logits=True), dtype=np.float64)
+            targets = np.asarray(ids[s + 1:s + 1 + len(chunk)])
+            total += float(np.sum(_logsumexp(logits) - logits[np.arange(len(chunk)), targets]))
+        n = len(ids) - 1
+        return {"tokens": n, "nll": total / n, "perplexity": math.exp(total / n)}
+
+    def _eos(self) -> set[int]:
+        return set(self.tokenizer.eos_ids) if self.tokenizer else set()
+
+
+def _logsumexp(x):
+    m = x.max(axis=-1)
+    return m + np.log(np.exp(x - m[:, None]).sum(axis=-1))
+
+
+def _params(defaults: dict, overrides: dict) -> SamplingParams:
+    names = ("temperature", "top_k", "top_p", "min_p", "seed", "repetition_penalty")
+    unknown = set(overrides) - set(names)
+    if unknown:
+        raise InputError(f"unknown sampling option(s) {sorted(unknown)}; known: {', '.join(names)}")
+    merged = {k: defaults[k] for k in names if k in defaults}
+    merged.update({k: v for k, v in overrides.items() if v is not None})
+    return SamplingParams(**merged)
+
+
+def _backends(placements: dict, registry) -> dict:
+    """One backend instance per device, shared by every component placed there."""
+    by_device, out = {}, {}
+    for comp, p in placements.items():
+        if p.device not in by_device:
+            by_device[p.device] = registry.backend_class(p.backend)(p.device, registry)
+        out[comp] = by_device[p.device]
+    return out
+
+
+def load(source, progress: bool | None = None) -> Engine:
+    """Validate, plan and load a config (path, dict, or an HF checkpoint directory) into an Engine."""
+    if progress is None:
+        progress = sys.stderr.isatty()
+    return Engine.load(source, progress=progress)

@@ -1,0 +1,227 @@
+"""The plan: every component resolved to backend, device, store, weight format and bytes.
+
+Built from the config, the checkpoint header and the architecture only: nothing is read or loaded, so a
+config that cannot run is refused before the first weight moves.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+
+from .architecture import Architecture, Component, component_label
+from .errors import ConfigError, PlanError
+
+DTYPE_FORMAT = {"F32": "f32", "F16": "f16", "BF16": "bf16", "F8_E4M3": "fp8"}
+KV_BYTES = {"f32": 4, "f16": 2, "bf16": 2, "fp8": 1}
+SCALE_SUFFIX = "_scale_inv"
+# What this version executes; the rest of the config layout is validated and refused by name.
+UNSUPPORTED = {
+    "vision tower": "the vision tower is not supported yet; remove the 'vision' block",
+    "speculative decoding": "speculative decoding is not supported yet; remove the 'draft' block",
+    "fp8 attention": "fp8 attention is not supported yet; set it to \"none\"",
+}
+
+
+@dataclass
+class PlanEntry:
+    component: str
+    backend: str
+    device: str
+    store: str
+    format: str
+    nbytes: int
+    kind: str = "weights"  # "weights" or "cache"
+
+
+@dataclass
+class Plan:
+    entries: list[PlanEntry] = field(default_factory=list)
+    capacity: dict[str, int] = field(default_factory=dict)  # memory pool -> bytes available
+    context_size: int = 0
+
+    def pools(self) -> dict[str, int]:
+        """Bytes per memory pool: 'host RAM', 'cuda:0 VRAM', 'mmap (page cache)'."""
+        out: dict[str, int] = {}
+        for e in self.entries:
+            pool = memory_pool(e.device, e.store)
+            out[pool] = out.get(pool, 0) + e.nbytes
+        return out
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "context_size": self.context_size,
+                "entries": [asdict(e) for e in self.entries],
+                "pools": self.pools(),
+                "capacity": self.capacity,
+            },
+            indent=2,
+        )
+
+
+def memory_pool(device: str, store: str) -> str:
+    if store == "mmap":
+        return "mmap (page cache)"
+    if store == "vram":
+        return f"{device} VRAM"
+    return "host RAM"
+
+
+def host_available_bytes() -> int:
+    """MemAvailable from /proc/meminfo (what the kernel could give without swapping)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def weight_format(ckpt, name: str) -> str:
+    info = ckpt.tensors[name]
+    return DTYPE_FORMAT.get(info.dtype, info.dtype.lower())
+
+
+def tensor_bytes(ckpt, arch: Architecture, name: str) -> int:
+    info = ckpt.tensors[name]
+    if not arch.is_matrix(name):
+        return max(1, info.nbytes // _itemsize(info)) * 4  # small tensors are kept as f32
+    scale = ckpt.tensors.get(name + SCALE_SUFFIX)
+    return info.nbytes + (scale.nbytes if scale else 0)
+
+
+def _itemsize(info) -> int:
+    n = 1
+    for d in info.shape:
+        n *= d
+    return info.nbytes // max(n, 1) or 1
+
+
+def check_features(config) -> None:
+    for path, feature in config.requested_features():
+        if feature in UNSUPPORTED:
+            raise ConfigError(path, f"{feature}: not supported by this version of Lumen", UNSUPPORTED[feature])
+        if feature == "kv-cache store":
+            raise ConfigError(
+                path,
+                "a separate kv-cache store is not supported yet: the cache lives with its layer",
+                "remove 'store' from kv-cache",
+            )
+
+
+def check_placement(config, arch: Architecture, registry, components: list[Component]) -> dict:
+    """Resolve and check each component's placement; return {component: Placement}."""
+    placements, checked = {}, set()
+    for comp in components:
+        p = config.placement(*comp)
+        path = config.placement_path(*comp)
+        if p.compute not in checked:
+            _check_device(registry, p, path)
+            checked.add(p.compute)
+        cls = registry.backend_class(p.backend)
+        if p.store not in cls.stores:
+            raise ConfigError(
+                path, f"backend {p.backend!r} cannot compute from store {p.store!r}",
+                f"use one of: {', '.join(cls.stores)}",
+            )
+        missing = arch.required_ops(comp) - registry.ops_of(p.backend)
+        if missing:
+            raise ConfigError(
+                path, f"backend {p.backend!r} lacks ops {sorted(missing)} needed by {component_label(comp)}",
+                "place this component on a backend that implements them",
+            )
+        placements[comp] = p
+    return placements
+
+
+def _check_device(registry, p, path: str) -> None:
+    from .errors import PluginError
+
+    try:
+        cls = registry.backend_class(p.backend)
+    except PluginError as exc:
+        raise ConfigError(path, str(exc)) from None
+    try:
+        cls.device_info(p.device)
+    except PlanError as exc:
+        raise ConfigError(path, str(exc), "pick a device that exists, e.g. \"cpu\"") from None
+
+
+def make_plan(config, arch: Architecture, ckpt, registry) -> tuple[Plan, dict]:
+    """Resolve placement, size every component and cache, and refuse a plan that does not fit."""
+    check_features(config)
+    config.check_ranges(arch.num_layers)
+    layout = arch.layout(ckpt.tensors)
+    components = [c for c in arch.components() if c in layout.needs or c[0] == "layer"]
+    placements = check_placement(config, arch, registry, components)
+    kv = config.kv_cache()
+    context = kv.context_size or arch.max_context
+    plan = Plan(context_size=context)
+    for comp in components:
+        p = placements[comp]
+        names = layout.needs.get(comp, [])
+        fmts = sorted({weight_format(ckpt, n) for n in names if arch.is_matrix(n)}) or ["f32"]
+        nbytes = sum(tensor_bytes(ckpt, arch, n) for n in names)
+        plan.entries.append(
+            PlanEntry(component_label(comp), p.backend, p.device, p.store, "+".join(fmts), nbytes)
+        )
+        if comp[0] == "layer":
+            kv_bytes = (KV_BYTES[kv.type_k] + KV_BYTES[kv.type_v]) / 2
+            cache = arch.cache_bytes(comp[1], context, kv_bytes)
+            plan.entries.append(
+                PlanEntry(f"cache.layers.{comp[1]}", p.backend, p.device, "ram" if p.store == "mmap"
+                          else p.store, kv.type_k, cache, kind="cache")
+            )
+    _fit(plan, registry, placements)
+    return plan, {"placements": placements, "layout": layout, "kv": kv}
+
+
+def _capacity(registry, placements) -> dict[str, int]:
+    cap = {"host RAM": host_available_bytes()}
+    for p in placements.values():
+        if p.backend != "cpu":
+            info = registry.backend_class(p.backend).device_info(p.device)
+            cap[f"{p.device} VRAM"] = info.free_bytes
+    return cap
+
+
+def _fit(plan: Plan, registry, placements) -> None:
+    plan.capacity = _capacity(registry, placements)
+    for pool, need in plan.pools().items():
+        have = plan.capacity.get(pool)
+        if have is not None and need > have:
+            biggest = sorted((e for e in plan.entries if memory_pool(e.device, e.store) == pool),
+                             key=lambda e: -e.nbytes)[:3]
+            names = ", ".join(f"{e.component} ({gib(e.nbytes)})" for e in biggest)
+            raise PlanError(
+                f"the plan does not fit: {pool} needs {gib(need)} but {gib(have)} is available. "
+                f"Largest there: {names}. Move components elsewhere (e.g. store: mmap), "
+                "or lower hidden-layers.kv-cache.context-size"
+            )
+
+
+def gib(n: int) -> str:
+    if n >= 1 << 30:
+        return f"{n / (1 << 30):.2f} GiB"
+    if n >= 1 << 20:
+        return f"{n / (1 << 20):.1f} MiB"
+    return f"{n / 1024:.1f} KiB"
+
+
+def format_plan(plan: Plan) -> str:
+    rows = [("component", "backend", "device", "store", "format", "bytes")]
+    rows += [(e.component, e.backend, e.device, e.store, e.format, gib(e.nbytes)) for e in plan.entries]
+    widths = [max(len(r[i]) for r in rows) for i in range(6)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    lines.append("")
+    lines.append(f"context size: {plan.context_size} tokens")
+    for pool, need in sorted(plan.pools().items()):
+        have = plan.capacity.get(pool)
+        avail = f" of {gib(have)} available" if have is not None else " (file-backed, not reserved)"
+        lines.append(f"total {pool}: {gib(need)}{avail}")
+    return "\n".join(lines)

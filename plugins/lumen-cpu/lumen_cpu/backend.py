@@ -1,0 +1,49 @@
+"""The CPU device: host RAM, numpy arrays, weights kept in their checkpoint format."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from lumen_core.backend import Backend, DeviceInfo, Weight
+from lumen_core.plan import host_available_bytes
+
+
+class CPUBackend(Backend):
+    name = "cpu"
+    stores = ("ram", "mmap")
+    kv_types = ("f32", "f16", "bf16")
+
+    @classmethod
+    def devices(cls) -> list[DeviceInfo]:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return [DeviceInfo("cpu", total, host_available_bytes(), f"{os.cpu_count()} cores")]
+
+    def weight(self, array, fmt: str, store: str, scale=None, block=None) -> Weight:
+        # ram: a private copy (the file can go away); mmap: a view on the page cache, read on use.
+        data = np.array(array) if store == "ram" else array
+        if scale is not None:
+            scale = np.asarray(scale, dtype=np.float32)
+            block = _block_of(data.shape, scale.shape)
+        return Weight(data, fmt, tuple(data.shape), scale, block)
+
+    def tensor(self, array):
+        return np.ascontiguousarray(array, dtype=np.float32)
+
+    def to_host(self, x):
+        return np.asarray(x)
+
+
+def _block_of(shape, scale_shape) -> tuple[int, int] | None:
+    """fp8 block size implied by the scale's shape: (128,128) blocks, per-channel or per-tensor."""
+    if len(scale_shape) == 2 and scale_shape[1] > 1:
+        return (_block_len(shape[0], scale_shape[0]), _block_len(shape[1], scale_shape[1]))
+    return None
+
+
+def _block_len(n: int, blocks: int) -> int:
+    b = 1
+    while -(-n // b) > blocks:
+        b *= 2
+    return b

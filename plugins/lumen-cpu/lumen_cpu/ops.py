@@ -1,0 +1,173 @@
+"""The CPU implementation of the op contract (docs/ops.md). numpy, f32 compute.
+
+Activations are float32 numpy arrays; weights are ``Weight`` objects in their storage format.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from lumen_core.backend import Weight
+
+from .attention import KVCache, attention, kv_cache
+from .delta import causal_conv1d, conv_state, delta_state, gated_delta_rule
+
+F32 = np.float32
+
+
+# -- weights -----------------------------------------------------------------------------------------------
+def dequantize(w: Weight) -> np.ndarray:
+    """The f32 matrix a Weight stands for. fp8: value × scale per block / channel / tensor."""
+    data = w.data.astype(F32)
+    if w.scale is None:
+        return data
+    if w.block is None:  # per-tensor () / (1,) or per-channel (out,) / (out, 1)
+        return data * w.scale.reshape(-1, 1) if w.scale.size > 1 else data * F32(w.scale.reshape(()))
+    br, bc = w.block
+    s = np.repeat(np.repeat(w.scale, br, axis=0), bc, axis=1)
+    return data * s[: data.shape[0], : data.shape[1]]
+
+
+def linear_f32(x, w: Weight):  # x (T, in), w (out, in) -> (T, out)
+    return x @ w.data.T
+
+
+def linear_any(x, w: Weight):  # bf16 / f16 / fp8 storage: dequantize on use, compute in f32
+    return x @ dequantize(w).T
+
+
+def embedding(ids, w: Weight):  # ids list[int] (T,), w (vocab, H) -> (T, H)
+    idx = np.asarray(ids, dtype=np.int64)
+    if w.scale is None:
+        return w.data[idx].astype(F32)
+    return dequantize(w)[idx]  # quantized embeddings are rare: dequantize the table on use
+
+
+# -- elementwise and norms ---------------------------------------------------------------------------------
+def rms_norm(x, w, eps: float, offset: float = 0.0):  # x (..., D), w (D,) or None
+    y = x * (1.0 / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + F32(eps)))
+    return y if w is None else y * (w + F32(offset)) if offset else y * w
+
+
+def rms_norm_gated(x, gate, w, eps: float):  # norm(x) * w * silu(gate); x, gate (..., D)
+    return rms_norm(x, w, eps) * silu(gate)
+
+
+def l2norm(x, eps: float = 1e-6):  # (..., D)
+    return x / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + F32(eps))
+
+
+def sigmoid(x):
+    return (0.5 * (np.tanh(0.5 * x) + 1.0)).astype(F32)
+
+
+def silu(x):
+    return x * sigmoid(x)
+
+
+def softplus(x):
+    return np.logaddexp(F32(0), x).astype(F32)
+
+
+def exp(x):
+    return np.exp(x)
+
+
+def silu_mul(gate, up):
+    return silu(gate) * up
+
+
+def gelu_tanh_mul(gate, up):
+    g = 0.5 * gate * (1.0 + np.tanh(F32(0.7978845608028654) * (gate + F32(0.044715) * gate**3)))
+    return g * up
+
+
+def softcap(x, cap: float):
+    return np.tanh(x / F32(cap)) * F32(cap)
+
+
+# -- rotary embeddings -------------------------------------------------------------------------------------
+def rope_tables(positions, inv_freq, mrope_section=None, interleaved=False):
+    """cos/sin (T, rot) for positions (T,) or (3, T) (M-RoPE: temporal, height, width rows)."""
+    pos = np.asarray(positions, dtype=F32)
+    inv = np.asarray(inv_freq, dtype=F32)
+    if pos.ndim == 1:
+        freqs = pos[:, None] * inv[None, :]
+    else:
+        freqs = _mrope_freqs(pos, inv, mrope_section, interleaved)
+    emb = np.concatenate([freqs, freqs], axis=-1)
+    return np.cos(emb), np.sin(emb)
+
+
+def _mrope_freqs(pos, inv, section, interleaved):
+    per_axis = pos[:, :, None] * inv[None, None, :]  # (3, T, rot/2)
+    out = per_axis[0].copy()
+    if interleaved:  # frequency i takes axis i % 3 while that axis' section lasts
+        for axis in (1, 2):
+            idx = np.arange(axis, section[axis] * 3, 3)
+            out[:, idx] = per_axis[axis][:, idx]
+        return out
+    start = 0
+    for axis, n in enumerate(section):
+        out[:, start:start + n] = per_axis[axis][:, start:start + n]
+        start += n
+    return out
+
+
+def apply_rope(x, cos, sin):  # x (T, heads, D); cos/sin (T, rot) with rot <= D, rotate-half pairing
+    rot = cos.shape[-1]
+    xr, rest = x[..., :rot], x[..., rot:]
+    half = rot // 2
+    rotated = np.concatenate([-xr[..., half:], xr[..., :half]], axis=-1)
+    out = xr * cos[:, None, :] + rotated * sin[:, None, :]
+    return np.concatenate([out, rest], axis=-1) if rest.shape[-1] else out
+
+
+# -- mixture of experts ------------------------------------------------------------------------------------
+def moe_route(logits, k: int, normalize: bool = True):  # logits (T, E) -> weights (T, k), ids (T, k)
+    z = logits - logits.max(axis=-1, keepdims=True)
+    p = np.exp(z)
+    p /= p.sum(axis=-1, keepdims=True)
+    ids = np.argsort(-p, axis=-1, kind="stable")[:, :k]
+    w = np.take_along_axis(p, ids, axis=-1)
+    if normalize:
+        w = w / w.sum(axis=-1, keepdims=True)
+    return w.astype(F32), ids
+
+
+def moe_experts(x, ids, weights, gate_up, down, act: str = "silu"):
+    """Sum over each token's routed experts of weight × down(act(gate) × up).
+
+    x (T, H); ids, weights (T, k); gate_up: per expert a (gate, up) pair of Weights (I, H);
+    down: per expert a Weight (H, I). Tokens are grouped by expert so each expert runs once.
+    """
+    out = np.zeros_like(x)
+    mul = silu_mul if act == "silu" else gelu_tanh_mul
+    for e in np.unique(ids):
+        tok, slot = np.nonzero(ids == e)
+        h = x[tok]
+        g, u = gate_up[e]
+        y = _lin(mul(_lin(h, g), _lin(h, u)), down[e])
+        np.add.at(out, tok, y * weights[tok, slot][:, None])
+    return out
+
+
+def _lin(x, w: Weight):
+    return linear_f32(x, w) if w.format == "f32" else linear_any(x, w)
+
+
+def table():
+    """(op, function, variant) for everything this backend implements."""
+    plain = [
+        embedding, rms_norm, rms_norm_gated, l2norm, sigmoid, silu, softplus, exp, silu_mul,
+        gelu_tanh_mul, softcap, rope_tables, apply_rope, moe_route, moe_experts, kv_cache, attention,
+        conv_state, causal_conv1d, delta_state, gated_delta_rule,
+    ]
+    rows = [(f.__name__, f, None) for f in plain]
+    rows.append(("linear", linear_f32, "f32"))
+    rows += [("linear", linear_any, v) for v in ("bf16", "f16", "fp8")]
+    rows.append(("linear", linear_any, None))
+    return rows
+
+
+__all__ = ["KVCache", "table", "dequantize"]

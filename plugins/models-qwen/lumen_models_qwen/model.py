@@ -1,0 +1,164 @@
+"""The Qwen 3.5 forward pass, component by component. Each component computes on its own backend; the
+hidden state of the current tokens is the only thing that moves between them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from lumen_core.architecture import Model
+
+
+@dataclass
+class Cache:
+    capacity: int  # tokens
+    layers: list = field(default_factory=list)  # per layer: KV cache, or (conv state, delta state)
+    pos: int = 0  # tokens already in the cache
+
+
+def _w(weights: dict, prefix: str):
+    """Local view: ``w("self_attn.q_proj.weight")`` looks up ``prefix + name``."""
+    return lambda name: weights[prefix + name]
+
+
+class FullAttention:
+    def __init__(self, a, w, ops):
+        self.a, self.ops = a, ops
+        self.q, self.k, self.v, self.o = (w(f"self_attn.{n}_proj.weight") for n in "qkvo")
+        self.q_norm, self.k_norm = w("self_attn.q_norm.weight"), w("self_attn.k_norm.weight")
+
+    def new_state(self, ctx: int, kv_type: str):
+        return self.ops.kv_cache(ctx, self.a.num_key_value_heads, self.a.head_dim, kv_type)
+
+    def __call__(self, h, state, start: int, rope):
+        a, ops, T = self.a, self.ops, h.shape[0]
+        D, H, Hkv = a.head_dim, a.num_attention_heads, a.num_key_value_heads
+        qg = ops.linear(h, self.q).reshape(T, H, 2 * D)  # per head: query then output gate
+        gate = qg[..., D:].reshape(T, H * D)
+        q = ops.rms_norm(qg[..., :D], self.q_norm, a.rms_norm_eps, 1.0)
+        k = ops.rms_norm(ops.linear(h, self.k).reshape(T, Hkv, D), self.k_norm, a.rms_norm_eps, 1.0)
+        v = ops.linear(h, self.v).reshape(T, Hkv, D)
+        cos, sin = rope
+        q, k = ops.apply_rope(q, cos, sin), ops.apply_rope(k, cos, sin)
+        o = ops.attention(q, k, v, state, start, D ** -0.5)
+        return ops.linear(o.reshape(T, H * D) * ops.sigmoid(gate), self.o)
+
+
+class GatedDeltaNet:
+    def __init__(self, a, w, ops):
+        self.a, self.ops = a, ops
+        self.qkv, self.z = w("linear_attn.in_proj_qkv.weight"), w("linear_attn.in_proj_z.weight")
+        self.in_a, self.in_b = w("linear_attn.in_proj_a.weight"), w("linear_attn.in_proj_b.weight")
+        self.out = w("linear_attn.out_proj.weight")
+        conv = w("linear_attn.conv1d.weight")  # (C, 1, K)
+        self.conv = conv.reshape(conv.shape[0], conv.shape[-1])
+        self.neg_a = ops.exp(w("linear_attn.A_log")) * -1.0  # (Hv,)
+        self.dt_bias, self.norm = w("linear_attn.dt_bias"), w("linear_attn.norm.weight")
+
+    def new_state(self, ctx: int, kv_type: str):
+        a = self.a
+        return (self.ops.conv_state(self.conv.shape[0], a.linear_conv_kernel_dim),
+                self.ops.delta_state(a.linear_num_value_heads, a.linear_key_head_dim, a.linear_value_head_dim))
+
+    def __call__(self, h, state, start: int, rope):
+        a, ops, T = self.a, self.ops, h.shape[0]
+        Hk, Dk = a.linear_num_key_heads, a.linear_key_head_dim
+        Hv, Dv = a.linear_num_value_heads, a.linear_value_head_dim
+        conv_state, delta_state = state
+        x = ops.causal_conv1d(ops.linear(h, self.qkv), self.conv, conv_state)  # (T, 2*Hk*Dk + Hv*Dv)
+        kd = Hk * Dk
+        q, k = x[:, :kd].reshape(T, Hk, Dk), x[:, kd:2 * kd].reshape(T, Hk, Dk)
+        v = x[:, 2 * kd:].reshape(T, Hv, Dv)
+        beta = ops.sigmoid(ops.linear(h, self.in_b))  # (T, Hv)
+        g = self.neg_a * ops.softplus(ops.linear(h, self.in_a) + self.dt_bias)  # log decay, <= 0
+        o = ops.gated_delta_rule(q, k, v, g, beta, delta_state)  # (T, Hv, Dv)
+        z = ops.linear(h, self.z).reshape(T, Hv, Dv)
+        o = ops.rms_norm_gated(o, z, self.norm, a.rms_norm_eps)
+        return ops.linear(o.reshape(T, Hv * Dv), self.out)
+
+
+class DenseMLP:
+    def __init__(self, w, ops, prefix: str = "mlp."):
+        self.ops = ops
+        self.gate, self.up, self.down = (w(f"{prefix}{n}_proj.weight") for n in ("gate", "up", "down"))
+
+    def __call__(self, h):
+        ops = self.ops
+        return ops.linear(ops.silu_mul(ops.linear(h, self.gate), ops.linear(h, self.up)), self.down)
+
+
+class MoEMLP:
+    """Router + shared expert on the layer's backend; routed experts on the experts component's backend."""
+
+    def __init__(self, a, w, backend, ew, experts_backend, layer_prefix: str):
+        self.a, self.backend, self.ops = a, backend, backend.ops
+        self.ebackend, self.eops = experts_backend, experts_backend.ops
+        self.router = w("mlp.gate.weight")
+        self.shared = DenseMLP(w, self.ops, "mlp.shared_expert.")
+        self.shared_gate = w("mlp.shared_expert_gate.weight")
+        p = layer_prefix + "mlp.experts."
+        E = a.num_experts
+        self.gate_up = [(ew[f"{p}{e}.gate_proj.weight"], ew[f"{p}{e}.up_proj.weight"]) for e in range(E)]
+        self.down = [ew[f"{p}{e}.down_proj.weight"] for e in range(E)]
+
+    def __call__(self, h):
+        ops, take = self.ops, self.ebackend.take
+        weights, ids = ops.moe_route(ops.linear(h, self.router), self.a.num_experts_per_tok, True)
+        routed = self.eops.moe_experts(take(h), take(ids), take(weights), self.gate_up, self.down)
+        shared = self.shared(h) * ops.sigmoid(ops.linear(h, self.shared_gate))
+        return self.backend.take(routed) + shared
+
+
+class DecoderLayer:
+    def __init__(self, arch, i: int, weights, backends):
+        a, p = arch.args, f"{arch.prefix}layers.{i}."
+        self.backend = backends[("layer", i)]
+        ops, w = self.backend.ops, _w(weights[("layer", i)], p)
+        self.a, self.ops = a, ops
+        mixer = GatedDeltaNet if a.layer_types[i] == "linear_attention" else FullAttention
+        self.mixer = mixer(a, w, ops)
+        self.in_norm, self.post_norm = w("input_layernorm.weight"), w("post_attention_layernorm.weight")
+        if ("experts", i) in weights:
+            self.mlp = MoEMLP(a, w, self.backend, weights[("experts", i)], backends[("experts", i)], p)
+        else:
+            self.mlp = DenseMLP(w, ops)
+
+    def __call__(self, x, state, start: int, rope):
+        ops, eps = self.ops, self.a.rms_norm_eps
+        x = x + self.mixer(ops.rms_norm(x, self.in_norm, eps, 1.0), state, start, rope)
+        return x + self.mlp(ops.rms_norm(x, self.post_norm, eps, 1.0))
+
+
+class QwenModel(Model):
+    def __init__(self, arch, weights, backends, kv):
+        self.arch, self.args = arch, arch.args
+        self.vocab_size = arch.args.vocab_size
+        self.kv_type = kv.type_k
+        p = arch.prefix
+        self.in_backend = backends[("input-layer", None)]
+        self.embed = weights[("input-layer", None)][p + "embed_tokens.weight"]
+        self.out_backend = backends[("output-layer", None)]
+        out = weights[("output-layer", None)]
+        self.norm = out[p + "norm.weight"]
+        self.head = out[p + "embed_tokens.weight" if arch.args.tie_word_embeddings else "lm_head.weight"]
+        self.layers = [DecoderLayer(arch, i, weights, backends) for i in range(arch.num_layers)]
+        self.inv_freq = arch.args.inv_freq()
+
+    def new_cache(self, context_size: int) -> Cache:
+        states = [layer.mixer.new_state(context_size, self.kv_type) for layer in self.layers]
+        return Cache(context_size, states)
+
+    def forward(self, ids, cache: Cache, all_logits: bool = False):
+        start, T = cache.pos, len(ids)
+        x = self.in_backend.ops.embedding(ids, self.embed)  # (T, H)
+        positions = list(range(start, start + T))
+        ropes = {}
+        for layer, state in zip(self.layers, cache.layers, strict=True):
+            b = layer.backend
+            if b not in ropes:
+                ropes[b] = b.ops.rope_tables(positions, self.inv_freq)
+            x = layer(b.take(x), state, start, ropes[b])
+        cache.pos += T
+        ob = self.out_backend
+        x = ob.take(x if all_logits else x[T - 1:])
+        x = ob.ops.rms_norm(x, self.norm, self.args.rms_norm_eps, 1.0)
+        return ob.to_host(ob.ops.linear(x, self.head))

@@ -1,0 +1,219 @@
+"""Make a tiny random Hugging Face checkpoint for parity tests (dev tool: needs torch + transformers).
+
+    python scripts/make_tiny_checkpoint.py qwen3_5 /tmp/tiny-qwen
+
+Kinds: qwen3_5, qwen3_5_moe (text-only CausalLM) and qwen3_5_vl, qwen3_5_moe_vl (ConditionalGeneration
+with a small vision tower, so weights are `model.language_model.*` and `model.visual.*`).
+Every parameter is re-drawn from a fixed seed so that no norm weight sits at its trivial 0 or 1 and a
+parity test can tell a missing `1 + w` or a swapped projection apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+import torch
+import transformers
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+
+KINDS = ("qwen3_5", "qwen3_5_moe", "qwen3_5_vl", "qwen3_5_moe_vl")
+MODEL_VOCAB = 1000
+
+# Chat and vision tokens the Qwen 3.5 template emits; appended after the BPE vocab as Qwen does.
+SPECIAL_TOKENS = (
+    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>", "</tool_call>",
+    "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>",
+)
+
+# Qwen 3.5's own pre-tokenizer split, so AutoTokenizer (which rebuilds Qwen3_5Tokenizer from vocab + merges)
+# and a plain `tokenizers.Tokenizer.from_file` agree on every string.
+QWEN_SPLIT = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"""
+    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+
+# A fixed corpus: the tokenizer (and so every test id) is the same on every run.
+CORPUS = """\
+The quick brown fox jumps over the lazy dog. A small model reads the text and writes a reply.
+Once upon a time there was a little language model that lived inside a test suite. Every day it was
+asked to predict the next token, and every day it tried its best, although its weights were random.
+The engine loads the weights from disk, places each layer on a device, and runs the prompt through
+the network. Attention layers keep a cache of keys and values; linear attention layers keep a small
+recurrent state instead. The mixture of experts routes each token to two of eight experts.
+Hello, world! How are you today? I am fine, thank you. What is the weather like in Paris and Berlin?
+It is sunny and warm, about 23 degrees. Numbers: 0 1 2 3 4 5 6 7 8 9 10 42 100 2024 3.14159.
+def add(a, b):
+    return a + b
+for i in range(10):
+    print(i * i)
+{"name": "get_weather", "arguments": {"city": "Tokyo", "unit": "celsius"}}
+User: Please summarise the following paragraph in one sentence.
+Assistant: Sure. The paragraph explains how a tokenizer splits text into pieces called tokens.
+Café, naïve, résumé, façade, jalapeño, über, Straße, smörgåsbord, crème brûlée.
+日本語のテキストも少し含めます。東京は日本の首都です。中文文本：你好，世界！我们正在测试分词器。
+Emoji make byte-level tokenizers split characters: 🙂 👍 🚀 🎉 ❤️ 🇯🇵 👩‍💻.
+"""
+
+
+def make(kind: str, out_dir, seed: int = 0, **overrides) -> Path:
+    """Build, randomise and save a tiny checkpoint of `kind`; `overrides` go to the text config."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown kind {kind!r}; choose one of {', '.join(KINDS)}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer()
+    token_ids = {t: tokenizer.token_to_id(t) for t in SPECIAL_TOKENS}
+    config = build_config(kind, token_ids, overrides)
+    torch.manual_seed(seed)
+    model = model_class(kind)(config).to(torch.float32).eval()
+    randomise(model, seed)
+    model.save_pretrained(out)
+    save_tokenizer(tokenizer, out)
+    write_generation_config(out, token_ids)
+    return out
+
+
+# --- tokenizer -----------------------------------------------------------------------------------------
+
+
+def build_tokenizer() -> Tokenizer:
+    """A byte-level BPE trained on CORPUS, its special tokens appended last (ids < MODEL_VOCAB)."""
+    tok = Tokenizer(models.BPE())
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN_SPLIT), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=MODEL_VOCAB - 24,  # room for the special tokens, below the model's vocab
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS.splitlines(keepends=True), trainer=trainer)
+    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    assert tok.get_vocab_size() <= MODEL_VOCAB, tok.get_vocab_size()
+    return tok
+
+
+def save_tokenizer(tok: Tokenizer, out: Path) -> None:
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+        chat_template=read_template("qwen3_5.jinja"),
+    )
+    fast.save_pretrained(out)
+
+
+def read_template(name: str) -> str | None:
+    # The shared dir sits beside the repo root: /work/main/scripts/x.py -> /work/shared/templates.
+    path = Path(__file__).resolve().parents[2] / "shared" / "templates" / name
+    return path.read_text(encoding="utf-8") if path.is_file() else None
+
+
+def write_generation_config(out: Path, token_ids: dict[str, int]) -> None:
+    gen = {"eos_token_id": token_ids["<|im_end|>"], "pad_token_id": token_ids["<|endoftext|>"]}
+    (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n", encoding="utf-8")
+
+
+# --- config and model ----------------------------------------------------------------------------------
+
+
+def text_config_dict(moe: bool, token_ids: dict[str, int], overrides: dict) -> dict:
+    cfg = dict(
+        vocab_size=MODEL_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+        layer_types=["linear_attention"] * 3 + ["full_attention"],
+        rope_parameters={
+            "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+            "mrope_section": [1, 1, 0], "mrope_interleaved": True,
+        },
+        max_position_embeddings=4096, tie_word_embeddings=False,
+        eos_token_id=token_ids["<|im_end|>"], pad_token_id=token_ids["<|endoftext|>"],
+    )
+    if moe:
+        cfg.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                   shared_expert_intermediate_size=48)
+        del cfg["intermediate_size"]
+    cfg.update(overrides)
+    if "num_hidden_layers" in overrides and "layer_types" not in overrides:
+        cfg["layer_types"] = None  # let the config derive the 3-linear-1-full pattern for the new depth
+    return cfg
+
+
+def vision_config_dict(text_hidden: int) -> dict:
+    return dict(
+        depth=1, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4, spatial_merge_size=2,
+        temporal_patch_size=2, out_hidden_size=text_hidden, num_position_embeddings=16,
+    )
+
+
+def build_config(kind: str, token_ids: dict[str, int], overrides: dict):
+    moe = "moe" in kind
+    overrides = dict(overrides)
+    vision_overrides = overrides.pop("vision_config", {})
+    text = text_config_dict(moe, token_ids, overrides)
+    if not kind.endswith("_vl"):
+        cls = transformers.Qwen3_5MoeTextConfig if moe else transformers.Qwen3_5TextConfig
+        return cls(**text)
+    vision = {**vision_config_dict(text["hidden_size"]), **vision_overrides}
+    cls = transformers.Qwen3_5MoeConfig if moe else transformers.Qwen3_5Config
+    return cls(
+        text_config=text, vision_config=vision, tie_word_embeddings=text["tie_word_embeddings"],
+        image_token_id=token_ids["<|image_pad|>"], video_token_id=token_ids["<|video_pad|>"],
+        vision_start_token_id=token_ids["<|vision_start|>"], vision_end_token_id=token_ids["<|vision_end|>"],
+    )
+
+
+def model_class(kind: str):
+    return {
+        "qwen3_5": transformers.Qwen3_5ForCausalLM,
+        "qwen3_5_moe": transformers.Qwen3_5MoeForCausalLM,
+        "qwen3_5_vl": transformers.Qwen3_5ForConditionalGeneration,
+        "qwen3_5_moe_vl": transformers.Qwen3_5MoeForConditionalGeneration,
+    }[kind]
+
+
+@torch.no_grad()
+def randomise(model: torch.nn.Module, seed: int) -> None:
+    """Re-draw every parameter so none is trivially 0 or 1 (HF inits norms to exactly that)."""
+    gen = torch.Generator().manual_seed(seed)
+    for module in model.modules():
+        for name, param in module.named_parameters(recurse=False):
+            param.copy_(draw(type(module).__name__, name, param, gen))
+
+
+def draw(module_type: str, name: str, param: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    noise = torch.randn(param.shape, generator=gen, dtype=torch.float32)
+    if name == "A_log":
+        return param + 0.1 * noise  # keep HF's log-uniform decay spread, just off its exact values
+    if name == "dt_bias":
+        return param + 0.1 * noise
+    if module_type.endswith("RMSNormGated") or module_type == "LayerNorm":
+        return 1.0 + 0.1 * noise if name == "weight" else 0.05 * noise
+    if module_type.endswith("RMSNorm"):
+        return 0.1 * noise  # the Qwen RMSNorm scales by (1 + w)
+    if module_type == "Conv1d":
+        return noise / math.sqrt(param.shape[-1])  # short depthwise kernel: keep its output near unit scale
+    return 0.05 * noise
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("kind", choices=KINDS)
+    parser.add_argument("out_dir")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tie-word-embeddings", action="store_true")
+    args = parser.parse_args()
+    out = make(args.kind, args.out_dir, seed=args.seed, tie_word_embeddings=args.tie_word_embeddings)
+    print(out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,437 @@
+"""The config: schema errors name the JSON path, structural checks refuse what cannot run, inheritance."""
+
+import json
+from pathlib import Path
+
+import jsonschema
+import pytest
+
+from lumen_core.config import (
+    KVCacheConfig,
+    Placement,
+    config_from_path_or_model,
+    json_path,
+    load_config,
+    schema,
+)
+from lumen_core.errors import ConfigError
+
+MINIMAL = {"model": {"path": "x", "compute": "cpu", "store": "ram"}}
+
+
+def model(**blocks) -> dict:
+    """A config whose model block is `path: x` plus `blocks` (underscores become dashes)."""
+    return {"model": {"path": "x", **{k.replace("_", "-"): v for k, v in blocks.items()}}}
+
+
+def error_of(raw) -> ConfigError:
+    with pytest.raises(ConfigError) as info:
+        load_config(raw)
+    return info.value
+
+
+def write(tmp_path: Path, raw, name="lumen.json") -> Path:
+    path = tmp_path / name
+    path.write_text(raw if isinstance(raw, str) else json.dumps(raw))
+    return path
+
+
+# ---------------------------------------------------------------- the schema itself
+
+
+def test_schema_is_valid_draft_2020_12_and_closed():
+    s = schema()
+    jsonschema.Draft202012Validator.check_schema(s)
+    assert s["$id"] == "https://lumen.dev/schemas/config.schema.json"
+    assert s["additionalProperties"] is False
+    objects = [d for d in s["$defs"].values() if d.get("type") == "object"]
+    assert objects and all(d.get("additionalProperties") is False for d in objects)
+
+
+def test_schema_returns_a_copy():
+    schema()["title"] = "changed"
+    assert schema()["title"] == "Lumen config"
+
+
+def test_json_path_formats_indices():
+    parts = ["model", "hidden-layers", "ranges", 0, "start"]
+    assert json_path(parts) == "model.hidden-layers.ranges[0].start"
+
+
+# ---------------------------------------------------------------- loading
+
+
+def test_minimal_config_loads():
+    config = load_config(MINIMAL)
+    assert config.placement("layer", 0) == Placement("cpu", "ram")
+    assert config.source == "<dict>"
+    assert config.raw == MINIMAL
+
+
+def test_load_does_not_keep_a_reference_to_the_callers_dict():
+    raw = json.loads(json.dumps(MINIMAL))
+    config = load_config(raw)
+    raw["model"]["store"] = "mmap"
+    assert config.placement("input-layer").store == "ram"
+
+
+def test_file_loads_and_relative_path_resolves_against_its_directory(tmp_path):
+    (tmp_path / "configs").mkdir()
+    path = write(tmp_path / "configs", {"model": {"path": "../ckpt"}})
+    config = load_config(path)
+    assert config.model_path.is_absolute()
+    assert config.model_path.resolve() == (tmp_path / "ckpt").resolve()
+    assert config.source == str(path)
+
+
+def test_dict_path_resolves_against_base_dir_then_cwd(tmp_path, monkeypatch):
+    assert load_config(model(), base_dir=tmp_path).model_path == tmp_path / "x"
+    monkeypatch.chdir(tmp_path)
+    assert load_config(model()).model_path.resolve() == (tmp_path / "x").resolve()
+
+
+def test_absolute_and_home_paths(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert load_config({"model": {"path": "~/m.gguf"}}).model_path == tmp_path / "m.gguf"
+    assert load_config({"model": {"path": "/abs/m"}}, base_dir=tmp_path).model_path == Path("/abs/m")
+
+
+def test_draft_model_path_resolves_like_the_main_one(tmp_path):
+    raw = {**model(), "draft": {"model": {"path": "small"}, "num-draft-tokens": 4}}
+    assert load_config(raw, base_dir=tmp_path).draft_model_path == tmp_path / "small"
+    assert load_config(model()).draft_model_path is None
+
+
+def test_missing_file(tmp_path):
+    err = error_of(tmp_path / "nope.json")
+    assert err.path == ""
+    assert "file not found" in err.message and "nope.json" in err.message
+    assert err.fix
+
+
+def test_invalid_json_names_line_and_column(tmp_path):
+    err = error_of(write(tmp_path, '{\n  "model": {"path": "x",}\n}'))
+    assert err.path == ""
+    assert "line 2" in err.message and "column" in err.message
+
+
+def test_nan_is_refused(tmp_path):
+    err = error_of(write(tmp_path, '{"model": {"path": "x", "other-parameters": {"temperature": NaN}}}'))
+    assert "NaN" in err.message
+
+
+def test_duplicate_keys_are_refused(tmp_path):
+    err = error_of(write(tmp_path, '{"model": {"path": "x", "store": "ram", "store": "vram"}}'))
+    assert "duplicate key 'store'" in err.message
+
+
+# ---------------------------------------------------------------- schema errors
+
+
+def test_unknown_key_at_top_level():
+    err = error_of({**MINIMAL, "modle": {}})
+    assert err.path == "modle"
+    assert "unknown key 'modle'" in err.message
+    assert "server-parameters" in err.message  # the allowed keys are listed
+    assert err.fix == "did you mean 'model'?"
+
+
+def test_unknown_key_deep_inside_ranges():
+    ranges = [{"start": 0, "end": 1}, {"start": 2, "end": 3, "stor": "ram"}]
+    err = error_of(model(hidden_layers={"ranges": ranges}))
+    assert err.path == "model.hidden-layers.ranges[1].stor"
+    assert "allowed keys: compute, end, experts, start, store" in err.message
+
+
+def test_bad_store_enum_lists_allowed_values():
+    err = error_of(model(store="disk"))
+    assert err.path == "model.store"
+    assert "vram, ram, mmap" in err.message and '"disk"' in err.message
+
+
+def test_bad_kv_type_enum_deep():
+    err = error_of(model(hidden_layers={"kv-cache": {"type-k": "q4"}}))
+    assert err.path == "model.hidden-layers.kv-cache.type-k"
+    assert "f32, f16, bf16, fp8" in err.message
+
+
+@pytest.mark.parametrize("device", ["gpu", "cuda", "cuda:x", "CPU", "cuda:0 "])
+def test_bad_compute_pattern(device):
+    err = error_of(model(input_layer={"compute": device}))
+    assert err.path == "model.input-layer.compute"
+    assert "not a compute device" in err.message
+    assert "cuda:N" in err.fix
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda:0", "cuda:12", "wgpu:1"])
+def test_good_compute_devices(device):
+    assert load_config(model(compute=device, store="ram")).placement("layer").compute == device
+
+
+def test_wrong_type_names_expected_type_and_value():
+    err = error_of(model(hidden_layers={"kv-cache": {"context-size": "2048"}}))
+    assert err.path == "model.hidden-layers.kv-cache.context-size"
+    assert err.message == 'expected integer, got string "2048"'
+
+
+def test_boolean_is_not_an_integer():
+    err = error_of(model(other_parameters={"max-tokens": True}))
+    assert err.path == "model.other-parameters.max-tokens"
+    assert "got boolean" in err.message
+
+
+def test_out_of_bounds_names_the_bound():
+    err = error_of(model(other_parameters={"top-p": 0}))
+    assert err.path == "model.other-parameters.top-p"
+    assert err.message == "must be > 0, got 0"
+
+
+def test_port_range():
+    err = error_of({**MINIMAL, "server-parameters": {"port": 70000}})
+    assert err.path == "server-parameters.port"
+    assert "<= 65535" in err.message
+
+
+def test_missing_model():
+    err = error_of({"server-parameters": {"port": 8080}})
+    assert err.path == "model"
+    assert err.message == "missing required key 'model'"
+
+
+def test_missing_path():
+    err = error_of({"model": {"compute": "cpu"}})
+    assert err.path == "model.path"
+    assert "missing required key 'path'" in err.message
+
+
+def test_root_must_be_an_object(tmp_path):
+    err = error_of(write(tmp_path, [MINIMAL]))
+    assert err.path == ""
+    assert "expected object, got array" in err.message
+
+
+def test_draft_needs_num_draft_tokens():
+    err = error_of({**MINIMAL, "draft": {"model": {"path": "y"}}})
+    assert err.path == "draft.num-draft-tokens"
+
+
+# ---------------------------------------------------------------- structural checks
+
+
+def test_vram_on_cpu_at_model_level():
+    err = error_of(model(compute="cpu", store="vram"))
+    assert err.path == "model.store"
+    assert "GPU" in err.message and err.fix
+
+
+def test_vram_with_default_compute_blames_the_store():
+    assert error_of(model(store="vram")).path == "model.store"
+
+
+def test_vram_inherited_by_a_cpu_block_blames_the_cpu_compute():
+    err = error_of(model(compute="cuda:0", store="vram", output_layer={"compute": "cpu"}))
+    assert err.path == "model.output-layer.compute"
+    assert "store vram from model.store" in err.message
+
+
+def test_vram_in_a_range_on_cpu_layers():
+    err = error_of(model(hidden_layers={"ranges": [{"start": 0, "end": 1, "store": "vram"}]}))
+    assert err.path == "model.hidden-layers.ranges[0].store"
+
+
+def test_experts_on_cpu_with_vram_store():
+    err = error_of(model(compute="cuda:0", store="vram", hidden_layers={"experts": {"compute": "cpu"}}))
+    assert err.path == "model.hidden-layers.experts.compute"
+    assert "experts" in err.message
+    assert "ram or mmap" in err.fix
+
+
+def test_experts_on_cpu_with_host_store_is_fine():
+    experts = {"compute": "cpu", "store": "mmap"}
+    raw = model(compute="cuda:0", store="vram", hidden_layers={"experts": experts})
+    assert load_config(raw).placement("experts", 3) == Placement("cpu", "mmap")
+
+
+def test_range_experts_on_cpu_inheriting_vram_from_the_range():
+    ranges = [{"start": 0, "end": 3, "compute": "cuda:0", "store": "vram", "experts": {"compute": "cpu"}}]
+    err = error_of(model(hidden_layers={"ranges": ranges}))
+    assert err.path == "model.hidden-layers.ranges[0].experts.compute"
+
+
+def test_vision_and_draft_placements_are_checked():
+    assert error_of({**MINIMAL, "vision": {"store": "vram"}}).path == "vision.store"
+    draft = {"model": {"path": "y", "input-layer": {"store": "vram"}}, "num-draft-tokens": 2}
+    assert error_of({**MINIMAL, "draft": draft}).path == "draft.model.input-layer.store"
+
+
+def test_overlapping_ranges_name_both_indices():
+    ranges = [{"start": 0, "end": 3}, {"start": 8, "end": 9}, {"start": 3, "end": 5}]
+    err = error_of(model(hidden_layers={"ranges": ranges}))
+    assert err.path == "model.hidden-layers.ranges[2]"
+    assert "ranges[2]" in err.message and "ranges[0]" in err.message and "3-3" in err.message
+
+
+def test_start_after_end():
+    err = error_of(model(hidden_layers={"ranges": [{"start": 5, "end": 4}]}))
+    assert err.path == "model.hidden-layers.ranges[0].start"
+    assert "5" in err.message and "4" in err.message
+
+
+def test_single_layer_range_is_fine():
+    assert load_config(model(hidden_layers={"ranges": [{"start": 2, "end": 2}]})).ranges()[0]["end"] == 2
+
+
+def test_range_end_past_the_last_layer():
+    config = load_config(model(hidden_layers={"ranges": [{"start": 0, "end": 3}, {"start": 4, "end": 8}]}))
+    config.check_ranges(9)  # layers 0-8: fine
+    with pytest.raises(ConfigError) as info:
+        config.check_ranges(8)
+    assert info.value.path == "model.hidden-layers.ranges[1].end"
+    assert "8 layers" in info.value.message
+
+
+def test_fp8_attention_without_fp8_kv():
+    kv = {"kv-cache": {"type-k": "fp8", "type-v": "f16"}}
+    err = error_of(model(attention={"compute-quantization": "fp8"}, hidden_layers=kv))
+    assert err.path == "model.attention.compute-quantization"
+    assert "type-v is f16" in err.message
+
+
+def test_fp8_attention_with_fp8_kv_loads():
+    kv = {"kv-cache": {"type-k": "fp8", "type-v": "fp8"}}
+    config = load_config(model(attention={"compute-quantization": "fp8"}, hidden_layers=kv))
+    assert config.kv_cache().type_v == "fp8"
+
+
+# ---------------------------------------------------------------- inheritance
+
+
+def test_defaults_are_cpu_and_ram():
+    config = load_config(model())
+    for component in ("input-layer", "output-layer", "layer", "experts", "vision"):
+        assert config.placement(component, 0) == Placement("cpu", "ram")
+    assert config.placement_path("layer", 0) == "model"
+
+
+def test_input_layer_inherits_model_and_overrides_one_key():
+    config = load_config(model(compute="cuda:1", store="vram", input_layer={"store": "ram"}))
+    assert config.placement("input-layer") == Placement("cuda:1", "ram")
+    assert config.placement("output-layer") == Placement("cuda:1", "vram")
+    assert config.placement_path("input-layer") == "model.input-layer"
+    assert config.placement_path("output-layer") == "model"
+
+
+def test_range_overrides_hidden_layers_only_inside_it():
+    hidden = {"compute": "cuda:0", "store": "mmap", "ranges": [{"start": 2, "end": 4, "store": "vram"}]}
+    config = load_config(model(hidden_layers=hidden))
+    assert config.placement("layer", 1) == Placement("cuda:0", "mmap")
+    assert config.placement("layer", 2) == Placement("cuda:0", "vram")
+    assert config.placement("layer", 4) == Placement("cuda:0", "vram")
+    assert config.placement("layer", 5) == Placement("cuda:0", "mmap")
+    assert config.placement_path("layer", 3) == "model.hidden-layers.ranges[0]"
+    assert config.placement_path("layer", 5) == "model.hidden-layers"
+
+
+def test_experts_follow_their_layer_when_nothing_is_said():
+    hidden = {"ranges": [{"start": 0, "end": 1, "compute": "wgpu:0", "store": "vram"}]}
+    config = load_config(model(hidden_layers=hidden))
+    assert config.placement("experts", 0) == Placement("wgpu:0", "vram")
+    assert config.placement("experts", 2) == Placement("cpu", "ram")
+
+
+def test_experts_precedence_more_specific_wins():
+    ranges = [{"start": 0, "end": 1, "compute": "cuda:0", "store": "vram"},
+              {"start": 2, "end": 3, "compute": "cuda:0", "store": "vram", "experts": {"store": "ram"}}]
+    hidden = {"experts": {"compute": "cpu", "store": "mmap"}, "ranges": ranges}
+    config = load_config(model(compute="cuda:1", store="vram", hidden_layers=hidden))
+    # hidden-layers.experts beats the range's own compute/store...
+    assert config.placement("experts", 0) == Placement("cpu", "mmap")
+    assert config.placement_path("experts", 0) == "model.hidden-layers.experts"
+    # ...and range.experts beats hidden-layers.experts, key by key.
+    assert config.placement("experts", 2) == Placement("cpu", "ram")
+    assert config.placement_path("experts", 2) == "model.hidden-layers.ranges[1].experts"
+    # Outside every range: hidden-layers.experts over hidden-layers.
+    assert config.placement("experts", 7) == Placement("cpu", "mmap")
+    assert config.placement("layer", 7) == Placement("cuda:1", "vram")
+
+
+def test_vision_inherits_model():
+    config = load_config({**model(compute="cuda:0", store="vram"), "vision": {"store": "ram"}})
+    assert config.placement("vision") == Placement("cuda:0", "ram")
+
+
+def test_placement_properties():
+    place = Placement("cuda:3", "vram")
+    assert (place.backend, place.device) == ("cuda", "cuda:3")
+    assert Placement("cpu", "ram").backend == "cpu"
+
+
+def test_unknown_component():
+    with pytest.raises(ValueError, match="unknown component"):
+        load_config(MINIMAL).placement("attention")
+
+
+# ---------------------------------------------------------------- accessors
+
+
+def test_ranges_carry_their_index_and_are_copies():
+    config = load_config(model(hidden_layers={"ranges": [{"start": 0, "end": 1}, {"start": 5, "end": 6}]}))
+    ranges = config.ranges()
+    assert [(r["index"], r["start"]) for r in ranges] == [(0, 0), (1, 5)]
+    ranges[0]["start"] = 99
+    assert config.ranges()[0]["start"] == 0
+
+
+def test_kv_cache_defaults_and_values():
+    assert load_config(MINIMAL).kv_cache() == KVCacheConfig(None, None, "f32", "f32")
+    kv = {"context-size": 2048, "store": "ram", "type-k": "f16", "type-v": "bf16"}
+    got = load_config(model(hidden_layers={"kv-cache": kv})).kv_cache()
+    assert got == KVCacheConfig(2048, "ram", "f16", "bf16")
+
+
+def test_sampling_defaults_use_python_names_and_only_present_keys():
+    params = {"temperature": 0.7, "top-k": 20, "repetition-penalty": 1.1, "stop": ["</s>"], "max-tokens": 5}
+    got = load_config(model(other_parameters=params)).sampling_defaults()
+    assert got == {"temperature": 0.7, "top_k": 20, "repetition_penalty": 1.1, "stop": ["</s>"],
+                   "max_tokens": 5}
+    assert load_config(MINIMAL).sampling_defaults() == {}
+
+
+def test_server_parameters():
+    raw = {**MINIMAL, "server-parameters": {"host": "0.0.0.0", "port": 8080, "api-keys": ["k"]}}
+    assert load_config(raw).server_parameters() == {"host": "0.0.0.0", "port": 8080, "api_keys": ["k"]}
+    assert load_config(MINIMAL).server_parameters() == {}
+
+
+def test_requested_features():
+    assert load_config(MINIMAL).requested_features() == []
+    assert load_config(model(attention={"compute-quantization": "none"})).requested_features() == []
+    raw = {**model(attention={"compute-quantization": "fp8"},
+                   hidden_layers={"kv-cache": {"store": "ram", "type-k": "fp8", "type-v": "fp8"}}),
+           "vision": {}, "draft": {"model": {"path": "y"}, "num-draft-tokens": 3}}
+    assert load_config(raw).requested_features() == [
+        ("vision", "vision tower"), ("draft", "speculative decoding"),
+        ("model.attention.compute-quantization", "fp8 attention"),
+        ("model.hidden-layers.kv-cache.store", "kv-cache store")]
+
+
+# ---------------------------------------------------------------- config_from_path_or_model
+
+
+def test_checkpoint_dir_gets_the_minimal_config(tmp_path):
+    config = config_from_path_or_model(str(tmp_path))
+    assert config.raw == {"model": {"path": str(tmp_path), "compute": "cpu", "store": "ram"}}
+    assert config.model_path == tmp_path
+
+
+def test_gguf_gets_the_minimal_config_even_before_it_exists(tmp_path):
+    config = config_from_path_or_model(tmp_path / "m.gguf")
+    assert config.model_path == tmp_path / "m.gguf"
+    assert config.placement("layer", 0) == Placement("cpu", "ram")
+
+
+def test_json_file_is_loaded_as_a_config(tmp_path):
+    path = write(tmp_path, model(compute="cuda:0", store="mmap"))
+    assert config_from_path_or_model(path).placement("output-layer") == Placement("cuda:0", "mmap")
+    with pytest.raises(ConfigError, match="file not found"):
+        config_from_path_or_model(tmp_path / "missing.json")
