@@ -13,7 +13,7 @@ import numpy as np
 
 from .architecture import Architecture, Model
 from .checkpoint import open_checkpoint
-from .config import Config, load_config
+from .config import Config, config_from_path_or_model
 from .errors import InputError
 from .loader import LoadReport, load_weights
 from .plan import Plan, make_plan
@@ -51,7 +51,7 @@ class Engine:
 
     @classmethod
     def load(cls, source, progress: bool = True) -> Engine:
-        config = source if isinstance(source, Config) else load_config(source)
+        config = source if isinstance(source, Config) else config_from_path_or_model(source)
         registry = get_registry()
         ckpt = open_checkpoint(config.model_path, registry)
         model_type = ckpt.config.get("model_type", "<missing>")

@@ -28,13 +28,15 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # 1 = off
 
     def validate(self) -> SamplingParams:
-        _check(self.temperature >= 0, "temperature", self.temperature, "a number >= 0 (0 means greedy)")
-        _check(_is_int(self.top_k) and self.top_k >= 0, "top_k", self.top_k, "an integer >= 0 (0 means off)")
-        _check(0 < self.top_p <= 1, "top_p", self.top_p, "a number in (0, 1] (1 means off)")
-        _check(0 <= self.min_p <= 1, "min_p", self.min_p, "a number in [0, 1] (0 means off)")
-        _check(self.repetition_penalty > 0, "repetition_penalty", self.repetition_penalty,
-               "a number > 0 (1 means off)")
-        _check(self.seed is None or (_is_int(self.seed) and self.seed >= 0), "seed", self.seed,
+        """Raise InputError naming the first bad field and its allowed range; return self."""
+        t, k, p, m, r = self.temperature, self.top_k, self.top_p, self.min_p, self.repetition_penalty
+        _check(_is_number(t) and t >= 0, "temperature", t, "a number >= 0 (0 means greedy)")
+        _check(_is_int(k) and k >= 0, "top_k", k, "an integer >= 0 (0 means off)")
+        _check(_is_number(p) and 0 < p <= 1, "top_p", p, "a number in (0, 1] (1 means off)")
+        _check(_is_number(m) and 0 <= m <= 1, "min_p", m, "a number in [0, 1] (0 means off)")
+        _check(_is_number(r) and r > 0, "repetition_penalty", r, "a number > 0 (1 means off)")
+        seed = self.seed
+        _check(seed is None or (_is_int(seed) and seed >= 0), "seed", seed,
                "an integer >= 0, or omitted for a random seed")
         return self
 
@@ -43,8 +45,13 @@ def _is_int(value) -> bool:
     return isinstance(value, int | np.integer) and not isinstance(value, bool)
 
 
+def _is_number(value) -> bool:
+    # Checked first so a string fails with our message, not a TypeError from the comparison; NaN fails
+    # every comparison after it.
+    return isinstance(value, int | float | np.integer | np.floating) and not isinstance(value, bool)
+
+
 def _check(ok: bool, field: str, value, allowed: str) -> None:
-    # Comparisons with a non-number raise TypeError before `ok` exists; callers pass bad types too.
     if not ok:
         raise InputError(f"sampling {field}={value!r} is out of range: it must be {allowed}")
 

@@ -1,0 +1,58 @@
+"""The ``lumen`` command. One command a file in ``commands/``; plugins add theirs via ``register_commands``.
+
+Errors a user can act on (``LumenError``) print one clear message and exit 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+
+from ..errors import LumenError
+
+app = typer.Typer(
+    name="lumen",
+    help="Lumen: run LLMs with every component placed by hand (see `lumen COMMAND --help`).",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+def _register_commands() -> None:
+    from .commands import generate, perplexity, plugins, show_plan, validate
+
+    for module in (plugins, validate, show_plan, generate, perplexity):
+        module.register(app)
+    from ..plugins import get_plugin_manager
+
+    get_plugin_manager().hook.register_commands(cli=app)
+
+
+def fail(message: str, code: int = 2) -> None:
+    typer.echo(f"lumen: error: {message}", err=True)
+    raise typer.Exit(code)
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        _register_commands()
+        app(args=argv, standalone_mode=False)
+    except LumenError as exc:
+        typer.echo(f"lumen: error: {exc}", err=True)
+        sys.exit(2)
+    except typer.Exit as exc:
+        sys.exit(exc.exit_code)
+    except KeyboardInterrupt:
+        typer.echo("lumen: interrupted", err=True)
+        sys.exit(130)
+    except Exception as exc:  # click's usage errors and aborts
+        import click
+
+        if isinstance(exc, click.ClickException):
+            exc.show()
+            sys.exit(exc.exit_code)
+        if isinstance(exc, click.exceptions.Abort):
+            sys.exit(1)
+        raise

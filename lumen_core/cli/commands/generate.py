@@ -1,0 +1,76 @@
+"""``lumen generate``: stream new text to stdout; progress and timing go to stderr."""
+
+from __future__ import annotations
+
+import sys
+from typing import Annotated
+
+import typer
+
+from . import ConfigOpt
+
+Opt = typer.Option
+
+
+def generate(
+    config: ConfigOpt,
+    prompt: Annotated[str | None, Opt("--prompt", "-p", help="Prompt text; '-' reads stdin.")] = None,
+    prompt_file: Annotated[str | None, Opt("--prompt-file", help="Read the prompt from a file.")] = None,
+    max_tokens: Annotated[int | None, Opt("--max-tokens", "-n", min=1,
+                                          help="Most new tokens (default: config, else 256).")] = None,
+    chat: Annotated[bool, Opt("--chat", help="Wrap the prompt as a user turn with the chat template.")] = False,
+    system: Annotated[str | None, Opt("--system", help="System message (with --chat).")] = None,
+    think: Annotated[bool | None, Opt("--think/--no-think",
+                                      help="Chat templates with a thinking switch: turn it on/off.")] = None,
+    temperature: Annotated[float | None, Opt(help="0 = greedy (default: config, else 0).")] = None,
+    top_k: Annotated[int | None, Opt("--top-k", help="Keep the k most likely tokens (0 = off).")] = None,
+    top_p: Annotated[float | None, Opt("--top-p", help="Nucleus sampling mass (1 = off).")] = None,
+    min_p: Annotated[float | None, Opt("--min-p", help="Drop tokens below min-p × top probability.")] = None,
+    seed: Annotated[int | None, Opt(help="Random seed: the same seed gives the same text.")] = None,
+    stop: Annotated[list[str] | None, Opt("--stop", help="Stop string (repeatable).")] = None,
+    quiet: Annotated[bool, Opt("--quiet", "-q", help="No timing summary on stderr.")] = False,
+):
+    """Generate text from a prompt with the model and placement the config describes.
+
+    Only the new text goes to stdout, streamed as it is produced; the loading progress and a timing
+    summary go to stderr. Sampling options override the config's other-parameters.
+    """
+    from ...engine import load
+
+    text = _read_prompt(prompt, prompt_file)
+    engine = load(config)
+    if chat:
+        messages = ([{"role": "system", "content": system}] if system else []) + [
+            {"role": "user", "content": text}]
+        kwargs = {} if think is None else {"enable_thinking": think}
+        text = engine.chat_prompt(messages, **kwargs)
+    if temperature is None and "temperature" not in engine.config.sampling_defaults():
+        temperature = 0.0
+    for piece in engine.generate(text, max_tokens=max_tokens, stop=stop, temperature=temperature,
+                                 top_k=top_k, top_p=top_p, min_p=min_p, seed=seed):
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    if not quiet:
+        typer.echo(f"[{engine.stats.summary()}]", err=True)
+
+
+def _read_prompt(prompt: str | None, prompt_file: str | None) -> str:
+    from ...errors import InputError
+
+    if prompt is not None and prompt_file is not None:
+        raise InputError("give --prompt or --prompt-file, not both")
+    if prompt_file is not None:
+        try:
+            return open(prompt_file, encoding="utf-8").read()
+        except OSError as exc:
+            raise InputError(f"cannot read --prompt-file {prompt_file}: {exc.strerror}") from None
+    if prompt == "-":
+        return sys.stdin.read()
+    if prompt is None:
+        raise InputError("no prompt: pass --prompt TEXT, --prompt - (stdin) or --prompt-file FILE")
+    return prompt
+
+
+def register(app: typer.Typer) -> None:
+    app.command("generate")(generate)

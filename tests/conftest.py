@@ -1,0 +1,50 @@
+"""Shared fixtures: tiny random checkpoints made by transformers and saved with save_pretrained."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load_script():
+    spec = importlib.util.spec_from_file_location("make_tiny_checkpoint", ROOT / "scripts" / "make_tiny_checkpoint.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="session")
+def make_tiny():
+    return _load_script()
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory, make_tiny):
+    """``tiny_checkpoint(kind, **overrides) -> Path``; each distinct checkpoint is built once a session."""
+    built: dict[str, Path] = {}
+
+    def get(kind: str, **overrides) -> Path:
+        key = kind + json.dumps(overrides, sort_keys=True)
+        if key not in built:
+            out = tmp_path_factory.mktemp(kind)
+            built[key] = make_tiny.make(kind, out, **overrides)
+        return built[key]
+
+    return get
+
+
+@pytest.fixture
+def write_config(tmp_path):
+    """``write_config(dict) -> path`` of a config file in a fresh directory."""
+
+    def write(data: dict, name: str = "config.json") -> Path:
+        path = tmp_path / name
+        path.write_text(json.dumps(data))
+        return path
+
+    return write
