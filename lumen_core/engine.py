@@ -15,7 +15,8 @@ from .architecture import Architecture, Model
 from .checkpoint import open_checkpoint
 from .config import Config, config_from_path_or_model
 from .errors import InputError
-from .loader import LoadReport, load_weights
+from .loader import load_weights
+from .tensors import LoadReport
 from .plan import Plan, make_plan
 from .plugins import get_registry
 from .sampling import SamplingParams, make_sampler
@@ -58,8 +59,9 @@ class Engine:
         arch = registry.architecture_class(model_type)(ckpt.config)
         plan, resolved = make_plan(config, arch, ckpt, registry)
         backends = _backends(resolved["placements"], registry)
-        weights, report = load_weights(ckpt, arch, resolved["layout"], resolved["placements"], backends,
-                                       progress)
+        report = resolved["report"]
+        weights = load_weights(ckpt, arch, resolved["layout"], resolved["placements"], backends, report,
+                               progress)
         model = arch.build(weights, backends, resolved["kv"])
         tok_dir = ckpt.tokenizer_dir()
         tokenizer = Tokenizer.from_dir(tok_dir) if tok_dir else None

@@ -12,10 +12,10 @@ from dataclasses import asdict, dataclass, field
 
 from .architecture import Architecture, Component, component_label
 from .errors import ConfigError, PlanError
+from .tensors import SCALE_SUFFIX, check_tensors
 
 DTYPE_FORMAT = {"F32": "f32", "F16": "f16", "BF16": "bf16", "F8_E4M3": "fp8"}
 KV_BYTES = {"f32": 4, "f16": 2, "bf16": 2, "fp8": 1}
-SCALE_SUFFIX = "_scale_inv"
 # What this version executes; the rest of the config layout is validated and refused by name.
 UNSUPPORTED = {
     "vision tower": "the vision tower is not supported yet; remove the 'vision' block",
@@ -156,6 +156,7 @@ def make_plan(config, arch: Architecture, ckpt, registry) -> tuple[Plan, dict]:
     check_features(config)
     config.check_ranges(arch.num_layers)
     layout = arch.layout(ckpt.tensors)
+    report = check_tensors(ckpt, layout)
     components = [c for c in arch.components() if c in layout.needs or c[0] == "layer"]
     placements = check_placement(config, arch, registry, components)
     kv = config.kv_cache()
@@ -177,7 +178,7 @@ def make_plan(config, arch: Architecture, ckpt, registry) -> tuple[Plan, dict]:
                           else p.store, kv.type_k, cache, kind="cache")
             )
     _fit(plan, registry, placements)
-    return plan, {"placements": placements, "layout": layout, "kv": kv}
+    return plan, {"placements": placements, "layout": layout, "kv": kv, "report": report}
 
 
 def _capacity(registry, placements) -> dict[str, int]:

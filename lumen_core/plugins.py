@@ -173,8 +173,16 @@ def make_plugin_manager(load_entry_points: bool = True) -> pluggy.PluginManager:
         dist = ep.dist.name if ep.dist is not None else ep.name
         if pm.get_plugin(dist) is None:
             pm.register(module, name=dist)
-    pm.check_pending()
+    _check_pending(pm)
     return pm
+
+
+def _check_pending(pm: pluggy.PluginManager) -> None:
+    """A misspelt hook name fails loudly instead of being silently ignored."""
+    try:
+        pm.check_pending()
+    except pluggy.PluginValidationError as exc:
+        raise PluginError(f"plugin {exc.plugin!r} has an unknown hook: {exc}") from None
 
 
 def build_registry(pm: pluggy.PluginManager) -> Registry:
@@ -226,8 +234,15 @@ def reset() -> None:
 def register_plugin(module: Any, name: str) -> None:
     """Register a plugin object directly on the manager (tests, embedding applications)."""
     pm = get_plugin_manager()
-    pm.register(module, name=name)
-    pm.check_pending()
+    try:
+        pm.register(module, name=name)
+    except pluggy.PluginValidationError as exc:
+        raise PluginError(f"plugin {name!r} is invalid: {exc}") from None
+    try:
+        _check_pending(pm)
+    except PluginError:
+        pm.unregister(module)
+        raise
     global _registry
     _registry = None
 

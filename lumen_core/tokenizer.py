@@ -35,7 +35,11 @@ class Tokenizer:
         self._bos_id = bos_id
         self._eos_ids = set(eos_ids)
         self.chat_template = chat_template
-        self._prepend_bos = add_bos_token and bos_id is not None and not self._post_processor_adds_bos()
+        self._post_processor_bos = self._post_processor_adds_bos()
+        # transformers 5 lets tokenizer.json's post-processor alone decide. We also honour
+        # `add_bos_token: true` when that post-processor adds no BOS (transformers 4 did, and checkpoints
+        # were made with it); the two never both apply, so BOS is never doubled.
+        self._prepend_bos = add_bos_token and bos_id is not None and not self._post_processor_bos
 
     # --- loading ---------------------------------------------------------------------------------------
 
@@ -75,7 +79,7 @@ class Tokenizer:
     @property
     def add_bos(self) -> bool:
         """Whether `encode(..., add_special_tokens=True)` starts with BOS (from any source, exactly once)."""
-        return self._prepend_bos or self._post_processor_adds_bos()
+        return self._prepend_bos or self._post_processor_bos
 
     def token_to_id(self, token: str) -> int | None:
         return self.backend.token_to_id(token)

@@ -247,7 +247,8 @@ def test_chat_template_matches_transformers(request, template_dir, chat, tools, 
                                             add_generation_prompt):
     d = request.getfixturevalue(template_dir)
     gen = add_generation_prompt
-    ours = Tokenizer.from_dir(d).apply_chat_template(CHATS[chat], add_generation_prompt=gen, tools=tools, **kwargs)
+    tok = Tokenizer.from_dir(d)
+    ours = tok.apply_chat_template(CHATS[chat], add_generation_prompt=gen, tools=tools, **kwargs)
     hf = transformers.AutoTokenizer.from_pretrained(d).apply_chat_template(
         CHATS[chat], tokenize=False, add_generation_prompt=gen, tools=tools, **kwargs,
     )

@@ -37,7 +37,9 @@ class CPUBackend(Backend):
 
 def _block_of(shape, scale_shape) -> tuple[int, int] | None:
     """fp8 block size implied by the scale's shape: (128,128) blocks, per-channel or per-tensor."""
-    if len(scale_shape) == 2 and scale_shape[1] > 1:
+    per_tensor = all(d == 1 for d in scale_shape)
+    per_channel = len(scale_shape) >= 1 and scale_shape[0] == shape[0] and all(d == 1 for d in scale_shape[1:])
+    if len(scale_shape) == 2 and not per_tensor and not per_channel:
         return (_block_len(shape[0], scale_shape[0]), _block_len(shape[1], scale_shape[1]))
     return None
 
