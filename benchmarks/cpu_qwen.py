@@ -327,7 +327,7 @@ def table(args, med: dict) -> str:
     d = args.decode
     rows.append((f"decode tok/s ({d} steps after {args.prompt})", d / L["decode_s"], d / H["decode_s"],
                  H["decode_s"] / L["decode_s"], "{:.2f}"))
-    rows.append((f"decode ms/token", 1e3 * L["decode_s"] / d, 1e3 * H["decode_s"] / d,
+    rows.append(("decode ms/token", 1e3 * L["decode_s"] / d, 1e3 * H["decode_s"] / d,
                  H["decode_s"] / L["decode_s"], "{:.1f}"))
     out = ["| metric | Lumen | transformers | ratio (Lumen/transformers, >1 = Lumen faster) |",
            "|---|---:|---:|---:|"]

@@ -43,6 +43,7 @@ class Backend(ABC):
 
     name: str = ""
     stores: tuple[str, ...] = ()  # the weight stores this backend can compute from
+    kv_types: tuple[str, ...] = ("f32",)  # KV-cache element types it can keep
 
     def __init__(self, device: str, registry):
         self.device = device

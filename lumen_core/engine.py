@@ -16,10 +16,10 @@ from .checkpoint import open_checkpoint
 from .config import Config, config_from_path_or_model
 from .errors import InputError
 from .loader import load_weights
-from .tensors import LoadReport
 from .plan import Plan, make_plan
 from .plugins import get_registry
 from .sampling import SamplingParams, make_sampler
+from .tensors import LoadReport
 from .tokenizer import StopMatcher, StreamDecoder, Tokenizer
 
 PREFILL_CHUNK = 512  # tokens per forward call when scoring long texts (bounds activation memory)
@@ -65,7 +65,9 @@ class Engine:
         model = arch.build(weights, backends, resolved["kv"])
         tok_dir = ckpt.tokenizer_dir()
         tokenizer = Tokenizer.from_dir(tok_dir) if tok_dir else None
-        return cls(config, arch, model, tokenizer, plan, report)
+        engine = cls(config, arch, model, tokenizer, plan, report)
+        engine.weights = weights  # what the loader put on each component's backend
+        return engine
 
     # -- tokens ------------------------------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:

@@ -134,8 +134,22 @@ def check_placement(config, arch: Architecture, registry, components: list[Compo
                 path, f"backend {p.backend!r} lacks ops {sorted(missing)} needed by {component_label(comp)}",
                 "place this component on a backend that implements them",
             )
+        if comp[0] == "layer":
+            _check_kv_types(config, cls)
         placements[comp] = p
     return placements
+
+
+def _check_kv_types(config, backend_cls) -> None:
+    kv = config.kv_cache()
+    supported = backend_cls.kv_types
+    for key, value in (("type-k", kv.type_k), ("type-v", kv.type_v)):
+        if value not in supported:
+            raise ConfigError(
+                f"model.hidden-layers.kv-cache.{key}",
+                f"backend {backend_cls.name!r} cannot keep a {value} KV cache",
+                f"use one of: {', '.join(supported)}",
+            )
 
 
 def _check_device(registry, p, path: str) -> None:
@@ -173,9 +187,10 @@ def make_plan(config, arch: Architecture, ckpt, registry) -> tuple[Plan, dict]:
         if comp[0] == "layer":
             kv_bytes = (KV_BYTES[kv.type_k] + KV_BYTES[kv.type_v]) / 2
             cache = arch.cache_bytes(comp[1], context, kv_bytes)
+            kv_fmt = kv.type_k if kv.type_k == kv.type_v else f"{kv.type_k}/{kv.type_v}"
             plan.entries.append(
                 PlanEntry(f"cache.layers.{comp[1]}", p.backend, p.device, "ram" if p.store == "mmap"
-                          else p.store, kv.type_k, cache, kind="cache")
+                          else p.store, kv_fmt, cache, kind="cache")
             )
     _fit(plan, registry, placements)
     return plan, {"placements": placements, "layout": layout, "kv": kv, "report": report}

@@ -186,7 +186,8 @@ def _save_raw(tensors: dict, path):
     header, blobs, offset = {}, [], 0
     for name, arr in tensors.items():
         raw = np.ascontiguousarray(arr).tobytes()
-        header[name] = {"dtype": names[arr.dtype], "shape": list(arr.shape), "data_offsets": [offset, offset + len(raw)]}
+        end = offset + len(raw)
+        header[name] = {"dtype": names[arr.dtype], "shape": list(arr.shape), "data_offsets": [offset, end]}
         blobs.append(raw)
         offset += len(raw)
     head = json.dumps(header).encode()

@@ -20,7 +20,14 @@ app = typer.Typer(
 )
 
 
+_registered = False
+
+
 def _register_commands() -> None:
+    global _registered
+    if _registered:
+        return
+    _registered = True
     from .commands import generate, perplexity, plugins, show_plan, validate
 
     for module in (plugins, validate, show_plan, generate, perplexity):

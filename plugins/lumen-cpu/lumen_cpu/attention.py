@@ -21,10 +21,11 @@ class KVCache:
         return self.k.shape[1]
 
 
-def kv_cache(context: int, kv_heads: int, head_dim: int, dtype: str = "f32", head_dim_v: int | None = None):
-    dt = KV_DTYPES[dtype]
-    return KVCache(np.zeros((kv_heads, context, head_dim), dt), np.zeros((kv_heads, context, head_dim_v or
-                                                                          head_dim), dt))
+def kv_cache(context: int, kv_heads: int, head_dim: int, type_k: str = "f32", type_v: str | None = None,
+             head_dim_v: int | None = None):
+    k = np.zeros((kv_heads, context, head_dim), KV_DTYPES[type_k])
+    v = np.zeros((kv_heads, context, head_dim_v or head_dim), KV_DTYPES[type_v or type_k])
+    return KVCache(k, v)
 
 
 def attention(q, k, v, cache: KVCache, start: int, scale: float, window: int | None = None,

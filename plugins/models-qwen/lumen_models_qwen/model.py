@@ -26,8 +26,8 @@ class FullAttention:
         self.q, self.k, self.v, self.o = (w(f"self_attn.{n}_proj.weight") for n in "qkvo")
         self.q_norm, self.k_norm = w("self_attn.q_norm.weight"), w("self_attn.k_norm.weight")
 
-    def new_state(self, ctx: int, kv_type: str):
-        return self.ops.kv_cache(ctx, self.a.num_key_value_heads, self.a.head_dim, kv_type)
+    def new_state(self, ctx: int, kv):
+        return self.ops.kv_cache(ctx, self.a.num_key_value_heads, self.a.head_dim, kv.type_k, kv.type_v)
 
     def __call__(self, h, state, start: int, rope):
         a, ops, T = self.a, self.ops, h.shape[0]
@@ -54,7 +54,7 @@ class GatedDeltaNet:
         self.neg_a = ops.exp(w("linear_attn.A_log")) * -1.0  # (Hv,)
         self.dt_bias, self.norm = w("linear_attn.dt_bias"), w("linear_attn.norm.weight")
 
-    def new_state(self, ctx: int, kv_type: str):
+    def new_state(self, ctx: int, kv):
         a = self.a
         return (self.ops.conv_state(self.conv.shape[0], a.linear_conv_kernel_dim),
                 self.ops.delta_state(a.linear_num_value_heads, a.linear_key_head_dim, a.linear_value_head_dim))
@@ -132,7 +132,7 @@ class QwenModel(Model):
     def __init__(self, arch, weights, backends, kv):
         self.arch, self.args = arch, arch.args
         self.vocab_size = arch.args.vocab_size
-        self.kv_type = kv.type_k
+        self.kv = kv
         p = arch.prefix
         self.in_backend = backends[("input-layer", None)]
         self.embed = weights[("input-layer", None)][p + "embed_tokens.weight"]
@@ -144,7 +144,7 @@ class QwenModel(Model):
         self.inv_freq = arch.args.inv_freq()
 
     def new_cache(self, context_size: int) -> Cache:
-        states = [layer.mixer.new_state(context_size, self.kv_type) for layer in self.layers]
+        states = [layer.mixer.new_state(context_size, self.kv) for layer in self.layers]
         return Cache(context_size, states)
 
     def forward(self, ids, cache: Cache, all_logits: bool = False):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
-from lumen_core.architecture import Architecture, Model, TensorLayout
+from lumen_core.architecture import Architecture, TensorLayout
 
 LINEAR_TENSORS = ("in_proj_qkv.weight", "in_proj_z.weight", "in_proj_a.weight", "in_proj_b.weight",
                   "out_proj.weight", "conv1d.weight", "A_log", "dt_bias", "norm.weight")

@@ -1,0 +1,132 @@
+"""The Python API: generate (greedy = transformers), sampling, stops, EOS, perplexity, input errors."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import lumen_core as lumen
+from lumen_core.errors import InputError
+
+PROMPT = "The quick brown fox jumps over the lazy dog and"
+
+
+@pytest.fixture(scope="module")
+def ckpt(tiny_checkpoint):
+    return tiny_checkpoint("qwen3_5")
+
+
+@pytest.fixture(scope="module")
+def engine(ckpt):
+    return lumen.load({"model": {"path": str(ckpt), "hidden-layers": {"kv-cache": {"context-size": 128}}}},
+                      progress=False)
+
+
+@pytest.fixture(scope="module")
+def hf(ckpt):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    return AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval(), AutoTokenizer.from_pretrained(ckpt)
+
+
+def hf_greedy(hf, text: str, n: int) -> list[int]:
+    model, tok = hf
+    ids = tok(text, return_tensors="pt").input_ids
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, ids.shape[1]:].tolist()
+
+
+def test_greedy_text_equals_transformers(engine, hf, monkeypatch):
+    monkeypatch.setattr(engine, "_eos", set)  # transformers runs without EOS here too
+    expected = hf_greedy(hf, PROMPT, 24)
+    assert engine.encode(PROMPT) == hf[1](PROMPT).input_ids
+    assert list(engine.generate_tokens(engine.encode(PROMPT), max_tokens=24)) == expected
+    text = "".join(engine.generate(PROMPT, max_tokens=24, temperature=0))
+    assert text == hf[1].decode(expected, skip_special_tokens=True)
+
+
+def test_streamed_pieces_are_only_new_text(engine):
+    pieces = list(engine.generate(PROMPT, max_tokens=16, temperature=0))
+    assert len(pieces) > 1
+    assert not "".join(pieces).startswith(PROMPT)
+
+
+def test_max_tokens_is_respected(engine):
+    ids = list(engine.generate_tokens(engine.encode(PROMPT), max_tokens=5))
+    assert len(ids) == 5 and engine.stats.finish_reason == "length"
+
+
+def test_same_seed_same_text_and_other_seed_differs(engine):
+    def run(seed):
+        return "".join(engine.generate(PROMPT, max_tokens=24, temperature=1.0, seed=seed))
+
+    assert run(7) == run(7)
+    assert run(7) != run(8)
+
+
+def test_sampling_filters_are_accepted(engine):
+    text = "".join(engine.generate(PROMPT, max_tokens=8, temperature=0.7, top_k=20, top_p=0.95, min_p=0.05,
+                                   seed=1))
+    assert isinstance(text, str) and engine.stats.generated_tokens == 8
+
+
+def test_eos_stops_generation(engine, monkeypatch):
+    first = next(iter(engine.generate_tokens(engine.encode(PROMPT), max_tokens=1)))
+    monkeypatch.setattr(engine, "_eos", lambda: {first})
+    assert list(engine.generate_tokens(engine.encode(PROMPT), max_tokens=10)) == []
+    assert engine.stats.finish_reason == "stop"
+
+
+def test_stop_string_cuts_the_text(engine):
+    full = "".join(engine.generate(PROMPT, max_tokens=24, temperature=0))
+    stop = full[5:8]
+    assert stop and stop in full
+    cut = "".join(engine.generate(PROMPT, max_tokens=24, temperature=0, stop=[stop]))
+    assert cut == full[: full.index(stop)]
+    assert engine.stats.finish_reason == "stop"
+
+
+def test_perplexity_equals_transformers(engine, hf):
+    text = "A short essay about the colour of the sky, and why it is blue at noon but red at dusk."
+    model, tok = hf
+    ids = tok(text, return_tensors="pt").input_ids
+    with torch.no_grad():
+        loss = model(ids, labels=ids).loss.item()
+    result = engine.perplexity(text)
+    assert result["tokens"] == ids.shape[1] - 1
+    assert abs(result["nll"] - loss) <= 1e-5
+    assert math.isclose(result["perplexity"], math.exp(result["nll"]))
+
+
+def test_oversized_prompt_names_the_sizes(engine):
+    with pytest.raises(InputError, match=r"has \d+ tokens but the context size is 128.*context-size"):
+        list(engine.generate("word " * 200, max_tokens=2))
+
+
+def test_generation_stops_when_the_context_is_full(engine):
+    prompt = engine.encode("word " * 60)[:120]
+    out = list(engine.generate_tokens(prompt, max_tokens=50))
+    assert len(prompt) + len(out) <= 128 + 1
+    assert engine.stats.finish_reason == "length"
+
+
+@pytest.mark.parametrize(("option", "value", "pattern"), [
+    ("temperature", -1.0, "temperature"), ("top_p", 0.0, "top_p"), ("top_k", -3, "top_k"),
+    ("min_p", 2.0, "min_p"), ("typo_option", 1, "unknown sampling option"),
+])
+def test_bad_sampling_values_are_refused(engine, option, value, pattern):
+    with pytest.raises(InputError, match=pattern):
+        list(engine.generate(PROMPT, max_tokens=2, **{option: value}))
+
+
+def test_chat_prompt_uses_the_template(engine):
+    prompt = engine.chat_prompt([{"role": "user", "content": "Hello"}])
+    assert prompt.startswith("<|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_load_accepts_a_checkpoint_directory(ckpt):
+    engine = lumen.load(str(ckpt), progress=False)
+    assert engine.plan.entries[0].device == "cpu"

@@ -1,0 +1,112 @@
+"""The plan: placement per component, bytes per component and pool, refusal before loading."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import lumen_core as lumen
+from lumen_core import plan as plan_mod
+from lumen_core.errors import ConfigError, PlanError
+
+
+def entries(engine_or_plan):
+    plan = getattr(engine_or_plan, "plan", engine_or_plan)
+    return {e.component: e for e in plan.entries}
+
+
+def test_plan_bytes_equal_what_was_loaded(tiny_checkpoint):
+    engine = lumen.load({"model": {"path": str(tiny_checkpoint("qwen3_5_moe"))}}, progress=False)
+    by_label = entries(engine)
+    for (block, layer), tensors in engine.weights.items():
+        label = {"layer": f"layers.{layer}", "experts": f"layers.{layer}.experts"}.get(block, block)
+        loaded = sum(getattr(t, "nbytes", 0) for t in tensors.values())
+        assert by_label[label].nbytes == loaded, label
+
+
+def test_cache_bytes_match_the_allocated_cache(tiny_checkpoint):
+    engine = lumen.load({"model": {"path": str(tiny_checkpoint("qwen3_5")),
+                                   "hidden-layers": {"kv-cache": {"context-size": 100, "type-k": "f16",
+                                                                  "type-v": "f16"}}}}, progress=False)
+    cache = engine.model.new_cache(engine.context_size)
+    by_label = entries(engine)
+    for i, state in enumerate(cache.layers):
+        arrays = [state.k, state.v] if hasattr(state, "k") else [state[0].x, state[1].s]
+        assert by_label[f"cache.layers.{i}"].nbytes == sum(a.nbytes for a in arrays)
+    assert cache.layers[3].k.dtype == np.float16
+
+
+def test_ranges_and_experts_blocks_place_components(tiny_checkpoint):
+    config = {"model": {"path": str(tiny_checkpoint("qwen3_5_moe")), "compute": "cpu", "store": "ram",
+                        "hidden-layers": {"experts": {"store": "mmap"},
+                                          "ranges": [{"start": 2, "end": 3, "store": "mmap"}]}}}
+    engine = lumen.load(config, progress=False)
+    e = entries(engine)
+    assert e["layers.0"].store == "ram" and e["layers.0.experts"].store == "mmap"
+    assert e["layers.2"].store == "mmap" and e["layers.3.experts"].store == "mmap"
+    assert e["input-layer"].store == "ram"
+    pools = engine.plan.pools()
+    assert pools["mmap (page cache)"] == sum(x.nbytes for x in engine.plan.entries if x.store == "mmap")
+
+
+def test_changing_only_the_config_moves_the_weights(tiny_checkpoint):
+    """store: mmap keeps weights as views on the file; store: ram copies them into process memory."""
+    path = str(tiny_checkpoint("qwen3_5_moe"))
+    ram = lumen.load({"model": {"path": path, "store": "ram"}}, progress=False)
+    mm = lumen.load({"model": {"path": path, "store": "ram", "hidden-layers": {"experts": {"store": "mmap"}}}},
+                    progress=False)
+    name = "model.layers.0.mlp.experts.0.up_proj.weight"
+    assert ram.weights[("experts", 0)][name].data.flags.owndata
+    assert not mm.weights[("experts", 0)][name].data.flags.owndata
+    ids = list(range(3, 40))
+    a = ram.model.forward(ids, ram.model.new_cache(64), all_logits=True)
+    b = mm.model.forward(ids, mm.model.new_cache(64), all_logits=True)
+    assert np.array_equal(a, b)
+
+
+def test_plan_that_does_not_fit_is_refused_before_loading(tiny_checkpoint, monkeypatch):
+    monkeypatch.setattr(plan_mod, "host_available_bytes", lambda: 200_000)
+    loaded = []
+    monkeypatch.setattr("lumen_core.loader.load_component", lambda *a: loaded.append(a))
+    with pytest.raises(PlanError, match=r"host RAM needs .* but 195.3 KiB is available.*Largest there"):
+        lumen.load({"model": {"path": str(tiny_checkpoint("qwen3_5"))}}, progress=False)
+    assert loaded == []
+
+
+def test_huge_context_is_refused_naming_the_cache(tiny_checkpoint, monkeypatch):
+    monkeypatch.setattr(plan_mod, "host_available_bytes", lambda: 50 << 20)
+    with pytest.raises(PlanError, match="cache.layers.3.*context-size"):
+        lumen.load({"model": {"path": str(tiny_checkpoint("qwen3_5")),
+                              "hidden-layers": {"kv-cache": {"context-size": 10_000_000}}}}, progress=False)
+
+
+def test_range_past_the_last_layer(tiny_checkpoint):
+    with pytest.raises(ConfigError, match=r"ranges\[0\]\.end"):
+        lumen.load({"model": {"path": str(tiny_checkpoint("qwen3_5")),
+                              "hidden-layers": {"ranges": [{"start": 0, "end": 9, "store": "mmap"}]}}})
+
+
+def test_kv_type_the_backend_cannot_keep(tiny_checkpoint):
+    with pytest.raises(ConfigError, match=r"kv-cache.type-k.*fp8"):
+        lumen.load({"model": {"path": str(tiny_checkpoint("qwen3_5")),
+                              "hidden-layers": {"kv-cache": {"type-k": "fp8", "type-v": "fp8"}}}})
+
+
+@pytest.mark.parametrize(("extra", "path"), [
+    ({"draft": {"model": {"path": "x"}, "num-draft-tokens": 4}}, "draft"),
+    ({"vision": {"compute": "cpu", "store": "ram"}}, "vision"),
+])
+def test_features_not_yet_supported_are_refused_by_name(tiny_checkpoint, extra, path):
+    with pytest.raises(ConfigError, match=f"config {path}.*not supported"):
+        lumen.load({"model": {"path": str(tiny_checkpoint("qwen3_5"))}, **extra})
+
+
+def test_f16_kv_cache_stays_close_to_f32(tiny_checkpoint):
+    path = str(tiny_checkpoint("qwen3_5"))
+    ids = list(range(3, 60))
+    out = []
+    for t in ("f32", "f16"):
+        e = lumen.load({"model": {"path": path, "hidden-layers": {"kv-cache": {"type-k": t, "type-v": t}}}},
+                       progress=False)
+        out.append(e.model.forward(ids, e.model.new_cache(64), all_logits=True))
+    assert 0 < np.abs(out[0] - out[1]).max() <= 1e-2
