@@ -244,11 +244,50 @@ def greedy(runner, ids, steps: int):
     return time.perf_counter() - t0, tokens, all_logits
 
 
-def timed(fn):
-    gc.collect()
-    t0 = time.perf_counter()
-    out = fn()
-    return time.perf_counter() - t0, out
+def cpu_busy_s() -> float | None:
+    """Seconds of CPU time the whole machine has spent busy since boot (all cores), from /proc/stat."""
+    try:
+        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+    except OSError:
+        return None
+    user, nice, system, idle, iowait, irq, softirq, steal = (int(x) for x in fields[:8])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+class Probe:
+    """Wall time of a block, and how busy the machine's cores were with *other* processes meanwhile
+    (busy CPU time minus this process's own, per core and second): 0 on a quiet machine."""
+
+    def __enter__(self):
+        gc.collect()
+        self.busy, self.own = cpu_busy_s(), time.process_time()
+        self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        self.wall = time.perf_counter() - self.t0
+        own = time.process_time() - self.own
+        busy = cpu_busy_s()
+        self.foreign = (None if busy is None or self.busy is None
+                        else max(0.0, (busy - self.busy - own) / (self.wall * (os.cpu_count() or 1))))
+        return False
+
+
+def timed(fn, tries: int, max_foreign: float, label: str):
+    """Run fn until the machine was quiet during it (other load <= max_foreign) or tries run out.
+
+    -> (seconds, result, foreign load of the kept attempt, attempts)."""
+    attempts = []
+    for i in range(max(1, tries)):
+        with Probe() as p:
+            out = fn()
+        attempts.append({"s": p.wall, "foreign": p.foreign})
+        if p.foreign is None or p.foreign <= max_foreign:
+            break
+        print(f"  {label}: other processes used {p.foreign:.0%} of the cores, measuring again",
+              file=sys.stderr)
+        time.sleep(2.0)
+    return p.wall, out, p.foreign, attempts
 
 
 def quiet_pause():

@@ -1,0 +1,36 @@
+"""The op contract: what an architecture may call on ``ops``, with shapes. Backends implement these.
+
+A backend registers ``register(op, backend, fn, variant=None, priority=0)``; ``variant`` is a weight format
+(``f32``, ``bf16``, ``f16``, ``fp8``) for ops that take a ``Weight``. Activations are f32 arrays of the
+backend; T = tokens of this call, H = hidden size. Architectures may also use the tensor protocol:
+``.shape``, ``.reshape``, basic slicing, and ``+ - * /`` with tensors or Python scalars.
+"""
+
+CONTRACT = {
+    "embedding": "(ids list[int] (T,), w Weight (vocab, H)) -> (T, H)",
+    "linear": "(x (T, in), w Weight (out, in)) -> (T, out); variants per weight format",
+    "rms_norm": "(x (..., D), w (D,) | None, eps, offset=0.0) -> x / rms(x) * (w + offset)",
+    "rms_norm_gated": "(x (..., D), gate (..., D), w (D,), eps) -> rms_norm(x, w) * silu(gate)",
+    "l2norm": "(x (..., D), eps=1e-6) -> x / sqrt(sum(x²) + eps)",
+    "sigmoid": "(x) -> 1 / (1 + exp(-x))",
+    "silu": "(x) -> x * sigmoid(x)",
+    "softplus": "(x) -> log(1 + exp(x))",
+    "exp": "(x) -> exp(x)",
+    "silu_mul": "(gate (T, I), up (T, I)) -> silu(gate) * up",
+    "gelu_tanh_mul": "(gate (T, I), up (T, I)) -> gelu_tanh(gate) * up",
+    "softcap": "(x, cap) -> tanh(x / cap) * cap",
+    "rope_tables": "(positions (T,) | (3, T), inv_freq list[float], mrope_section=None, interleaved=False) "
+                   "-> cos, sin (T, rot)",
+    "apply_rope": "(x (T, heads, D), cos (T, rot), sin (T, rot)) -> x with dims [:rot] rotated (rotate-half)",
+    "kv_cache": "(context, kv_heads, head_dim, type_k='f32', type_v=None, head_dim_v=None) -> cache",
+    "attention": "(q (T, Hq, D), k (T, Hkv, D), v (T, Hkv, Dv), cache, start, scale, window=None, "
+                 "softcap=None) -> (T, Hq, Dv); writes k, v at start..start+T-1, causal",
+    "conv_state": "(channels, kernel) -> state holding the last kernel-1 inputs",
+    "causal_conv1d": "(x (T, C), w (C, K), state) -> silu(depthwise causal conv) (T, C); updates state",
+    "delta_state": "(v_heads, k_dim, v_dim) -> recurrent state (v_heads, k_dim, v_dim)",
+    "gated_delta_rule": "(q, k (T, Hk, Dk), v (T, Hv, Dv), g, beta (T, Hv), state) -> (T, Hv, Dv); "
+                        "L2-normalises q, k; updates state",
+    "moe_route": "(logits (T, E), k, normalize=True) -> weights (T, k), ids (T, k): softmax top-k",
+    "moe_experts": "(x (T, H), ids (T, k), weights (T, k), gate_up [(Weight, Weight)] per expert, "
+                   "down [Weight] per expert, act='silu') -> (T, H)",
+}

@@ -1,0 +1,34 @@
+"""Every example config is valid; the tiny ones also plan and run against a tiny checkpoint."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import lumen_core as lumen
+from lumen_core.config import load_config
+
+EXAMPLES = sorted((Path(__file__).resolve().parents[1] / "examples").glob("*.json"))
+KIND = {"tiny-qwen-cpu.json": "qwen3_5", "tiny-qwen-moe-cpu-mmap.json": "qwen3_5_moe"}
+
+
+def test_there_are_examples():
+    assert {p.name for p in EXAMPLES} >= set(KIND)
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_example_passes_schema_and_structure(path):
+    config = load_config(path)
+    assert config.model_path.is_absolute()
+
+
+@pytest.mark.parametrize("name", sorted(KIND))
+def test_tiny_example_runs(name, tiny_checkpoint, write_config):
+    raw = json.loads((EXAMPLES[0].parent / name).read_text())
+    raw["model"]["path"] = str(tiny_checkpoint(KIND[name]))
+    engine = lumen.load(str(write_config(raw)), progress=False)
+    ids = list(engine.generate_tokens(engine.encode("Hello"), max_tokens=4))
+    assert len(ids) == engine.stats.generated_tokens - (engine.stats.finish_reason == "stop") >= 0
+    assert engine.plan.context_size == raw["model"]["hidden-layers"]["kv-cache"]["context-size"]
