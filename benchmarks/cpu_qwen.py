@@ -12,6 +12,10 @@ be trusted to have computed the same thing.
 The checkpoint is built with transformers (``Qwen3_5TextConfig`` -> ``Qwen3_5ForCausalLM``, its own random
 init, float32, ``save_pretrained``) into ``--workdir`` and reused when present. No tokenizer: token ids.
 Dev tool: needs torch + transformers. threadpoolctl is optional (used to pin/report numpy's BLAS threads).
+
+On a shared machine every measurement also reads /proc/stat: when other processes kept more than
+``--max-foreign`` of the cores busy meanwhile, it is measured again (up to ``--tries`` times). ``--profile``
+appends a cProfile of Lumen's prefill and decode. See benchmarks/README.md for results.
 """
 
 from __future__ import annotations
@@ -49,6 +53,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     r.add_argument("--decode", type=int, default=32, help="single-token decode steps after --prompt")
     r.add_argument("--runs", type=int, default=3, help="timed repeats after one warm-up; median reported")
     r.add_argument("--threads", type=int, default=2, help="torch threads and numpy BLAS threads")
+    r.add_argument("--max-foreign", type=float, default=0.05,
+                   help="re-measure when other processes used more than this share of the cores meanwhile")
+    r.add_argument("--tries", type=int, default=5, help="at most this many attempts per measurement")
+    r.add_argument("--backoff", type=float, default=3.0, help="seconds to wait before a re-measurement")
     r.add_argument("--context", type=int, default=2048, help="Lumen KV-cache context size")
     r.add_argument("--attn", default="eager", help="transformers attn_implementation (eager | sdpa)")
     r.add_argument("--workdir", default=".cache/bench", help="where the checkpoint is built and reused")
@@ -231,63 +239,74 @@ def argmax(logits) -> int:
     return int(logits.argmax())
 
 
-def greedy(runner, ids, steps: int):
-    """Prefill (untimed) then `steps` decode steps (timed). -> (seconds, tokens, per-step numpy logits)."""
-    logits, cache = runner.prefill(ids)
-    tokens, all_logits = [argmax(logits)], [runner.as_numpy(logits)]
-    gc.collect()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        logits = runner.step(tokens[-1], cache)
-        tokens.append(argmax(logits))
-        all_logits.append(runner.as_numpy(logits))
-    return time.perf_counter() - t0, tokens, all_logits
-
-
 def cpu_busy_s() -> float | None:
-    """Seconds of CPU time the whole machine has spent busy since boot (all cores), from /proc/stat."""
+    """CPU seconds the whole machine has spent busy since boot (all cores), from /proc/stat."""
     try:
         fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
     except OSError:
         return None
-    user, nice, system, idle, iowait, irq, softirq, steal = (int(x) for x in fields[:8])
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields[:8])
     return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
 
 
 class Probe:
-    """Wall time of a block, and how busy the machine's cores were with *other* processes meanwhile
-    (busy CPU time minus this process's own, per core and second): 0 on a quiet machine."""
+    """Wall time of a block, and how busy the cores were with *other* processes meanwhile (busy CPU time
+    minus this process's own, as a fraction of all cores over the block): ~0 on a quiet machine."""
 
     def __enter__(self):
         gc.collect()
-        self.busy, self.own = cpu_busy_s(), time.process_time()
-        self.t0 = time.perf_counter()
+        self.busy, self.own, self.t0 = cpu_busy_s(), time.process_time(), time.perf_counter()
         return self
 
     def __exit__(self, *exc):
         self.wall = time.perf_counter() - self.t0
-        own = time.process_time() - self.own
-        busy = cpu_busy_s()
+        own, busy = time.process_time() - self.own, cpu_busy_s()
+        slack = 2 / os.sysconf("SC_CLK_TCK")  # /proc/stat counts in ticks: allow the rounding of two reads
         self.foreign = (None if busy is None or self.busy is None
-                        else max(0.0, (busy - self.busy - own) / (self.wall * (os.cpu_count() or 1))))
+                        else max(0.0, (busy - self.busy - own - slack) / (self.wall * (os.cpu_count() or 1))))
         return False
 
 
-def timed(fn, tries: int, max_foreign: float, label: str):
-    """Run fn until the machine was quiet during it (other load <= max_foreign) or tries run out.
-
-    -> (seconds, result, foreign load of the kept attempt, attempts)."""
+def measured(fn, args, label: str):
+    """fn() -> (Probe, result). Repeat while other processes kept the cores busy (> --max-foreign) during
+    the probe, up to --tries times; -> (seconds, result, record of every attempt)."""
     attempts = []
-    for i in range(max(1, tries)):
-        with Probe() as p:
-            out = fn()
-        attempts.append({"s": p.wall, "foreign": p.foreign})
-        if p.foreign is None or p.foreign <= max_foreign:
+    for _ in range(max(1, args.tries)):
+        quiet_pause()
+        probe, out = fn()
+        attempts.append({"s": probe.wall, "foreign": probe.foreign})
+        if probe.foreign is None or probe.foreign <= args.max_foreign:
             break
-        print(f"  {label}: other processes used {p.foreign:.0%} of the cores, measuring again",
+        print(f"  {label}: other processes kept {probe.foreign:.0%} of the cores busy; measuring again",
               file=sys.stderr)
-        time.sleep(2.0)
-    return p.wall, out, p.foreign, attempts
+        time.sleep(args.backoff)
+    return probe.wall, out, attempts
+
+
+def timed_load(runner):
+    runner.unload()
+    gc.collect()
+    with Probe() as p:
+        runner.load()
+    return p, None
+
+
+def timed_prefill(runner, ids):
+    with Probe() as p:
+        runner.prefill(ids)
+    return p, None
+
+
+def timed_greedy(runner, ids, steps: int):
+    """Prefill (untimed), then `steps` greedy decode steps (timed). Result: (tokens, per-step numpy logits)."""
+    logits, cache = runner.prefill(ids)
+    tokens, all_logits = [argmax(logits)], [runner.as_numpy(logits)]
+    with Probe() as p:
+        for _ in range(steps):
+            logits = runner.step(tokens[-1], cache)
+            tokens.append(argmax(logits))
+            all_logits.append(runner.as_numpy(logits))
+    return p, (tokens, all_logits)
 
 
 def quiet_pause():
@@ -302,43 +321,48 @@ def bench(args, path: Path) -> dict:
     runners = [LumenRunner(path, args.context), HFRunner(path, args.attn)]
     rng = np.random.RandomState(args.seed)
     prompts = {n: rng.randint(0, args.vocab, n).tolist() for n in sorted(set(args.prefill) | {args.prompt})}
-    times = {r.name: {"load_s": [], **{f"prefill{n}_s": [] for n in args.prefill}, "decode_s": []}
-             for r in runners}
+    keys = ["load_s", *(f"prefill{n}_s" for n in args.prefill), "decode_s"]
+    times = {r.name: {k: [] for k in keys} for r in runners}
+    attempts = {r.name: {k: [] for k in keys} for r in runners}
+
+    def record(r, key, result):
+        dt, out, tries = result
+        times[r.name][key].append(dt)
+        attempts[r.name][key].append(tries)
+        return out
 
     # load: one warm-up (fills the page cache), then --runs timed loads; the last one stays loaded
-    for i in range(args.runs + 1):
+    for r in runners:
+        r.load()
+    for _ in range(args.runs):
         for r in runners:
-            r.unload()
-            gc.collect()
-            quiet_pause()
-            dt, _ = timed(r.load)
-            if i:
-                times[r.name]["load_s"].append(dt)
-        print(f"load {'warm-up' if not i else f'run {i}'} done", file=sys.stderr)
+            record(r, "load_s", measured(lambda r=r: timed_load(r), args, f"{r.name} load"))
+    print("loads done", file=sys.stderr)
 
     # warm-up: every prefill length and one decode loop per engine
     for r in runners:
-        quiet_pause()
         for n in args.prefill:
             r.prefill(prompts[n])
-        greedy(r, prompts[args.prompt], args.decode)
+        timed_greedy(r, prompts[args.prompt], args.decode)
     print("compute warm-up done", file=sys.stderr)
 
     results = {}
     for i in range(args.runs):  # interleaved, so slow drift of the machine hits both engines alike
         for r in runners:
-            quiet_pause()
             for n in args.prefill:
-                dt, _ = timed(lambda n=n: r.prefill(prompts[n]))
-                times[r.name][f"prefill{n}_s"].append(dt)
-            quiet_pause()
-            dt, tokens, logits = greedy(r, prompts[args.prompt], args.decode)
-            times[r.name]["decode_s"].append(dt)
-            results[r.name] = (tokens, logits)
+                record(r, f"prefill{n}_s", measured(lambda r=r, n=n: timed_prefill(r, prompts[n]), args,
+                                                    f"{r.name} prefill {n}"))
+            results[r.name] = record(r, "decode_s", measured(
+                lambda r=r: timed_greedy(r, prompts[args.prompt], args.decode), args, f"{r.name} decode"))
         print(f"run {i + 1}/{args.runs} done", file=sys.stderr)
 
     med = {name: {k: statistics.median(v) for k, v in t.items()} for name, t in times.items()}
-    return {"times": times, "median": med, "agreement": agreement(results, runners), "prompts": prompts}
+    foreign = [a["foreign"] for per in attempts.values() for runs in per.values() for tries in runs
+               for a in tries[-1:] if a["foreign"] is not None]
+    retried = sum(len(tries) - 1 for per in attempts.values() for runs in per.values() for tries in runs)
+    return {"times": times, "attempts": attempts, "median": med, "prompts": prompts,
+            "agreement": agreement(results, runners),
+            "noise": {"max_foreign_kept": max(foreign, default=None), "retried": retried}}
 
 
 def agreement(results: dict, runners) -> dict:
@@ -346,12 +370,12 @@ def agreement(results: dict, runners) -> dict:
 
     (ta, la), (tb, lb) = (results[r.name] for r in runners)
     same = 0
-    for x, y in zip(ta, tb):
+    for x, y in zip(ta, tb, strict=True):
         if x != y:
             break
         same += 1
     # logits are comparable only while both fed back the same tokens
-    diffs = [float(np.abs(x - y).max()) for x, y in zip(la[:same + 1], lb[:same + 1])]
+    diffs = [float(np.abs(x - y).max()) for x, y in zip(la[:same + 1], lb[:same + 1], strict=True)]
     return {"tokens_compared": len(ta), "leading_tokens_equal": same, "lumen_tokens": ta,
             "transformers_tokens": tb, "max_abs_logit_diff_prefill": diffs[0],
             "max_abs_logit_diff_all": max(diffs)}
@@ -376,6 +400,7 @@ def table(args, med: dict) -> str:
 
 
 def profile_lumen(args, path: Path, prompts: dict) -> str:
+    """cProfile of one Lumen prefill (the longest --prefill length) and of the decode steps alone."""
     import cProfile
     import io
     import pstats
@@ -383,15 +408,23 @@ def profile_lumen(args, path: Path, prompts: dict) -> str:
     r = LumenRunner(path, args.context)
     r.load()
     n = max(args.prefill)
-    r.prefill(prompts[n])  # warm
+    r.prefill(prompts[n])  # warm-up
+
+    def prefill(prof):
+        prof.runcall(r.prefill, prompts[n])
+
+    def decode(prof):
+        logits, cache = r.prefill(prompts[args.prompt])  # not profiled
+        token = argmax(logits)
+        for _ in range(args.decode):
+            token = argmax(prof.runcall(r.step, token, cache))
+
     sections = []
-    for label, fn in ((f"prefill {n} tokens", lambda: r.prefill(prompts[n])),
-                      (f"decode {args.decode} steps after {args.prompt}",
-                       lambda: greedy(r, prompts[args.prompt], args.decode))):
+    for label, fn in ((f"prefill of {n} tokens", prefill),
+                      (f"{args.decode} decode steps after {args.prompt}", decode)):
+        gc.collect()
         prof = cProfile.Profile()
-        prof.enable()
-        fn()
-        prof.disable()
+        fn(prof)
         buf = io.StringIO()
         pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(args.profile_top)
         sections.append(f"## Lumen {label} (cProfile, sorted by tottime)\n{buf.getvalue()}")
@@ -433,10 +466,15 @@ def main(argv=None) -> None:
           f"over all agreeing steps {agr['max_abs_logit_diff_all']:.2e}")
     if not ok:
         print(f"  Lumen:        {agr['lumen_tokens']}\n  transformers: {agr['transformers_tokens']}")
+    noise = res["noise"]
+    if noise["max_foreign_kept"] is not None:
+        print(f"machine noise: other processes used at most {noise['max_foreign_kept']:.0%} of the cores during "
+              f"a kept measurement; {noise['retried']} measurement(s) redone (limit {args.max_foreign:.0%})")
 
     if args.json:
         out = {"args": vars(args), "checkpoint": str(path), "machine": mach, "threads": threads,
-               "versions": versions, "times_s": res["times"], "median_s": res["median"], "agreement": agr}
+               "versions": versions, "times_s": res["times"], "median_s": res["median"], "agreement": agr,
+               "noise": res["noise"], "attempts": res["attempts"]}
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(out, indent=2) + "\n", encoding="utf-8")
     if args.profile:

@@ -39,8 +39,8 @@ def attention(q, k, v, cache: KVCache, start: int, scale: float, window: int | N
     cache.k[:, start:end] = k.transpose(1, 0, 2)
     cache.v[:, start:end] = v.transpose(1, 0, 2)
     lo = 0 if window is None else max(0, start - window + 1)
-    keys = cache.k[:, lo:end].astype(F32)  # (Hkv, S, D)
-    vals = cache.v[:, lo:end].astype(F32)
+    keys = cache.k[:, lo:end].astype(F32, copy=False)  # (Hkv, S, D); f16/bf16 caches widen here
+    vals = cache.v[:, lo:end].astype(F32, copy=False)
     hkv = keys.shape[0]
     qg = q.transpose(1, 0, 2).reshape(hkv, hq // hkv * T, -1)  # (Hkv, group*T, D)
     scores = (qg @ keys.transpose(0, 2, 1)).reshape(hkv, hq // hkv, T, -1) * F32(scale)
