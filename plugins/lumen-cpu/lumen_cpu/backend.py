@@ -29,7 +29,8 @@ class CPUBackend(Backend):
         return Weight(data, fmt, tuple(data.shape), scale, block)
 
     def tensor(self, array):
-        return np.ascontiguousarray(array, dtype=np.float32)
+        # Always a private f32 copy: small checkpoint tensors must not keep a view on the mapped file.
+        return np.array(array, dtype=np.float32)
 
     def to_host(self, x):
         return np.asarray(x)
