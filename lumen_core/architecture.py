@@ -42,6 +42,27 @@ class Architecture(ABC):
     def __init__(self, config: dict):
         self.config = config
 
+    @classmethod
+    def from_checkpoint(cls, ckpt) -> Architecture:
+        """Build from an opened checkpoint. GGUF files carry llama.cpp metadata and tensor names: the
+        architecture translates them (``config_from_gguf``, ``gguf_tensor_map``) and renames the tensors."""
+        if getattr(ckpt, "format", "hf") != "gguf":
+            return cls(ckpt.config)
+        config = cls.config_from_gguf(ckpt.metadata)
+        ckpt.rename(cls.gguf_tensor_map(config, list(ckpt.tensors)))
+        return cls(config)
+
+    @classmethod
+    def config_from_gguf(cls, metadata: dict) -> dict:
+        """An HF-style config dict from GGUF metadata (``{key: value}``, arrays as lists)."""
+        raise NotImplementedError(f"{cls.__name__} cannot read GGUF checkpoints")
+
+    @classmethod
+    def gguf_tensor_map(cls, config: dict, names: list[str]) -> dict[str, tuple[str, Any]]:
+        """``{gguf name: (HF name, transform or None)}``; transform(f32 array) -> array, applied on read
+        (e.g. llama.cpp stores Gemma norm weights as 1 + w)."""
+        raise NotImplementedError(f"{cls.__name__} cannot read GGUF checkpoints")
+
     @abstractmethod
     def layout(self, names: Iterable[str]) -> TensorLayout:
         """Map the checkpoint's tensor names to components (a tied tensor may serve two)."""

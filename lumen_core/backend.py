@@ -26,8 +26,8 @@ class DeviceInfo:
 class Weight:
     """A weight matrix on a backend, in a storage format; ops dispatch on ``format``."""
 
-    data: Any  # backend array (for fp8: the e4m3 values)
-    format: str  # "f32", "bf16", "fp8"
+    data: Any  # backend array (fp8: the e4m3 values; GGUF block formats: raw blocks (rows, bytes/row))
+    format: str  # "f32", "f16", "bf16", "fp8", or a GGUF type in lower case ("q4_k", "q8_0", ...)
     shape: tuple[int, ...]
     scale: Any = None  # fp8: per-block / per-channel / per-tensor scale (backend array)
     block: tuple[int, int] | None = None  # fp8 block size, e.g. (128, 128); None = per-channel/tensor
@@ -56,8 +56,11 @@ class Backend(ABC):
         """The devices of this kind present on this machine."""
 
     @abstractmethod
-    def weight(self, array, fmt: str, store: str, scale=None, block=None) -> Weight:
-        """Put a host array (numpy, from the checkpoint reader) on this device as a Weight."""
+    def weight(self, array, fmt: str, store: str, scale=None, shape=None) -> Weight:
+        """Put a host array (numpy, from the checkpoint reader) on this device as a Weight.
+
+        ``shape`` is the logical (rows, cols) shape, which differs from ``array.shape`` for block-quantized
+        formats (raw bytes per row)."""
 
     @abstractmethod
     def tensor(self, array) -> Any:

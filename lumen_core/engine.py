@@ -52,19 +52,14 @@ class Engine:
 
     @classmethod
     def load(cls, source, progress: bool = True) -> Engine:
-        config = source if isinstance(source, Config) else config_from_path_or_model(source)
+        config, ckpt, arch, plan, resolved = prepare(source)
         registry = get_registry()
-        ckpt = open_checkpoint(config.model_path, registry)
-        model_type = ckpt.config.get("model_type", "<missing>")
-        arch = registry.architecture_class(model_type)(ckpt.config)
-        plan, resolved = make_plan(config, arch, ckpt, registry)
         backends = _backends(resolved["placements"], registry)
         report = resolved["report"]
         weights = load_weights(ckpt, arch, resolved["layout"], resolved["placements"], backends, report,
                                progress)
         model = arch.build(weights, backends, resolved["kv"])
-        tok_dir = ckpt.tokenizer_dir()
-        tokenizer = Tokenizer.from_dir(tok_dir) if tok_dir else None
+        tokenizer = ckpt.load_tokenizer()
         engine = cls(config, arch, model, tokenizer, plan, report)
         engine.weights = weights  # what the loader put on each component's backend
         return engine
@@ -157,6 +152,16 @@ class Engine:
 
     def _eos(self) -> set[int]:
         return set(self.tokenizer.eos_ids) if self.tokenizer else set()
+
+
+def prepare(source):
+    """Config, checkpoint header, architecture and plan: everything before the first weight is read."""
+    config = source if isinstance(source, Config) else config_from_path_or_model(source)
+    registry = get_registry()
+    ckpt = open_checkpoint(config.model_path, registry)
+    arch = registry.architecture_class(ckpt.config.get("model_type", "<missing>")).from_checkpoint(ckpt)
+    plan, resolved = make_plan(config, arch, ckpt, registry)
+    return config, ckpt, arch, plan, resolved
 
 
 def _logsumexp(x):

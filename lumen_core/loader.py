@@ -11,14 +11,15 @@ from .tensors import SCALE_SUFFIX, LoadReport
 
 def load_component(ckpt, arch: Architecture, backend, store: str, names: list[str]) -> dict:
     out = {}
+    read_f32 = getattr(ckpt, "read_f32", ckpt.read)
     for name in names:
-        array = ckpt.read(name)
         if arch.is_matrix(name):
             scale = ckpt.tensors.get(name + SCALE_SUFFIX)
             scale_arr = ckpt.read(scale.name) if scale else None
-            out[name] = backend.weight(array, weight_format(ckpt, name), store, scale=scale_arr)
+            out[name] = backend.weight(ckpt.read(name), weight_format(ckpt, name), store, scale=scale_arr,
+                                       shape=ckpt.tensors[name].shape)
         else:
-            out[name] = backend.tensor(array)
+            out[name] = backend.tensor(read_f32(name))
     return out
 
 

@@ -18,15 +18,20 @@ class TensorInfo:
 
 
 class Checkpoint(Protocol):
+    format: str  # "hf", "gguf"
     path: Path
-    config: dict  # the architecture's HF-style config (text part for multimodal checkpoints is left in)
-    tensors: dict[str, TensorInfo]
+    config: dict  # HF-style config ("model_type" at least; GGUF: translated by the architecture)
+    tensors: dict[str, TensorInfo]  # shape in numpy order (rows first); nbytes as stored
 
     def read(self, name: str) -> Any:
-        """The tensor as a read-only numpy array (a view on the mapped file where possible)."""
+        """The tensor as stored, as a read-only numpy array (a view on the mapped file where possible).
+        Block-quantized GGUF tensors come back as raw uint8 blocks, shape (rows, bytes per row)."""
 
-    def tokenizer_dir(self) -> Path | None:
-        """Where tokenizer.json and friends live, if anywhere."""
+    def read_f32(self, name: str) -> Any:
+        """(Optional) the tensor dequantized to float32; the loader uses it for small tensors."""
+
+    def load_tokenizer(self):
+        """The checkpoint's ``lumen_core.tokenizer.Tokenizer``, or None when it has none."""
 
 
 def open_checkpoint(path: str | Path, registry) -> Checkpoint:

@@ -29,6 +29,8 @@ def read_json(path: Path) -> dict:
 class HFCheckpoint:
     """An HF directory. Tensors are read lazily, one at a time, from memory-mapped files."""
 
+    format = "hf"
+
     def __init__(self, path: Path):
         self.path = path
         if not (path / "config.json").exists():
@@ -73,6 +75,11 @@ class HFCheckpoint:
 
     def tokenizer_dir(self) -> Path | None:
         return self.path if (self.path / "tokenizer.json").exists() else None
+
+    def load_tokenizer(self):
+        from ..tokenizer import Tokenizer
+
+        return Tokenizer.from_dir(self.path) if self.tokenizer_dir() else None
 
 
 def open_hf(path: Path) -> HFCheckpoint:

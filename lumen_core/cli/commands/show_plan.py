@@ -10,17 +10,9 @@ from . import ConfigOpt
 
 
 def build_plan(config_arg: str):
-    from ...checkpoint import open_checkpoint
-    from ...config import config_from_path_or_model
-    from ...plan import make_plan
-    from ...plugins import get_registry
+    from ...engine import prepare
 
-    config = config_from_path_or_model(config_arg)
-    registry = get_registry()
-    ckpt = open_checkpoint(config.model_path, registry)
-    arch = registry.architecture_class(ckpt.config.get("model_type", "<missing>"))(ckpt.config)
-    plan, _ = make_plan(config, arch, ckpt, registry)
-    return plan
+    return prepare(config_arg)[3]
 
 
 def show_plan(

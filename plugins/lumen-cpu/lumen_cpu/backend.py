@@ -20,13 +20,15 @@ class CPUBackend(Backend):
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         return [DeviceInfo("cpu", total, host_available_bytes(), f"{os.cpu_count()} cores")]
 
-    def weight(self, array, fmt: str, store: str, scale=None, block=None) -> Weight:
+    def weight(self, array, fmt: str, store: str, scale=None, shape=None) -> Weight:
         # ram: a private copy (the file can go away); mmap: a view on the page cache, read on use.
         data = np.array(array) if store == "ram" else array
+        shape = tuple(shape or data.shape)
+        block = None
         if scale is not None:
-            scale = np.asarray(scale, dtype=np.float32)
-            block = _block_of(data.shape, scale.shape)
-        return Weight(data, fmt, tuple(data.shape), scale, block)
+            scale = np.array(scale, dtype=np.float32)
+            block = _block_of(shape, scale.shape)
+        return Weight(data, fmt, shape, scale, block)
 
     def tensor(self, array):
         # Always a private f32 copy: small checkpoint tensors must not keep a view on the mapped file.
