@@ -2,6 +2,10 @@
 
 from lumen_core import hookimpl
 
+# GGUF block formats with a fused dequantizing kernel (numba) in lumen_cpu.fused.
+FUSED_FORMATS = ("q8_0", "q5_0", "q4_0", "q4_k", "q5_k", "q6_k")
+FUSED_PRIORITY = 10  # above the plain dequantize-then-matmul reference implementations
+
 
 @hookimpl
 def register_backends(register):
@@ -14,3 +18,18 @@ def register_ops(register):
 
     for name, fn, variant in ops.table():
         register(name, "cpu", fn, variant=variant)
+    for fmt in FUSED_FORMATS:
+        for op in ("linear", "embedding"):
+            register(op, "cpu", _lazy_fused(op), variant=fmt, priority=FUSED_PRIORITY)
+
+
+def _lazy_fused(op: str):
+    """Importing numba costs ~0.5 s: only a plan that uses a quantized weight pays it."""
+
+    def call(*args, **kwargs):
+        from . import fused
+
+        return getattr(fused, op)(*args, **kwargs)
+
+    call.__name__ = f"fused_{op}"
+    return call
