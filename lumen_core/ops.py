@@ -33,4 +33,11 @@ CONTRACT = {
     "moe_route": "(logits (T, E), k, normalize=True) -> weights (T, k), ids (T, k): softmax top-k",
     "moe_experts": "(x (T, H), ids (T, k), weights (T, k), gate_up [(Weight, Weight)] per expert, "
                    "down [Weight] per expert, act='silu') -> (T, H)",
+    "gather": "(table (N, ...), ids int (...)) -> table[ids]: rows picked by index (e.g. per-expert scales)",
+    "moe_experts_packed": "(x (T, H), ids (T, k), weights (T, k), gate_up Weight (E, 2I, H) gate rows then up, "
+                          "down Weight (E, H, I), act='gelu_tanh') -> (T, H); moe_experts over one packed tensor",
+    "sliding_kv_cache": "(window, kv_heads, head_dim, type_k='f32', type_v=None, head_dim_v=None) -> cache of "
+                        "the last `window` positions (a ring); `attention` with that window accepts it",
+    "attention_shared": "(q (T, Hq, D), cache, start, scale, window=None, softcap=None) -> (T, Hq, Dv); attends "
+                        "over keys another layer wrote at ..start+T-1 in this call (KV sharing); writes nothing",
 }

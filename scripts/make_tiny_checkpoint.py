@@ -3,7 +3,9 @@
     python scripts/make_tiny_checkpoint.py qwen3_5 /tmp/tiny-qwen
 
 Kinds: qwen3_5, qwen3_5_moe (text-only CausalLM) and qwen3_5_vl, qwen3_5_moe_vl (ConditionalGeneration
-with a small vision tower, so weights are `model.language_model.*` and `model.visual.*`).
+with a small vision tower, so weights are `model.language_model.*` and `model.visual.*`); gemma3, gemma4
+(text-only CausalLM), gemma3_vl (with a SigLIP tower) and gemma4_mm (with vision and audio towers). Gemma
+kinds get a Gemma-style tokenizer (`<bos>` prepended, `<eos>`, `<pad>`, turn tokens; Gemma 4's template).
 Every parameter is re-drawn from a fixed seed so that no norm weight sits at its trivial 0 or 1 and a
 parity test can tell a missing `1 + w` or a swapped projection apart.
 """
@@ -19,7 +21,7 @@ import torch
 import transformers
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
-KINDS = ("qwen3_5", "qwen3_5_moe", "qwen3_5_vl", "qwen3_5_moe_vl")
+KINDS = ("qwen3_5", "qwen3_5_moe", "qwen3_5_vl", "qwen3_5_moe_vl", "gemma3", "gemma3_vl", "gemma4", "gemma4_mm")
 MODEL_VOCAB = 1000
 
 # Chat and vision tokens the Qwen 3.5 template emits; appended after the BPE vocab as Qwen does.
@@ -64,22 +66,27 @@ def make(kind: str, out_dir, seed: int = 0, **overrides) -> Path:
         raise ValueError(f"unknown kind {kind!r}; choose one of {', '.join(KINDS)}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer()
-    token_ids = {t: tokenizer.token_to_id(t) for t in SPECIAL_TOKENS}
-    config = build_config(kind, token_ids, overrides)
+    gemma = kind.startswith("gemma")
+    special = gemma_special_tokens(kind) if gemma else SPECIAL_TOKENS
+    tokenizer = build_tokenizer(special)
+    token_ids = {t: tokenizer.token_to_id(t) for t in special}
+    config = build_gemma_config(kind, token_ids, overrides) if gemma else build_config(kind, token_ids, overrides)
     torch.manual_seed(seed)
     model = model_class(kind)(config).to(torch.float32).eval()
     randomise(model, seed)
     model.save_pretrained(out)
-    save_tokenizer(tokenizer, out)
-    write_generation_config(out, token_ids)
+    if gemma:
+        save_gemma_tokenizer(tokenizer, out, kind, token_ids)
+    else:
+        save_tokenizer(tokenizer, out)
+        write_generation_config(out, token_ids)
     return out
 
 
 # --- tokenizer -----------------------------------------------------------------------------------------
 
 
-def build_tokenizer() -> Tokenizer:
+def build_tokenizer(special: tuple[str, ...] = SPECIAL_TOKENS) -> Tokenizer:
     """A byte-level BPE trained on CORPUS, its special tokens appended last (ids < MODEL_VOCAB)."""
     tok = Tokenizer(models.BPE())
     tok.normalizer = normalizers.NFC()
@@ -95,7 +102,7 @@ def build_tokenizer() -> Tokenizer:
         show_progress=False,
     )
     tok.train_from_iterator(CORPUS.splitlines(keepends=True), trainer=trainer)
-    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    tok.add_special_tokens(list(special))
     assert tok.get_vocab_size() <= MODEL_VOCAB, tok.get_vocab_size()
     return tok
 
@@ -169,12 +176,101 @@ def build_config(kind: str, token_ids: dict[str, int], overrides: dict):
     )
 
 
+
+# --- Gemma 3 / Gemma 4 -----------------------------------------------------------------------------------
+
+GEMMA_BASE_TOKENS = ("<pad>", "<eos>", "<bos>", "<unk>")
+GEMMA3_TOKENS = ("<start_of_turn>", "<end_of_turn>", "<start_of_image>", "<end_of_image>", "<image_soft_token>")
+# What the Gemma 4 chat template (../shared/templates/gemma4.jinja) emits, plus the media delimiters.
+GEMMA4_TOKENS = (
+    "<|turn>", "<turn|>", "<|channel>", "<channel|>", "<|think|>", "<|tool>", "<tool|>", "<|tool_call>",
+    "<tool_call|>", "<|tool_response>", "<tool_response|>", '<|"|>', "<|image|>", "<|audio|>", "<|video|>",
+    "<|image>", "<image|>", "<|audio>", "<audio|>",
+)
+
+
+def gemma_special_tokens(kind: str) -> tuple[str, ...]:
+    return GEMMA_BASE_TOKENS + (GEMMA4_TOKENS if kind.startswith("gemma4") else GEMMA3_TOKENS)
+
+
+def save_gemma_tokenizer(tok: Tokenizer, out: Path, kind: str, token_ids: dict[str, int]) -> None:
+    """Gemma tokenizers prepend <bos>: as transformers 5 reads only tokenizer.json's post-processor, put it there."""
+    bos = token_ids["<bos>"]
+    tok.post_processor = processors.Sequence([
+        processors.ByteLevel(trim_offsets=False),
+        processors.TemplateProcessing(single="<bos> $A", pair="<bos> $A <bos> $B", special_tokens=[("<bos>", bos)]),
+    ])
+    gemma4 = kind.startswith("gemma4")
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", unk_token="<unk>",
+        add_bos_token=True, chat_template=read_template("gemma4.jinja") if gemma4 else None,
+    )
+    fast.save_pretrained(out)
+    end_of_turn = token_ids["<turn|>" if gemma4 else "<end_of_turn>"]
+    gen = {"bos_token_id": bos, "eos_token_id": [token_ids["<eos>"], end_of_turn], "pad_token_id": token_ids["<pad>"]}
+    (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n", encoding="utf-8")
+
+
+def gemma_text_dict(kind: str, token_ids: dict[str, int], overrides: dict) -> dict:
+    """Tiny Gemma text config: 4 layers mixing sliding (window 8) and full attention, 4 heads / 2 KV heads."""
+    cfg = dict(
+        vocab_size=MODEL_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=8, max_position_embeddings=4096,
+        bos_token_id=token_ids["<bos>"], eos_token_id=token_ids["<eos>"], pad_token_id=token_ids["<pad>"],
+    )
+    if kind.startswith("gemma4"):
+        # Full layers get their own head_dim (global_head_dim, "proportional" partial RoPE); the per-layer
+        # embedding defaults (256 wide, 262,144 rows) are cut to fit the tiny vocab.
+        cfg.update(layer_types=["sliding_attention", "full_attention"] * 2, global_head_dim=32,
+                   hidden_size_per_layer_input=0, vocab_size_per_layer_input=MODEL_VOCAB)
+    else:
+        cfg.update(layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+                   query_pre_attn_scalar=16)
+    cfg.update(overrides)
+    return cfg
+
+
+def build_gemma_config(kind: str, token_ids: dict[str, int], overrides: dict):
+    overrides = dict(overrides)
+    vision_overrides = overrides.pop("vision_config", {})
+    text = gemma_text_dict(kind, token_ids, overrides)
+    if kind == "gemma3":
+        return transformers.Gemma3TextConfig(**text)
+    if kind == "gemma4":
+        return transformers.Gemma4TextConfig(**text)
+    if kind == "gemma3_vl":
+        vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                      image_size=16, patch_size=4, **vision_overrides)
+        return transformers.Gemma3Config(
+            text_config=text, vision_config=vision, mm_tokens_per_image=4,
+            tie_word_embeddings=text.get("tie_word_embeddings", True),
+            image_token_index=token_ids["<image_soft_token>"], boi_token_index=token_ids["<start_of_image>"],
+            eoi_token_index=token_ids["<end_of_image>"],
+        )
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                  num_key_value_heads=2, head_dim=16, patch_size=4, position_embedding_size=64,
+                  pooling_kernel_size=2, **vision_overrides)
+    audio = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, subsampling_conv_channels=[8, 4],
+                 output_proj_dims=32, conv_kernel_size=3)
+    return transformers.Gemma4Config(
+        text_config=text, vision_config=vision, audio_config=audio,
+        tie_word_embeddings=text.get("tie_word_embeddings", True),
+        image_token_id=token_ids["<|image|>"], audio_token_id=token_ids["<|audio|>"],
+        video_token_id=token_ids["<|video|>"], boi_token_id=token_ids["<|image>"], eoi_token_id=token_ids["<image|>"],
+        boa_token_id=token_ids["<|audio>"], eoa_token_index=token_ids["<audio|>"],
+    )
+
+
 def model_class(kind: str):
     return {
         "qwen3_5": transformers.Qwen3_5ForCausalLM,
         "qwen3_5_moe": transformers.Qwen3_5MoeForCausalLM,
         "qwen3_5_vl": transformers.Qwen3_5ForConditionalGeneration,
         "qwen3_5_moe_vl": transformers.Qwen3_5MoeForConditionalGeneration,
+        "gemma3": transformers.Gemma3ForCausalLM,
+        "gemma3_vl": transformers.Gemma3ForConditionalGeneration,
+        "gemma4": transformers.Gemma4ForCausalLM,
+        "gemma4_mm": transformers.Gemma4ForConditionalGeneration,
     }[kind]
 
 
@@ -185,6 +281,9 @@ def randomise(model: torch.nn.Module, seed: int) -> None:
     for module in model.modules():
         for name, param in module.named_parameters(recurse=False):
             param.copy_(draw(type(module).__name__, name, param, gen))
+    for module in model.modules():
+        if type(module).__name__ == "Gemma4TextDecoderLayer":  # a saved buffer, 1 by default
+            module.layer_scalar.copy_(0.5 + torch.rand(module.layer_scalar.shape, generator=gen))
 
 
 def draw(module_type: str, name: str, param: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
@@ -195,8 +294,10 @@ def draw(module_type: str, name: str, param: torch.Tensor, gen: torch.Generator)
         return param + 0.1 * noise
     if module_type.endswith("RMSNormGated") or module_type == "LayerNorm":
         return 1.0 + 0.1 * noise if name == "weight" else 0.05 * noise
+    if module_type == "Gemma4RMSNorm" or module_type == "Gemma4TextRouter":
+        return 1.0 + 0.1 * noise  # plain-w norm; router scale and per-expert scale are 1 by default
     if module_type.endswith("RMSNorm"):
-        return 0.1 * noise  # the Qwen RMSNorm scales by (1 + w)
+        return 0.1 * noise  # the Qwen and Gemma 3 RMSNorm scale by (1 + w)
     if module_type == "Conv1d":
         return noise / math.sqrt(param.shape[-1])  # short depthwise kernel: keep its output near unit scale
     return 0.05 * noise
@@ -211,7 +312,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tie-word-embeddings", action="store_true")
     args = parser.parse_args()
-    out = make(args.kind, args.out_dir, seed=args.seed, tie_word_embeddings=args.tie_word_embeddings)
+    overrides = {"tie_word_embeddings": True} if args.tie_word_embeddings else {}
+    out = make(args.kind, args.out_dir, seed=args.seed, **overrides)
     print(out)
 
 

@@ -92,10 +92,27 @@ def test_unused_tensor_is_reported(tmp_path, tiny_checkpoint, capsys):
 def test_unknown_model_type_lists_installed(tmp_path, tiny_checkpoint):
     path = copy_ckpt(tiny_checkpoint("qwen3_5"), tmp_path / "c")
     cfg = json.loads((path / "config.json").read_text())
+    cfg["model_type"] = "nemotron_h"
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(PluginError, match="'nemotron_h'.*installed: .*qwen3_5.*no known plugin provides it"):
+        lumen.load({"model": {"path": str(path)}})
+
+
+def test_unknown_model_type_names_the_plugin_to_install(tmp_path, tiny_checkpoint, monkeypatch):
+    from lumen_core import plugins
+
+    path = copy_ckpt(tiny_checkpoint("qwen3_5"), tmp_path / "c")
+    cfg = json.loads((path / "config.json").read_text())
     cfg["model_type"] = "gemma4_text"
     (path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(PluginError, match="'gemma4_text'.*installed: qwen3_5.*pip install lumen-models-gemma"):
-        lumen.load({"model": {"path": str(path)}})
+    monkeypatch.setenv("LUMEN_LOAD_PLUGINS", "core,cpu,qwen")
+    plugins.reset()
+    try:
+        with pytest.raises(PluginError, match="'gemma4_text'.*pip install lumen-models-gemma"):
+            lumen.load({"model": {"path": str(path)}})
+    finally:
+        monkeypatch.delenv("LUMEN_LOAD_PLUGINS")
+        plugins.reset()
 
 
 def test_sharded_checkpoint_equals_single_file(tmp_path, tiny_checkpoint):

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
+from lumen_cpu import fused
 
 from lumen_core.backend import Weight
-from lumen_cpu import fused
 
 TYPES = ["Q8_0", "Q5_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K"]
 SCALE_OFFSETS = {"Q6_K": (208,), "Q4_K": (0, 2), "Q5_K": (0, 2)}  # where each block keeps its f16 scales

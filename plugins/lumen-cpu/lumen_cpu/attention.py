@@ -1,4 +1,9 @@
-"""Causal softmax attention over a preallocated KV cache (full or sliding window), GQA by head groups."""
+"""Causal softmax attention over a preallocated KV cache (full or sliding window), GQA by head groups.
+
+Two caches: ``KVCache`` holds every position of the context; ``RingKVCache`` holds only the last ``window``
+positions of a sliding-window layer (position p in slot p % window), so its size does not grow with the
+context. ``attention_shared`` lets a KV-sharing layer attend over a cache another layer wrote this call.
+"""
 
 from __future__ import annotations
 
@@ -21,6 +26,19 @@ class KVCache:
         return self.k.shape[1]
 
 
+@dataclass
+class RingKVCache:
+    k: np.ndarray  # (kv_heads, window, head_dim): position p lives in slot p % window
+    v: np.ndarray  # (kv_heads, window, head_dim_v)
+    # What the last call attended over, (first position, keys (Hkv, S, D) f32, values (Hkv, S, Dv) f32): the ring
+    # alone cannot serve a KV-sharing reader once a long prefill has overwritten the older slots.
+    recent: tuple | None = None
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[1]
+
+
 def kv_cache(context: int, kv_heads: int, head_dim: int, type_k: str = "f32", type_v: str | None = None,
              head_dim_v: int | None = None):
     k = np.zeros((kv_heads, context, head_dim), KV_DTYPES[type_k])
@@ -28,19 +46,71 @@ def kv_cache(context: int, kv_heads: int, head_dim: int, type_k: str = "f32", ty
     return KVCache(k, v)
 
 
-def attention(q, k, v, cache: KVCache, start: int, scale: float, window: int | None = None,
+def sliding_kv_cache(window: int, kv_heads: int, head_dim: int, type_k: str = "f32", type_v: str | None = None,
+                     head_dim_v: int | None = None):
+    k = np.zeros((kv_heads, window, head_dim), KV_DTYPES[type_k])
+    v = np.zeros((kv_heads, window, head_dim_v or head_dim), KV_DTYPES[type_v or type_k])
+    return RingKVCache(k, v)
+
+
+def attention(q, k, v, cache, start: int, scale: float, window: int | None = None,
               softcap: float | None = None):
     """q (T, Hq, D), k (T, Hkv, D), v (T, Hkv, Dv) for positions start..start+T-1 -> (T, Hq, Dv).
 
     Writes k, v into the cache first; query i sees keys j <= start+i (and > start+i-window if sliding).
     """
-    T, hq, _ = q.shape
-    end = start + T
-    cache.k[:, start:end] = k.transpose(1, 0, 2)
-    cache.v[:, start:end] = v.transpose(1, 0, 2)
+    if isinstance(cache, RingKVCache):
+        lo, keys, vals = _ring_update(cache, k, v, start, window)
+    else:
+        end = start + q.shape[0]
+        cache.k[:, start:end] = k.transpose(1, 0, 2)
+        cache.v[:, start:end] = v.transpose(1, 0, 2)
+        lo = 0 if window is None else max(0, start - window + 1)
+        keys = cache.k[:, lo:end].astype(F32, copy=False)  # (Hkv, S, D); f16/bf16 caches widen here
+        vals = cache.v[:, lo:end].astype(F32, copy=False)
+    return _attend(q, keys, vals, start, lo, scale, window, softcap)
+
+
+def attention_shared(q, cache, start: int, scale: float, window: int | None = None, softcap: float | None = None):
+    """q (T, Hq, D) at positions start..start+T-1 over keys another layer already wrote -> (T, Hq, Dv)."""
+    end = start + q.shape[0]
     lo = 0 if window is None else max(0, start - window + 1)
-    keys = cache.k[:, lo:end].astype(F32, copy=False)  # (Hkv, S, D); f16/bf16 caches widen here
-    vals = cache.v[:, lo:end].astype(F32, copy=False)
+    if isinstance(cache, RingKVCache):
+        first, keys, vals = cache.recent
+        if lo < first or end > first + keys.shape[1]:
+            raise ValueError(f"positions {lo}..{end - 1} are not in the shared ring's last call")
+        keys, vals = keys[:, lo - first:end - first], vals[:, lo - first:end - first]
+    else:
+        keys = cache.k[:, lo:end].astype(F32, copy=False)
+        vals = cache.v[:, lo:end].astype(F32, copy=False)
+    return _attend(q, keys, vals, start, lo, scale, window, softcap)
+
+
+def _ring_update(cache: RingKVCache, k, v, start: int, window: int | None):
+    """Gather the window's past from the ring, append the new keys, then store the newest ones."""
+    cap, T = cache.capacity, k.shape[0]
+    if window is None or window > cap:
+        raise ValueError(f"a ring KV cache of {cap} positions cannot serve attention window {window}")
+    end = start + T
+    lo = max(0, start - window + 1)
+    past = np.arange(lo, start) % cap
+    # Round the new entries through the cache type, as the full cache does when it reads them back.
+    new_k = k.transpose(1, 0, 2).astype(cache.k.dtype)  # (Hkv, T, D)
+    new_v = v.transpose(1, 0, 2).astype(cache.v.dtype)
+    keys = np.concatenate([cache.k[:, past], new_k], axis=1).astype(F32, copy=False)  # (Hkv, start-lo+T, D)
+    vals = np.concatenate([cache.v[:, past], new_v], axis=1).astype(F32, copy=False)
+    n = min(T, cap)
+    slots = np.arange(end - n, end) % cap
+    cache.k[:, slots] = new_k[:, T - n:]
+    cache.v[:, slots] = new_v[:, T - n:]
+    cache.recent = (lo, keys, vals)
+    return lo, keys, vals
+
+
+def _attend(q, keys, vals, start: int, lo: int, scale: float, window: int | None, softcap: float | None):
+    """q (T, Hq, D) at start.., keys (Hkv, S, D) / vals (Hkv, S, Dv) at lo.. -> (T, Hq, Dv)."""
+    T, hq, _ = q.shape
+    end = lo + keys.shape[1]
     hkv = keys.shape[0]
     qg = q.transpose(1, 0, 2).reshape(hkv, hq // hkv * T, -1)  # (Hkv, group*T, D)
     scores = (qg @ keys.transpose(0, 2, 1)).reshape(hkv, hq // hkv, T, -1) * F32(scale)

@@ -9,11 +9,14 @@ buffer and hand it to BLAS. The only difference from dequantize-then-matmul is t
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from numba import get_num_threads, njit, prange, set_num_threads
 
 from lumen_core.backend import Weight
 
 GEMV_MAX_T = 8  # up to this many tokens the fused GEMV beats dequantize + BLAS
+# Below this many weight bytes a GEMV runs on one thread: waking the pool costs more than it saves, and on a
+# busy machine a parallel region waits for its slowest (descheduled) thread.
+PARALLEL_MIN_BYTES = 1 << 20
 TILE_ROWS = 4096  # rows dequantized per BLAS call in the tiled path (4096 x 640 f32 = 10 MB)
 
 
@@ -271,6 +274,15 @@ def _dequant(kind, raw, out, tab):  # raw (R, bytes/row) u8 -> out (R, C) f32
         _decode_row(kind, raw[r], out[r], tab)
 
 
+def _one_thread(kernel, raw, x, out):
+    threads = get_num_threads()
+    set_num_threads(1)
+    try:
+        kernel(raw, x, out, F16)
+    finally:
+        set_num_threads(threads)
+
+
 def dequantize_rows(w: Weight, start: int = 0, stop: int | None = None) -> np.ndarray:
     """Rows start:stop of a block-quantized Weight as float32 (bit-equal to gguf.quants.dequantize)."""
     raw = w.data[start:stop]
@@ -285,7 +297,10 @@ def linear(x, w: Weight):  # x (T, C) f32, w (R, C) block-quantized -> (T, R)
     out = np.empty((T, R), np.float32)
     if T <= GEMV_MAX_T:
         raw = w.data.view(np.int8) if w.format == "q8_0" else w.data
-        GEMV[w.format](raw, x, out, F16)
+        if raw.nbytes >= PARALLEL_MIN_BYTES:
+            GEMV[w.format](raw, x, out, F16)
+        else:
+            _one_thread(GEMV[w.format], raw, x, out)
         return out
     for r in range(0, R, TILE_ROWS):
         out[:, r:r + TILE_ROWS] = x @ dequantize_rows(w, r, r + TILE_ROWS).T

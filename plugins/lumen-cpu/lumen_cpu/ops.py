@@ -153,7 +153,10 @@ def moe_experts(x, ids, weights, gate_up, down, act: str = "silu"):
 
 
 def _lin(x, w: Weight):
-    return linear_f32(x, w) if w.format == "f32" else linear_any(x, w)
+    """The registered CPU linear for this weight's format (fused GGUF kernels included)."""
+    from lumen_core.plugins import get_registry
+
+    return get_registry().op("linear", "cpu", w.format)(x, w)
 
 
 def table():
@@ -167,6 +170,12 @@ def table():
     rows.append(("linear", linear_f32, "f32"))
     rows += [("linear", linear_any, v) for v in ("bf16", "f16", "fp8")]
     rows.append(("linear", linear_any, None))
+    from . import gemma_ops  # imports this module: loaded here, not at the top
+
+    rows += gemma_ops.table()
+    from . import quant  # GGUF block formats (q4_k, q8_0...): linear and embedding
+
+    rows += quant.table()
     return rows
 
 

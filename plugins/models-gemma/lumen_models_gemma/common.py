@@ -1,0 +1,195 @@
+"""What Gemma 3 and Gemma 4 share: a spec per attention layer, the tensor layout, RoPE frequencies, components.
+
+Each architecture (``gemma3.py``, ``gemma4.py``) reads its config into HF-named args and turns them into one
+``LayerSpec`` per layer; ``model.py`` runs any list of specs. No numpy here: only the op contract.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass, fields
+
+from lumen_core.architecture import Architecture, TensorLayout
+
+NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
+MLP = ("gate_proj", "up_proj", "down_proj")
+NOT_MATRIX = ("layer_scalar", "scale", "per_expert_scale")  # with every *norm*: small f32 tensors
+# Where the text model lives: text-only, multimodal (transformers 5), multimodal as Gemma 3 checkpoints ship.
+PREFIXES = ("model.", "model.language_model.", "language_model.model.")
+SKIPPED_TOWERS = {
+    "vision_tower.": "vision tower (not requested)",
+    "multi_modal_projector.": "vision projector (not requested)",
+    "embed_vision.": "vision embedder (not requested)",
+    "audio_tower.": "audio tower (not supported)",
+    "embed_audio.": "audio embedder (not supported)",
+}
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    type: str  # "sliding_attention" or "full_attention": picks the RoPE table and the mask
+    head_dim: int
+    kv_heads: int
+    window: int | None  # tokens a query sees, itself included; None = all before it
+    shared_from: int | None = None  # KV sharing: the earlier layer whose cache this one reads (no k/v weights)
+    k_eq_v: bool = False  # no v_proj: the values are the key projection (before k_norm)
+
+
+def args_from_dict(cls, config: dict):
+    """HF field names; unknown keys are ignored, missing ones take HF's defaults. Multimodal configs nest the
+    text model under ``text_config``; ``tie_word_embeddings`` is read where transformers reads it (top level)."""
+    text = config.get("text_config") or config
+    names = {f.name for f in fields(cls)}
+    args = cls(**{k: v for k, v in text.items() if k in names})
+    args.tie_word_embeddings = config.get("tie_word_embeddings", True)
+    return args
+
+
+def rope_inv_freq(params: dict, head_dim: int) -> list[float]:
+    """Inverse frequencies for one layer type, as transformers' ``ROPE_INIT_FUNCTIONS`` compute them."""
+    kind = params.get("rope_type", params.get("type", "default"))
+    theta, factor = params["rope_theta"], params.get("factor", 1.0)
+    if kind == "default":  # Gemma's default ignores partial_rotary_factor: every dim rotates
+        return [1.0 / theta ** (i / head_dim) for i in range(0, head_dim, 2)]
+    if kind == "proportional":
+        # Gemma 4 full layers: the first angles rotate with exponents over the whole head_dim; the rest get a
+        # zero frequency (cos 1, sin 0), so the table still spans head_dim and those dims pass unrotated.
+        angles = int(params.get("partial_rotary_factor", 1.0) * head_dim // 2)
+        inv = [1.0 / theta ** (2 * i / head_dim) for i in range(angles)] + [0.0] * (head_dim // 2 - angles)
+        return [f / factor for f in inv]
+    if kind == "linear":
+        dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
+        return [1.0 / theta ** (i / dim) / factor for i in range(0, dim, 2)]
+    raise ValueError(f"rope_type {kind!r} is not supported for Gemma (supported: default, linear, proportional)")
+
+
+def round_to_format(x: float, fmt: str) -> float:
+    """``x`` as the weight format holds it: transformers multiplies the embeddings by sqrt(hidden) cast to the
+    embedding dtype (bf16 turns sqrt(3072) = 55.4256 into 55.5), and the model was trained with that value."""
+    if fmt == "bf16":
+        bits = struct.unpack("<I", struct.pack("<f", x))[0]
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000  # round to nearest even
+        return struct.unpack("<f", struct.pack("<I", bits))[0]
+    if fmt == "f16":
+        return struct.unpack("<e", struct.pack("<e", x))[0]
+    return struct.unpack("<f", struct.pack("<f", x))[0]
+
+
+class GemmaArchitecture(Architecture):
+    """The parts both generations share; subclasses read their args and fill in the hooks below."""
+
+    norm_offset = 0.0  # RMSNorm multiplies by (w + offset): Gemma 3 stores w - 1, Gemma 4 stores w
+    v_norm = False  # Gemma 4 RMS-normalises values without a weight
+    layer_scalar = False  # Gemma 4 scales each layer's output by a saved scalar
+
+    def __init__(self, config: dict):
+        super().__init__(config)
+        self.args = self.read_args(config)
+        a = self.args
+        self.num_layers, self.vocab_size = a.num_hidden_layers, a.vocab_size
+        self.max_context = a.max_position_embeddings
+        self.prefix = "model."  # where the text model's tensors live; ``layout`` finds it
+        self.head = "model.embed_tokens.weight" if a.tie_word_embeddings else "lm_head.weight"
+        self.specs = self.layer_specs()
+        heads = {s.type: s.head_dim for s in self.specs}  # one RoPE table per layer type, as transformers has
+        self.inv_freq = {t: rope_inv_freq(self.rope_parameters()[t], d) for t, d in heads.items()}
+
+    # -- hooks -------------------------------------------------------------------------------------------
+    def read_args(self, config: dict):
+        raise NotImplementedError
+
+    def layer_specs(self) -> list[LayerSpec]:
+        raise NotImplementedError
+
+    def rope_parameters(self) -> dict[str, dict]:
+        return self.args.rope_parameters
+
+    @property
+    def attn_scale(self) -> float:
+        return 1.0
+
+    @property
+    def final_softcap(self) -> float | None:
+        return self.args.final_logit_softcapping
+
+    def embed_id_map(self) -> dict[int, int]:
+        """Token ids the embedding reads as another id (media placeholders without their tower)."""
+        return {}
+
+    def input_tensors(self) -> list[str]:
+        return ["embed_tokens.weight"]
+
+    def layer_tensors(self, i: int) -> list[str]:
+        spec = self.specs[i]
+        attn = ["q_proj", "o_proj", "q_norm"]
+        if spec.shared_from is None:
+            attn += ["k_proj", "k_norm"] + ([] if spec.k_eq_v else ["v_proj"])
+        return [f"self_attn.{n}.weight" for n in attn] + [f"{n}.weight" for n in NORMS] + \
+            [f"mlp.{n}.weight" for n in MLP]
+
+    def expert_tensors(self, i: int) -> list[str]:
+        return []
+
+    def skip_reason(self, name: str) -> str | None:
+        rest = name.removeprefix("model.")
+        for start, reason in SKIPPED_TOWERS.items():
+            if rest.startswith(start):
+                return reason
+        if name.endswith("lm_head.weight") and self.args.tie_word_embeddings:
+            return "tied to embed_tokens (tie_word_embeddings)"
+        return None
+
+    # -- Architecture --------------------------------------------------------------------------------------
+    def layout(self, names) -> TensorLayout:
+        names = set(names)
+        self.prefix = next((p for p in PREFIXES if p + "embed_tokens.weight" in names), "model.")
+        p = self.prefix
+        self.head = p + "embed_tokens.weight" if self.args.tie_word_embeddings else self.head_name(names)
+        needs = {("input-layer", None): [p + n for n in self.input_tensors()],
+                 ("output-layer", None): [p + "norm.weight", self.head]}
+        for i in range(self.num_layers):
+            needs[("layer", i)] = [f"{p}layers.{i}.{n}" for n in self.layer_tensors(i)]
+            if self.expert_tensors(i):
+                needs[("experts", i)] = [f"{p}layers.{i}.{n}" for n in self.expert_tensors(i)]
+        needed = {n for ns in needs.values() for n in ns}
+        skipped = {n: r for n in names - needed if (r := self.skip_reason(n))}
+        return TensorLayout(needs, skipped)
+
+    def head_name(self, names) -> str:
+        legacy = "language_model.lm_head.weight"  # Gemma 3's multimodal checkpoints keep the old layout
+        return legacy if legacy in names else "lm_head.weight"
+
+    def is_matrix(self, name: str) -> bool:
+        module = name.removesuffix(".weight").rsplit(".", 1)[-1]
+        return "norm" not in module and module not in NOT_MATRIX
+
+    def components(self):
+        comps = [("input-layer", None)]
+        for i in range(self.num_layers):
+            comps.append(("layer", i))
+            if self.expert_tensors(i):
+                comps.append(("experts", i))
+        return comps + [("output-layer", None)]
+
+    def cache_bytes(self, layer: int, context: int, kv_bytes: float) -> int:
+        s = self.specs[layer]
+        if s.shared_from is not None:
+            return 0  # reads the cache of layer s.shared_from
+        tokens = min(s.window, context) if s.window else context  # sliding layers keep a window-sized ring
+        return int(2 * s.kv_heads * s.head_dim * tokens * kv_bytes)
+
+    def required_ops(self, component) -> set[str]:
+        block = component[0]
+        if block == "input-layer":
+            return {"embedding", "linear", "rms_norm"}
+        if block == "output-layer":
+            return {"rms_norm", "linear", "softcap"}
+        if block == "experts":
+            return {"moe_experts_packed"}
+        return {"rms_norm", "linear", "gelu_tanh_mul", "rope_tables", "apply_rope", "attention", "kv_cache",
+                "sliding_kv_cache", "attention_shared", "moe_route", "gather"}
+
+    def build(self, weights, backends, kv):
+        from .model import GemmaModel
+
+        return GemmaModel(self, weights, backends, kv)

@@ -1,0 +1,194 @@
+"""The Gemma 3 / Gemma 4 forward pass, component by component. Each component computes on its own backend;
+the hidden state of the current tokens (and Gemma 4's per-layer inputs) are all that move between them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from lumen_core.architecture import Model
+from lumen_core.errors import PlanError
+
+from .common import NORMS, round_to_format
+
+
+@dataclass
+class Cache:
+    capacity: int  # tokens
+    layers: list = field(default_factory=list)  # per layer: its KV cache (a ring on sliding layers), or the
+    pos: int = 0  # tokens already in the cache         cache of the layer it shares (KV-shared layers)
+
+
+def _w(weights: dict, prefix: str):
+    """Local view: ``w("self_attn.q_proj.weight")`` looks up ``prefix + name``."""
+    return lambda name: weights[prefix + name]
+
+
+class Attention:
+    def __init__(self, arch, spec, w, ops):
+        self.arch, self.spec, self.ops = arch, spec, ops
+        self.q, self.o, self.q_norm = (w(f"self_attn.{n}.weight") for n in ("q_proj", "o_proj", "q_norm"))
+        if spec.shared_from is None:
+            self.k, self.k_norm = w("self_attn.k_proj.weight"), w("self_attn.k_norm.weight")
+            self.v = None if spec.k_eq_v else w("self_attn.v_proj.weight")
+
+    def new_state(self, ctx: int, kv):
+        s, ops = self.spec, self.ops
+        if s.window is not None and s.window < ctx:  # only the window is ever read again: keep a ring
+            return ops.sliding_kv_cache(s.window, s.kv_heads, s.head_dim, kv.type_k, kv.type_v)
+        return ops.kv_cache(ctx, s.kv_heads, s.head_dim, kv.type_k, kv.type_v)
+
+    def __call__(self, h, state, start: int, rope):
+        arch, s, ops, T = self.arch, self.spec, self.ops, h.shape[0]
+        eps, off, H, D = arch.args.rms_norm_eps, arch.norm_offset, arch.args.num_attention_heads, s.head_dim
+        cos, sin = rope
+        q = ops.apply_rope(ops.rms_norm(ops.linear(h, self.q).reshape(T, H, D), self.q_norm, eps, off), cos, sin)
+        if s.shared_from is not None:
+            o = ops.attention_shared(q, state, start, arch.attn_scale, s.window)
+        else:
+            k = ops.linear(h, self.k).reshape(T, s.kv_heads, D)
+            v = k if self.v is None else ops.linear(h, self.v).reshape(T, s.kv_heads, D)
+            k = ops.apply_rope(ops.rms_norm(k, self.k_norm, eps, off), cos, sin)
+            if arch.v_norm:
+                v = ops.rms_norm(v, None, eps)
+            o = ops.attention(q, k, v, state, start, arch.attn_scale, s.window)
+        return ops.linear(o.reshape(T, H * D), self.o)
+
+
+class MLP:
+    def __init__(self, w, ops):
+        self.ops = ops
+        self.gate, self.up, self.down = (w(f"mlp.{n}_proj.weight") for n in ("gate", "up", "down"))
+
+    def __call__(self, h):
+        ops = self.ops
+        return ops.linear(ops.gelu_tanh_mul(ops.linear(h, self.gate), ops.linear(h, self.up)), self.down)
+
+
+class MoE:
+    """Gemma 4's routed experts beside the dense MLP. Router on the layer's backend; the packed experts on the
+    experts component's backend. The router reads the residual stream before the feed-forward norm."""
+
+    def __init__(self, arch, w, backend, ew, experts_backend, layer_prefix: str):
+        self.a, self.backend, self.ops = arch.args, backend, backend.ops
+        self.ebackend = experts_backend
+        self.proj, self.scale = w("router.proj.weight"), w("router.scale")
+        self.expert_scale = w("router.per_expert_scale")
+        self.pre2, self.post1, self.post2 = (w(f"{n}.weight") for n in (
+            "pre_feedforward_layernorm_2", "post_feedforward_layernorm_1", "post_feedforward_layernorm_2"))
+        self.gate_up, self.down = ew[layer_prefix + "experts.gate_up_proj"], ew[layer_prefix + "experts.down_proj"]
+
+    def __call__(self, x, dense):
+        """x (T, H) the residual stream; dense (T, H) the dense MLP's output -> (T, H)."""
+        a, ops, take, eps = self.a, self.ops, self.ebackend.take, self.a.rms_norm_eps
+        r = ops.rms_norm(x, None, eps) * self.scale * a.hidden_size ** -0.5
+        weights, ids = ops.moe_route(ops.linear(r, self.proj), a.top_k_experts, True)  # (T, k)
+        weights = weights * ops.gather(self.expert_scale, ids)
+        h = take(ops.rms_norm(x, self.pre2, eps))
+        routed = self.ebackend.ops.moe_experts_packed(h, take(ids), take(weights), self.gate_up, self.down)
+        routed = ops.rms_norm(self.backend.take(routed), self.post2, eps)
+        return ops.rms_norm(dense, self.post1, eps) + routed
+
+
+class DecoderLayer:
+    def __init__(self, arch, i: int, weights, backends):
+        p = f"{arch.prefix}layers.{i}."
+        self.backend = backends[("layer", i)]
+        ops, w = self.backend.ops, _w(weights[("layer", i)], p)
+        self.arch, self.ops, self.spec = arch, ops, arch.specs[i]
+        self.attn = Attention(arch, self.spec, w, ops)
+        self.mlp = MLP(w, ops)
+        self.norms = [w(f"{n}.weight") for n in NORMS]  # input, post-attention, pre-ff, post-ff
+        self.moe = MoE(arch, w, self.backend, weights[("experts", i)], backends[("experts", i)], p) \
+            if ("experts", i) in weights else None
+        self.scalar = w("layer_scalar") if arch.layer_scalar else None
+        if getattr(arch, "per_layer_dim", 0):
+            self.pl_gate, self.pl_proj = w("per_layer_input_gate.weight"), w("per_layer_projection.weight")
+            self.pl_norm = w("post_per_layer_input_norm.weight")
+
+    def __call__(self, x, state, start: int, rope, per_layer=None):
+        ops, eps, off = self.ops, self.arch.args.rms_norm_eps, self.arch.norm_offset
+        n_in, n_post_attn, n_pre_ff, n_post_ff = self.norms
+        h = self.attn(ops.rms_norm(x, n_in, eps, off), state, start, rope)
+        x = x + ops.rms_norm(h, n_post_attn, eps, off)
+        h = self.mlp(ops.rms_norm(x, n_pre_ff, eps, off))
+        if self.moe is not None:
+            h = self.moe(x, h)
+        x = x + ops.rms_norm(h, n_post_ff, eps, off)
+        if per_layer is not None:  # (T, P): gate the layer's own input vector, project it back to H
+            g = ops.gelu_tanh_mul(ops.linear(x, self.pl_gate), per_layer)
+            x = x + ops.rms_norm(ops.linear(g, self.pl_proj), self.pl_norm, eps)
+        return x if self.scalar is None else x * self.scalar
+
+
+class GemmaModel(Model):
+    def __init__(self, arch, weights, backends, kv):
+        self.arch, self.args, self.kv = arch, arch.args, kv
+        self.vocab_size = arch.args.vocab_size
+        p, a = arch.prefix, arch.args
+        self.in_backend = backends[("input-layer", None)]
+        inputs = weights[("input-layer", None)]
+        self.embed = inputs[p + "embed_tokens.weight"]
+        self.embed_scale = round_to_format(a.hidden_size ** 0.5, self.embed.format)
+        self.id_map = arch.embed_id_map()
+        self.per_layer_dim = getattr(arch, "per_layer_dim", 0)
+        if self.per_layer_dim:
+            self.pl_embed = inputs[p + "embed_tokens_per_layer.weight"]  # (vocab, L * P)
+            self.pl_embed_scale = round_to_format(self.per_layer_dim ** 0.5, self.pl_embed.format)
+            self.pl_proj = inputs[p + "per_layer_model_projection.weight"]  # (L * P, H)
+            self.pl_norm = inputs[p + "per_layer_projection_norm.weight"]
+        self.out_backend = backends[("output-layer", None)]
+        out = weights[("output-layer", None)]
+        self.norm = out[p + "norm.weight"]
+        self.head = out[arch.head]  # tied: the embedding table
+        self.layers = [DecoderLayer(arch, i, weights, backends) for i in range(arch.num_layers)]
+        shared = [i for i, s in enumerate(arch.specs) if s.shared_from is not None]
+        self.first_shared = shared[0] if shared else None
+        for i in shared:  # the cache lives on the producer's device; the reader must compute there too
+            j = arch.specs[i].shared_from
+            if backends[("layer", i)] is not backends[("layer", j)]:
+                raise PlanError(f"layers.{i} reads the KV cache of layers.{j} (KV sharing): place both on one "
+                                "device")
+
+    def new_cache(self, context_size: int) -> Cache:
+        states = []
+        for layer in self.layers:
+            s = layer.spec
+            states.append(states[s.shared_from] if s.shared_from is not None
+                          else layer.attn.new_state(context_size, self.kv))
+        return Cache(context_size, states)
+
+    def embed_inputs(self, ids):
+        """(T, H) scaled embeddings, and Gemma 4's per-layer inputs (T, L, P) or None."""
+        ops, a = self.in_backend.ops, self.args
+        ids = [self.id_map.get(t, t) for t in ids] if self.id_map else ids
+        x = ops.embedding(ids, self.embed) * self.embed_scale
+        if not self.per_layer_dim:
+            return x, None
+        T, L, P = len(ids), self.arch.num_layers, self.per_layer_dim
+        token = (ops.embedding(ids, self.pl_embed) * self.pl_embed_scale).reshape(T, L, P)
+        context = (ops.linear(x, self.pl_proj) * a.hidden_size ** -0.5).reshape(T, L, P)
+        context = ops.rms_norm(context, self.pl_norm, a.rms_norm_eps)
+        return x, (context + token) * 2 ** -0.5
+
+    def forward(self, ids, cache: Cache, all_logits: bool = False):
+        start, T = cache.pos, len(ids)
+        x, per_layer = self.embed_inputs(ids)
+        positions, first, ropes = list(range(start, start + T)), start, {}
+        for i, (layer, state) in enumerate(zip(self.layers, cache.layers, strict=True)):
+            if i == self.first_shared and not all_logits and T > 1:
+                # KV-shared layers write no cache: only the last token's path to the logits is left to run.
+                x, first, positions, ropes = x[T - 1:], start + T - 1, positions[T - 1:], {}
+                per_layer = None if per_layer is None else per_layer[T - 1:]
+            b = layer.backend
+            key = (b, layer.spec.type)
+            if key not in ropes:
+                ropes[key] = b.ops.rope_tables(positions, self.arch.inv_freq[layer.spec.type])
+            pl = None if per_layer is None else b.take(per_layer)[:, i]
+            x = layer(b.take(x), state, first, ropes[key], pl)
+        cache.pos += T
+        ob = self.out_backend
+        x = ob.take(x if all_logits else x[x.shape[0] - 1:])
+        logits = ob.ops.linear(ob.ops.rms_norm(x, self.norm, self.args.rms_norm_eps, self.arch.norm_offset), self.head)
+        if self.arch.final_softcap:
+            logits = ob.ops.softcap(logits, self.arch.final_softcap)
+        return ob.to_host(logits)
