@@ -104,35 +104,43 @@ class OpSet:
 
     def __init__(self, backend: Backend):
         self._backend = backend
-        self._cache: dict[tuple[str, str | None], Any] = {}
 
     def __getattr__(self, op: str):
         if op.startswith("_"):
             raise AttributeError(op)
-        return _BoundOp(self, op)
+        bound = _BoundOp(self._backend, op)
+        setattr(self, op, bound)  # later lookups are plain attribute reads (this is on the decode hot path)
+        return bound
 
     def resolve(self, op: str, variant: str | None = None):
-        key = (op, variant)
-        fn = self._cache.get(key)
-        if fn is None:
-            fn = self._backend.registry.op(op, self._backend.name, variant)
-            if fn is None:
-                raise PlanError(
-                    f"op {op!r} (variant {variant}) is not implemented by backend {self._backend.name!r}"
-                )
-            self._cache[key] = fn
-        return fn
+        return getattr(self, op).resolve(variant)
 
     def has(self, op: str) -> bool:
         return self._backend.registry.op(op, self._backend.name) is not None
 
 
 class _BoundOp:
-    __slots__ = ("opset", "op")
+    __slots__ = ("backend", "op", "fns")
 
-    def __init__(self, opset: OpSet, op: str):
-        self.opset, self.op = opset, op
+    def __init__(self, backend: Backend, op: str):
+        self.backend, self.op, self.fns = backend, op, {}
+
+    def resolve(self, variant: str | None):
+        fn = self.fns.get(variant)
+        if fn is None:
+            fn = self.backend.registry.op(self.op, self.backend.name, variant)
+            if fn is None:
+                raise PlanError(
+                    f"op {self.op!r} (variant {variant}) is not implemented by backend {self.backend.name!r}"
+                )
+            self.fns[variant] = fn
+        return fn
 
     def __call__(self, *args, **kwargs):
-        variant = next((a.format for a in args if isinstance(a, Weight)), None)
-        return self.opset.resolve(self.op, variant)(*args, **kwargs)
+        variant = None
+        for a in args:
+            if type(a) is Weight:
+                variant = a.format
+                break
+        fn = self.fns.get(variant) or self.resolve(variant)
+        return fn(*args, **kwargs)

@@ -16,7 +16,7 @@ from lumen_core.backend import Weight
 GEMV_MAX_T = 8  # up to this many tokens the fused GEMV beats dequantize + BLAS
 # Below this many weight bytes a GEMV runs on one thread: waking the pool costs more than it saves, and on a
 # busy machine a parallel region waits for its slowest (descheduled) thread.
-PARALLEL_MIN_BYTES = 1 << 20
+PARALLEL_MIN_BYTES = 1 << 16
 TILE_ROWS = 4096  # rows dequantized per BLAS call in the tiled path (4096 x 640 f32 = 10 MB)
 
 

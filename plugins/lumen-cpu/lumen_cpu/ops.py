@@ -78,7 +78,8 @@ def silu_mul(gate, up):
 
 
 def gelu_tanh_mul(gate, up):
-    g = 0.5 * gate * (1.0 + np.tanh(F32(0.7978845608028654) * (gate + F32(0.044715) * gate**3)))
+    # gate * gate * gate, not gate**3: numpy's float32 power is ~100x slower (94 us on 2048 values)
+    g = 0.5 * gate * (1.0 + np.tanh(F32(0.7978845608028654) * (gate + F32(0.044715) * (gate * gate * gate))))
     return g * up
 
 
