@@ -9,27 +9,34 @@ from .plan import weight_format
 from .tensors import SCALE_SUFFIX, LoadReport
 
 
-def load_component(ckpt, arch: Architecture, backend, store: str, names: list[str]) -> dict:
+def load_component(ckpt, arch: Architecture, backend, store: str, names: list[str], shared: dict) -> dict:
+    """``shared`` maps (tensor, backend, store) to what is already loaded there: a tied embedding that the
+    input and output layers both use is held once per device, as the plan counts it."""
     out = {}
     read_f32 = getattr(ckpt, "read_f32", ckpt.read)
     for name in names:
-        if arch.is_matrix(name):
+        key = (name, id(backend), store)
+        if key in shared:
+            out[name] = shared[key]
+        elif arch.is_matrix(name):
             scale = ckpt.tensors.get(name + SCALE_SUFFIX)
             scale_arr = ckpt.read(scale.name) if scale else None
             out[name] = backend.weight(ckpt.read(name), weight_format(ckpt, name), store, scale=scale_arr,
                                        shape=ckpt.tensors[name].shape)
         else:
             out[name] = backend.tensor(read_f32(name))
+        shared[key] = out[name]
     return out
 
 
 def load_weights(ckpt, arch: Architecture, layout: TensorLayout, placements: dict, backends: dict,
                  report: LoadReport, progress: bool = True) -> dict[Component, dict]:
     weights: dict[Component, dict] = {}
+    shared: dict = {}
     bar = _progress(len(layout.needs), progress)
     for comp, names in layout.needs.items():
         bar.set_postfix_str(component_label(comp), refresh=False)
-        weights[comp] = load_component(ckpt, arch, backends[comp], placements[comp].store, names)
+        weights[comp] = load_component(ckpt, arch, backends[comp], placements[comp].store, names, shared)
         bar.update(1)
     bar.close()
     if report.unused:

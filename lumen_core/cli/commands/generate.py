@@ -51,6 +51,7 @@ def generate(
         sys.stdout.write(piece)
         sys.stdout.flush()
     sys.stdout.write("\n")
+    sys.stdout.flush()  # the text ends before the timing line on a shared terminal
     if not quiet:
         typer.echo(f"[{engine.stats.summary()}]", err=True)
 
