@@ -1,0 +1,140 @@
+"""Causal softmax attention over a preallocated KV cache on the GPU (full, or a sliding-window ring).
+
+Mirrors lumen_cpu.attention: the same two caches and the same ``recent`` record that lets a KV-sharing layer
+read what a ring-cache layer attended over. A bf16 cache holds uint16 bits (CuPy has no bfloat16), rounded to
+nearest-even on write as ml_dtypes rounds on the CPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import cupy as cp
+
+F32 = cp.float32
+KV_DTYPES = {"f32": cp.float32, "f16": cp.float16, "bf16": cp.uint16}
+
+
+def encode(x, dtype):
+    """f32 -> the cache's element type."""
+    if dtype == cp.uint16:  # bf16, round to nearest even: add 0x7FFF plus the lowest kept bit, keep the top half
+        u = cp.ascontiguousarray(x, dtype=F32).view(cp.uint32)
+        return ((u + (((u >> 16) & 1) + 0x7FFF)) >> 16).astype(cp.uint16)
+    return x.astype(dtype, copy=False)
+
+
+def decode(x):
+    """The cache's element type -> f32."""
+    if x.dtype == cp.uint16:
+        return (x.astype(cp.uint32) << 16).view(F32)
+    return x.astype(F32, copy=False)
+
+
+@dataclass
+class KVCache:
+    k: cp.ndarray  # (kv_heads, ctx, head_dim)
+    v: cp.ndarray  # (kv_heads, ctx, head_dim_v)
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[1]
+
+
+@dataclass
+class RingKVCache:
+    k: cp.ndarray  # (kv_heads, window, head_dim): position p lives in slot p % window
+    v: cp.ndarray
+    recent: tuple | None = None  # (first position, keys (Hkv, S, D) f32, values (Hkv, S, Dv) f32) of the last call
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[1]
+
+
+def _alloc(n, kv_heads, head_dim, type_k, type_v, head_dim_v):
+    k = cp.zeros((kv_heads, n, head_dim), KV_DTYPES[type_k])
+    v = cp.zeros((kv_heads, n, head_dim_v or head_dim), KV_DTYPES[type_v or type_k])
+    return k, v
+
+
+def kv_cache(context: int, kv_heads: int, head_dim: int, type_k: str = "f32", type_v: str | None = None,
+             head_dim_v: int | None = None):
+    return KVCache(*_alloc(context, kv_heads, head_dim, type_k, type_v, head_dim_v))
+
+
+def sliding_kv_cache(window: int, kv_heads: int, head_dim: int, type_k: str = "f32", type_v: str | None = None,
+                     head_dim_v: int | None = None):
+    return RingKVCache(*_alloc(window, kv_heads, head_dim, type_k, type_v, head_dim_v))
+
+
+def attention(q, k, v, cache, start: int, scale: float, window: int | None = None, softcap: float | None = None):
+    """q (T, Hq, D), k (T, Hkv, D), v (T, Hkv, Dv) at start..start+T-1 -> (T, Hq, Dv); writes k, v first."""
+    if isinstance(cache, RingKVCache):
+        lo, keys, vals = _ring_update(cache, k, v, start, window)
+    else:
+        end = start + q.shape[0]
+        cache.k[:, start:end] = encode(k.transpose(1, 0, 2), cache.k.dtype)
+        cache.v[:, start:end] = encode(v.transpose(1, 0, 2), cache.v.dtype)
+        lo = 0 if window is None else max(0, start - window + 1)
+        keys, vals = decode(cache.k[:, lo:end]), decode(cache.v[:, lo:end])  # (Hkv, S, D)
+    return _attend(q, keys, vals, start, lo, scale, window, softcap)
+
+
+def attention_shared(q, cache, start: int, scale: float, window: int | None = None, softcap: float | None = None):
+    """q (T, Hq, D) over keys another layer already wrote at ..start+T-1 -> (T, Hq, Dv)."""
+    end = start + q.shape[0]
+    lo = 0 if window is None else max(0, start - window + 1)
+    if isinstance(cache, RingKVCache):
+        first, keys, vals = cache.recent
+        if lo < first or end > first + keys.shape[1]:
+            raise ValueError(f"positions {lo}..{end - 1} are not in the shared ring's last call")
+        keys, vals = keys[:, lo - first:end - first], vals[:, lo - first:end - first]
+    else:
+        keys, vals = decode(cache.k[:, lo:end]), decode(cache.v[:, lo:end])
+    return _attend(q, keys, vals, start, lo, scale, window, softcap)
+
+
+def _ring_update(cache: RingKVCache, k, v, start: int, window: int | None):
+    """Gather the window's past from the ring, append the new keys, then store the newest ones."""
+    cap, T = cache.capacity, k.shape[0]
+    if window is None or window > cap:
+        raise ValueError(f"a ring KV cache of {cap} positions cannot serve attention window {window}")
+    end = start + T
+    lo = max(0, start - window + 1)
+    past = cp.arange(lo, start) % cap
+    new_k = encode(k.transpose(1, 0, 2), cache.k.dtype)  # (Hkv, T, D), rounded through the cache type
+    new_v = encode(v.transpose(1, 0, 2), cache.v.dtype)
+    keys = decode(cp.concatenate([cache.k[:, past], new_k], axis=1))  # (Hkv, start-lo+T, D)
+    vals = decode(cp.concatenate([cache.v[:, past], new_v], axis=1))
+    n = min(T, cap)
+    slots = cp.arange(end - n, end) % cap
+    cache.k[:, slots] = new_k[:, T - n:]
+    cache.v[:, slots] = new_v[:, T - n:]
+    cache.recent = (lo, keys, vals)
+    return lo, keys, vals
+
+
+def _attend(q, keys, vals, start: int, lo: int, scale: float, window: int | None, softcap: float | None):
+    """q (T, Hq, D) at start.., keys (Hkv, S, D) / vals (Hkv, S, Dv) at lo.. -> (T, Hq, Dv)."""
+    T, hq, _ = q.shape
+    end = lo + keys.shape[1]
+    hkv = keys.shape[0]
+    qg = q.transpose(1, 0, 2).reshape(hkv, hq // hkv * T, -1)  # (Hkv, group*T, D)
+    scores = cp.matmul(qg, keys.transpose(0, 2, 1)).reshape(hkv, hq // hkv, T, -1) * F32(scale)
+    if softcap:
+        scores = cp.tanh(scores / F32(softcap)) * F32(softcap)
+    scores = cp.where(_mask(start, T, lo, end, window), scores, F32(-cp.inf))
+    scores -= scores.max(axis=-1, keepdims=True)
+    p = cp.exp(scores)
+    p /= p.sum(axis=-1, keepdims=True)
+    out = cp.matmul(p.reshape(hkv, -1, end - lo), vals)  # (Hkv, group*T, Dv)
+    return out.reshape(hq, T, -1).transpose(1, 0, 2)
+
+
+def _mask(start: int, T: int, lo: int, end: int, window: int | None):
+    qpos = cp.arange(start, start + T)[:, None]
+    kpos = cp.arange(lo, end)[None, :]
+    ok = kpos <= qpos
+    if window is not None:
+        ok &= kpos > qpos - window
+    return ok
