@@ -88,5 +88,5 @@ def test_allow_list_restricts_entry_points(monkeypatch, tiny_checkpoint):
 
 
 def test_missing_backend_names_the_distribution_to_install():
-    with pytest.raises(PluginError, match="backend 'cuda' is not installed.*pip install lumen-cuda"):
-        plugins.get_registry().backend_class("cuda")
+    with pytest.raises(PluginError, match="backend 'wgpu' is not installed.*pip install lumen-wgpu"):
+        plugins.get_registry().backend_class("wgpu")

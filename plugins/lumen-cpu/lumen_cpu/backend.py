@@ -31,8 +31,10 @@ class CPUBackend(Backend):
         return Weight(data, fmt, shape, scale, block)
 
     def tensor(self, array):
-        # Always a private f32 copy: small checkpoint tensors must not keep a view on the mapped file.
-        return np.array(array, dtype=np.float32)
+        # Always a private copy: small checkpoint tensors must not keep a view on the mapped file. Integer
+        # arrays (expert ids routed on another device) keep their type; everything else becomes f32.
+        array = np.asarray(array)
+        return np.array(array, dtype=None if np.issubdtype(array.dtype, np.integer) else np.float32)
 
     def to_host(self, x):
         return np.asarray(x)

@@ -13,7 +13,7 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then python3 -m pip install -q --no-index --no-deps .whl/*.whl 2>&1 | tail -3; fi
 python3 -m pip install -q --no-deps --no-build-isolation -e . -e plugins/lumen-cpu -e plugins/models-qwen \
   -e plugins/models-gemma -e plugins/lumen-cuda 2>&1 | tail -5 | tee "$OUT/install.log"
-timeout ${T_CUDA:-300} python3 -m pytest tests/test_cuda.py -q -rs -p no:cacheprovider --durations=8 2>&1 \
+timeout ${T_CUDA:-300} python3 -m pytest tests/test_cuda.py -q -rsP -p no:cacheprovider --durations=8 2>&1 \
   | tee "$OUT/test_cuda.log" | tail -40
 timeout ${T_MODELS:-120} python3 -m pytest tests/test_models.py -q -x -p no:cacheprovider 2>&1 \
   | tee "$OUT/test_models.log" | tail -8
