@@ -88,6 +88,8 @@ class Engine:
         """Yield new token ids until EOS, ``max_tokens`` or the context is full."""
         params = params or SamplingParams(temperature=0.0)
         params.validate()
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+            raise InputError(f"max_tokens must be an integer >= 1, got {max_tokens!r}")
         self.check_length(len(prompt_ids))
         sample, eos = make_sampler(params), self._eos()
         cache = self.model.new_cache(self.context_size)
@@ -116,7 +118,7 @@ class Engine:
                  **sampling) -> Iterator[str]:
         """Stream the newly generated text. ``sampling``: temperature, top_k, top_p, min_p, seed, ..."""
         defaults = self.config.sampling_defaults()
-        max_tokens = max_tokens or defaults.get("max_tokens", 256)
+        max_tokens = defaults.get("max_tokens", 256) if max_tokens is None else max_tokens
         stop = stop if stop is not None else defaults.get("stop", [])
         params = _params(defaults, sampling)
         ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)

@@ -122,6 +122,12 @@ def test_bad_sampling_values_are_refused(engine, option, value, pattern):
         list(engine.generate(PROMPT, max_tokens=2, **{option: value}))
 
 
+@pytest.mark.parametrize("value", [0, -2, 1.5])
+def test_bad_max_tokens_is_refused(engine, value):
+    with pytest.raises(InputError, match="max_tokens"):
+        list(engine.generate(PROMPT, max_tokens=value))
+
+
 def test_chat_prompt_uses_the_template(engine):
     prompt = engine.chat_prompt([{"role": "user", "content": "Hello"}])
     assert prompt.startswith("<|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\n")
