@@ -6,5 +6,5 @@ import typer
 
 ConfigOpt = Annotated[
     str,
-    typer.Option("--config", "-c", help="Config JSON file, or an HF checkpoint directory (placed on CPU/RAM)."),
+    typer.Option("--config", "-c", help="Config JSON file, or a checkpoint (HF dir or .gguf file) run on CPU/RAM."),
 ]
