@@ -6,7 +6,7 @@ import sys
 
 from .architecture import Architecture, Component, TensorLayout, component_label
 from .plan import weight_format
-from .tensors import SCALE_SUFFIX, LoadReport
+from .tensors import LoadReport, is_nvfp4, logical_shape, scale_name
 
 
 def load_component(ckpt, arch: Architecture, backend, store: str, names: list[str], shared: dict) -> dict:
@@ -19,10 +19,13 @@ def load_component(ckpt, arch: Architecture, backend, store: str, names: list[st
         if key in shared:
             out[name] = shared[key]
         elif arch.is_matrix(name):
-            scale = ckpt.tensors.get(name + SCALE_SUFFIX)
-            scale_arr = ckpt.read(scale.name) if scale else None
+            if is_nvfp4(ckpt, name):  # (e4m3 scale per 16 values (N, K/16), f32 global scale)
+                scale_arr = (ckpt.read(name + "_scale"), ckpt.read(name + "_scale_2"))
+            else:
+                scale = scale_name(ckpt, name)
+                scale_arr = ckpt.read(scale) if scale else None
             out[name] = backend.weight(ckpt.read(name), weight_format(ckpt, name), store, scale=scale_arr,
-                                       shape=ckpt.tensors[name].shape)
+                                       shape=logical_shape(ckpt, name))
         else:
             out[name] = backend.tensor(read_f32(name))
         shared[key] = out[name]

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 
 from .architecture import Architecture, Component, component_label
 from .errors import ConfigError, PlanError
-from .tensors import SCALE_SUFFIX, check_tensors
+from .tensors import SCALE_SUFFIXES, check_tensors, is_nvfp4
 
 DTYPE_FORMAT = {"F32": "f32", "F16": "f16", "BF16": "bf16", "F8_E4M3": "fp8"}
 KV_BYTES = {"f32": 4, "f16": 2, "bf16": 2, "fp8": 1}
@@ -83,6 +83,8 @@ def host_available_bytes() -> int:
 
 def weight_format(ckpt, name: str) -> str:
     info = ckpt.tensors[name]
+    if info.dtype == "U8" and is_nvfp4(ckpt, name):
+        return "nvfp4"
     return DTYPE_FORMAT.get(info.dtype, info.dtype.lower())
 
 
@@ -90,8 +92,8 @@ def tensor_bytes(ckpt, arch: Architecture, name: str) -> int:
     info = ckpt.tensors[name]
     if not arch.is_matrix(name):
         return max(1, info.nbytes // _itemsize(info)) * 4  # small tensors are kept as f32
-    scale = ckpt.tensors.get(name + SCALE_SUFFIX)
-    return info.nbytes + (scale.nbytes if scale else 0)
+    scales = (ckpt.tensors.get(name + s) for s in SCALE_SUFFIXES)
+    return info.nbytes + sum(s.nbytes for s in scales if s is not None)
 
 
 def _itemsize(info) -> int:

@@ -22,6 +22,10 @@ class CPUBackend(Backend):
 
     def weight(self, array, fmt: str, store: str, scale=None, shape=None) -> Weight:
         # ram: a private copy (the file can go away); mmap: a view on the page cache, read on use.
+        if fmt == "nvfp4":  # scale = (e4m3 block scales (N, K/16), f32 global scale): kept as stored
+            from .nvfp4 import weight
+
+            return weight(array, scale, shape, store)
         data = np.array(array) if store == "ram" else array
         shape = tuple(shape or data.shape)
         block = None

@@ -177,6 +177,9 @@ def table():
     from . import quant  # GGUF block formats (q4_k, q8_0...): linear and embedding
 
     rows += quant.table()
+    from . import nvfp4  # ModelOpt NVFP4: packed E2M1 pairs, e4m3 scale per 16 values, f32 global scale
+
+    rows += nvfp4.table()
     return rows
 
 
