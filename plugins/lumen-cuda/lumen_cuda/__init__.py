@@ -6,6 +6,11 @@ from lumen_core.ops import CONTRACT
 
 # Weight formats ``linear`` accepts on cuda; others (fp8, GGUF blocks) are refused when the weight is uploaded.
 LINEAR_FORMATS = ("f32", "bf16", "f16")
+# Hand-written kernels (lumen_cuda.gemv, kernels/*.cu) registered above the CuPy ops; each falls back to the CuPy
+# op where it does not apply (GEMV: more than 4 tokens, or K not a multiple of 8). fp8 is not registered: the
+# backend refuses fp8 weights at upload (docs/cuda.md says what it needs); gemv.linear_fp8 is tested directly.
+KERNEL_PRIORITY = 10
+KERNEL_OPS = (("linear", "linear_bf16", "bf16"), ("linear", "linear_f16", "f16"), ("rms_norm", "rms_norm", None))
 
 
 @hookimpl
@@ -20,6 +25,8 @@ def register_ops(register):
             register(name, "cuda", _lazy(name))
     for fmt in (*LINEAR_FORMATS, None):
         register("linear", "cuda", _lazy("linear"), variant=fmt)
+    for op, fn, variant in KERNEL_OPS:
+        register(op, "cuda", _lazy_kernel(fn), variant=variant, priority=KERNEL_PRIORITY)
 
 
 def _lazy(op: str):
@@ -35,4 +42,20 @@ def _lazy(op: str):
         return impl(*args, **kwargs)
 
     call.__name__ = call.__qualname__ = f"cuda_{op}"
+    return call
+
+
+def _lazy_kernel(fn: str):
+    """``lumen_cuda.gemv.<fn>`` (a hand-written kernel's launcher), imported (with CuPy) on its first call."""
+    impl = None
+
+    def call(*args, **kwargs):
+        nonlocal impl
+        if impl is None:
+            from . import gemv
+
+            impl = getattr(gemv, fn)
+        return impl(*args, **kwargs)
+
+    call.__name__ = call.__qualname__ = f"cuda_kernel_{fn}"
     return call

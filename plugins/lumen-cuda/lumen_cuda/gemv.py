@@ -1,0 +1,188 @@
+"""Launchers for the hand-written decode kernels: GEMV for bf16 / f16 / FP8-E4M3 weights (``kernels/gemv.cu``,
+``kernels/gemv_fp8.cu``) and the fused RMSNorm (``kernels/rms_norm.cu``).
+
+The ``linear_*`` and ``rms_norm`` functions here are what ``lumen_cuda/__init__.py`` registers above the CuPy
+versions in ``ops.py``; each falls back to those where the kernel does not apply:
+
+- GEMV: x (T, K) with T <= MAX_T (4) tokens; above that, cuBLAS (``ops.linear``).
+- Alignment (16-byte vector loads): bf16/f16 need K % 8 == 0, fp8 K % 16 == 0 (and a column block size that is
+  a multiple of 16); the weight must be C-contiguous with a 16-byte aligned base. Otherwise: the fallback.
+  x is made contiguous (and copied when its base is not 16-byte aligned).
+- x is f32 (what the engine passes) or bf16 bits (uint16: CuPy has no bfloat16); y is always f32.
+- RMSNorm: x f32 (..., D), w f32 (D,) or None; anything else goes to ``ops.rms_norm``.
+"""
+
+from __future__ import annotations
+
+import cupy as cp
+import numpy as np
+
+from lumen_core.backend import Weight
+
+from . import kernels
+
+MAX_T = 4  # decode GEMV up to this many tokens; cuBLAS above
+WARPS = 4  # warps per block (GEMV_WARPS in the .cu files)
+# Rows per warp by format and T (index T - 1); 1, 2 and 4 are compiled. From the H200 sweep in docs/cuda.md:
+# 2-byte weights read best with 2 rows at T = 1 and 4 rows at T >= 2; fp8 with 4 rows.
+ROWS = {"bf16": (2, 4, 4, 4), "f16": (2, 4, 4, 4), "fp8": (4, 4, 4, 4)}
+ALIGN = {"bf16": 8, "f16": 8, "fp8": 16}  # K must be a multiple of this (one 16-byte load per lane per step)
+
+_FNS: dict[tuple[int, str, str], cp.RawKernel] = {}
+
+
+def _fn(file: str, name: str) -> cp.RawKernel:
+    key = (cp.cuda.runtime.getDevice(), file, name)
+    fn = _FNS.get(key)
+    if fn is None:
+        fn = _FNS[key] = kernels.function(file, name)
+    return fn
+
+
+def _aligned(a) -> bool:
+    return a.data.ptr % 16 == 0
+
+
+def _prep_x(x):
+    """x (T, K) f32 or bf16 bits (uint16), C-contiguous, 16-byte aligned."""
+    if x.dtype != cp.float32 and x.dtype != cp.uint16:
+        x = x.astype(cp.float32)
+    if not x.flags.c_contiguous or not _aligned(x):
+        x = cp.array(x, order="C", copy=True)
+    return x
+
+
+def _xname(x) -> str:
+    return "bf16" if x.dtype == cp.uint16 else "f32"
+
+
+def _out(out, T, N):
+    if out is None:
+        return cp.empty((T, N), dtype=cp.float32)
+    assert out.shape == (T, N) and out.dtype == cp.float32 and out.flags.c_contiguous
+    return out
+
+
+def gemv_supported(fmt: str, data, T: int, K: int, block=None) -> bool:
+    """Whether the decode kernel applies: T tokens, weight array ``data`` (N, K), fp8 block (BR, BC)."""
+    if not 1 <= T <= MAX_T or K % ALIGN[fmt] or data.ndim != 2 or not data.flags.c_contiguous:
+        return False
+    if not _aligned(data):
+        return False
+    return not (fmt == "fp8" and block is not None and block[1] % 16)
+
+
+def gemv16(x, w, fmt: str, out=None, rows: int | None = None):
+    """y (T, N) f32 = x (T, K) @ w.T for w (N, K) bf16 bits (uint16) or f16; 1 <= T <= 4, K % 8 == 0."""
+    x = _prep_x(x)
+    T, K = x.shape
+    N = w.shape[0]
+    assert w.shape == (N, K) and fmt in ("bf16", "f16") and gemv_supported(fmt, w, T, K), (fmt, w.shape, x.shape)
+    rows = rows or ROWS[fmt][T - 1]
+    y = _out(out, T, N)
+    fn = _fn("gemv", f"gemv_{fmt}_x{_xname(x)}_t{T}_r{rows}")
+    fn(((N + rows * WARPS - 1) // (rows * WARPS),), (WARPS * 32,), (w, x, y, np.int32(N), np.int32(K)))
+    return y
+
+
+def fp8_block(shape, scale, block=None) -> tuple[int, int, int]:
+    """(BR, BC, SK) for a scale array: 128x128-style blocks, per-channel (N,)/(N, 1) or per-tensor (one value)."""
+    N, K = shape
+    kpad = (K + 15) // 16 * 16  # a column block covering every column, a multiple of 16
+    if block is not None:
+        return int(block[0]), int(block[1]), int(scale.shape[-1])
+    if scale.size == 1:
+        return N, kpad, 1
+    assert scale.size == N, f"fp8 scale of shape {scale.shape} for a ({N}, {K}) weight"
+    return 1, kpad, 1
+
+
+def gemv_fp8(x, w, scale, block=(128, 128), out=None, rows: int | None = None):
+    """y (T, N) f32 = x (T, K) @ (w * scale).T for w (N, K) e4m3 bytes (uint8), scale (ceil(N/BR), ceil(K/BC))
+    f32 (HF ``weight_scale_inv``), per-channel (N,) or per-tensor (1,) with block None; K % 16 == 0."""
+    x = _prep_x(x)
+    T, K = x.shape
+    N = w.shape[0]
+    assert w.shape == (N, K) and gemv_supported("fp8", w, T, K, block), (w.shape, x.shape, block)
+    br, bc, sk = fp8_block((N, K), scale, block)
+    s = cp.ascontiguousarray(scale, dtype=cp.float32)
+    rows = rows or ROWS["fp8"][T - 1]
+    y = _out(out, T, N)
+    fn = _fn("gemv_fp8", f"gemv_fp8_x{_xname(x)}_t{T}_r{rows}")
+    fn(((N + rows * WARPS - 1) // (rows * WARPS),), (WARPS * 32,),
+       (w, s, x, y, np.int32(N), np.int32(K), np.int32(br), np.int32(bc), np.int32(sk)))
+    return y
+
+
+# -- the registered ops ----------------------------------------------------------------------------------------
+def _linear16(x, w: Weight):  # x (..., K), w (N, K) bf16 bits / f16 -> (..., N) f32
+    K = w.shape[-1]
+    x2 = x.reshape(-1, K) if x.ndim != 2 else x
+    if isinstance(x, cp.ndarray) and gemv_supported(w.format, w.data, x2.shape[0], K):
+        y = gemv16(x2, w.data, w.format)
+        return y if x.ndim == 2 else y.reshape(*x.shape[:-1], y.shape[-1])
+    from . import ops
+
+    return ops.linear(x, w)
+
+
+def linear_bf16(x, w: Weight):
+    return _linear16(x, w)
+
+
+def linear_f16(x, w: Weight):
+    return _linear16(x, w)
+
+
+_E4M3 = None
+
+
+def e4m3_to_f32(data):
+    """uint8 e4m3fn bytes (any shape) -> f32, through a 256-entry table (NaN at 0x7f / 0xff)."""
+    global _E4M3
+    if _E4M3 is None:
+        b = np.arange(256)
+        e, m = (b >> 3) & 15, (b & 7).astype(np.float64)
+        v = np.where(e == 0, m / 8 * 2.0**-6, (1 + m / 8) * 2.0 ** (e - 7))
+        v = np.where((e == 15) & (m == 7), np.nan, v) * np.where(b >> 7, -1.0, 1.0)
+        _E4M3 = v.astype(np.float32)
+    return cp.asarray(_E4M3)[data]
+
+
+def dequantize_fp8(w: Weight):
+    """The f32 matrix (N, K) an fp8 Weight stands for: value x scale per block / channel / tensor."""
+    N, K = w.shape
+    data = e4m3_to_f32(w.data)
+    br, bc, sk = fp8_block((N, K), w.scale, w.block)
+    s = cp.asarray(w.scale, dtype=cp.float32).reshape(-1, sk)
+    s = cp.repeat(cp.repeat(s, br, axis=0)[:N], bc, axis=1)[:, :K] if sk > 1 or s.shape[0] > 1 else s
+    return data * s
+
+
+def linear_fp8(x, w: Weight):  # x (..., K), w (N, K) e4m3 + scale -> (..., N) f32
+    """Not registered yet: the cuda backend refuses fp8 weights at upload (see docs/cuda.md)."""
+    K = w.shape[-1]
+    x2 = x.reshape(-1, K) if x.ndim != 2 else x
+    if gemv_supported("fp8", w.data, x2.shape[0], K, w.block):
+        y = gemv_fp8(x2, w.data, w.scale, w.block)
+    else:
+        y = cp.matmul(x2.astype(cp.float32, copy=False), dequantize_fp8(w).T)
+    return y if x.ndim == 2 else y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def rms_norm(x, w, eps: float, offset: float = 0.0):  # x (..., D) f32, w (D,) f32 or None
+    D = x.shape[-1]
+    ok = isinstance(x, cp.ndarray) and x.dtype == cp.float32 and x.size > 0 and (
+        w is None or (isinstance(w, cp.ndarray) and w.dtype == cp.float32 and w.shape == (D,)))
+    if not ok:
+        from . import ops
+
+        return ops.rms_norm(x, w, eps, offset)
+    xc = cp.ascontiguousarray(x)
+    y = cp.empty_like(xc)
+    rows = xc.size // D
+    threads = min(1024, max(32, ((D + 3) // 4 + 31) // 32 * 32))
+    wc = cp.ascontiguousarray(w) if w is not None else np.uint64(0)  # a null pointer: no weight
+    _fn("rms_norm", "rms_norm_f32")((rows,), (threads,), (xc, wc, y, np.int32(D), np.float32(eps),
+                                                       np.float32(offset)))
+    return y

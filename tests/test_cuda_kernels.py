@@ -1,0 +1,208 @@
+"""The hand-written CUDA kernels (plugins/lumen-cuda/lumen_cuda/kernels/*.cu, launched from lumen_cuda.gemv)
+against the CPU backend's ops and float64 numpy references, on random inputs with odd sizes.
+
+GPU tests carry the ``gpu`` marker and skip without CuPy or a CUDA device; the first test needs neither.
+Alignment the GEMV kernels require (16-byte loads): K % 8 == 0 for bf16/f16, K % 16 == 0 for fp8, a 16-byte
+aligned C-contiguous weight; otherwise ``linear`` falls back to the CuPy/cuBLAS path (tested here too).
+Tolerance: f32 accumulation in another order than numpy's: ≤ 1e-5 × max(1, max |reference|).
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from lumen_core.backend import Weight
+from lumen_core.plugins import get_registry
+
+pytest.importorskip("lumen_cuda")
+
+# (N, K): N never a multiple of the rows a block covers, K not a multiple of 128 (but of 8 / 16).
+SHAPES16 = [(1000, 4104), (257, 136), (3, 8), (4099, 1032), (129, 2056)]
+SHAPES8 = [(1000, 4112), (257, 144), (130, 16), (300, 1040), (129, 2064)]
+
+
+def test_kernel_ops_are_registered_above_the_cupy_ops():
+    reg = get_registry()
+    assert reg.op("linear", "cuda", "bf16").__name__ == "cuda_kernel_linear_bf16"
+    assert reg.op("linear", "cuda", "f16").__name__ == "cuda_kernel_linear_f16"
+    assert reg.op("rms_norm", "cuda").__name__ == "cuda_kernel_rms_norm"
+    assert reg.op("linear", "cuda", "f32").__name__ == "cuda_linear"  # f32 weights: cuBLAS as before
+    for key in (("linear", "cuda", "bf16"), ("rms_norm", "cuda", None)):
+        assert len(reg.ops[key]) == 2 and reg.ops[key][0].priority > reg.ops[key][1].priority
+
+
+# -- fixtures and helpers --------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def cp():
+    cupy = pytest.importorskip("cupy")
+    try:
+        n = cupy.cuda.runtime.getDeviceCount()
+    except Exception:  # CuPy without a driver or device
+        n = 0
+    if n == 0:
+        pytest.skip("no CUDA device")
+    return cupy
+
+
+@pytest.fixture(scope="module")
+def gpu(cp):
+    reg = get_registry()
+    return reg.backend_class("cuda")("cuda:0", reg)
+
+
+@pytest.fixture(scope="module")
+def cpu():
+    reg = get_registry()
+    return reg.backend_class("cpu")("cpu", reg)
+
+
+@pytest.fixture(scope="module")
+def gemv(cp):
+    from lumen_cuda import gemv
+
+    return gemv
+
+
+def host(x):
+    return x.get() if hasattr(x, "get") else np.asarray(x)
+
+
+def close(got, want, tol=1e-5):
+    """Every element written (finite) and max |got - want| <= tol × max(1, max |want|)."""
+    got, want = host(got).astype(np.float64), np.asarray(want, dtype=np.float64)
+    assert got.shape == want.shape, (got.shape, want.shape)
+    assert np.isfinite(got).all(), "unwritten (NaN-poisoned) or non-finite outputs"
+    err, scale = np.abs(got - want).max(initial=0.0), max(1.0, np.abs(want).max(initial=0.0))
+    assert err <= tol * scale, f"max |Δ| {err:.3g} > {tol * scale:.3g}"
+    return err
+
+
+def poisoned(cp, T, N):
+    return cp.full((T, N), np.nan, dtype=cp.float32)
+
+
+def activations(rng, T, K, xdtype):
+    """x (T, K) f32 on the host, and what the kernel is given: f32, or bf16 bits (uint16) of x rounded to bf16."""
+    x = rng.normal(size=(T, K)).astype(np.float32)
+    if xdtype == "bf16":
+        xb = x.astype(ml_dtypes.bfloat16)
+        return xb.astype(np.float32), xb.view(np.uint16)
+    return x, x
+
+
+def fp8_weight(rng, N, K, block=(128, 128)):
+    """e4m3 values (N, K) (ml_dtypes), f32 scales (ceil(N/128), ceil(K/128)) like HF's weight_scale_inv."""
+    w8 = (rng.normal(size=(N, K)) * 0.5).astype(ml_dtypes.float8_e4m3fn)
+    scale = rng.uniform(0.5, 2.0, size=(-(-N // block[0]), -(-K // block[1]))).astype(np.float32)
+    return w8, scale
+
+
+# -- GEMV -----------------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 2, 4])
+@pytest.mark.parametrize("xdtype", ["f32", "bf16"])
+@pytest.mark.parametrize("fmt", ["bf16", "f16"])
+def test_gemv16_against_numpy(cp, gemv, fmt, xdtype, rows):
+    rng = np.random.default_rng(100 * len(fmt) + 10 * rows + (xdtype == "bf16"))
+    for N, K in SHAPES16:
+        w = rng.normal(size=(N, K)).astype(ml_dtypes.bfloat16 if fmt == "bf16" else np.float16)
+        wd = cp.asarray(w.view(np.uint16) if fmt == "bf16" else w)
+        for T in (1, 2, 3, 4):
+            x, xk = activations(rng, T, K, xdtype)
+            y = gemv.gemv16(cp.asarray(xk), wd, fmt, out=poisoned(cp, T, N), rows=rows)
+            close(y, x.astype(np.float64) @ w.astype(np.float64).T)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 2, 4])
+@pytest.mark.parametrize("xdtype", ["f32", "bf16"])
+def test_gemv_fp8_block_scales_against_the_cpu_op(cp, gemv, cpu, xdtype, rows):
+    rng = np.random.default_rng(7 + rows + (xdtype == "bf16"))
+    for N, K in SHAPES8:
+        w8, scale = fp8_weight(rng, N, K)
+        # The CPU backend infers the block from the scale's shape: (128, 16) for K = 16 (one column block: the
+        # same matrix); the kernel is given HF's (128, 128).
+        wc = cpu.weight(w8, "fp8", "ram", scale=scale)
+        wd, sd = cp.asarray(w8.view(np.uint8)), cp.asarray(scale)
+        for T in (1, 2, 3, 4):
+            x, xk = activations(rng, T, K, xdtype)
+            y = gemv.gemv_fp8(cp.asarray(xk), wd, sd, (128, 128), out=poisoned(cp, T, N), rows=rows)
+            close(y, cpu.ops.linear(x, wc))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["per-channel", "per-tensor"])
+def test_gemv_fp8_per_channel_and_per_tensor_scales(cp, gemv, cpu, kind):
+    rng = np.random.default_rng(11)
+    N, K = 333, 528
+    w8 = (rng.normal(size=(N, K)) * 0.5).astype(ml_dtypes.float8_e4m3fn)
+    scale = rng.uniform(0.5, 2.0, size=(N, 1) if kind == "per-channel" else (1,)).astype(np.float32)
+    wc = cpu.weight(w8, "fp8", "ram", scale=scale)
+    assert wc.block is None
+    for T in (1, 4):
+        x = rng.normal(size=(T, K)).astype(np.float32)
+        y = gemv.gemv_fp8(cp.asarray(x), cp.asarray(w8.view(np.uint8)), cp.asarray(scale), None,
+                          out=poisoned(cp, T, N))
+        close(y, cpu.ops.linear(x, wc))
+
+
+@pytest.mark.gpu
+def test_linear_fp8_falls_back_above_four_tokens_and_on_unaligned_k(cp, gemv, cpu):
+    rng = np.random.default_rng(12)
+    for N, K, T in [(200, 272, 7), (130, 40, 2), (130, 272, 1)]:  # T > 4; K % 16 != 0; the kernel
+        w8, scale = fp8_weight(rng, N, K)
+        wc = cpu.weight(w8, "fp8", "ram", scale=scale)
+        wg = Weight(cp.asarray(w8.view(np.uint8)), "fp8", (N, K), cp.asarray(scale), wc.block)
+        x = rng.normal(size=(T, K)).astype(np.float32)
+        close(gemv.linear_fp8(cp.asarray(x), wg), cpu.ops.linear(x, wc))
+    assert not gemv.gemv_supported("fp8", wg.data, 5, 272)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["bf16", "f16"])
+def test_linear_dispatch_kernel_and_fallbacks_against_the_cpu_op(cp, gpu, cpu, gemv, fmt):
+    """Through the backend's op table: T <= 4 runs the kernel, T > 4 and K % 8 != 0 fall back to cuBLAS."""
+    rng = np.random.default_rng(3)
+    dtype = ml_dtypes.bfloat16 if fmt == "bf16" else np.float16
+    assert gpu.ops.resolve("linear", fmt).__name__ == f"cuda_kernel_linear_{fmt}"
+    for N, K, T in [(515, 1032, 1), (515, 1032, 2), (515, 1032, 3), (515, 1032, 4), (515, 1032, 5),
+                    (64, 100, 1), (64, 100, 9), (7, 8, 4)]:
+        w = rng.normal(size=(N, K)).astype(dtype)
+        wc, wg = cpu.weight(w, fmt, "ram"), gpu.weight(w, fmt, "vram")
+        assert gemv.gemv_supported(fmt, wg.data, T, K) == (T <= 4 and K % 8 == 0)
+        x = rng.normal(size=(T, K)).astype(np.float32)
+        close(gpu.ops.linear(gpu.tensor(x), wg), cpu.ops.linear(x, wc))
+
+
+@pytest.mark.gpu
+def test_gemv_alignment_fallbacks(cp, gpu, cpu, gemv):
+    """A weight whose base is not 16-byte aligned falls back; x that is a strided / misaligned view is copied."""
+    rng = np.random.default_rng(4)
+    N, K = 96, 264
+    w = rng.normal(size=(N, K)).astype(ml_dtypes.bfloat16)
+    wc = cpu.weight(w, "bf16", "ram")
+    flat = cp.zeros(N * K + 1, dtype=cp.uint16)
+    flat[1:] = cp.asarray(w.view(np.uint16).ravel())
+    shifted = flat[1:].reshape(N, K)  # contiguous, base 2 bytes past an aligned address
+    assert not gemv.gemv_supported("bf16", shifted, 1, K)
+    x = rng.normal(size=(2, K + 1)).astype(np.float32)
+    xv = cp.asarray(x)[:, 1:]  # strided view, misaligned base
+    close(gemv.linear_bf16(xv, Weight(shifted, "bf16", (N, K))), cpu.ops.linear(x[:, 1:], wc))
+    close(gemv.linear_bf16(xv, Weight(cp.asarray(w.view(np.uint16)), "bf16", (N, K))),
+          cpu.ops.linear(x[:, 1:], wc))
+
+
+# -- RMSNorm ----------------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(1, 4096), (3, 1000), (5, 3, 17), (2, 1), (4, 12288), (7, 256)])
+def test_rms_norm_against_the_cpu_op(cp, gpu, cpu, shape):
+    assert gpu.ops.resolve("rms_norm").__name__ == "cuda_kernel_rms_norm"
+    rng = np.random.default_rng(shape[-1])
+    x = (rng.normal(size=shape) * 3).astype(np.float32)
+    w = rng.normal(size=shape[-1]).astype(np.float32)
+    for args in [(w, 1e-6), (w, 1e-6, 1.0), (None, 1e-5), (None, 1e-6, 1.0), (w, 1e-2, 0.5)]:
+        wg = None if args[0] is None else gpu.tensor(args[0])
+        got = gpu.ops.rms_norm(gpu.tensor(x), wg, *args[1:])
+        close(got, cpu.ops.rms_norm(x, *args))
