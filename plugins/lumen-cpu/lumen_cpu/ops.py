@@ -45,7 +45,9 @@ def embedding(ids, w: Weight):  # ids list[int] (T,), w (vocab, H) -> (T, H)
 
 # -- elementwise and norms ---------------------------------------------------------------------------------
 def rms_norm(x, w, eps: float, offset: float = 0.0):  # x (..., D), w (D,) or None
-    y = x * (1.0 / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + F32(eps)))
+    # einsum, not np.mean(x * x): half the time on decode-sized rows (~100 norms a token on Gemma 3 270M)
+    mean_sq = np.einsum("...i,...i->...", x, x)[..., None] * F32(1.0 / x.shape[-1])
+    y = x * (1.0 / np.sqrt(mean_sq + F32(eps)))
     return y if w is None else y * (w + F32(offset)) if offset else y * w
 
 
