@@ -38,6 +38,24 @@ class Weight:
         return n + int(getattr(self.scale, "nbytes", 0) if self.scale is not None else 0)
 
 
+def scale_block(shape, scale_shape) -> tuple[int, int] | None:
+    """The block size an FP8 scale's shape implies for a (rows, cols) weight: (BR, BC) powers of two for block
+    scales (HF's ``weight_scale_inv``, e.g. 128x128), or None for per-channel ((N,) / (N, 1)) and per-tensor
+    scales. Every backend infers it the same way, so a Weight means the same numbers everywhere."""
+    per_tensor = all(d == 1 for d in scale_shape)
+    per_channel = len(scale_shape) >= 1 and scale_shape[0] == shape[0] and all(d == 1 for d in scale_shape[1:])
+    if len(scale_shape) == 2 and not per_tensor and not per_channel:
+        return (_block_len(shape[0], scale_shape[0]), _block_len(shape[1], scale_shape[1]))
+    return None
+
+
+def _block_len(n: int, blocks: int) -> int:
+    b = 1
+    while -(-n // b) > blocks:
+        b *= 2
+    return b
+
+
 class Backend(ABC):
     """One device of one backend kind. Subclasses register through ``register_backends``."""
 

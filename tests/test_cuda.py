@@ -123,9 +123,70 @@ def test_weight_refuses_other_stores_and_formats(gpu):
     with pytest.raises(ValueError, match="vram"):
         gpu.weight(w, "f32", "ram")
     with pytest.raises(NotImplementedError, match="not yet supported on cuda"):
-        gpu.weight(w.astype(np.uint8), "fp8", "vram", scale=np.ones(1, np.float32))
-    with pytest.raises(NotImplementedError, match="not yet supported on cuda"):
         gpu.weight(np.zeros((4, 34), np.uint8), "q8_0", "vram", shape=(4, 32))
+    with pytest.raises(ValueError, match="does not make"):
+        gpu.weight(np.zeros((4, 8), np.uint8), "nvfp4", "vram", scale=(np.zeros((4, 2), np.uint8), 1.0))
+
+
+# -- quantized weights: fp8 (block / per-channel / per-tensor scales) and NVFP4 --------------------------------
+def fp8_case(rng, N, K, kind):
+    w8 = (rng.normal(size=(N, K)) * 0.5).astype(ml_dtypes.float8_e4m3fn)
+    shape = {"block128": (-(-N // 128), -(-K // 128)), "block32": (-(-N // 32), -(-K // 32)),
+             "per-channel": (N, 1), "per-tensor": (1,)}[kind]
+    return w8, rng.uniform(0.5, 2.0, size=shape).astype(np.float32)
+
+
+def nvfp4_case(rng, N, K):
+    packed = rng.integers(0, 256, size=(N, K // 2), dtype=np.uint8)
+    block = rng.uniform(0.05, 3.0, size=(N, K // 16)).astype(ml_dtypes.float8_e4m3fn)
+    return packed, (block, np.float32(0.0123))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["block128", "block32", "per-channel", "per-tensor"])
+def test_fp8_linear_and_embedding_against_the_cpu(gpu, cpu, kind):
+    """The same e4m3 bytes and scales on both backends: the block is inferred alike, linear agrees (the GEMV at
+    T <= 4, dequantize + cuBLAS above), embedding rows are bit-identical."""
+    rng = np.random.default_rng(21)
+    for N, K in [(300, 272), (130, 40), (257, 1040)]:
+        w8, scale = fp8_case(rng, N, K, kind)
+        wc, wg = cpu.weight(w8, "fp8", "ram", scale=scale), gpu.weight(w8, "fp8", "vram", scale=scale)
+        assert wg.format == "fp8" and wg.shape == (N, K) and wg.block == wc.block
+        assert wg.nbytes == N * K + scale.size * 4
+        for T in (1, 2, 4, 7):
+            x = rand(rng, T, K)
+            close(gpu.ops.linear(gpu.tensor(x), wg), cpu.ops.linear(x, wc))
+        ids = [0, N - 1, 5, 0, N // 2]
+        close(gpu.ops.embedding(ids, wg), cpu.ops.embedding(ids, wc), 0)
+    assert gpu.ops.resolve("linear", "fp8").__name__ == "cuda_kernel_linear_fp8"
+
+
+@pytest.mark.gpu
+def test_nvfp4_linear_and_embedding_against_the_cpu(gpu, cpu):
+    """Random packed codes (every nibble, -0 included) and e4m3 block scales: the dequantized matrix is
+    bit-identical to the CPU's; linear agrees to f32 GEMM rounding for T = 1 .. 9; embedding rows exactly."""
+    from lumen_cpu import nvfp4
+    from lumen_cuda import gemv
+
+    rng = np.random.default_rng(22)
+    for N, K in [(96, 64), (257, 1040), (33, 16)]:
+        packed, scale = nvfp4_case(rng, N, K)
+        wc, wg = cpu.weight(packed, "nvfp4", "ram", scale=scale), gpu.weight(packed, "nvfp4", "vram", scale=scale)
+        assert wg.format == "nvfp4" and wg.shape == (N, K) and wg.block == (1, 16)
+        np.testing.assert_array_equal(host(gemv.dequantize_nvfp4(wg)).view(np.uint32),
+                                      nvfp4.dequantize(wc).view(np.uint32))
+        for T in (1, 3, 9):
+            x = rand(rng, T, K)
+            close(gpu.ops.linear(gpu.tensor(x), wg), cpu.ops.linear(x, wc))
+        ids = [0, N - 1, 5, 5]
+        close(gpu.ops.embedding(ids, wg), cpu.ops.embedding(ids, wc), 0)
+    # slabs: a matrix larger than one dequantization slab
+    old, gemv.NVFP4_SLAB = gemv.NVFP4_SLAB, 16 * 8  # 8 rows of (33, 16) a slab
+    try:
+        close(gpu.ops.linear(gpu.tensor(x), wg), cpu.ops.linear(x, wc))
+    finally:
+        gemv.NVFP4_SLAB = old
+    assert gpu.ops.resolve("linear", "nvfp4").__name__ == "cuda_kernel_linear_nvfp4"
 
 
 @pytest.mark.gpu
@@ -318,6 +379,35 @@ def test_model_on_cuda_equals_cpu(model_pair):
     errs = close(p, prefill, 1e-3), close(s, steps, 1e-3)
     assert t == tokens
     print(f"max |Δlogit| prefill {errs[0]:.2e}, decode {errs[1]:.2e}")  # shown with -rP
+
+
+@pytest.fixture(scope="module", params=["fp8", "nvfp4"])
+def quantized_pair(request, tiny_checkpoint, tmp_path_factory, gpu):
+    """A tiny Qwen 3.5 quantized by ``lumen quantize`` (fp8 with 32×32 blocks, or nvfp4), run on the CPU."""
+    from lumen_core.cli import main
+
+    out = tmp_path_factory.mktemp(f"qwen3_5-{request.param}") / "q"
+    try:
+        rc = main(["quantize", "--input", str(tiny_checkpoint("qwen3_5")), "--output", str(out),
+                   "--format", request.param, "--block", "32"])
+    except SystemExit as exc:
+        rc = exc.code
+    assert not rc, f"lumen quantize exited with {rc}"
+    ref = engine(out, "cpu", "ram")
+    ids = np.random.RandomState(1).randint(3, ref.model.vocab_size, 80).tolist()
+    return request.param, out, ids, run(ref.model, ids)
+
+
+@pytest.mark.gpu
+def test_quantized_model_on_cuda_equals_cpu(quantized_pair):
+    fmt, path, ids, (prefill, tokens, steps) = quantized_pair
+    on_gpu = engine(path, "cuda:0", "vram")
+    assert {e.backend for e in on_gpu.plan.entries} == {"cuda"}
+    assert any(fmt in e.format for e in on_gpu.plan.entries)
+    p, t, s = run(on_gpu.model, ids)
+    errs = close(p, prefill, 1e-3), close(s, steps, 1e-3)
+    assert t == tokens
+    print(f"{fmt}: max |Δlogit| prefill {errs[0]:.2e}, decode {errs[1]:.2e}")
 
 
 @pytest.mark.gpu

@@ -28,6 +28,9 @@ def test_kernel_ops_are_registered_above_the_cupy_ops():
     assert reg.op("linear", "cuda", "bf16").__name__ == "cuda_kernel_linear_bf16"
     assert reg.op("linear", "cuda", "f16").__name__ == "cuda_kernel_linear_f16"
     assert reg.op("rms_norm", "cuda").__name__ == "cuda_kernel_rms_norm"
+    assert reg.op("linear", "cuda", "fp8").__name__ == "cuda_kernel_linear_fp8"
+    assert reg.op("linear", "cuda", "nvfp4").__name__ == "cuda_kernel_linear_nvfp4"
+    assert reg.op("embedding", "cuda", "nvfp4").__name__ == "cuda_kernel_embedding_nvfp4"
     assert reg.op("linear", "cuda", "f32").__name__ == "cuda_linear"  # f32 weights: cuBLAS as before
     for key in (("linear", "cuda", "bf16"), ("rms_norm", "cuda", None)):
         assert len(reg.ops[key]) == 2 and reg.ops[key][0].priority > reg.ops[key][1].priority

@@ -6,7 +6,7 @@ import os
 
 import numpy as np
 
-from lumen_core.backend import Backend, DeviceInfo, Weight
+from lumen_core.backend import Backend, DeviceInfo, Weight, scale_block
 from lumen_core.plan import host_available_bytes
 
 
@@ -31,7 +31,7 @@ class CPUBackend(Backend):
         block = None
         if scale is not None:
             scale = np.array(scale, dtype=np.float32)
-            block = _block_of(shape, scale.shape)
+            block = scale_block(shape, scale.shape)
         return Weight(data, fmt, shape, scale, block)
 
     def tensor(self, array):
@@ -42,19 +42,3 @@ class CPUBackend(Backend):
 
     def to_host(self, x):
         return np.asarray(x)
-
-
-def _block_of(shape, scale_shape) -> tuple[int, int] | None:
-    """fp8 block size implied by the scale's shape: (128,128) blocks, per-channel or per-tensor."""
-    per_tensor = all(d == 1 for d in scale_shape)
-    per_channel = len(scale_shape) >= 1 and scale_shape[0] == shape[0] and all(d == 1 for d in scale_shape[1:])
-    if len(scale_shape) == 2 and not per_tensor and not per_channel:
-        return (_block_len(shape[0], scale_shape[0]), _block_len(shape[1], scale_shape[1]))
-    return None
-
-
-def _block_len(n: int, blocks: int) -> int:
-    b = 1
-    while -(-n // b) > blocks:
-        b *= 2
-    return b

@@ -4,13 +4,15 @@ class is registered by name and every op is a thin wrapper that imports the impl
 from lumen_core import hookimpl
 from lumen_core.ops import CONTRACT
 
-# Weight formats ``linear`` accepts on cuda; others (fp8, GGUF blocks) are refused when the weight is uploaded.
-LINEAR_FORMATS = ("f32", "bf16", "f16")
+# Weight formats ``linear`` accepts on cuda; others (GGUF blocks) are refused when the weight is uploaded.
+LINEAR_FORMATS = ("f32", "bf16", "f16", "fp8", "nvfp4")
 # Hand-written kernels (lumen_cuda.gemv, kernels/*.cu) registered above the CuPy ops; each falls back to the CuPy
-# op where it does not apply (GEMV: more than 4 tokens, or K not a multiple of 8). fp8 is not registered: the
-# backend refuses fp8 weights at upload (docs/cuda.md says what it needs); gemv.linear_fp8 is tested directly.
+# op where it does not apply (GEMV: more than 4 tokens, or K not a multiple of 8 / 16). fp8: the GEMV for T <= 4,
+# else dequantize + cuBLAS; nvfp4: dequantize kernel + cuBLAS for every T (a fused GEMV comes later).
 KERNEL_PRIORITY = 10
-KERNEL_OPS = (("linear", "linear_bf16", "bf16"), ("linear", "linear_f16", "f16"), ("rms_norm", "rms_norm", None))
+KERNEL_OPS = (("linear", "linear_bf16", "bf16"), ("linear", "linear_f16", "f16"), ("linear", "linear_fp8", "fp8"),
+              ("linear", "linear_nvfp4", "nvfp4"), ("embedding", "embedding_fp8", "fp8"),
+              ("embedding", "embedding_nvfp4", "nvfp4"), ("rms_norm", "rms_norm", None))
 
 
 @hookimpl

@@ -6,11 +6,28 @@ and the plan check refuses ``cuda:N`` as a device that does not exist.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import numpy as np
 
-from lumen_core.backend import Backend, DeviceInfo, Weight
+from lumen_core.backend import Backend, DeviceInfo, Weight, scale_block
 
 UPLOAD = {"f32": np.float32, "f16": np.float16, "bf16": np.uint16}  # bf16: the raw bits (CuPy has no bfloat16)
+NVFP4_GROUP = 16  # values per e4m3 block scale
+
+
+@dataclass
+class NVFP4Scale:
+    """An NVFP4 weight's scales on the GPU: e4m3 bytes (uint8) per 16 values of a row (N, K/16), and the f32
+    global scale kept on the host (a kernel argument, no device read). A value is (e2m1 × block) × global."""
+
+    block: Any  # cupy uint8 (N, K/16): e4m3fn bits
+    global_scale: np.float32
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.block.nbytes) + 4
 
 
 def _cupy():
@@ -57,12 +74,45 @@ class CUDABackend(Backend):
     def weight(self, array, fmt: str, store: str, scale=None, shape=None) -> Weight:
         if store != "vram":
             raise ValueError(f"the cuda backend computes only from store 'vram', not {store!r}")
+        if fmt == "fp8":
+            return self._fp8(array, scale, shape)
+        if fmt == "nvfp4":
+            return self._nvfp4(array, scale, shape)
         if scale is not None or fmt not in UPLOAD:
-            raise NotImplementedError(f"weight format {fmt!r} is not yet supported on cuda (f32, f16, bf16 are)")
+            raise NotImplementedError(
+                f"weight format {fmt!r} is not yet supported on cuda (f32, f16, bf16, fp8, nvfp4 are)")
         host = np.ascontiguousarray(array).view(UPLOAD[fmt]) if fmt == "bf16" else np.asarray(array, UPLOAD[fmt])
         with self.dev:
             data = self.cp.asarray(host)
         return Weight(data, fmt, tuple(shape or host.shape))
+
+    def _fp8(self, array, scale, shape) -> Weight:
+        """e4m3 bytes (uint8) and the f32 scale (its checkpoint shape) in VRAM; the block as the CPU infers it."""
+        host = np.ascontiguousarray(array)
+        if host.dtype.itemsize != 1:
+            raise ValueError(f"fp8 weight of dtype {host.dtype}: expected 1-byte e4m3 values")
+        shape = tuple(shape or host.shape)
+        s = np.ones(1, np.float32) if scale is None else np.ascontiguousarray(scale, dtype=np.float32)
+        with self.dev:
+            data, s_dev = self.cp.asarray(host.view(np.uint8)), self.cp.asarray(s)
+        return Weight(data, "fp8", shape, s_dev, scale_block(shape, s.shape))
+
+    def _nvfp4(self, array, scale, shape) -> Weight:
+        """Packed E2M1 bytes (N, K/2), low nibble first; scale = (e4m3 block scales (N, K/16), f32 global)."""
+        if scale is None:
+            raise ValueError("an nvfp4 weight needs its (block scales, global scale)")
+        block, global_scale = scale
+        host = np.ascontiguousarray(array)
+        bhost = np.ascontiguousarray(block)
+        shape = tuple(shape or (host.shape[0], host.shape[1] * 2))
+        n, k = shape
+        if host.dtype != np.uint8 or host.shape != (n, k // 2) or bhost.dtype.itemsize != 1 or \
+                bhost.shape != (n, k // NVFP4_GROUP) or k % NVFP4_GROUP:
+            raise ValueError(f"nvfp4 weight {host.dtype} {host.shape} with scales {bhost.shape} does not make {shape}")
+        with self.dev:
+            data, bdev = self.cp.asarray(host), self.cp.asarray(bhost.view(np.uint8))
+        gs = np.float32(np.asarray(global_scale, np.float32).reshape(()))
+        return Weight(data, "nvfp4", shape, NVFP4Scale(bdev, gs), (1, NVFP4_GROUP))
 
     def tensor(self, array):
         host = np.asarray(array)

@@ -160,14 +160,74 @@ def dequantize_fp8(w: Weight):
 
 
 def linear_fp8(x, w: Weight):  # x (..., K), w (N, K) e4m3 + scale -> (..., N) f32
-    """Not registered yet: the cuda backend refuses fp8 weights at upload (see docs/cuda.md)."""
+    """The fp8 GEMV for T <= 4 (aligned), else the dequantized f32 matrix through cuBLAS."""
     K = w.shape[-1]
     x2 = x.reshape(-1, K) if x.ndim != 2 else x
-    if gemv_supported("fp8", w.data, x2.shape[0], K, w.block):
+    if isinstance(x, cp.ndarray) and gemv_supported("fp8", w.data, x2.shape[0], K, w.block):
         y = gemv_fp8(x2, w.data, w.scale, w.block)
     else:
         y = cp.matmul(x2.astype(cp.float32, copy=False), dequantize_fp8(w).T)
     return y if x.ndim == 2 else y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def embedding_fp8(ids, w: Weight):  # ids (T,) -> (T, H) f32: the rows, times their scales (as the CPU op)
+    idx = cp.asarray(np.asarray(ids, dtype=np.int64))
+    N, K = w.shape
+    br, bc, sk = fp8_block((N, K), w.scale, w.block)
+    s = cp.asarray(w.scale, dtype=cp.float32).reshape(-1, sk)
+    if s.shape[0] == 1 and sk == 1:  # per-tensor
+        rs = s.reshape(1, 1)
+    else:  # per-channel (one column block) or blocks: the scale row of each id, widened over its columns
+        rs = cp.repeat(s[idx // br], bc, axis=1)[:, :K]
+    return e4m3_to_f32(w.data[idx]) * rs
+
+
+# -- NVFP4 ------------------------------------------------------------------------------------------------------
+NVFP4_SLAB = 1 << 25  # f32 values dequantized at once by linear_nvfp4 (128 MB)
+
+
+def nvfp4_dequantize(data, block, global_scale, out=None):
+    """f32 (R, K) from packed E2M1 bytes ``data`` (R, K/2) and e4m3 bytes ``block`` (R, K/16) (kernels/nvfp4.cu):
+    (e2m1 × block scale) × global scale, bit-identical to the CPU's ``dequantize_rows``."""
+    R, half = data.shape
+    K = 2 * half
+    assert block.shape == (R, K // 16) and data.dtype == cp.uint8 and block.dtype == cp.uint8, (data.shape,
+                                                                                              block.shape)
+    data, block = cp.ascontiguousarray(data), cp.ascontiguousarray(block)
+    y = cp.empty((R, K), dtype=cp.float32) if out is None else out
+    n = R * half
+    if n:
+        grid = min((n + 255) // 256, 65536)
+        _fn("nvfp4", "nvfp4_dequantize")((grid,), (256,), (data, block, y, np.int64(R), np.int32(K),
+                                                            np.float32(global_scale)))
+    return y
+
+
+def dequantize_nvfp4(w: Weight):
+    """The whole f32 matrix (N, K) an NVFP4 Weight stands for (a fresh array)."""
+    return nvfp4_dequantize(w.data, w.scale.block, w.scale.global_scale)
+
+
+def linear_nvfp4(x, w: Weight):  # x (..., K), w (N, K) NVFP4 -> (..., N) f32
+    """Dequantize a slab of rows at a time (kernels/nvfp4.cu), then cuBLAS SGEMM; every T (no fused GEMV yet)."""
+    N, K = w.shape
+    x2 = x.reshape(-1, K) if x.ndim != 2 else x
+    x2 = x2.astype(cp.float32, copy=False)
+    step = max(1, NVFP4_SLAB // max(K, 1))
+    if step >= N:
+        y = cp.matmul(x2, dequantize_nvfp4(w).T)
+    else:
+        y = cp.empty((x2.shape[0], N), dtype=cp.float32)
+        for r in range(0, N, step):
+            wr = nvfp4_dequantize(w.data[r:r + step], w.scale.block[r:r + step], w.scale.global_scale)
+            y[:, r:r + step] = cp.matmul(x2, wr.T)
+    return y if x.ndim == 2 else y.reshape(*x.shape[:-1], N)
+
+
+def embedding_nvfp4(ids, w: Weight):  # ids (T,) -> (T, H): only those rows are dequantized
+    idx = cp.asarray(np.asarray(ids, dtype=np.int64).reshape(-1))
+    y = nvfp4_dequantize(w.data[idx], w.scale.block[idx], w.scale.global_scale)
+    return y.reshape(*np.shape(ids), w.shape[-1])
 
 
 def rms_norm(x, w, eps: float, offset: float = 0.0):  # x (..., D) f32, w (D,) f32 or None

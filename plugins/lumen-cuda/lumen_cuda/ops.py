@@ -16,6 +16,7 @@ from .attention import attention, attention_shared, kv_cache, sliding_kv_cache
 from .delta import causal_conv1d, conv_state, delta_state, gated_delta_rule
 
 F32 = cp.float32
+QUANTIZED = ("fp8", "nvfp4")  # formats whose linear / embedding live in gemv.py (a scale beside the data)
 
 
 # -- weights -----------------------------------------------------------------------------------------------
@@ -33,10 +34,18 @@ def dense(data, fmt: str):
 
 def linear(x, w: Weight):  # x (T, in), w (out, in) -> (T, out)
     # bf16/f16 widen the whole matrix per call (a transient f32 copy): correct, not yet fast.
+    if w.format in QUANTIZED:  # fp8 / nvfp4 (MoE experts call this op directly)
+        from . import gemv
+
+        return getattr(gemv, f"linear_{w.format}")(x, w)
     return cp.matmul(x, dense(w.data, w.format).T)
 
 
 def embedding(ids, w: Weight):  # ids list[int] (T,) -> (T, H)
+    if w.format in QUANTIZED:
+        from . import gemv
+
+        return getattr(gemv, f"embedding_{w.format}")(ids, w)
     idx = cp.asarray(np.asarray(ids, dtype=np.int64))
     return dense(w.data[idx], w.format)
 
