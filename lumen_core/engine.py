@@ -163,6 +163,8 @@ def prepare(source):
     ckpt = open_checkpoint(config.model_path, registry)
     arch = registry.architecture_class(ckpt.config.get("model_type", "<missing>")).from_checkpoint(ckpt)
     plan, resolved = make_plan(config, arch, ckpt, registry)
+    for note in plan.notes:
+        print(f"lumen: note: {note}", file=sys.stderr)
     return config, ckpt, arch, plan, resolved
 
 

@@ -40,6 +40,7 @@ class Plan:
     entries: list[PlanEntry] = field(default_factory=list)
     capacity: dict[str, int] = field(default_factory=dict)  # memory pool -> bytes available
     context_size: int = 0
+    notes: list[str] = field(default_factory=list)  # config values that have no effect on this model
 
     def pools(self) -> dict[str, int]:
         """Bytes per memory pool: 'host RAM', 'cuda:0 VRAM', 'mmap (page cache)'."""
@@ -56,6 +57,7 @@ class Plan:
                 "entries": [asdict(e) for e in self.entries],
                 "pools": self.pools(),
                 "capacity": self.capacity,
+                "notes": self.notes,
             },
             indent=2,
         )
@@ -197,8 +199,20 @@ def make_plan(config, arch: Architecture, ckpt, registry) -> tuple[Plan, dict]:
                 PlanEntry(f"cache.layers.{comp[1]}", p.backend, p.device, "ram" if p.store == "mmap"
                           else p.store, kv_fmt, cache, kind="cache")
             )
+    plan.notes = _no_effect_notes(config, components)
     _fit(plan, registry, placements)
     return plan, {"placements": placements, "layout": layout, "kv": kv, "report": report}
+
+
+def _no_effect_notes(config, components: list[Component]) -> list[str]:
+    """Placement the user wrote that this model cannot use: said out loud, never silently ignored."""
+    if any(block == "experts" for block, _ in components):
+        return []
+    hidden = config.raw.get("model", {}).get("hidden-layers", {})
+    paths = ["model.hidden-layers.experts"] if "experts" in hidden else []
+    paths += [f"model.hidden-layers.ranges[{i}].experts" for i, r in enumerate(hidden.get("ranges", []))
+              if "experts" in r]
+    return [f"config {p}: this model has no routed experts, so this placement has no effect" for p in paths]
 
 
 def _capacity(registry, placements) -> dict[str, int]:
@@ -241,6 +255,7 @@ def format_plan(plan: Plan) -> str:
     lines.insert(1, "  ".join("-" * w for w in widths))
     lines.append("")
     lines.append(f"context size: {plan.context_size} tokens")
+    lines += [f"note: {n}" for n in plan.notes]
     for pool, need in sorted(plan.pools().items()):
         have = plan.capacity.get(pool)
         avail = f" of {gib(have)} available" if have is not None else " (file-backed, not reserved)"

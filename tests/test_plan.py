@@ -116,3 +116,19 @@ def test_f16_kv_cache_stays_close_to_f32(tiny_checkpoint):
                        progress=False)
         out.append(e.model.forward(ids, e.model.new_cache(64), all_logits=True))
     assert 0 < np.abs(out[0] - out[1]).max() <= 1e-2
+
+
+def test_experts_placement_on_a_dense_model_is_reported_not_silently_ignored(tiny_checkpoint, capsys):
+    config = {"model": {"path": str(tiny_checkpoint("qwen3_5")),
+                        "hidden-layers": {"experts": {"store": "mmap"},
+                                          "ranges": [{"start": 0, "end": 1, "experts": {"store": "mmap"}}]}}}
+    engine = lumen.load(config, progress=False)
+    assert engine.plan.notes == [
+        "config model.hidden-layers.experts: this model has no routed experts, so this placement has no effect",
+        "config model.hidden-layers.ranges[0].experts: this model has no routed experts, so this placement has "
+        "no effect",
+    ]
+    assert "no routed experts" in capsys.readouterr().err
+    moe = lumen.load({"model": {"path": str(tiny_checkpoint("qwen3_5_moe")),
+                                "hidden-layers": {"experts": {"store": "mmap"}}}}, progress=False)
+    assert moe.plan.notes == []
