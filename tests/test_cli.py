@@ -106,3 +106,15 @@ def test_console_script_is_installed(ckpt):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_think_flag_needs_a_template_with_a_thinking_switch(capsys, ckpt, tmp_path):
+    code, _, err = run(capsys, "generate", "-c", str(ckpt), "-p", "Hi", "--chat", "--no-think", "-n", "2", "-q")
+    assert code == 0, err  # the Qwen 3.5 template has enable_thinking
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    for f in ckpt.iterdir():
+        (plain / f.name).write_bytes(f.read_bytes())
+    (plain / "chat_template.jinja").write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    code, _, err = run(capsys, "generate", "-c", str(plain), "-p", "Hi", "--chat", "--think", "-n", "2")
+    assert code == 2 and "no thinking switch" in err

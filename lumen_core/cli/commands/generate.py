@@ -36,6 +36,7 @@ def generate(
     summary go to stderr. Sampling options override the config's other-parameters.
     """
     from ...engine import load
+    from ...errors import InputError
 
     text = _read_prompt(prompt, prompt_file)
     engine = load(config)
@@ -43,6 +44,9 @@ def generate(
         messages = ([{"role": "system", "content": system}] if system else []) + [
             {"role": "user", "content": text}]
         kwargs = {} if think is None else {"enable_thinking": think}
+        if think is not None and "enable_thinking" not in str(engine.tokenizer.chat_template or ""):
+            raise InputError("--think/--no-think: this model's chat template has no thinking switch "
+                             "(enable_thinking); drop the flag")
         text = engine.chat_prompt(messages, **kwargs)
     if temperature is None and "temperature" not in engine.config.sampling_defaults():
         temperature = 0.0
