@@ -217,10 +217,9 @@ def _no_effect_notes(config, components: list[Component]) -> list[str]:
 
 def _capacity(registry, placements) -> dict[str, int]:
     cap = {"host RAM": host_available_bytes()}
-    for p in placements.values():
-        if p.backend != "cpu":
-            info = registry.backend_class(p.backend).device_info(p.device)
-            cap[f"{p.device} VRAM"] = info.free_bytes
+    gpus = {(p.backend, p.device) for p in placements.values() if p.backend != "cpu"}
+    for backend, device in sorted(gpus):  # once per device, not once per component placed there
+        cap[f"{device} VRAM"] = registry.backend_class(backend).device_info(device).free_bytes
     return cap
 
 
