@@ -53,6 +53,8 @@ class Engine:
     @classmethod
     def load(cls, source, progress: bool = True) -> Engine:
         config, ckpt, arch, plan, resolved = prepare(source)
+        for note in plan.notes:  # show-plan prints them in its table instead
+            print(f"lumen: note: {note}", file=sys.stderr)
         registry = get_registry()
         backends = _backends(resolved["placements"], registry)
         report = resolved["report"]
@@ -163,8 +165,6 @@ def prepare(source):
     ckpt = open_checkpoint(config.model_path, registry)
     arch = registry.architecture_class(ckpt.config.get("model_type", "<missing>")).from_checkpoint(ckpt)
     plan, resolved = make_plan(config, arch, ckpt, registry)
-    for note in plan.notes:
-        print(f"lumen: note: {note}", file=sys.stderr)
     return config, ckpt, arch, plan, resolved
 
 
