@@ -1,61 +1,96 @@
-"""GPU benchmark, end to end: Lumen's cuda backend vs transformers (bf16) on a Qwen3.5-9B-shaped random model.
+"""GPU benchmark, end to end: Lumen's cuda backend vs transformers on Qwen 3.5 shapes with random weights.
 
-    python benchmarks/cuda_qwen.py [--layers 32 --prompt 512 --decode 32 --workdir /tmp/bench]
+    python benchmarks/cuda_qwen.py [--models 9b-bf16,9b-fp8,35b-a3b-fp8 --layers 32 --moe-layers 8
+                                    --prompts 512,4096 --decode 64 --workdir /tmp/lumen-bench --json out.json]
 
-Builds a random bf16 checkpoint of the Qwen3.5-9B shape (hidden 4096, intermediate 12288, 16 heads / 4 kv,
-head_dim 256, 3 linear : 1 full; vocab 248320) with ``--layers`` layers (fewer layers = a faster run; the
-per-token bound scales with the bytes actually read), then times, in one process on one GPU: prefill of
-``--prompt`` tokens and ``--decode`` greedy steps, for Lumen (all on cuda:0, bf16 weights in VRAM) and
-transformers (bf16, eager). Prints tok/s, the ratio, and the fraction of the bandwidth bound: bytes of weights
-read per decoded token / the read bandwidth measured in the same run. Dev tool: needs cupy, torch, transformers.
+Rows (random checkpoints built by transformers in bf16 and saved; fp8 copies written by ``lumen quantize``):
+
+- ``9b-bf16`` / ``9b-fp8``: the Qwen3.5-9B shape (hidden 4096, intermediate 12288, 16 heads / 4 kv of 256,
+  32 value heads of 128 in the Gated-DeltaNet layers, 3 linear : 1 full, vocab 248320), ``--layers`` layers.
+- ``35b-a3b-bf16`` / ``35b-a3b-fp8``: the Qwen3.5-35B-A3B shape (hidden 2048, 256 experts of 512, 8 routed + a
+  shared expert of 512, 16 heads / 2 kv of 256, 32 value heads of 128), ``--moe-layers`` layers (the checkpoint of
+  all 40 would not fit the machine's disk; the bound below counts the bytes of the layers actually built).
+
+Per row, in one process: Lumen (everything on cuda:0, weights in VRAM, decode through the captured CUDA graph
+and the on-device sampler, greedy) and transformers (bf16, its default attention; for fp8 rows transformers runs
+the bf16 source checkpoint). Prefill tok/s at each ``--prompts`` length, decode tok/s at batch 1 after the first
+prompt, the fraction of the bandwidth bound (bytes a decode step reads / the read bandwidth measured in the same
+run; a MoE step reads the routed experts it picks, counted as top-k of E) and of the tensor-core bound for prefill
+(2 x active parameters x tokens / the bf16 dense peak, 989 TFLOP/s on the H200). Dev tool: cupy, torch,
+transformers.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 import time
 from pathlib import Path
 
+BF16_PEAK = 989e12  # H200 dense bf16 tensor-core FLOP/s (datasheet)
+SHAPES = {
+    "9b": dict(hidden_size=4096, intermediate_size=12288, num_attention_heads=16, num_key_value_heads=4,
+               head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+               linear_value_head_dim=128),
+    "35b-a3b": dict(hidden_size=2048, num_attention_heads=16, num_key_value_heads=2, head_dim=256,
+                    linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+                    linear_value_head_dim=128, num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512,
+                    shared_expert_intermediate_size=512),
+}
+
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--models", default="9b-bf16,9b-fp8,35b-a3b-fp8")
+    p.add_argument("--layers", type=int, default=32, help="layers of the 9B shape")
+    p.add_argument("--moe-layers", type=int, default=8, help="layers of the 35B-A3B shape")
     p.add_argument("--vocab", type=int, default=248320)
-    p.add_argument("--prompt", type=int, default=512)
-    p.add_argument("--decode", type=int, default=32)
+    p.add_argument("--prompts", default="512,4096", help="prefill lengths (comma-separated)")
+    p.add_argument("--decode", type=int, default=64, help="greedy decode steps timed")
+    p.add_argument("--no-hf", action="store_true", help="skip transformers")
     p.add_argument("--workdir", default="/tmp/lumen-bench")
     p.add_argument("--json")
     return p.parse_args(argv)
 
 
-def build(args) -> Path:
+def build(shape: str, layers: int, vocab: int, workdir: Path) -> Path:
     import torch
-    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig, Qwen3_5TextConfig
 
-    out = Path(args.workdir) / f"qwen3_5-9b-shape-l{args.layers}-v{args.vocab}"
+    out = workdir / f"qwen3_5-{shape}-l{layers}-v{vocab}-bf16"
     if (out / "config.json").exists():
         return out
-    cfg = Qwen3_5TextConfig(vocab_size=args.vocab, hidden_size=4096, intermediate_size=12288,
-                            num_hidden_layers=args.layers, num_attention_heads=16, num_key_value_heads=4,
-                            head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32,
-                            linear_key_head_dim=128, linear_value_head_dim=128, tie_word_embeddings=False,
-                            rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
-                                             "mrope_section": [11, 11, 10], "mrope_interleaved": True})
+    moe = "num_experts" in SHAPES[shape]
+    cfg_cls, model_cls = (Qwen3_5MoeTextConfig, Qwen3_5MoeForCausalLM) if moe else (Qwen3_5TextConfig,
+                                                                                  Qwen3_5ForCausalLM)
+    cfg = cfg_cls(vocab_size=vocab, num_hidden_layers=layers, tie_word_embeddings=False,
+                  rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
+                                   "mrope_section": [11, 11, 10], "mrope_interleaved": True}, **SHAPES[shape])
     torch.manual_seed(0)
     with torch.device("cuda"):
-        model = Qwen3_5ForCausalLM(cfg).to(torch.bfloat16)
+        model = model_cls(cfg).to(torch.bfloat16)
     model.save_pretrained(out)
     del model
+    gc.collect()
     torch.cuda.empty_cache()
+    return out
+
+
+def quantized(src: Path, fmt: str) -> Path:
+    from lumen_core.quantize import quantize_checkpoint
+
+    out = src.with_name(src.name.replace("-bf16", f"-{fmt}"))
+    if not (out / "config.json").exists():
+        quantize_checkpoint(src, out, fmt, progress=False)
     return out
 
 
 def read_bandwidth() -> float:
     import cupy as cp
 
-    a = cp.ones(1 << 29, cp.float32)  # 2 GiB
+    a = cp.ones(1 << 29, cp.float32)  # 2 GiB, read once per sum
     a.sum()
     cp.cuda.Device().synchronize()
     t = time.perf_counter()
@@ -65,103 +100,141 @@ def read_bandwidth() -> float:
     return 5 * a.nbytes / (time.perf_counter() - t)
 
 
-def weight_bytes_per_token(path: Path) -> int:
-    """Everything a decode step reads: every weight except the input embedding table (one row is read)."""
+def bytes_per_token(path: Path) -> tuple[int, int]:
+    """(bytes a decode step reads, active parameters): every tensor but the embedding table; of the routed
+    experts only the top-k of E a token picks."""
     from lumen_core.checkpoint.hf import HFCheckpoint
 
     ck = HFCheckpoint(path)
-    return sum(i.nbytes for n, i in ck.tensors.items() if "embed_tokens" not in n)
+    cfg = ck.config.get("text_config", ck.config)
+    frac = cfg.get("num_experts_per_tok", 1) / cfg.get("num_experts", 1) if cfg.get("num_experts") else 1.0
+    total = params = 0
+    for name, info in ck.tensors.items():
+        if "embed_tokens" in name:
+            continue
+        f = frac if ".mlp.experts." in name else 1.0
+        total += info.nbytes * f
+        if not name.endswith(("_scale_inv", "_scale", "_scale_2")):
+            n = 1
+            for d in info.shape:
+                n *= d
+            params += n * f * (2 if info.dtype in ("U8",) else 1)  # nvfp4 packs two values a byte
+    return int(total), int(params)
 
 
-def time_lumen(path: Path, ids, steps: int):
-    import cupy as cp
+def time_lumen(path: Path, prompts, steps: int) -> dict:
+    import numpy as np
 
     import lumen_core as lumen
+    from lumen_core.sampling import SamplingParams
 
+    ctx = max(prompts) + steps + 8
+    t = time.perf_counter()
     engine = lumen.load({"model": {"path": str(path), "compute": "cuda:0", "store": "vram",
-                                   "hidden-layers": {"kv-cache": {"context-size": len(ids) + steps + 8}}}},
-                        progress=False)
-    model = engine.model
+                                   "hidden-layers": {"kv-cache": {"context-size": ctx, "type-k": "bf16",
+                                                                  "type-v": "bf16"}}}}, progress=False)
+    load_s = time.perf_counter() - t
+    vocab = engine.model.vocab_size
+    greedy = SamplingParams(temperature=0.0)
+    out = {"load_s": load_s, "prefill": {}}
+    for n in prompts:
+        ids = np.random.RandomState(n).randint(0, vocab, n).tolist()
+        for _ in range(2):  # warm-up (capture on the first call, kernel compiles), then the timed run
+            toks = list(engine.generate_tokens(ids, 2, greedy))
+        out["prefill"][n] = n / engine.stats.prefill_seconds
+    ids = np.random.RandomState(0).randint(0, vocab, prompts[0]).tolist()
+    toks = list(engine.generate_tokens(ids, steps + 1, greedy))
+    out["decode"] = (engine.stats.generated_tokens - 1) / engine.stats.decode_seconds
+    out["graph"] = bool(engine.decode_runner())
+    out["tokens"] = toks
+    del engine
+    gc.collect()
+    return out
 
-    def run():
-        cache = model.new_cache(len(ids) + steps + 8)
-        cp.cuda.Device().synchronize()
-        t0 = time.perf_counter()
-        tok = int(model.forward(ids, cache)[-1].argmax())
-        t1 = time.perf_counter()
-        toks = [tok]
-        for _ in range(steps):
-            toks.append(int(model.forward([toks[-1]], cache)[-1].argmax()))
-        return t1 - t0, time.perf_counter() - t1, toks
 
-    run()  # warm-up: kernel compilation, allocator
-    return run()
-
-
-def time_hf(path: Path, ids, steps: int):
+def time_hf(path: Path, prompts, steps: int) -> dict:
+    import numpy as np
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="eager").cuda().eval()
-    x = torch.tensor([ids], device="cuda")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
+    vocab = model.config.vocab_size
 
-    def run():
+    def run(ids, nsteps):
+        x = torch.tensor([ids], device="cuda")
         with torch.inference_mode():
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            out = model(input_ids=x, use_cache=True, logits_to_keep=1)
-            toks = [int(out.logits[0, -1].argmax())]
+            o = model(input_ids=x, use_cache=True, logits_to_keep=1)
+            toks = [int(o.logits[0, -1].argmax())]
             t1 = time.perf_counter()
-            cache = out.past_key_values
-            for _ in range(steps):
-                out = model(input_ids=torch.tensor([[toks[-1]]], device="cuda"), past_key_values=cache,
-                            use_cache=True, logits_to_keep=1)
-                cache = out.past_key_values
-                toks.append(int(out.logits[0, -1].argmax()))
+            cache = o.past_key_values
+            for _ in range(nsteps):
+                o = model(input_ids=torch.tensor([[toks[-1]]], device="cuda"), past_key_values=cache,
+                          use_cache=True, logits_to_keep=1)
+                cache = o.past_key_values
+                toks.append(int(o.logits[0, -1].argmax()))
             torch.cuda.synchronize()
         return t1 - t0, time.perf_counter() - t1, toks
 
-    run()
-    return run()  # the model is freed when this frame goes; main() then empties the CUDA cache
+    out = {"prefill": {}}
+    for n in prompts:
+        ids = np.random.RandomState(n).randint(0, vocab, n).tolist()
+        run(ids, 1)
+        out["prefill"][n] = n / run(ids, 0)[0]
+    ids = np.random.RandomState(0).randint(0, vocab, prompts[0]).tolist()
+    run(ids, 2)
+    _, dec, toks = run(ids, steps)
+    out["decode"], out["tokens"] = steps / dec, toks
+    return out  # the model is freed with this frame; main() empties the CUDA cache
 
 
 def main(argv=None):
     args = parse_args(argv)
-    import numpy as np
-
-    t = time.perf_counter()
-    path = build(args)
-    print(f"checkpoint {path} ready in {time.perf_counter() - t:.0f}s", file=sys.stderr)
-    ids = np.random.RandomState(0).randint(0, args.vocab, args.prompt).tolist()
+    workdir = Path(args.workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    prompts = [int(p) for p in args.prompts.split(",")]
     bw = read_bandwidth()
-    per_token = weight_bytes_per_token(path)
-    rows = {}
-    for name, fn in (("transformers", time_hf), ("Lumen", time_lumen)):
-        pre, dec, toks = fn(path, ids, args.decode)
-        rows[name] = {"prefill_tok_s": args.prompt / pre, "decode_tok_s": args.decode / dec, "tokens": toks}
-        import gc
+    results, hf_cache = {}, {}
+    for name in args.models.split(","):
+        shape, fmt = name.rsplit("-", 1)
+        layers = args.moe_layers if "num_experts" in SHAPES[shape] else args.layers
+        t = time.perf_counter()
+        src = build(shape, layers, args.vocab, workdir)
+        path = src if fmt == "bf16" else quantized(src, fmt)
+        print(f"{name}: checkpoint ready in {time.perf_counter() - t:.0f}s", file=sys.stderr)
+        per_token, params = bytes_per_token(path)
+        row = {"layers": layers, "bytes_per_token": per_token, "active_params": params,
+               "lumen": time_lumen(path, prompts, args.decode)}
+        print(f"{name}: lumen {row['lumen']['decode']:.1f} tok/s decode", file=sys.stderr)
+        if not args.no_hf:
+            if src not in hf_cache:
+                hf_cache[src] = time_hf(src, prompts, args.decode)
+            row["transformers"] = hf_cache[src]
+            import torch
 
-        import torch
-
-        gc.collect()
-        torch.cuda.empty_cache()
-        print(f"{name} done", file=sys.stderr)
-    bound = bw / per_token
-    print(f"\nQwen3.5-9B shape, {args.layers} layers, vocab {args.vocab}, bf16; {per_token / 2**30:.2f} GiB read per "
-          f"token; read bandwidth {bw / 1e9:.0f} GB/s -> bound {bound:.0f} tok/s\n")
-    print("| metric | Lumen | transformers | ratio |\n|---|---:|---:|---:|")
-    L, H = rows["Lumen"], rows["transformers"]
-    print(f"| prefill tok/s ({args.prompt}) | {L['prefill_tok_s']:.0f} | {H['prefill_tok_s']:.0f} | "
-          f"{L['prefill_tok_s'] / H['prefill_tok_s']:.2f}x |")
-    print(f"| decode tok/s | {L['decode_tok_s']:.1f} | {H['decode_tok_s']:.1f} | "
-          f"{L['decode_tok_s'] / H['decode_tok_s']:.2f}x |")
-    print(f"| decode, fraction of the bandwidth bound | {L['decode_tok_s'] / bound:.1%} | "
-          f"{H['decode_tok_s'] / bound:.1%} | |")
-    same = sum(1 for a, b in zip(L["tokens"], H["tokens"], strict=True) if a == b)
-    print(f"\ngreedy tokens equal at {same} of {len(L['tokens'])} positions (bf16 on both sides)")
+            gc.collect()
+            torch.cuda.empty_cache()
+        results[name] = row
+    print(f"\nread bandwidth measured: {bw / 1e9:.0f} GB/s; bf16 tensor-core peak {BF16_PEAK / 1e12:.0f} TFLOP/s\n")
+    head = "| model | layers | GB/token | bound tok/s | Lumen decode | % of bound | transformers decode | ratio |"
+    print(head + "".join(f" prefill {n} Lumen | % TC | transformers | ratio |" for n in prompts))
+    print("|" + "---|" * (8 + 4 * len(prompts)))
+    for name, r in results.items():
+        L, H = r["lumen"], r.get("transformers")
+        bound = bw / r["bytes_per_token"]
+        line = (f"| {name}{'' if L['graph'] else ' (no graph)'} | {r['layers']} | {r['bytes_per_token'] / 1e9:.2f} | "
+                f"{bound:.0f} | {L['decode']:.1f} | {L['decode'] / bound:.1%} | "
+                f"{H['decode'] if H else float('nan'):.1f} | {L['decode'] / H['decode'] if H else float('nan'):.2f}x |")
+        for n in prompts:
+            lp = L["prefill"][n]
+            tc = lp * 2 * r["active_params"] / BF16_PEAK
+            hp = H["prefill"][n] if H else float("nan")
+            line += f" {lp:.0f} | {tc:.1%} | {hp:.0f} | {lp / hp:.2f}x |"
+        print(line)
     if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "bandwidth": bw, "bytes_per_token": per_token,
-                                               **rows}, indent=2))
+        Path(args.json).write_text(json.dumps({"args": vars(args), "bandwidth": bw, "results": results}, indent=2,
+                                              default=str))
 
 
 if __name__ == "__main__":

@@ -98,5 +98,11 @@ class Model(ABC):
         """A preallocated cache for ``context_size`` tokens (``.pos`` is the number of tokens seen)."""
 
     @abstractmethod
-    def forward(self, ids: list[int], cache: Any, all_logits: bool = False) -> Any:
-        """Run ``ids`` after ``cache.pos`` tokens; return host logits (T or 1, vocab) as f32."""
+    def forward(self, ids: list[int], cache: Any, all_logits: bool = False, host: bool = True) -> Any:
+        """Run ``ids`` after ``cache.pos`` tokens; return logits (T or 1, vocab) as f32: a numpy array, or with
+        ``host=False`` the output layer's backend array (a decode runner samples it on the device)."""
+
+    def input_id(self, token: int) -> int:
+        """The id the embedding reads for ``token`` (a model may remap some, e.g. media placeholders). A decode
+        runner that feeds ids from device memory writes this value there."""
+        return token

@@ -88,6 +88,13 @@ class Backend(ABC):
     def to_host(self, x) -> Any:
         """A numpy copy of a backend array."""
 
+    def decode_runner(self, model, context_size: int):
+        """A :class:`DecodeRunner` that replays ``model``'s one-token decode step without Python in the loop
+        (the CUDA backend captures it as a CUDA graph), or None where this backend has none; raise
+        NotImplementedError naming the reason where it has one but this model's step cannot use it. The engine
+        asks when every component of a plan sits on this one backend instance."""
+        return None
+
     def take(self, x):
         """Bring an activation computed on another device here (identity when already here)."""
         return x if self.owns(x) else self.tensor(x if _is_numpy(x) else _host_of(x))
@@ -102,6 +109,28 @@ class Backend(ABC):
                 return info
         names = ", ".join(i.name for i in cls.devices()) or "none"
         raise PlanError(f"device {device!r} does not exist on this machine (present: {names})")
+
+
+class DecodeRunner(ABC):
+    """One model's decode step, prepared once and replayed per token (see ``Backend.decode_runner``).
+
+    ``cache`` is the runner's own cache (the step was prepared against its arrays): ``reset`` empties it for a
+    new sequence, the engine prefills into it with ``model.forward(..., host=False)``, then calls ``step`` per
+    token. ``sampler(params)`` draws tokens from the backend's logits without copying them to the host."""
+
+    cache: Any
+
+    @abstractmethod
+    def reset(self) -> None:
+        """Empty the cache (position 0, zero states)."""
+
+    @abstractmethod
+    def step(self, token: int) -> Any:
+        """Run ``token`` at ``cache.pos`` (then advanced by one); return the backend's (1, vocab) logits."""
+
+    @abstractmethod
+    def sampler(self, params):
+        """``sample(logits, previous_ids) -> int`` for backend logits of one row, as ``make_sampler(params)``."""
 
 
 def _is_numpy(x) -> bool:

@@ -49,6 +49,8 @@ class Engine:
         self.plan, self.report = plan, report
         self.context_size = plan.context_size
         self.stats = Stats()
+        self.backends: dict = {}
+        self._runner = None  # the backend's DecodeRunner, prepared on the first generation (False: none)
 
     @classmethod
     def load(cls, source, progress: bool = True) -> Engine:
@@ -64,6 +66,7 @@ class Engine:
         tokenizer = ckpt.load_tokenizer()
         engine = cls(config, arch, model, tokenizer, plan, report)
         engine.weights = weights  # what the loader put on each component's backend
+        engine.backends = backends
         return engine
 
     # -- tokens ------------------------------------------------------------------------------------------
@@ -93,17 +96,21 @@ class Engine:
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
             raise InputError(f"max_tokens must be an integer >= 1, got {max_tokens!r}")
         self.check_length(len(prompt_ids))
-        sample, eos = make_sampler(params), self._eos()
-        cache = self.model.new_cache(self.context_size)
+        eos, runner = self._eos(), self.decode_runner()
+        if runner:  # logits stay on the device; the backend samples them and replays its decode step
+            runner.reset()
+            cache, sample, host = runner.cache, runner.sampler(params), False
+        else:
+            cache, sample, host = self.model.new_cache(self.context_size), make_sampler(params), True
         self.stats = st = Stats(prompt_tokens=len(prompt_ids))
         t0 = time.perf_counter()
-        logits = self.model.forward(list(prompt_ids), cache)
+        logits = self.model.forward(list(prompt_ids), cache, host=host)
         st.prefill_seconds = time.perf_counter() - t0
         seen = list(prompt_ids)
         t1 = time.perf_counter()
         st.finish_reason = "length"
         while st.generated_tokens < max_tokens:
-            tok = sample(np.asarray(logits[-1], dtype=np.float32), seen)
+            tok = sample(logits[-1] if runner else np.asarray(logits[-1], dtype=np.float32), seen)
             st.generated_tokens += 1
             if tok in eos:
                 st.finish_reason = "stop"
@@ -113,8 +120,22 @@ class Engine:
             if cache.pos >= self.context_size or st.generated_tokens >= max_tokens:
                 st.finish_reason = "length"
                 break
-            logits = self.model.forward([tok], cache)
+            logits = runner.step(tok) if runner else self.model.forward([tok], cache)
         st.decode_seconds = time.perf_counter() - t1
+
+    def decode_runner(self):
+        """The backend's replayable decode step (a CUDA graph), when every component sits on one backend that
+        has one; prepared once. A backend that declines says why (stderr note) and decoding runs op by op."""
+        if self._runner is None:
+            self._runner = False
+            devices = {id(b): b for b in self.backends.values()}
+            if len(devices) == 1:
+                backend = next(iter(devices.values()))
+                try:
+                    self._runner = backend.decode_runner(self.model, self.context_size) or False
+                except NotImplementedError as exc:
+                    print(f"lumen: note: {backend.device}: decode runs op by op: {exc}", file=sys.stderr)
+        return self._runner
 
     def generate(self, prompt: str | list[int], max_tokens: int | None = None, stop: list[str] | None = None,
                  **sampling) -> Iterator[str]:

@@ -209,3 +209,17 @@ def test_rms_norm_against_the_cpu_op(cp, gpu, cpu, shape):
         wg = None if args[0] is None else gpu.tensor(args[0])
         got = gpu.ops.rms_norm(gpu.tensor(x), wg, *args[1:])
         close(got, cpu.ops.rms_norm(x, *args))
+
+
+# -- prefill GEMM on the tensor cores (bf16 weights, x split into two bf16 halves) ----------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,N,K", [(5, 300, 264), (37, 1000, 4104), (512, 257, 136), (64, 3, 8)])
+def test_gemm_bf16_keeps_f32_accuracy(cp, gemv, T, N, K):
+    rng = np.random.default_rng(T + N + K)
+    w = rng.normal(size=(N, K)).astype(ml_dtypes.bfloat16)
+    x = rng.normal(size=(T, K)).astype(np.float32)
+    y = gemv.gemm_bf16(cp.asarray(x), cp.asarray(w.view(np.uint16)))
+    close(y, x.astype(np.float64) @ w.astype(np.float64).T, 2e-5)
+    hi, lo = gemv.bf16_split(cp.asarray(x))
+    back = (hi.astype(cp.uint32) << 16).view(cp.float32) + (lo.astype(cp.uint32) << 16).view(cp.float32)
+    close(back, x, 1e-5)

@@ -114,6 +114,20 @@ class CUDABackend(Backend):
         gs = np.float32(np.asarray(global_scale, np.float32).reshape(()))
         return Weight(data, "nvfp4", shape, NVFP4Scale(bdev, gs), (1, NVFP4_GROUP))
 
+    def decode_runner(self, model, context_size: int):
+        """The model's decode step captured as a CUDA graph (lumen_cuda.graph). Raises NotImplementedError with the
+        reason where the step cannot be captured (the engine then decodes op by op), or where LUMEN_CUDA_GRAPH=0."""
+        import os
+
+        if os.environ.get("LUMEN_CUDA_GRAPH", "1") == "0":
+            raise NotImplementedError("CUDA graphs are off (LUMEN_CUDA_GRAPH=0)")
+        from .graph import decode_runner
+
+        runner, why = decode_runner(model, self, context_size)
+        if runner is None:
+            raise NotImplementedError(why)
+        return runner
+
     def tensor(self, array):
         host = np.asarray(array)
         # Integer arrays (expert ids routed on another device) keep their type; everything else is f32.

@@ -12,8 +12,12 @@ import numpy as np
 
 from lumen_core.backend import Weight
 
-from .attention import attention, attention_shared, kv_cache, sliding_kv_cache
-from .delta import causal_conv1d, conv_state, delta_state, gated_delta_rule
+from . import attention as _attention
+from . import delta as _delta
+from . import graph
+from .attention import kv_cache, sliding_kv_cache
+from .delta import conv_state, delta_state
+from .graph import device_ids, device_pos, require_host
 
 F32 = cp.float32
 QUANTIZED = ("fp8", "nvfp4")  # formats whose linear / embedding live in gemv.py (a scale beside the data)
@@ -46,8 +50,7 @@ def embedding(ids, w: Weight):  # ids list[int] (T,) -> (T, H)
         from . import gemv
 
         return getattr(gemv, f"embedding_{w.format}")(ids, w)
-    idx = cp.asarray(np.asarray(ids, dtype=np.int64))
-    return dense(w.data[idx], w.format)
+    return dense(w.data[device_ids(ids)], w.format)
 
 
 # -- elementwise and norms ---------------------------------------------------------------------------------
@@ -57,23 +60,45 @@ def rms_norm(x, w, eps: float, offset: float = 0.0):  # x (..., D), w (D,) or No
 
 
 def rms_norm_gated(x, gate, w, eps: float):
-    return rms_norm(x, w, eps) * silu(gate)
+    from . import gemv  # the fused RMSNorm kernel, then one elementwise kernel for the gate
+
+    return _mul_silu(gemv.rms_norm(x, w, eps), gate)
 
 
 def l2norm(x, eps: float = 1e-6):
     return x / cp.sqrt(cp.sum(x * x, axis=-1, keepdims=True) + F32(eps))
 
 
+# One elementwise kernel each (CuPy would launch one per arithmetic step): the decode step is launch-bound.
+# Same formulas, in f32, as the CPU backend (sigmoid through tanh, softplus as logaddexp(0, x)).
+_SIGMOID = "0.5f * (tanhf(0.5f * x) + 1.0f)"
+_sigmoid = cp.ElementwiseKernel("float32 x", "float32 y", f"y = {_SIGMOID}", "lumen_sigmoid")
+_silu = cp.ElementwiseKernel("float32 x", "float32 y", f"y = x * ({_SIGMOID})", "lumen_silu")
+_silu_mul = cp.ElementwiseKernel("float32 x, float32 u", "float32 y", f"y = x * ({_SIGMOID}) * u",
+                                 "lumen_silu_mul")
+_mul_silu = cp.ElementwiseKernel("float32 u, float32 x", "float32 y", f"y = u * (x * ({_SIGMOID}))",
+                                 "lumen_mul_silu")
+_softplus = cp.ElementwiseKernel("float32 x", "float32 y", "y = fmaxf(x, 0.0f) + log1pf(expf(-fabsf(x)))",
+                                 "lumen_softplus")
+_gelu_tanh_mul = cp.ElementwiseKernel(
+    "float32 g, float32 u", "float32 y",
+    "y = 0.5f * g * (1.0f + tanhf(0.7978845608028654f * (g + 0.044715f * (g * g * g)))) * u", "lumen_gelu_tanh_mul")
+
+
+def _f32(x):
+    return x if x.dtype == F32 else x.astype(F32)
+
+
 def sigmoid(x):
-    return 0.5 * (cp.tanh(0.5 * x) + 1.0)
+    return _sigmoid(_f32(x))
 
 
 def silu(x):
-    return x * sigmoid(x)
+    return _silu(_f32(x))
 
 
 def softplus(x):
-    return cp.logaddexp(F32(0), x).astype(F32, copy=False)
+    return _softplus(_f32(x))
 
 
 def exp(x):
@@ -81,12 +106,11 @@ def exp(x):
 
 
 def silu_mul(gate, up):
-    return silu(gate) * up
+    return _silu_mul(_f32(gate), _f32(up))
 
 
 def gelu_tanh_mul(gate, up):
-    g = 0.5 * gate * (1.0 + cp.tanh(F32(0.7978845608028654) * (gate + F32(0.044715) * (gate * gate * gate))))
-    return g * up
+    return _gelu_tanh_mul(_f32(gate), _f32(up))
 
 
 def softcap(x, cap: float):
@@ -96,12 +120,32 @@ def softcap(x, cap: float):
 # -- rotary embeddings -------------------------------------------------------------------------------------
 def rope_tables(positions, inv_freq, mrope_section=None, interleaved=False):
     """cos/sin (T, rot). Built on the host exactly as the CPU backend builds them (a few KB), then uploaded:
-    the tables then agree bit for bit, and positions arrive as host lists anyway."""
+    the tables then agree bit for bit, and positions arrive as host lists anyway. In a captured decode step
+    (graph.STEP) they are computed on the device from the step's position instead."""
     pos = np.asarray(positions, dtype=np.float32)
+    if graph.STEP is not None:
+        return _step_rope(pos, inv_freq)
     inv = np.asarray(inv_freq, dtype=np.float32)
     freqs = pos[:, None] * inv[None, :] if pos.ndim == 1 else _mrope_freqs(pos, inv, mrope_section, interleaved)
     emb = np.concatenate([freqs, freqs], axis=-1)
     return cp.asarray(np.cos(emb)), cp.asarray(np.sin(emb))
+
+
+_INV: dict[tuple, cp.ndarray] = {}
+
+
+def _step_rope(pos, inv_freq):
+    """cos/sin (1, rot) of the captured step's position. Text positions are equal on every M-RoPE axis, so the
+    sections do not matter; the inverse frequencies are uploaded once (in the warm-up, before capture)."""
+    if pos.size != 1 and not (pos.ndim == 2 and pos.shape[1] == 1 and (pos == pos[0, 0]).all()):
+        raise graph.NotCapturable(f"a captured decode step takes one text position, not {pos.shape}")
+    key = (cp.cuda.runtime.getDevice(), tuple(float(f) for f in np.asarray(inv_freq).ravel()))
+    inv = _INV.get(key)
+    if inv is None:
+        inv = _INV[key] = cp.asarray(np.asarray(inv_freq, dtype=np.float32))
+    freqs = graph.STEP.pos.astype(F32)[:, None] * inv[None, :]
+    emb = cp.concatenate([freqs, freqs], axis=-1)
+    return cp.cos(emb), cp.sin(emb)
 
 
 def _mrope_freqs(pos, inv, section, interleaved):
@@ -128,8 +172,64 @@ def apply_rope(x, cos, sin):  # x (T, heads, D); cos/sin (T, rot), rotate-half p
     return cp.concatenate([out, rest], axis=-1) if rest.shape[-1] else out
 
 
+# -- attention and Gated-DeltaNet: one-token decode through the kernels of lumen_cuda.decode ------------------
+def attention(q, k, v, cache, start: int, scale: float, window: int | None = None, softcap: float | None = None):
+    """q (T, Hq, D), k (T, Hkv, D), v (T, Hkv, Dv) at start.. -> (T, Hq, Dv); writes k, v to the cache first.
+    One token: the decode kernel (position from device memory, full or ring cache); otherwise the CuPy op."""
+    if q.shape[0] == 1:
+        out = _decode_attention(q, k, v, cache, start, scale, window, softcap)
+        if out is not None:
+            return out
+    require_host("attention over several tokens")
+    return _attention.attention(q, k, v, cache, start, scale, window, softcap)
+
+
+def attention_shared(q, cache, start: int, scale: float, window: int | None = None, softcap: float | None = None):
+    """Attention over keys another layer wrote (KV sharing); one token reads that layer's cache directly."""
+    if q.shape[0] == 1:
+        out = _decode_attention(q, None, None, cache, start, scale, window, softcap)
+        if out is not None:
+            return out
+    require_host("attention over another layer's KV cache for several tokens")
+    return _attention.attention_shared(q, cache, start, scale, window, softcap)
+
+
+def _decode_attention(q, k, v, cache, start, scale, window, softcap):
+    """lumen_cuda.decode.attention_decode, or None where it does not apply (outside a captured step only)."""
+    from . import decode
+
+    try:
+        return decode.attention_decode(q, k, v, cache, device_pos(start), scale, window, softcap)
+    except ValueError as exc:
+        require_host(f"this attention ({exc})")
+        return None
+
+
+def gated_delta_rule(q, k, v, g, beta, state):
+    if q.shape[0] == 1:
+        from . import decode
+
+        return decode.gated_delta_step(q, k, v, g, beta, state)
+    return _delta.gated_delta_rule(q, k, v, g, beta, state)
+
+
+def causal_conv1d(x, w, state):
+    if x.shape[0] == 1:
+        from . import decode
+
+        return decode.causal_conv1d_step(x, w, state)
+    return _delta.causal_conv1d(x, w, state)
+
+
 # -- mixture of experts ------------------------------------------------------------------------------------
 def moe_route(logits, k: int, normalize: bool = True):  # logits (T, E) -> weights (T, k) f32, ids (T, k) int64
+    from . import moe
+
+    return moe.route(logits, k, normalize)
+
+
+def moe_route_cupy(logits, k: int, normalize: bool = True):
+    """The CuPy reference of ``moe_route`` (argsort: not capturable)."""
     z = logits - logits.max(axis=-1, keepdims=True)
     p = cp.exp(z)
     p /= p.sum(axis=-1, keepdims=True)
@@ -142,6 +242,7 @@ def moe_route(logits, k: int, normalize: bool = True):  # logits (T, E) -> weigh
 
 def _groups(ids):
     """Per routed expert e: (e, token rows, slots) — one host sync for the (T, k) ids, then device indices."""
+    require_host("MoE over several tokens (expert ids grouped on the host)")
     host = cp.asnumpy(ids).astype(np.int64) if isinstance(ids, cp.ndarray) else np.asarray(ids, np.int64)
     for e in np.unique(host):
         tok, slot = np.nonzero(host == e)
@@ -149,7 +250,17 @@ def _groups(ids):
 
 
 def moe_experts(x, ids, weights, gate_up, down, act: str = "silu"):
-    """x (T, H); ids, weights (T, k); gate_up: per expert (gate, up) Weights (I, H); down: per expert (H, I)."""
+    """x (T, H); ids, weights (T, k); gate_up: per expert (gate, up) Weights (I, H); down: per expert (H, I).
+    One token: the device kernels of lumen_cuda.moe (no host sync); more: grouped on the host."""
+    if x.shape[0] == 1:
+        from . import moe
+
+        return moe.experts_decode(x, ids, weights, gate_up, down, act)
+    return moe_experts_grouped(x, ids, weights, gate_up, down, act)
+
+
+def moe_experts_grouped(x, ids, weights, gate_up, down, act: str = "silu"):
+    """``moe_experts`` by groups of tokens per expert (the ids go to the host once): any T, not capturable."""
     out = cp.zeros_like(x)
     mul = silu_mul if act == "silu" else gelu_tanh_mul
     for e, tok, slot in _groups(ids):
@@ -162,6 +273,15 @@ def moe_experts(x, ids, weights, gate_up, down, act: str = "silu"):
 
 def moe_experts_packed(x, ids, weights, gate_up: Weight, down: Weight, act: str = "gelu_tanh"):
     """gate_up (E, 2I, H): each expert's gate rows then up rows; down (E, H, I)."""
+    if x.shape[0] == 1:
+        from . import moe
+
+        return moe.experts_packed_decode(x, ids, weights, gate_up, down, act)
+    return moe_experts_packed_grouped(x, ids, weights, gate_up, down, act)
+
+
+def moe_experts_packed_grouped(x, ids, weights, gate_up: Weight, down: Weight, act: str = "gelu_tanh"):
+    """``moe_experts_packed`` by groups of tokens per expert (host sync): any T, not capturable."""
     out = cp.zeros_like(x)
     mul = silu_mul if act == "silu" else gelu_tanh_mul
     for e, tok, slot in _groups(ids):

@@ -160,7 +160,7 @@ class GemmaModel(Model):
     def embed_inputs(self, ids):
         """(T, H) scaled embeddings, and Gemma 4's per-layer inputs (T, L, P) or None."""
         ops, a = self.in_backend.ops, self.args
-        ids = [self.id_map.get(t, t) for t in ids] if self.id_map else ids
+        ids = [self.input_id(t) for t in ids] if self.id_map else ids
         x = ops.embedding(ids, self.embed) * self.embed_scale
         if not self.per_layer_dim:
             return x, None
@@ -170,7 +170,10 @@ class GemmaModel(Model):
         context = ops.rms_norm(context, self.pl_norm, a.rms_norm_eps)
         return x, (context + token) * 2 ** -0.5
 
-    def forward(self, ids, cache: Cache, all_logits: bool = False):
+    def input_id(self, token: int) -> int:
+        return self.id_map.get(token, token)
+
+    def forward(self, ids, cache: Cache, all_logits: bool = False, host: bool = True):
         start, T = cache.pos, len(ids)
         x, per_layer = self.embed_inputs(ids)
         positions, first, ropes = list(range(start, start + T)), start, {}
@@ -191,4 +194,4 @@ class GemmaModel(Model):
         logits = ob.ops.linear(ob.ops.rms_norm(x, self.norm, self.args.rms_norm_eps, self.arch.norm_offset), self.head)
         if self.arch.final_softcap:
             logits = ob.ops.softcap(logits, self.arch.final_softcap)
-        return ob.to_host(logits)
+        return ob.to_host(logits) if host else logits

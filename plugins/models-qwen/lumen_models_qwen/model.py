@@ -147,7 +147,7 @@ class QwenModel(Model):
         states = [layer.mixer.new_state(context_size, self.kv) for layer in self.layers]
         return Cache(context_size, states)
 
-    def forward(self, ids, cache: Cache, all_logits: bool = False):
+    def forward(self, ids, cache: Cache, all_logits: bool = False, host: bool = True):
         start, T = cache.pos, len(ids)
         x = self.in_backend.ops.embedding(ids, self.embed)  # (T, H)
         positions = list(range(start, start + T))
@@ -161,4 +161,5 @@ class QwenModel(Model):
         ob = self.out_backend
         x = ob.take(x if all_logits else x[T - 1:])
         x = ob.ops.rms_norm(x, self.norm, self.args.rms_norm_eps, 1.0)
-        return ob.to_host(ob.ops.linear(x, self.head))
+        logits = ob.ops.linear(x, self.head)
+        return ob.to_host(logits) if host else logits

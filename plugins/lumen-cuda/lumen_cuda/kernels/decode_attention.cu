@@ -1,0 +1,298 @@
+// Batch-1 decode attention over a KV cache, split-K ("flash-decoding"), graph-capturable: the token position is
+// read from device memory (pos[0]); nothing about the launch depends on it.
+//
+// Cache: K (Hkv, ctx, D), V (Hkv, ctx, Dv), C-contiguous, each f32, f16 or bf16 bits (the high half of an f32).
+// q (Hq, D), k_new (Hkv, D), v_new (Hkv, Dv): f32 contiguous. D, Dv multiples of 4, <= 512 (the launcher checks).
+//
+// attn_split_k<KT>_v<VT>: grid (nsplit, Hkv, ceil(G / ATTN_GM)), ATTN_NT threads, where G = Hq / Hkv and
+// nsplit = ceil(ctx / chunk). Block (s, h, z) owns cache positions [s*chunk, (s+1)*chunk) of kv head h and up to
+// ATTN_GM query heads h*G + z*ATTN_GM + (0..ATTN_GM) (GQA: K/V are read once for the whole group).
+//   1. The block whose range holds slot (= pos, or pos % ctx for a ring cache, where pos = min(pos, ctx - 1) and
+//      window = 0 are passed) encodes k_new[h], v_new[h] into that slot (bf16 round-to-nearest-even as
+//      attention.encode, f16 cvt.rn) and __syncthreads(); every z-block of that (s, h) writes the same bits.
+//      The cache is then read back with ordinary (coherent) loads, so the new key is rounded through the cache
+//      type as the CuPy op does.
+//   2. Positions outside [lo, pos] (lo = max(0, pos - window + 1), or 0) are skipped; a block with none writes
+//      max = -inf, sum = 0 and returns.
+//   3. Scores, one thread per key: (q . key) * scale, optionally tanh(s / softcap) * softcap, into shared memory.
+//   4. Per head: max m and exp(s - m) (one warp per head), sum l.
+//   5. Values: threads cover (row r, 4 value columns c); each accumulates its keys r, r+R, ...; the R partials
+//      are summed in order through shared memory. o_part[s, hq] = sum_t exp(s_t - m) v_t (not normalised).
+// attn_combine: grid (Hq,), ATTN_NT threads: log-sum-exp over the splits that intersect [lo, pos] (read from
+//   pos, so idle splits are never read): out = sum_s e^(m_s - M) o_s / sum_s e^(m_s - M) l_s.
+//
+// Dynamic shared memory (floats): split: gm * max(D, R * Dv) + gm * chunk, gm = min(ATTN_GM, G),
+// R = ATTN_NT / (Dv / 4);
+// combine: nsplit.
+// No headers: compiles under NVRTC and nvcc alike (sm_90, sm_120a).
+
+#define ATTN_GM 8    // query heads per block
+#define ATTN_NT 128  // threads per block (both kernels)
+#define ATTN_U 4     // loads in flight per thread
+
+#define KV_F32 0
+#define KV_F16 1
+#define KV_BF16 2
+
+__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
+
+__device__ __forceinline__ float h2f(unsigned short h) {
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+  return f;
+}
+__device__ __forceinline__ unsigned short f2h(float f) {
+  unsigned short h;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+  return h;
+}
+__device__ __forceinline__ float bf2f(unsigned int b) { return __uint_as_float(b << 16); }
+__device__ __forceinline__ unsigned short f2bf(float f) {  // round to nearest even, as attention.encode
+  const unsigned int u = __float_as_uint(f);
+  return (unsigned short)((u + (((u >> 16) & 1u) + 0x7fffu)) >> 16);
+}
+
+// Store one f32 as element i of a cache row of type T.
+template <int T>
+__device__ __forceinline__ void store_enc(void* base, long long i, float f) {
+  if (T == KV_F32) static_cast<float*>(base)[i] = f;
+  else if (T == KV_F16) static_cast<unsigned short*>(base)[i] = f2h(f);
+  else static_cast<unsigned short*>(base)[i] = f2bf(f);
+}
+
+// Elements i..i+3 (i % 4 == 0) of a cache of type T as floats. Plain loads: the block may have just written them.
+template <int T>
+__device__ __forceinline__ void load4(const void* base, long long i, float* o) {
+  if (T == KV_F32) {
+    const float4 v = *reinterpret_cast<const float4*>(static_cast<const float*>(base) + i);
+    o[0] = v.x; o[1] = v.y; o[2] = v.z; o[3] = v.w;
+  } else {
+    const uint2 v = *reinterpret_cast<const uint2*>(static_cast<const unsigned short*>(base) + i);
+    if (T == KV_F16) {
+      o[0] = h2f((unsigned short)(v.x & 0xffffu)); o[1] = h2f((unsigned short)(v.x >> 16));
+      o[2] = h2f((unsigned short)(v.y & 0xffffu)); o[3] = h2f((unsigned short)(v.y >> 16));
+    } else {
+      o[0] = bf2f(v.x & 0xffffu); o[1] = __uint_as_float(v.x & 0xffff0000u);
+      o[2] = bf2f(v.y & 0xffffu); o[3] = __uint_as_float(v.y & 0xffff0000u);
+    }
+  }
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, off));
+  return v;
+}
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+  return v;
+}
+
+template <int KT, int VT>
+__device__ __forceinline__ void attn_split(const float* __restrict__ q,     // (Hq, D)
+                                           const float* __restrict__ kn,    // (Hkv, D) the new key
+                                           const float* __restrict__ vn,    // (Hkv, Dv) the new value
+                                           void* kc,                        // (Hkv, ctx, D) cache
+                                           void* vc,                        // (Hkv, ctx, Dv) cache
+                                           const int* __restrict__ pos_p,   // (1,) the last position attended
+                                           const int* __restrict__ slot_p,  // (1,) the slot the new k, v go to
+                                           float* __restrict__ o_part,      // (nsplit, Hq, Dv)
+                                           float* __restrict__ ml_part,     // (nsplit, Hq, 2): max, sum
+                                           int ctx, int D, int Dv, int Hq, int G, int chunk, float scale,
+                                           float softcap, int window, float* smem) {
+  const int s = blockIdx.x, h = blockIdx.y, g0 = blockIdx.z * ATTN_GM;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int ng = min(ATTN_GM, G - g0);
+  const int hq0 = h * G + g0;
+  const int pos = *pos_p;
+  const int lo = window > 0 ? max(0, pos - window + 1) : 0;
+  const int t0 = s * chunk, t1 = min(t0 + chunk, ctx);
+
+  // 1. write the new key / value into its slot (pos for a full cache, pos % ctx for a ring; kn null: no write,
+  //    a layer reading another layer's cache)
+  const int slot = *slot_p;
+  if (kn != nullptr && slot >= t0 && slot < t1) {
+    const long long kb = ((long long)h * ctx + slot) * D, vb = ((long long)h * ctx + slot) * Dv;
+    for (int i = tid; i < D; i += ATTN_NT) store_enc<KT>(kc, kb + i, kn[(long long)h * D + i]);
+    for (int i = tid; i < Dv; i += ATTN_NT) store_enc<VT>(vc, vb + i, vn[(long long)h * Dv + i]);
+  }
+  __syncthreads();
+
+  // 2. the positions of this split to attend over
+  const int a = max(t0, lo), b = min(t1, pos + 1);
+  if (a >= b) {
+    if (tid < ng) {
+      ml_part[((long long)s * Hq + hq0 + tid) * 2] = neg_inf();
+      ml_part[((long long)s * Hq + hq0 + tid) * 2 + 1] = 0.f;
+    }
+    return;  // block-uniform
+  }
+  const int n = b - a;
+  const int dv4 = Dv >> 2;
+  const int R = ATTN_NT / dv4;  // value rows (>= 1 since Dv <= 512)
+  const int gm = min(ATTN_GM, G);  // heads per block as sized by the launcher
+  const int region = gm * max(D, R * Dv);
+  float* qs = smem;           // (ng, D) queries; later reused for the value partials (R, ATTN_GM, Dv)
+  float* sc = smem + region;  // (ng, chunk) scores, then probabilities
+
+  for (int i = tid; i < ng * D; i += ATTN_NT) qs[i] = q[(long long)hq0 * D + i];
+  __syncthreads();
+
+  // 3. scores: one thread per key, ATTN_U 4-element loads in flight
+  for (int t = tid; t < n; t += ATTN_NT) {
+    float acc[ATTN_GM];
+#pragma unroll
+    for (int g = 0; g < ATTN_GM; ++g) acc[g] = 0.f;
+    const long long row = ((long long)h * ctx + a + t) * D;
+    for (int d0 = 0; d0 < D; d0 += 4 * ATTN_U) {
+      float kv[ATTN_U][4];
+#pragma unroll
+      for (int u = 0; u < ATTN_U; ++u)
+        if (d0 + 4 * u < D) load4<KT>(kc, row + d0 + 4 * u, kv[u]);
+#pragma unroll
+      for (int u = 0; u < ATTN_U; ++u) {
+        const int d = d0 + 4 * u;
+        if (d < D) {
+#pragma unroll
+          for (int g = 0; g < ATTN_GM; ++g) {
+            if (g < ng) {
+              const float4 qv = *reinterpret_cast<const float4*>(qs + g * D + d);
+              acc[g] = fmaf(qv.x, kv[u][0], acc[g]);
+              acc[g] = fmaf(qv.y, kv[u][1], acc[g]);
+              acc[g] = fmaf(qv.z, kv[u][2], acc[g]);
+              acc[g] = fmaf(qv.w, kv[u][3], acc[g]);
+            }
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int g = 0; g < ATTN_GM; ++g) {
+      if (g < ng) {
+        float v = acc[g] * scale;
+        if (softcap > 0.f) v = tanhf(v / softcap) * softcap;
+        sc[g * chunk + t] = v;
+      }
+    }
+  }
+  __syncthreads();
+
+  // 4. softmax pieces, one warp per head
+  for (int g = warp; g < ng; g += ATTN_NT / 32) {
+    float* row = sc + g * chunk;
+    float m = neg_inf();
+    for (int t = lane; t < n; t += 32) m = fmaxf(m, row[t]);
+    m = warp_max(m);
+    float l = 0.f;
+    for (int t = lane; t < n; t += 32) {
+      const float p = expf(row[t] - m);
+      row[t] = p;
+      l += p;
+    }
+    l = warp_sum(l);
+    if (lane == 0) {
+      ml_part[((long long)s * Hq + hq0 + g) * 2] = m;
+      ml_part[((long long)s * Hq + hq0 + g) * 2 + 1] = l;
+    }
+  }
+  __syncthreads();
+
+  // 5. values: thread (r, c) sums keys r, r+R, ... for value columns 4c..4c+3
+  const int r = tid / dv4, c = tid - r * dv4;
+  float* red = qs;  // (R, gm, Dv); the queries are no longer needed
+  if (r < R) {
+    float acc[ATTN_GM][4];
+#pragma unroll
+    for (int g = 0; g < ATTN_GM; ++g) acc[g][0] = acc[g][1] = acc[g][2] = acc[g][3] = 0.f;
+    for (int t0 = r; t0 < n; t0 += R * ATTN_U) {
+      float vv[ATTN_U][4];
+#pragma unroll
+      for (int u = 0; u < ATTN_U; ++u)
+        if (t0 + u * R < n) load4<VT>(vc, ((long long)h * ctx + a + t0 + u * R) * Dv + 4 * c, vv[u]);
+#pragma unroll
+      for (int u = 0; u < ATTN_U; ++u) {
+        const int t = t0 + u * R;
+        if (t < n) {
+#pragma unroll
+          for (int g = 0; g < ATTN_GM; ++g) {
+            if (g < ng) {
+              const float p = sc[g * chunk + t];
+#pragma unroll
+              for (int i = 0; i < 4; ++i) acc[g][i] = fmaf(p, vv[u][i], acc[g][i]);
+            }
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int g = 0; g < ATTN_GM; ++g)
+      if (g < ng)
+        *reinterpret_cast<float4*>(red + (r * gm + g) * Dv + 4 * c) =
+            make_float4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]);
+  }
+  __syncthreads();
+  for (int i = tid; i < ng * Dv; i += ATTN_NT) {
+    const int g = i / Dv, j = i - g * Dv;
+    float acc = 0.f;
+    for (int rr = 0; rr < R; ++rr) acc += red[(rr * gm + g) * Dv + j];
+    o_part[((long long)s * Hq + hq0 + g) * Dv + j] = acc;
+  }
+}
+
+// attn_split_k<K>_v<V>(q, k_new, v_new, K cache, V cache, pos, slot, o_part, ml_part, ctx, D, Dv, Hq, G, chunk,
+//                      scale, softcap (0: none), window (0: none)); k_new = v_new = null: nothing written
+#define ATTN_SPLIT(KNAME, KT, VNAME, VT)                                                                         \
+  extern "C" __global__ void __launch_bounds__(ATTN_NT) attn_split_k##KNAME##_v##VNAME(                        \
+      const float* __restrict__ q, const float* __restrict__ kn, const float* __restrict__ vn, void* kc,        \
+      void* vc, const int* __restrict__ pos_p, const int* __restrict__ slot_p, float* __restrict__ o_part,       \
+      float* __restrict__ ml_part, int ctx, int D, int Dv, int Hq, int G, int chunk, float scale, float softcap,  \
+      int window) {                                                                                              \
+    extern __shared__ float4 attn_smem4[];                                                                       \
+    attn_split<KT, VT>(q, kn, vn, kc, vc, pos_p, slot_p, o_part, ml_part, ctx, D, Dv, Hq, G, chunk, scale, softcap,    \
+                       window, reinterpret_cast<float*>(attn_smem4));                                           \
+  }
+
+#define ATTN_SPLIT_V(KNAME, KT)          \
+  ATTN_SPLIT(KNAME, KT, f32, KV_F32)     \
+  ATTN_SPLIT(KNAME, KT, f16, KV_F16)     \
+  ATTN_SPLIT(KNAME, KT, bf16, KV_BF16)
+
+ATTN_SPLIT_V(f32, KV_F32)
+ATTN_SPLIT_V(f16, KV_F16)
+ATTN_SPLIT_V(bf16, KV_BF16)
+
+// Combine the splits of one query head (blockIdx.x): only those that intersect [lo, pos].
+extern "C" __global__ void __launch_bounds__(ATTN_NT)
+    attn_combine(const float* __restrict__ o_part,   // (nsplit, Hq, Dv)
+                 const float* __restrict__ ml_part,  // (nsplit, Hq, 2)
+                 const int* __restrict__ pos_p,      // (1,)
+                 float* __restrict__ out,            // (Hq, Dv)
+                 int Hq, int Dv, int chunk, int window, int nsplit) {
+  extern __shared__ float4 comb_smem4[];
+  float* wts = reinterpret_cast<float*>(comb_smem4);  // (nsplit,) e^(m_s - M) / L
+  const int hq = blockIdx.x, tid = threadIdx.x;
+  const int pos = *pos_p;
+  const int lo = window > 0 ? max(0, pos - window + 1) : 0;
+  const int s0 = lo / chunk, s1 = min(pos / chunk, nsplit - 1);
+  float M = neg_inf();
+  for (int s = s0; s <= s1; ++s) M = fmaxf(M, ml_part[((long long)s * Hq + hq) * 2]);
+  float L = 0.f;
+  for (int s = s0; s <= s1; ++s) {
+    const float m = ml_part[((long long)s * Hq + hq) * 2];
+    if (m != neg_inf()) L += expf(m - M) * ml_part[((long long)s * Hq + hq) * 2 + 1];
+  }
+  for (int s = s0 + tid; s <= s1; s += ATTN_NT) {
+    const float m = ml_part[((long long)s * Hq + hq) * 2];
+    wts[s - s0] = m != neg_inf() ? expf(m - M) / L : 0.f;
+  }
+  __syncthreads();
+  for (int j = tid; j < Dv; j += ATTN_NT) {
+    float acc = 0.f;
+    for (int s = s0; s <= s1; ++s) {
+      const float w = wts[s - s0];
+      if (w != 0.f) acc = fmaf(w, o_part[((long long)s * Hq + hq) * Dv + j], acc);
+    }
+    out[(long long)hq * Dv + j] = acc;
+  }
+}

@@ -1,0 +1,135 @@
+// Gated-DeltaNet decode (one token), fused: the T = 1 case of delta.gated_delta_rule, and the causal conv1d
+// update (delta.causal_conv1d at T = 1). Position-independent launches, no host sync: graph-capturable.
+//
+// gdn_step_r<RPT>(q (Hk, Dk), k (Hk, Dk), v (Hv, Dv), g (Hv,), beta (Hv,), S (Hv, Dk, Dv), out (Hv, Dv),
+//                 Hk, Hv, Dk, Dv, qscale), all f32 contiguous, S updated in place.
+//   Grid (Hv, ceil(Dv / 32)), GDN_WARPS * 32 threads; Dk <= GDN_WARPS * RPT (RPT = 4, 8, 16, 32: Dk up to 256).
+//   Lane = value column j (coalesced rows of S), warp w = key rows w*RPT .. w*RPT+RPT-1, held in registers.
+//   v head h reads k head h / (Hv / Hk). Per block: q, k of that head L2-normalised (x / sqrt(sum x^2 + 1e-6)),
+//   q times qscale (Dk^-0.5) into shared memory; then with e = exp(g[h]):
+//     s = S[h] * e;  kv = k . s  (over Dk, the warps' partials summed in order through shared memory)
+//     delta = (v - kv) * beta;  s += k (x) delta;  S[h] = s;  out = q . s
+//   Products and sums are rounded separately (no FMA contraction) where the CuPy op rounds them separately.
+//
+// conv1d_step(x (C,), w (C, K), state (K-1, C), y (C,), C, K): one thread per channel, ceil(C / 128) x 128:
+//   y = silu(sum_k full[k] * w[:, k]) with full = state rows then x (summed in k order, products rounded, as the
+//   CuPy op), then state = full[1:].
+// No headers: compiles under NVRTC and nvcc alike (sm_90, sm_120a).
+
+#define GDN_WARPS 8
+
+template <int RPT>
+__device__ __forceinline__ void gdn_step(const float* __restrict__ q, const float* __restrict__ k,
+                                         const float* __restrict__ v, const float* __restrict__ g,
+                                         const float* __restrict__ beta, float* __restrict__ S,
+                                         float* __restrict__ out, int Hk, int Hv, int Dk, int Dv, float qscale) {
+  __shared__ float qs[GDN_WARPS * RPT], ks[GDN_WARPS * RPT];
+  __shared__ float red[GDN_WARPS][32];
+  __shared__ float ssq[2][GDN_WARPS];
+  const int h = blockIdx.x, tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
+  const int hk = h / (Hv / Hk);
+  const int j = blockIdx.y * 32 + lane;
+  const bool col = j < Dv;
+
+  // L2-normalised q (times qscale) and k of head hk
+  float sq = 0.f, sk = 0.f;
+  for (int i = tid; i < Dk; i += GDN_WARPS * 32) {
+    const float a = q[(long long)hk * Dk + i], b = k[(long long)hk * Dk + i];
+    qs[i] = a;
+    ks[i] = b;
+    sq += a * a;
+    sk += b * b;
+  }
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) {
+    sq += __shfl_xor_sync(0xffffffffu, sq, off);
+    sk += __shfl_xor_sync(0xffffffffu, sk, off);
+  }
+  if (lane == 0) {
+    ssq[0][w] = sq;
+    ssq[1][w] = sk;
+  }
+  __syncthreads();
+  sq = 0.f;
+  sk = 0.f;
+#pragma unroll
+  for (int i = 0; i < GDN_WARPS; ++i) {
+    sq += ssq[0][i];
+    sk += ssq[1][i];
+  }
+  const float nq = sqrtf(sq + 1e-6f), nk = sqrtf(sk + 1e-6f);
+  __syncthreads();  // everyone has read the raw q, k sums before they are overwritten below
+  for (int i = tid; i < Dk; i += GDN_WARPS * 32) {
+    qs[i] = __fmul_rn(qs[i] / nq, qscale);
+    ks[i] = ks[i] / nk;
+  }
+  __syncthreads();
+
+  const float e = expf(g[h]);
+  const long long base = (long long)h * Dk * Dv;
+  float s[RPT];
+  float kv = 0.f;
+#pragma unroll
+  for (int m = 0; m < RPT; ++m) {
+    const int i = w * RPT + m;
+    s[m] = (col && i < Dk) ? __fmul_rn(S[base + (long long)i * Dv + j], e) : 0.f;
+    if (i < Dk) kv = fmaf(ks[i], s[m], kv);
+  }
+  red[w][lane] = kv;
+  __syncthreads();
+  kv = 0.f;
+#pragma unroll
+  for (int i = 0; i < GDN_WARPS; ++i) kv += red[i][lane];
+  const float delta = col ? __fmul_rn(v[(long long)h * Dv + j] - kv, beta[h]) : 0.f;
+  __syncthreads();  // red is reused below
+
+  float o = 0.f;
+#pragma unroll
+  for (int m = 0; m < RPT; ++m) {
+    const int i = w * RPT + m;
+    if (i < Dk) {
+      s[m] = __fadd_rn(s[m], __fmul_rn(ks[i], delta));
+      if (col) S[base + (long long)i * Dv + j] = s[m];
+      o = fmaf(qs[i], s[m], o);
+    }
+  }
+  red[w][lane] = o;
+  __syncthreads();
+  if (w == 0 && col) {
+    o = 0.f;
+#pragma unroll
+    for (int i = 0; i < GDN_WARPS; ++i) o += red[i][lane];
+    out[(long long)h * Dv + j] = o;
+  }
+}
+
+#define GDN_STEP(RPT)                                                                                          \
+  extern "C" __global__ void __launch_bounds__(GDN_WARPS * 32) gdn_step_r##RPT(                               \
+      const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,                   \
+      const float* __restrict__ g, const float* __restrict__ beta, float* __restrict__ S,                      \
+      float* __restrict__ out, int Hk, int Hv, int Dk, int Dv, float qscale) {                                 \
+    gdn_step<RPT>(q, k, v, g, beta, S, out, Hk, Hv, Dk, Dv, qscale);                                           \
+  }
+
+GDN_STEP(4)
+GDN_STEP(8)
+GDN_STEP(16)
+GDN_STEP(32)
+
+extern "C" __global__ void __launch_bounds__(128) conv1d_step(const float* __restrict__ x,  // (C,)
+                                                               const float* __restrict__ w,  // (C, K)
+                                                               float* __restrict__ state,    // (K-1, C)
+                                                               float* __restrict__ y,        // (C,)
+                                                               int C, int K) {
+  const int c = blockIdx.x * blockDim.x + threadIdx.x;
+  if (c >= C) return;
+  const float* wc = w + (long long)c * K;
+  float acc = 0.f;
+  for (int t = 0; t < K - 1; ++t) acc = __fadd_rn(acc, __fmul_rn(state[(long long)t * C + c], wc[t]));
+  const float xc = x[c];
+  acc = __fadd_rn(acc, __fmul_rn(xc, wc[K - 1]));
+  for (int t = 0; t < K - 2; ++t) state[(long long)t * C + c] = state[(long long)(t + 1) * C + c];
+  if (K >= 2) state[(long long)(K - 2) * C + c] = xc;
+  const float th = tanhf(__fmul_rn(0.5f, acc));
+  y[c] = __fmul_rn(acc, __fmul_rn(0.5f, __fadd_rn(th, 1.0f)));
+}

@@ -1,0 +1,249 @@
+"""Mixture-of-experts decode on the device (``kernels/moe.cu``): routing and the routed experts for one token
+with no host synchronisation, no host->device copy per call, and launch configurations that depend only on
+the shapes (E, k, H, I), never on which experts were picked. A decode step built from these can be captured
+as a CUDA graph and replayed with new ids (the kernels read ``ids[j]`` from device memory).
+
+- ``route(logits, k, normalize)``: softmax + top-k in one kernel (one block per token row); the same ids as
+  ``ops.moe_route`` (ties -> the lower expert index) and weights to f32 rounding. E <= 1024, k <= 32, f32
+  logits; otherwise ``ops.moe_route`` (which does not sync either).
+- ``experts_decode(x, ids, weights, gate_up, down, act)``: ``ops.moe_experts`` for T = 1. Kernel A (grid
+  (ceil(I / rows per block), k)) writes act(gate . x) * (up . x) per slot into a (k, I) f32 scratch; kernel B
+  (one warp per ROWS output rows) sums weights[j] * down_{ids[j]} . h[j] over the k slots in order
+  (deterministic, no atomics). Expert matrices are found through a pointer table (uint64 data pointers, and
+  fp8 scale pointers) built once per weight list and cached (the only host->device copy, on first use:
+  make one eager call before capturing a graph).
+- ``experts_packed_decode``: ``ops.moe_experts_packed`` for T = 1; the expert's matrices are at
+  base + e * stride, computed in the kernel (no table).
+
+Fast-path requirements (checked; otherwise the CuPy ops, whose ``_groups`` brings the ids to the host — a
+sync, and not capturable): T = 1; formats bf16 / f16 / f32 / fp8 (per list: one format, one shape and, for
+fp8, one scale block shape; packed: bf16 / f16 / f32); K % 8 for bf16/f16, % 4 for f32, % 16 for fp8 (and an
+fp8 column block a multiple of 16), for K = H (gate/up) and K = I (down); C-contiguous 16-byte aligned data.
+
+Graph capture notes: the (k, I) scratch is cached per (device, k, I) and reused by every call, so calls must
+be ordered on one stream (as a decode step is); pass ``out`` (1, H) f32 to keep the output buffer fixed too.
+The pointer table of a list is built on first sight of that list object (keyed by id, the list kept alive);
+replacing the list's items afterwards is not noticed unless ``clear_cache()`` is called.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import cupy as cp
+import numpy as np
+
+from . import gemv, kernels
+
+WARPS = 4  # MOE_WARPS in moe.cu
+MAX_E, MAX_K = 1024, 32  # ROUTE_MAX_E / ROUTE_MAX_K
+ROUTE_THREADS = 256
+ALIGN = {"bf16": 8, "f16": 8, "f32": 4, "fp8": 16}
+DTYPE = {"bf16": np.uint16, "f16": np.float16, "f32": np.float32, "fp8": np.uint8}
+# Rows per warp (1, 2 and 4 are compiled): gate/up reads 2 x ROWS row streams per warp; down ROWS.
+ROWS_GATE_UP = {"bf16": 2, "f16": 2, "f32": 2, "fp8": 2}
+ROWS_DOWN = {"bf16": 2, "f16": 2, "f32": 2, "fp8": 4}
+ACTS = {"silu": 0, "gelu_tanh": 1}
+
+_FNS: dict[tuple[int, str], cp.RawKernel] = {}
+
+
+def _fn(name: str) -> cp.RawKernel:
+    key = (cp.cuda.runtime.getDevice(), name)
+    fn = _FNS.get(key)
+    if fn is None:
+        fn = _FNS[key] = kernels.function("moe", name)
+    return fn
+
+
+# -- routing ------------------------------------------------------------------------------------------------------
+def route(logits, k: int, normalize: bool = True, out=None):
+    """logits (T, E) -> weights (T, k) f32, ids (T, k) int64, as ``ops.moe_route``; ``out`` = (weights, ids)
+    preallocated (C-contiguous) to write into."""
+    ok = (isinstance(logits, cp.ndarray) and logits.ndim == 2 and logits.dtype == cp.float32
+          and 1 <= k <= min(MAX_K, logits.shape[1]) and logits.shape[1] <= MAX_E)
+    if not ok:
+        from . import ops
+
+        w, ids = ops.moe_route_cupy(logits, k, normalize)
+        if out is not None:
+            out[0][...], out[1][...] = w, ids
+            return out
+        return w, ids
+    T, E = logits.shape
+    lg = cp.ascontiguousarray(logits)
+    if out is None:
+        w, ids = cp.empty((T, k), dtype=cp.float32), cp.empty((T, k), dtype=cp.int64)
+    else:
+        w, ids = out
+        assert w.shape == ids.shape == (T, k) and w.dtype == cp.float32 and ids.dtype == cp.int64
+        assert w.flags.c_contiguous and ids.flags.c_contiguous
+    if T:
+        _fn("moe_route_f32")((T,), (ROUTE_THREADS,), (lg, w, ids, np.int32(E), np.int32(k), np.int32(bool(normalize))))
+    return w, ids
+
+
+# -- pointer tables -----------------------------------------------------------------------------------------------
+@dataclass
+class _Table:
+    fmt: str
+    shape: tuple[int, int]  # each expert's (N, K)
+    block: tuple[int, int, int]  # fp8 (BR, BC, SK); (1, 1, 1) otherwise
+    ptrs: Any  # cupy uint64 (rows, E): data pointers per matrix, then fp8 scale pointers
+    keep: list  # arrays the table points into that the Weights do not hold (contiguous f32 copies of scales)
+
+
+_TABLES: dict[tuple[int, int], tuple[Any, Any, Any, _Table | None]] = {}
+
+
+def clear_cache():
+    """Forget every pointer table and scratch buffer (after replacing weights in a list). A CUDA graph captured
+    before this still points at the old buffers: capture again."""
+    _TABLES.clear()
+    _SCRATCH.clear()
+
+
+def _matrix_ok(w, fmt: str, shape, block) -> bool:
+    d = w.data
+    return (w.format == fmt and tuple(w.shape) == shape and isinstance(d, cp.ndarray) and d.dtype == DTYPE[fmt]
+            and d.shape == shape and d.flags.c_contiguous and d.data.ptr % 16 == 0
+            and (fmt != "fp8" or gemv.fp8_block(shape, w.scale, w.block) == block))
+
+
+def _build(mats: list[list]) -> _Table | None:
+    """mats: per matrix role (gate, up / down), the E Weights. None where the kernels do not apply."""
+    first = mats[0][0]
+    fmt, shape = first.format, tuple(first.shape)
+    if fmt not in ALIGN or len(shape) != 2 or shape[1] % ALIGN[fmt] or 0 in shape:
+        return None
+    block = gemv.fp8_block(shape, first.scale, first.block) if fmt == "fp8" else (1, 1, 1)
+    if fmt == "fp8" and block[1] % 16:
+        return None
+    if not all(_matrix_ok(w, fmt, shape, block) for role in mats for w in role):
+        return None
+    rows, keep = [[w.data.data.ptr for w in role] for role in mats], []
+    if fmt == "fp8":
+        for role in mats:
+            row = []
+            for w in role:
+                s = cp.ascontiguousarray(w.scale, dtype=cp.float32)
+                if s is not w.scale:
+                    keep.append(s)
+                row.append(s.data.ptr)
+            rows.append(row)
+    return _Table(fmt, shape, block, cp.asarray(np.array(rows, dtype=np.uint64)), keep)
+
+
+def _table(lst, pairs: bool) -> _Table | None:
+    """The cached table of a weight list (gate_up: pairs of (gate, up); down: Weights)."""
+    key = (cp.cuda.runtime.getDevice(), id(lst))
+    hit = _TABLES.get(key)
+    if not len(lst):
+        return None
+    if hit is not None and hit[0] is lst and hit[1] is lst[0] and hit[2] is lst[-1]:
+        return hit[3]
+    try:
+        mats = [[g for g, _ in lst], [u for _, u in lst]] if pairs else [list(lst)]
+        tab = _build(mats)
+    except (TypeError, ValueError, AttributeError, AssertionError):
+        tab = None
+    _TABLES[key] = (lst, lst[0], lst[-1], tab)
+    return tab
+
+
+# -- experts ------------------------------------------------------------------------------------------------------
+_SCRATCH: dict[tuple[int, int, int], Any] = {}
+
+
+def _scratch(k: int, I: int):
+    """The (k, I) f32 buffer between the two kernels, one per (device, k, I): fixed across calls (graphs)."""
+    key = (cp.cuda.runtime.getDevice(), k, I)
+    h = _SCRATCH.get(key)
+    if h is None:
+        h = _SCRATCH[key] = cp.empty((k, I), dtype=cp.float32)
+    return h
+
+
+def _inputs(x, ids, weights, H: int):
+    """(x (H,) f32, ids (k,) int32/int64, ids64, weights (k,) f32), contiguous and 16-byte aligned, or None."""
+    if not (isinstance(x, cp.ndarray) and isinstance(ids, cp.ndarray) and isinstance(weights, cp.ndarray)):
+        return None
+    if x.shape != (1, H) or ids.ndim != 2 or ids.shape[0] != 1 or weights.shape != ids.shape:
+        return None
+    if ids.dtype not in (cp.int64, cp.int32) or not 1 <= ids.shape[1] <= 65535:
+        return None
+    if x.dtype != cp.float32 or not x.flags.c_contiguous or x.data.ptr % 16:
+        x = cp.array(x, dtype=cp.float32, order="C", copy=True)
+    ids = cp.ascontiguousarray(ids)
+    weights = cp.ascontiguousarray(weights, dtype=cp.float32)
+    return x, ids, int(ids.dtype == cp.int64), weights
+
+
+def _out(out, H: int):
+    if out is None:
+        return cp.empty((1, H), dtype=cp.float32)
+    assert out.shape == (1, H) and out.dtype == cp.float32 and out.flags.c_contiguous, (out.shape, out.dtype)
+    return out
+
+
+def _launch(gsrc, dsrc, gname, dname, gblock, dblock, inputs, E, H, I, act, out):
+    x, ids, ids64, w = inputs
+    k = ids.shape[1]
+    h = _scratch(k, I)
+    y = _out(out, H)
+    rg, rd = ROWS_GATE_UP[gname], ROWS_DOWN[dname]
+    a = np.int32(ACTS[act])
+    _fn(f"moe_gate_up_{gsrc[1]}_r{rg}")(
+        ((I + rg * WARPS - 1) // (rg * WARPS), k), (WARPS * 32,),
+        (gsrc[0], ids, np.int32(ids64), x, h, np.int32(E), np.int32(I), np.int32(H),
+         *(np.int32(v) for v in gblock), a))
+    _fn(f"moe_down_{dsrc[1]}_r{rd}")(
+        ((H + rd * WARPS - 1) // (rd * WARPS),), (WARPS * 32,),
+        (dsrc[0], ids, np.int32(ids64), w, h, y, np.int32(k), np.int32(E), np.int32(H), np.int32(I),
+         *(np.int32(v) for v in dblock)))
+    return y
+
+
+def experts_decode(x, ids, weights, gate_up, down, act: str = "silu", out=None):
+    """``ops.moe_experts`` for one token, without a host sync: x (1, H) f32; ids (1, k) int64/int32 and weights
+    (1, k) f32 on the device; gate_up per expert (gate, up) Weights (I, H); down per expert (H, I). -> (1, H)
+    f32. Falls back to ``ops.moe_experts`` (which syncs on the ids) where the kernels do not apply."""
+    tg = _table(gate_up, True) if act in ACTS else None
+    td = _table(down, False) if tg is not None else None
+    ok = tg is not None and td is not None and len(gate_up) == len(down)
+    if ok:
+        I, H = tg.shape
+        ok = td.shape == (H, I)
+        inputs = _inputs(x, ids, weights, H) if ok else None
+    if not ok or inputs is None:
+        from . import ops
+
+        return ops.moe_experts_grouped(x, ids, weights, gate_up, down, act)
+    return _launch((tg.ptrs, tg.fmt), (td.ptrs, td.fmt), tg.fmt, td.fmt, tg.block, td.block, inputs,
+                   len(gate_up), H, I, act, out)
+
+
+def _packed_ok(w, ndim_shape) -> bool:
+    d = w.data
+    return (w.format in ("bf16", "f16", "f32") and isinstance(d, cp.ndarray) and d.dtype == DTYPE[w.format]
+            and d.shape == ndim_shape and d.flags.c_contiguous and d.data.ptr % 16 == 0)
+
+
+def experts_packed_decode(x, ids, weights, gate_up, down, act: str = "gelu_tanh", out=None):
+    """``ops.moe_experts_packed`` for one token: gate_up Weight (E, 2I, H) (each expert's gate rows then its up
+    rows), down Weight (E, H, I), bf16 / f16 / f32. Falls back to ``ops.moe_experts_packed`` (a host sync)."""
+    ok = act in ACTS and getattr(gate_up.data, "ndim", 0) == 3 and getattr(down.data, "ndim", 0) == 3
+    if ok:
+        E, I2, H = gate_up.data.shape
+        I = I2 // 2
+        ok = (I2 % 2 == 0 and I > 0 and H > 0 and _packed_ok(gate_up, (E, I2, H)) and _packed_ok(down, (E, H, I))
+              and H % ALIGN[gate_up.format] == 0 and I % ALIGN[down.format] == 0)
+        inputs = _inputs(x, ids, weights, H) if ok else None
+    if not ok or inputs is None:
+        from . import ops
+
+        return ops.moe_experts_packed_grouped(x, ids, weights, gate_up, down, act)
+    one = (1, 1, 1)
+    return _launch((gate_up.data, f"packed_{gate_up.format}"), (down.data, f"packed_{down.format}"),
+                   gate_up.format, down.format, one, one, inputs, E, H, I, act, out)

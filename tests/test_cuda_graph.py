@@ -1,0 +1,181 @@
+"""CUDA-graph decode (lumen_cuda.graph) and bf16 parity with transformers on the GPU.
+
+- The captured step replays exactly what the op-by-op step computes: same logits (≤ 1e-4, both f32 compute over
+  the same weights; the rotary tables are computed on the device in the graph, on the host op by op) and the same
+  greedy tokens, over two sequences (the runner's reset really empties the cache).
+- bf16 checkpoints (tiny random models saved by transformers, cast to bf16): Lumen's cuda backend keeps the bf16
+  weights and computes in f32, so its reference is transformers in f32 over the same bf16 values: prefill logits
+  ≤ 1e-3 and 32 greedy tokens equal. Against transformers computing in bf16 itself: max |Δlogit| ≤ 3e-2 of the
+  logit range (prefill, all rows).
+- The engine uses the graph by itself (same text as with LUMEN_CUDA_GRAPH=0, greedy and seeded sampling); with
+  LUMEN_CUDA_GRAPH=0 it decodes op by op and says so.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+import lumen_core as lumen
+from lumen_core.sampling import SamplingParams
+
+pytest.importorskip("lumen_cuda")
+torch = pytest.importorskip("torch")
+
+CONTEXT = 256
+STEPS = 32
+MOE = {"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 32}
+E2B = {"hidden_size_per_layer_input": 8, "num_kv_shared_layers": 2, "use_double_wide_mlp": True}
+MODELS = {  # name: (kind, overrides, prompt length); Gemma's sliding windows (8) make ring caches
+    "qwen3_5": ("qwen3_5", {}, 80),
+    "qwen3_5_moe": ("qwen3_5_moe", {}, 80),
+    "gemma3": ("gemma3", {}, 48),
+    "gemma4": ("gemma4", {}, 48),
+    "gemma4-full-caches": ("gemma4", {"sliding_window": 512}, 48),
+    "gemma4-moe": ("gemma4", MOE, 48),
+    "gemma4-e2b": ("gemma4", E2B, 48),  # per-layer inputs, KV-shared layers reading a ring
+}
+
+
+@pytest.fixture(scope="module")
+def cp():
+    cupy = pytest.importorskip("cupy")
+    try:
+        n = cupy.cuda.runtime.getDeviceCount()
+    except Exception:  # CuPy without a driver or device
+        n = 0
+    if n == 0:
+        pytest.skip("no CUDA device")
+    return cupy
+
+
+def bf16_copy(src, dst):
+    """The checkpoint at src with every floating tensor cast to bf16 (as a bf16 release is saved)."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    for f in dst.glob("*.safetensors"):
+        tensors = load_file(f)
+        save_file({k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in tensors.items()}, f,
+                  metadata={"format": "pt"})
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["torch_dtype"] = cfg["dtype"] = "bfloat16"
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def load(path, compute="cuda:0", store="vram"):
+    model = {"path": str(path), "compute": compute, "store": store,
+             "hidden-layers": {"kv-cache": {"context-size": CONTEXT}}}
+    return lumen.load({"model": model}, progress=False)
+
+
+def prompt(engine, n, seed=0):
+    return np.random.RandomState(seed).randint(3, engine.model.vocab_size, n).tolist()
+
+
+@pytest.fixture(scope="module", params=list(MODELS))
+def bf16_model(request, tiny_checkpoint, tmp_path_factory, cp):
+    kind, overrides, n = MODELS[request.param]
+    path = bf16_copy(tiny_checkpoint(kind, **overrides), tmp_path_factory.mktemp("bf16") / request.param)
+    return request.param, path, n
+
+
+def eager_run(model, ids, tokens=None, steps=STEPS):
+    """Prefill + steps op by op; greedy unless ``tokens`` forces the inputs. -> (logits (steps, V), tokens)."""
+    cache = model.new_cache(CONTEXT)
+    logits = model.forward(ids, cache)
+    out, toks = [], []
+    for i in range(steps):
+        toks.append(int(np.argmax(logits[-1])) if tokens is None else tokens[i])
+        logits = model.forward([toks[-1]], cache)
+        out.append(logits[-1])
+    return np.stack(out), toks
+
+
+def graph_run(cp, engine, ids, tokens=None, steps=STEPS):
+    runner = engine.decode_runner()
+    assert runner, "the decode step was not captured"
+    runner.reset()
+    logits = engine.model.forward(ids, runner.cache, host=False)
+    out, toks = [], []
+    for i in range(steps):
+        toks.append(int(cp.argmax(logits[-1])) if tokens is None else tokens[i])
+        logits = runner.step(toks[-1])
+        out.append(cp.asnumpy(logits[-1]))
+    return np.stack(out), toks
+
+
+@pytest.mark.gpu
+def test_graph_replay_equals_op_by_op_decode(cp, bf16_model):
+    name, path, n = bf16_model
+    engine = load(path)
+    ids = prompt(engine, n)
+    want, tokens = eager_run(engine.model, ids)
+    for seq in range(2):  # the second sequence starts from runner.reset()
+        got, got_tokens = graph_run(cp, engine, ids, tokens)
+        err = np.abs(got - want).max()
+        assert err <= 1e-4 * max(1.0, np.abs(want).max()), f"{name} sequence {seq}: max |Δ| {err:.3g}"
+        assert got_tokens == tokens
+    assert engine.decode_runner().cache.pos == n + STEPS
+
+
+def hf(path, dtype, device="cpu"):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+
+
+@pytest.mark.gpu
+def test_bf16_weights_match_transformers(cp, bf16_model):
+    name, path, n = bf16_model
+    engine = load(path)
+    ids = prompt(engine, n, seed=1)
+    ref = hf(path, torch.float32)  # f32 compute over the same bf16 values: what Lumen computes
+    with torch.no_grad():
+        theirs = ref(input_ids=torch.tensor([ids])).logits[0].numpy()
+        gen = ref.generate(torch.tensor([ids]), max_new_tokens=STEPS, do_sample=False, eos_token_id=None,
+                           pad_token_id=0)
+    ours = engine.model.forward(ids, engine.model.new_cache(CONTEXT), all_logits=True)
+    err = np.abs(ours - theirs).max()
+    assert err <= 1e-3, f"{name}: prefill max |Δ| {err:.3g} against transformers f32 on the bf16 weights"
+    _, tokens = graph_run(cp, engine, ids)
+    assert tokens == gen[0, len(ids):].tolist()
+    # transformers computing in bf16 (on the GPU when torch sees it)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    with torch.no_grad():
+        low = hf(path, torch.bfloat16, device)(input_ids=torch.tensor([ids], device=device)).logits[0]
+    low = low.float().cpu().numpy()
+    rng = float(low.max() - low.min())
+    err = np.abs(ours - low).max()
+    assert err <= 3e-2 * rng, f"{name}: max |Δ| {err:.3g} > 3e-2 of the logit range {rng:.3g} (transformers bf16)"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sampling", [{"temperature": 0.0}, {"temperature": 0.8, "top_k": 20, "top_p": 0.9,
+                                                              "seed": 7}])
+def test_engine_generates_the_same_with_and_without_the_graph(cp, tiny_checkpoint, tmp_path_factory,
+                                                              monkeypatch, sampling):
+    path = bf16_copy(tiny_checkpoint("qwen3_5"), tmp_path_factory.mktemp("bf16") / "engine")
+    ids = list(range(5, 40))
+    graph = load(path)
+    with_graph = list(graph.generate_tokens(ids, 24, SamplingParams(**sampling)))
+    assert graph.decode_runner()
+    monkeypatch.setenv("LUMEN_CUDA_GRAPH", "0")
+    eager = load(path)
+    without = list(eager.generate_tokens(ids, 24, SamplingParams(**sampling)))
+    assert eager.decode_runner() is False
+    assert with_graph == without
+
+
+@pytest.mark.gpu
+def test_without_graphs_the_engine_says_so(cp, tiny_checkpoint, capsys, monkeypatch):
+    monkeypatch.setenv("LUMEN_CUDA_GRAPH", "0")
+    engine = load(tiny_checkpoint("gemma3"))
+    out = list(engine.generate_tokens(list(range(5, 30)), 8))
+    assert len(out) >= 1
+    assert engine.decode_runner() is False
+    assert "decode runs op by op: CUDA graphs are off (LUMEN_CUDA_GRAPH=0)" in capsys.readouterr().err

@@ -1,0 +1,254 @@
+"""The MoE decode kernels (plugins/lumen-cuda/lumen_cuda/kernels/moe.cu, launched from lumen_cuda.moe) against the
+CuPy ops they replace at T = 1 (lumen_cuda.ops.moe_route / moe_experts / moe_experts_packed), and the property
+they exist for: no host sync, so a call can be captured in a CUDA graph and replayed with new ids / logits.
+
+GPU tests carry the ``gpu`` marker and skip without CuPy or a CUDA device.
+Tolerance: f32 accumulation in another order: <= 1e-5 x max(1, max |reference|); route ids exactly.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from lumen_core.plugins import get_registry
+
+pytest.importorskip("lumen_cuda")
+
+
+@pytest.fixture(scope="module")
+def cp():
+    cupy = pytest.importorskip("cupy")
+    try:
+        n = cupy.cuda.runtime.getDeviceCount()
+    except Exception:  # CuPy without a driver or device
+        n = 0
+    if n == 0:
+        pytest.skip("no CUDA device")
+    return cupy
+
+
+@pytest.fixture(autouse=True)
+def _forget_tables():
+    """lumen_cuda.moe caches pointer tables (keeping each test's expert lists alive): drop them after each test."""
+    yield
+    mod = sys.modules.get("lumen_cuda.moe")
+    if mod is not None:
+        mod.clear_cache()
+
+
+@pytest.fixture(scope="module")
+def gpu(cp):
+    reg = get_registry()
+    return reg.backend_class("cuda")("cuda:0", reg)
+
+
+@pytest.fixture(scope="module")
+def moe(cp):
+    from lumen_cuda import moe
+
+    return moe
+
+
+@pytest.fixture(scope="module")
+def ops(cp):
+    from lumen_cuda import ops
+
+    return ops
+
+
+def host(x):
+    return x.get() if hasattr(x, "get") else np.asarray(x)
+
+
+def close(got, want, tol=1e-5):
+    """Every element written (finite) and max |got - want| <= tol x max(1, max |want|)."""
+    got, want = host(got).astype(np.float64), host(want).astype(np.float64)
+    assert got.shape == want.shape, (got.shape, want.shape)
+    assert np.isfinite(got).all(), "unwritten (NaN-poisoned) or non-finite outputs"
+    err, scale = np.abs(got - want).max(initial=0.0), max(1.0, np.abs(want).max(initial=0.0))
+    assert err <= tol * scale, f"max |d| {err:.3g} > {tol * scale:.3g}"
+    return err
+
+
+def matrix(gpu, rng, N, K, kind):
+    """One expert matrix (N, K) as a cuda Weight: bf16 / f16 / f32, or fp8 with 128x128 block or per-channel
+    scales (values ~ N(0, 0.5) x scale ~ 0.05, so the MLP output stays O(1))."""
+    if kind.startswith("fp8"):
+        w8 = (rng.normal(size=(N, K)) * 0.5).astype(ml_dtypes.float8_e4m3fn)
+        shape = (-(-N // 128), -(-K // 128)) if kind == "fp8-block128" else (N, 1)
+        scale = (rng.uniform(0.5, 2.0, size=shape) * 0.05).astype(np.float32)
+        return gpu.weight(w8, "fp8", "vram", scale=scale)
+    dtype = {"bf16": ml_dtypes.bfloat16, "f16": np.float16, "f32": np.float32}[kind]
+    return gpu.weight((rng.normal(size=(N, K)) * 0.05).astype(dtype), kind, "vram")
+
+
+def experts(gpu, rng, E, H, I, kind):
+    gate_up = [(matrix(gpu, rng, I, H, kind), matrix(gpu, rng, I, H, kind)) for _ in range(E)]
+    down = [matrix(gpu, rng, H, I, kind) for _ in range(E)]
+    return gate_up, down
+
+
+def routing(cp, rng, E, k, dtype=np.int64):
+    ids = rng.choice(E, size=(1, k), replace=False).astype(dtype)
+    w = rng.uniform(0.1, 1.0, size=(1, k)).astype(np.float32)
+    return cp.asarray(ids), cp.asarray(w / w.sum())
+
+
+# -- routing ------------------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("normalize", [True, False])
+@pytest.mark.parametrize("E,k,tied", [(8, 2, False), (256, 8, False), (128, 8, True), (512, 16, False),
+                                      (60, 4, True)])
+def test_route_matches_ops(cp, moe, ops, E, k, tied, normalize):
+    rng = np.random.default_rng(E + k)
+    for T in (1, 3):
+        if tied:  # few distinct values: many equal probabilities, ties -> the lower index first
+            logits = rng.integers(0, 3, size=(T, E)).astype(np.float32)
+        else:
+            logits = (rng.normal(size=(T, E)) * 3).astype(np.float32)
+        lg = cp.asarray(logits)
+        w, ids = moe.route(lg, k, normalize)
+        w_ref, ids_ref = ops.moe_route_cupy(lg, k, normalize)
+        assert ids.dtype == cp.int64 and w.dtype == cp.float32 and ids.shape == w.shape == (T, k)
+        np.testing.assert_array_equal(host(ids), host(ids_ref))
+        np.testing.assert_allclose(host(w), host(w_ref), rtol=0, atol=1e-6)
+
+
+# -- experts ------------------------------------------------------------------------------------------------------
+SIZES = [(8, 2, 256, 128), (64, 8, 512, 256), (8, 2, 256, 256)]  # (E, k, H, I)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("kind", ["bf16", "f16", "f32", "fp8-block128", "fp8-per-channel"])
+@pytest.mark.parametrize("E,k,H,I", SIZES)
+def test_experts_decode_matches_ops(cp, gpu, moe, ops, kind, act, E, k, H, I):
+    rng = np.random.default_rng(E * k + H + I + len(kind) + len(act))
+    gate_up, down = experts(gpu, rng, E, H, I, kind)
+    assert moe._table(gate_up, True) is not None and moe._table(down, False) is not None  # the kernel path
+    x = cp.asarray(rng.normal(size=(1, H)).astype(np.float32))
+    for dtype in (np.int64, np.int32):
+        ids, w = routing(cp, rng, E, k, dtype)
+        out = cp.full((1, H), np.nan, dtype=cp.float32)
+        y = moe.experts_decode(x, ids, w, gate_up, down, act, out=out)
+        assert y is out
+        close(y, ops.moe_experts_grouped(x, ids.astype(cp.int64), w, gate_up, down, act))
+        close(moe.experts_decode(x, ids, w, gate_up, down, act), y, 0)  # deterministic, fresh output
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("act", ["gelu_tanh", "silu"])
+@pytest.mark.parametrize("fmt", ["bf16", "f16"])
+@pytest.mark.parametrize("E,k,H,I", SIZES)
+def test_experts_packed_decode_matches_ops(cp, gpu, moe, ops, fmt, act, E, k, H, I):
+    rng = np.random.default_rng(E + k + H + I + len(fmt))
+    dtype = ml_dtypes.bfloat16 if fmt == "bf16" else np.float16
+    gate_up = gpu.weight((rng.normal(size=(E, 2 * I, H)) * 0.05).astype(dtype), fmt, "vram")
+    down = gpu.weight((rng.normal(size=(E, H, I)) * 0.05).astype(dtype), fmt, "vram")
+    x = cp.asarray(rng.normal(size=(1, H)).astype(np.float32))
+    ids, w = routing(cp, rng, E, k)
+    y = moe.experts_packed_decode(x, ids, w, gate_up, down, act, out=cp.full((1, H), np.nan, dtype=cp.float32))
+    close(y, ops.moe_experts_packed_grouped(x, ids, w, gate_up, down, act))
+
+
+@pytest.mark.gpu
+def test_fallbacks_agree(cp, gpu, moe, ops):
+    """Where the kernels do not apply (T = 2; K not a multiple of the 16-byte load) the CuPy ops answer."""
+    rng = np.random.default_rng(3)
+    E, k, H, I = 4, 2, 72, 40  # fp8 needs H, I % 16: not met
+    gate_up, down = experts(gpu, rng, E, H, I, "fp8-per-channel")
+    assert moe._table(gate_up, True) is None
+    x = cp.asarray(rng.normal(size=(1, H)).astype(np.float32))
+    ids, w = routing(cp, rng, E, k)
+    close(moe.experts_decode(x, ids, w, gate_up, down), ops.moe_experts_grouped(x, ids, w, gate_up, down))
+    gate_up, down = experts(gpu, rng, E, 64, 32, "bf16")
+    x2 = cp.asarray(rng.normal(size=(2, 64)).astype(np.float32))
+    ids2 = cp.asarray(np.array([[0, 1], [3, 1]], np.int64))
+    w2 = cp.asarray(np.full((2, 2), 0.5, np.float32))
+    close(moe.experts_decode(x2, ids2, w2, gate_up, down), ops.moe_experts_grouped(x2, ids2, w2, gate_up, down))
+
+
+@pytest.mark.gpu
+def test_ids_changed_in_place_change_the_result(cp, gpu, moe, ops):
+    """The kernels read ids from device memory on every launch: writing new ids into the same array between
+    calls (what graph replay does) routes to the new experts."""
+    rng = np.random.default_rng(5)
+    E, k, H, I = 16, 4, 256, 128
+    gate_up, down = experts(gpu, rng, E, H, I, "bf16")
+    x = cp.asarray(rng.normal(size=(1, H)).astype(np.float32))
+    ids, w = routing(cp, rng, E, k)
+    out = cp.empty((1, H), dtype=cp.float32)
+    first = moe.experts_decode(x, ids, w, gate_up, down, out=out).copy()
+    close(first, ops.moe_experts_grouped(x, ids, w, gate_up, down))
+    ids[...] = cp.asarray(np.array([[15, 0, 7, 3]], np.int64))
+    second = moe.experts_decode(x, ids, w, gate_up, down, out=out)
+    close(second, ops.moe_experts_grouped(x, ids, w, gate_up, down))
+    assert np.abs(host(second) - host(first)).max() > 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["bf16", "fp8-block128"])
+def test_graph_capture_and_replay(cp, gpu, moe, ops, kind):
+    """route + experts captured once as a CUDA graph (possible only without host syncs or host copies), then
+    replayed after new logits are written in place: the replay matches an eager call on the new logits."""
+    rng = np.random.default_rng(9)
+    E, k, H, I = 32, 4, 256, 256
+    gate_up, down = experts(gpu, rng, E, H, I, kind)
+    x = cp.asarray(rng.normal(size=(1, H)).astype(np.float32))
+    logits = cp.asarray(rng.normal(size=(1, E)).astype(np.float32))
+    w, ids = cp.empty((1, k), dtype=cp.float32), cp.empty((1, k), dtype=cp.int64)
+    y = cp.empty((1, H), dtype=cp.float32)
+
+    def step():
+        moe.route(logits, k, True, out=(w, ids))
+        moe.experts_decode(x, ids, w, gate_up, down, "silu", out=y)
+
+    step()  # warm-up: compiles the kernels, builds the pointer tables and the scratch (host->device copies)
+    cp.cuda.Device().synchronize()
+    eager = y.copy()
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        step()
+        graph = stream.end_capture()
+    y.fill(np.nan)
+    cp.cuda.Device().synchronize()  # the fill ran on the legacy stream, which a non-blocking one does not wait for
+    graph.launch(stream)
+    stream.synchronize()
+    close(y, eager, 0)  # the replay computes what the eager call did
+
+    for seed in (1, 2):  # new logits written in place drive the replay to other experts
+        logits[...] = cp.asarray(np.random.default_rng(seed).normal(size=(1, E)).astype(np.float32) * 3)
+        cp.cuda.Device().synchronize()
+        graph.launch(stream)
+        stream.synchronize()
+        w_ref, ids_ref = ops.moe_route_cupy(logits, k, True)
+        np.testing.assert_array_equal(host(ids), host(ids_ref))
+        close(y, ops.moe_experts_grouped(x, ids_ref, w_ref, gate_up, down, "silu"))
+
+
+@pytest.mark.gpu
+def test_packed_graph_capture(cp, gpu, moe, ops):
+    rng = np.random.default_rng(11)
+    E, k, H, I = 8, 2, 256, 128
+    gate_up = gpu.weight((rng.normal(size=(E, 2 * I, H)) * 0.05).astype(ml_dtypes.bfloat16), "bf16", "vram")
+    down = gpu.weight((rng.normal(size=(E, H, I)) * 0.05).astype(ml_dtypes.bfloat16), "bf16", "vram")
+    x = cp.asarray(rng.normal(size=(1, H)).astype(np.float32))
+    ids, w = routing(cp, rng, E, k)
+    y = cp.empty((1, H), dtype=cp.float32)
+    moe.experts_packed_decode(x, ids, w, gate_up, down, out=y)
+    cp.cuda.Device().synchronize()
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        moe.experts_packed_decode(x, ids, w, gate_up, down, out=y)
+        graph = stream.end_capture()
+    ids[...] = cp.asarray(np.array([[E - 1, 0]], np.int64))
+    cp.cuda.Device().synchronize()
+    graph.launch(stream)
+    stream.synchronize()
+    close(y, ops.moe_experts_packed_grouped(x, ids, w, gate_up, down))
