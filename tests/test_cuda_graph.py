@@ -6,7 +6,8 @@
 - bf16 checkpoints (tiny random models saved by transformers, cast to bf16): Lumen's cuda backend keeps the bf16
   weights and computes in f32, so its reference is transformers in f32 over the same bf16 values: prefill logits
   ≤ 1e-3 and 32 greedy tokens equal. Against transformers computing in bf16 itself: max |Δlogit| ≤ 3e-2 of the
-  logit range (prefill, all rows).
+  logit range (prefill, all rows), or, where transformers' own f32 and bf16 runs differ by more than that (they
+  do on these random models), no farther than transformers-f32 is.
 - The engine uses the graph by itself (same text as with LUMEN_CUDA_GRAPH=0, greedy and seeded sampling); with
   LUMEN_CUDA_GRAPH=0 it decodes op by op and says so.
 """
@@ -144,14 +145,18 @@ def test_bf16_weights_match_transformers(cp, bf16_model):
     assert err <= 1e-3, f"{name}: prefill max |Δ| {err:.3g} against transformers f32 on the bf16 weights"
     _, tokens = graph_run(cp, engine, ids)
     assert tokens == gen[0, len(ids):].tolist()
-    # transformers computing in bf16 (on the GPU when torch sees it)
+    # transformers computing in bf16 (on the GPU when torch sees it). On these random tiny models bf16 compute
+    # is far from f32 compute (Lumen, equal to transformers-f32 within 1e-3, differed from transformers-bf16 by
+    # 3-24% of the logit range on the H200), so "3e-2 of the range" cannot hold for any f32-accurate engine; what
+    # can: Lumen is no farther from transformers-bf16 than transformers-f32 is.
     device = "cuda" if torch.cuda.is_available() else "cpu"
     with torch.no_grad():
         low = hf(path, torch.bfloat16, device)(input_ids=torch.tensor([ids], device=device)).logits[0]
     low = low.float().cpu().numpy()
     rng = float(low.max() - low.min())
-    err = np.abs(ours - low).max()
-    assert err <= 3e-2 * rng, f"{name}: max |Δ| {err:.3g} > 3e-2 of the logit range {rng:.3g} (transformers bf16)"
+    err, own = np.abs(ours - low).max(), np.abs(theirs - low).max()
+    assert err <= max(3e-2 * rng, 1.02 * own + 1e-3), (
+        f"{name}: max |Δ| {err:.3g} to transformers-bf16 (logit range {rng:.3g}); transformers-f32 is {own:.3g}")
 
 
 @pytest.mark.gpu
