@@ -155,6 +155,16 @@ class OpSet:
     def __getattr__(self, op: str):
         if op.startswith("_"):
             raise AttributeError(op)
+        from .ops import COMPOSITES
+
+        if op in COMPOSITES and not self.has(op):  # an optional op this backend leaves to the composite
+            composite = COMPOSITES[op]
+
+            def bound(*args, **kwargs):
+                return composite(self, *args, **kwargs)
+
+            setattr(self, op, bound)
+            return bound
         bound = _BoundOp(self._backend, op)
         setattr(self, op, bound)  # later lookups are plain attribute reads (this is on the decode hot path)
         return bound

@@ -41,3 +41,24 @@ CONTRACT = {
     "attention_shared": "(q (T, Hq, D), cache, start, scale, window=None, softcap=None) -> (T, Hq, Dv); attends "
                         "over keys another layer wrote at ..start+T-1 in this call (KV sharing); writes nothing",
 }
+
+
+# Optional ops: a backend may register them (to fuse work); where it does not, ``OpSet`` runs the composite below
+# over the contract ops, so every backend supports them and gives the same numbers either way.
+OPTIONAL = {
+    "linear_group": "(x (T, in), ws [Weight (out_i, in)]) -> [(T, out_i)]: linear with each weight; a backend may "
+                    "fuse the matrices into one (one read of x, one launch)",
+    "gdn_gates": "(a (T, Hv), b (T, Hv), neg_a (Hv,), dt_bias (Hv,)) -> (g, beta): g = neg_a * softplus(a + "
+                 "dt_bias), beta = sigmoid(b) (Gated-DeltaNet decay and write strength)",
+}
+
+
+def _linear_group(ops, x, ws):
+    return [ops.linear(x, w) for w in ws]
+
+
+def _gdn_gates(ops, a, b, neg_a, dt_bias):
+    return neg_a * ops.softplus(a + dt_bias), ops.sigmoid(b)
+
+
+COMPOSITES = {"linear_group": _linear_group, "gdn_gates": _gdn_gates}

@@ -92,10 +92,11 @@ def experts(gpu, rng, E, H, I, kind):
     return gate_up, down
 
 
-def routing(cp, rng, E, k, dtype=np.int64):
-    ids = rng.choice(E, size=(1, k), replace=False).astype(dtype)
-    w = rng.uniform(0.1, 1.0, size=(1, k)).astype(np.float32)
-    return cp.asarray(ids), cp.asarray(w / w.sum())
+def routing(cp, rng, E, k, dtype=np.int64, T=1):
+    """(T, k) distinct expert ids per token and weights summing to 1 per token."""
+    ids = np.stack([rng.choice(E, size=k, replace=False) for _ in range(T)]).astype(dtype)
+    w = rng.uniform(0.1, 1.0, size=(T, k)).astype(np.float32)
+    return cp.asarray(ids), cp.asarray(w / w.sum(axis=1, keepdims=True))
 
 
 # -- routing ------------------------------------------------------------------------------------------------------
@@ -157,7 +158,8 @@ def test_experts_packed_decode_matches_ops(cp, gpu, moe, ops, fmt, act, E, k, H,
 
 @pytest.mark.gpu
 def test_fallbacks_agree(cp, gpu, moe, ops):
-    """Where the kernels do not apply (T = 2; K not a multiple of the 16-byte load) the CuPy ops answer."""
+    """Where the kernels do not apply (K not a multiple of the 16-byte load) the CuPy ops answer; T = 2 now runs
+    the kernels and agrees too."""
     rng = np.random.default_rng(3)
     E, k, H, I = 4, 2, 72, 40  # fp8 needs H, I % 16: not met
     gate_up, down = experts(gpu, rng, E, H, I, "fp8-per-channel")
@@ -170,6 +172,11 @@ def test_fallbacks_agree(cp, gpu, moe, ops):
     ids2 = cp.asarray(np.array([[0, 1], [3, 1]], np.int64))
     w2 = cp.asarray(np.full((2, 2), 0.5, np.float32))
     close(moe.experts_decode(x2, ids2, w2, gate_up, down), ops.moe_experts_grouped(x2, ids2, w2, gate_up, down))
+    gate_up, down = experts(gpu, rng, E, H, I, "fp8-per-channel")  # fallback for T = 2 as well, into out
+    x2 = cp.asarray(rng.normal(size=(2, H)).astype(np.float32))
+    out = cp.full((2, H), np.nan, dtype=cp.float32)
+    assert moe.experts(x2, ids2, w2, gate_up, down, out=out) is out
+    close(out, ops.moe_experts_grouped(x2, ids2, w2, gate_up, down))
 
 
 @pytest.mark.gpu
@@ -252,3 +259,98 @@ def test_packed_graph_capture(cp, gpu, moe, ops):
     graph.launch(stream)
     stream.synchronize()
     close(y, ops.moe_experts_packed_grouped(x, ids, w, gate_up, down))
+
+
+# -- experts over T tokens ------------------------------------------------------------------------------------------
+TS = [1, 2, 7, 64, 300]  # T < moe.GROUPED_MIN_T: per-slot kernels; from it on: bucketed by expert
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("kind", ["bf16", "f16", "fp8-block128", "f32"])
+@pytest.mark.parametrize("T", TS)
+def test_experts_tokens_match_grouped(cp, gpu, moe, ops, T, kind, act):
+    rng = np.random.default_rng(T * 7 + len(kind) + len(act))
+    E, k, H, I = 16, 4, 256, 384
+    gate_up, down = experts(gpu, rng, E, H, I, kind)
+    assert moe._table(gate_up, True) is not None and moe._table(down, False) is not None  # the kernel path
+    x = cp.asarray(rng.normal(size=(T, H)).astype(np.float32))
+    for dtype in (np.int64, np.int32):
+        ids, w = routing(cp, rng, E, k, dtype, T)
+        out = cp.full((T, H), np.nan, dtype=cp.float32)
+        y = moe.experts(x, ids, w, gate_up, down, act, out=out)
+        assert y is out
+        close(y, ops.moe_experts_grouped(x, ids.astype(cp.int64), w, gate_up, down, act))
+        close(moe.experts(x, ids, w, gate_up, down, act), y, 0)  # deterministic, fresh output
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("grouped_min_t", [1, 10**9])
+@pytest.mark.parametrize("kind", ["bf16", "fp8-block128"])
+def test_experts_both_paths_skewed_and_chunked(cp, gpu, moe, ops, monkeypatch, kind, grouped_min_t):
+    """Either path forced for every T (grouped from T = 1, or per-slot up to T = 300); skewed routing (every
+    token to the same few experts: buckets of 300 slots) and the grouped path cut into token chunks."""
+    monkeypatch.setattr(moe, "GROUPED_MIN_T", grouped_min_t)
+    rng = np.random.default_rng(21)
+    E, k, H, I = 8, 2, 256, 128
+    gate_up, down = experts(gpu, rng, E, H, I, kind)
+    for T in (1, 3, 300):
+        x = cp.asarray(rng.normal(size=(T, H)).astype(np.float32))
+        ids, w = routing(cp, rng, E, k, np.int64, T)
+        close(moe.experts(x, ids, w, gate_up, down, "silu", out=cp.full((T, H), np.nan, dtype=cp.float32)),
+              ops.moe_experts_grouped(x, ids, w, gate_up, down, "silu"))
+        skew = cp.asarray(np.tile(np.array([[5, 2]], np.int64), (T, 1)))
+        close(moe.experts(x, skew, w, gate_up, down, "gelu_tanh"),
+              ops.moe_experts_grouped(x, skew, w, gate_up, down, "gelu_tanh"))
+    monkeypatch.setattr(moe, "CHUNK_FLOATS", 64 * k * max(H, I))  # 64 tokens per launch: 5 chunks of T = 300
+    out = cp.full((300, H), np.nan, dtype=cp.float32)
+    close(moe.experts(x, ids, w, gate_up, down, "silu", out=out), ops.moe_experts_grouped(x, ids, w, gate_up, down))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("act", ["gelu_tanh", "silu"])
+@pytest.mark.parametrize("T", [5, 64])
+def test_experts_packed_tokens_match_grouped(cp, gpu, moe, ops, T, act):
+    rng = np.random.default_rng(T + len(act))
+    E, k, H, I = 16, 4, 256, 128
+    gate_up = gpu.weight((rng.normal(size=(E, 2 * I, H)) * 0.05).astype(ml_dtypes.bfloat16), "bf16", "vram")
+    down = gpu.weight((rng.normal(size=(E, H, I)) * 0.05).astype(ml_dtypes.bfloat16), "bf16", "vram")
+    x = cp.asarray(rng.normal(size=(T, H)).astype(np.float32))
+    ids, w = routing(cp, rng, E, k, np.int64, T)
+    out = cp.full((T, H), np.nan, dtype=cp.float32)
+    y = moe.experts_packed(x, ids, w, gate_up, down, act, out=out)
+    assert y is out
+    close(y, ops.moe_experts_packed_grouped(x, ids, w, gate_up, down, act))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [4, 64])
+def test_tokens_graph_capture(cp, gpu, moe, ops, T):
+    """A T-token call (per-call scratch from the allocator) captured under a private pool, as lumen_cuda.graph
+    does, replays to the eager result, and to the new experts after ids are rewritten in place."""
+    rng = np.random.default_rng(13 + T)
+    E, k, H, I = 16, 4, 256, 128
+    gate_up, down = experts(gpu, rng, E, H, I, "bf16")
+    x = cp.asarray(rng.normal(size=(T, H)).astype(np.float32))
+    ids, w = routing(cp, rng, E, k, np.int64, T)
+    y = cp.empty((T, H), dtype=cp.float32)
+    pool = cp.cuda.MemoryPool()
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream, cp.cuda.using_allocator(pool.malloc):
+        moe.experts(x, ids, w, gate_up, down, "silu", out=y)  # warm-up: kernels, tables, the pool's blocks
+        stream.synchronize()
+        stream.begin_capture()
+        moe.experts(x, ids, w, gate_up, down, "silu", out=y)
+        graph = stream.end_capture()
+    eager = y.copy()  # outside the private pool: the graph's blocks stay its own
+    cp.cuda.Device().synchronize()
+    y.fill(np.nan)
+    cp.cuda.Device().synchronize()
+    graph.launch(stream)
+    stream.synchronize()
+    close(y, eager, 0)
+    ids[...] = cp.asarray(np.stack([np.random.default_rng(t).choice(E, size=k, replace=False) for t in range(T)]))
+    cp.cuda.Device().synchronize()
+    graph.launch(stream)
+    stream.synchronize()
+    close(y, ops.moe_experts_grouped(x, ids, w, gate_up, down, "silu"))

@@ -29,6 +29,9 @@ def register_ops(register):
         register("linear", "cuda", _lazy("linear"), variant=fmt)
     for op, fn, variant in KERNEL_OPS:
         register(op, "cuda", _lazy_kernel(fn), variant=variant, priority=KERNEL_PRIORITY)
+    # optional ops (lumen_core.ops.OPTIONAL): fused projections, and the Gated-DeltaNet gates in one kernel
+    register("linear_group", "cuda", _lazy_kernel("linear_group"))
+    register("gdn_gates", "cuda", _lazy("gdn_gates"))
 
 
 def _lazy(op: str):

@@ -286,3 +286,76 @@ def rms_norm(x, w, eps: float, offset: float = 0.0):  # x (..., D) f32, w (D,) f
     _fn("rms_norm", "rms_norm_f32")((rows,), (threads,), (xc, wc, y, np.int32(D), np.float32(eps),
                                                        np.float32(offset)))
     return y
+
+
+# -- fused projections ------------------------------------------------------------------------------------------
+_GROUPS: dict[tuple[int, ...], tuple] = {}  # id of each Weight -> (fused Weight or None, row splits, the Weights)
+
+
+def _linear_any(x, w: Weight):
+    if w.format in ("bf16", "f16"):
+        return _linear16(x, w)
+    if w.format in ("fp8", "nvfp4"):
+        return globals()[f"linear_{w.format}"](x, w)
+    from . import ops
+
+    return ops.linear(x, w)
+
+
+def _fusable(ws) -> bool:
+    fmt, K = ws[0].format, ws[0].shape[-1]
+    if len(ws) < 2 or any(w.format != fmt or len(w.shape) != 2 or w.shape[-1] != K or w.data.ndim != 2 or
+                          not w.data.flags.c_contiguous for w in ws):
+        return False
+    if fmt in ("f32", "bf16", "f16"):
+        return all(w.scale is None for w in ws)
+    if fmt == "fp8":  # block scales whose row blocks tile each matrix exactly, or per-channel scales
+        blocks = {w.block for w in ws}
+        if len(blocks) != 1:
+            return False
+        block = blocks.pop()
+        if block is None:
+            return all(w.scale.size == w.shape[0] for w in ws)
+        return all(w.shape[0] % block[0] == 0 and w.scale.ndim == 2 for w in ws)
+    return False  # nvfp4 (a global scale per matrix), GGUF blocks
+
+
+def _fuse(ws):
+    """One Weight whose rows are ws' rows in order; each w.data (and fp8 scale) becomes a view into it, so the
+    separate buffers are freed and the matrices live once. None where the formats or layouts differ."""
+    if not _fusable(ws):
+        return None
+    data = cp.concatenate([w.data for w in ws])
+    scale = None
+    if ws[0].format == "fp8":
+        scale = cp.concatenate([w.scale.reshape(w.shape[0], 1) if ws[0].block is None else w.scale for w in ws])
+    fused = Weight(data, ws[0].format, (data.shape[0], ws[0].shape[-1]), scale, ws[0].block)
+    r = sr = 0
+    for w in ws:
+        n = w.shape[0]
+        w.data = data[r:r + n]
+        if scale is not None:
+            m = n if ws[0].block is None else n // ws[0].block[0]
+            w.scale = scale[sr:sr + m] if ws[0].block is not None else scale[sr:sr + m].reshape(w.scale.shape)
+            sr += m
+        r += n
+    return fused
+
+
+def linear_group(x, ws):
+    """[x @ w.T for w in ws] as one GEMV / GEMM over the rows of every w, fused on the first call (the registered
+    ``linear_group``: one read of x and one launch for q/k/v, gate/up, the Gated-DeltaNet input projections)."""
+    key = tuple(id(w) for w in ws)
+    entry = _GROUPS.get(key)
+    if entry is None:
+        fused = _fuse(list(ws))
+        entry = _GROUPS[key] = (fused, [w.shape[0] for w in ws], tuple(ws))
+    fused, rows, _ = entry
+    if fused is None:
+        return [_linear_any(x, w) for w in ws]
+    y = _linear_any(x, fused)
+    out, r = [], 0
+    for n in rows:
+        out.append(y[..., r:r + n])
+        r += n
+    return out

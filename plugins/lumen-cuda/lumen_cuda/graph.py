@@ -9,8 +9,9 @@ An op that cannot (a ring KV cache, cuBLAS on f32 weights, a host sync) raises `
 refuses the capture; either way ``prepare`` returns None with the reason and the engine decodes eagerly.
 
 Memory: the step's temporaries come from a private CuPy pool used for nothing else, so the addresses the graph
-was recorded with stay the graph's. The step runs once eagerly first (under the same pool and stream: NVRTC
-compiles, the pool caches its blocks, device constants are uploaded), is captured, and then the cache is zeroed.
+was recorded with stay the graph's. The step runs eagerly twice first: once outside that pool (NVRTC compiles,
+one-time device data such as fused projection weights and rotary constants is made in the ordinary pool), once
+inside it (the pool caches its blocks); then it is captured, and the cache is zeroed.
 
 Streams: the graph runs on a blocking stream, which the legacy default stream (eager prefill, the sampler)
 orders itself against, so prefill → replay → sampling need no explicit events.
@@ -82,10 +83,17 @@ class GraphRunner(DecodeRunner):
         global STEP
         pos0 = self.cache.pos
         try:
+            with self.dev, self.stream:  # warm-up 1: one-time work (fused weights, tables, constants) made
+                STEP = self.inputs       # outside the graph's pool
+                try:
+                    self.model.forward([0], self.cache, host=False)
+                    self.cache.pos = pos0
+                finally:
+                    STEP = None
             with self.dev, self.stream, cp.cuda.using_allocator(self.pool.malloc):
                 STEP = self.inputs
                 try:
-                    self.model.forward([0], self.cache, host=False)  # warm-up (eager, same ops)
+                    self.model.forward([0], self.cache, host=False)  # warm-up 2: the pool caches its blocks
                     self.cache.pos = pos0
                     self.stream.synchronize()
                     self.stream.begin_capture()

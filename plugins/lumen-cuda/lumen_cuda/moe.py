@@ -1,4 +1,4 @@
-"""Mixture-of-experts decode on the device (``kernels/moe.cu``): routing and the routed experts for one token
+"""Mixture-of-experts on the device (``kernels/moe.cu``): routing and the routed experts for T tokens
 with no host synchronisation, no host->device copy per call, and launch configurations that depend only on
 the shapes (E, k, H, I), never on which experts were picked. A decode step built from these can be captured
 as a CUDA graph and replayed with new ids (the kernels read ``ids[j]`` from device memory).
@@ -6,22 +6,31 @@ as a CUDA graph and replayed with new ids (the kernels read ``ids[j]`` from devi
 - ``route(logits, k, normalize)``: softmax + top-k in one kernel (one block per token row); the same ids as
   ``ops.moe_route`` (ties -> the lower expert index) and weights to f32 rounding. E <= 1024, k <= 32, f32
   logits; otherwise ``ops.moe_route`` (which does not sync either).
-- ``experts_decode(x, ids, weights, gate_up, down, act)``: ``ops.moe_experts`` for T = 1. Kernel A (grid
-  (ceil(I / rows per block), k)) writes act(gate . x) * (up . x) per slot into a (k, I) f32 scratch; kernel B
-  (one warp per ROWS output rows) sums weights[j] * down_{ids[j]} . h[j] over the k slots in order
-  (deterministic, no atomics). Expert matrices are found through a pointer table (uint64 data pointers, and
-  fp8 scale pointers) built once per weight list and cached (the only host->device copy, on first use:
-  make one eager call before capturing a graph).
-- ``experts_packed_decode``: ``ops.moe_experts_packed`` for T = 1; the expert's matrices are at
-  base + e * stride, computed in the kernel (no table).
+- ``experts(x, ids, weights, gate_up, down, act)``: ``ops.moe_experts`` for any T (``experts_decode`` is the
+  same function). Slot s = t * k + j reads token t's row of x.
+  T < GROUPED_MIN_T: kernel A (grid (ceil(I / rows per block), min(T k, 65535)), looping over slots) writes
+  act(gate . x_t) * (up . x_t) per slot into a (T k, I) f32 scratch; kernel B (grid (row blocks, min(T, 65535)),
+  one warp per ROWS output rows of one token) sums weights[t, j] * down_{ids[t, j]} . h[t k + j] over j in order.
+  T >= GROUPED_MIN_T: moe_bucket (one block) sorts the slots into per-expert buckets on the device; then the
+  gate/up and down GEMVs run per (row block, expert), each 16-byte weight load shared by MOE_NT = 4 slots of
+  that expert (h (T k, I), ys (T k, H) f32 scratch, allocated per call; T is cut into chunks that keep the
+  scratch under 256 MiB), and moe_combine sums weights[t, j] * ys[t k + j] over j in order. Both paths are
+  deterministic (no atomics in any sum). Expert matrices are found through a pointer table (uint64 data
+  pointers, and fp8 scale pointers) built once per weight list and cached (the only host->device copy, on
+  first use: make one eager call before capturing a graph).
+- ``experts_packed`` (= ``experts_packed_decode``): ``ops.moe_experts_packed`` for any T; the expert's
+  matrices are at base + e * stride, computed in the kernel (no table).
 
-Fast-path requirements (checked; otherwise the CuPy ops, whose ``_groups`` brings the ids to the host — a
-sync, and not capturable): T = 1; formats bf16 / f16 / f32 / fp8 (per list: one format, one shape and, for
-fp8, one scale block shape; packed: bf16 / f16 / f32); K % 8 for bf16/f16, % 4 for f32, % 16 for fp8 (and an
-fp8 column block a multiple of 16), for K = H (gate/up) and K = I (down); C-contiguous 16-byte aligned data.
+Fast-path requirements (checked; otherwise the CuPy ops ``ops.moe_experts_grouped`` /
+``ops.moe_experts_packed_grouped``, whose ``_groups`` brings the ids to the host — a sync, and not
+capturable): formats bf16 / f16 / f32 / fp8 (per list: one format, one shape and, for fp8, one scale block
+shape; packed: bf16 / f16 / f32); K % 8 for bf16/f16, % 4 for f32, % 16 for fp8 (and an fp8 column block a
+multiple of 16), for K = H (gate/up) and K = I (down); C-contiguous 16-byte aligned data.
 
-Graph capture notes: the (k, I) scratch is cached per (device, k, I) and reused by every call, so calls must
-be ordered on one stream (as a decode step is); pass ``out`` (1, H) f32 to keep the output buffer fixed too.
+Graph capture notes: for T = 1 the (k, I) scratch is cached per (device, k, I) and reused by every call, so
+calls must be ordered on one stream (as a decode step is); pass ``out`` (1, H) f32 to keep the output buffer
+fixed too. For T > 1 the scratch comes from the current CuPy allocator per call: capture under a private pool
+(as lumen_cuda.graph does) so the graph keeps its addresses.
 The pointer table of a list is built on first sight of that list object (keyed by id, the list kept alive);
 replacing the list's items afterwards is not noticed unless ``clear_cache()`` is called.
 """
@@ -154,10 +163,16 @@ def _table(lst, pairs: bool) -> _Table | None:
 
 # -- experts ------------------------------------------------------------------------------------------------------
 _SCRATCH: dict[tuple[int, int, int], Any] = {}
+GROUPED_MIN_T = 8  # from this many tokens on, the grouped kernels (slots bucketed by expert on the device)
+BUCKET_THREADS, BUCKET_MAX_E, COMBINE_THREADS = 1024, 4096, 256  # moe.cu
+ROWS_GROUPED = 2  # rows per warp of the grouped kernels (2 and 4 are compiled)
+MAX_GRID_Y = 65535
+CHUNK_FLOATS = 1 << 26  # the grouped path's (T k, max(H, I)) f32 scratch per launch is kept under 256 MiB
 
 
 def _scratch(k: int, I: int):
-    """The (k, I) f32 buffer between the two kernels, one per (device, k, I): fixed across calls (graphs)."""
+    """The (k, I) f32 buffer between the two kernels for T = 1, one per (device, k, I): fixed across calls
+    (graphs)."""
     key = (cp.cuda.runtime.getDevice(), k, I)
     h = _SCRATCH.get(key)
     if h is None:
@@ -166,10 +181,11 @@ def _scratch(k: int, I: int):
 
 
 def _inputs(x, ids, weights, H: int):
-    """(x (H,) f32, ids (k,) int32/int64, ids64, weights (k,) f32), contiguous and 16-byte aligned, or None."""
+    """(x (T, H) f32, ids (T, k) int32/int64, ids64, weights (T, k) f32), contiguous and 16-byte aligned, or
+    None."""
     if not (isinstance(x, cp.ndarray) and isinstance(ids, cp.ndarray) and isinstance(weights, cp.ndarray)):
         return None
-    if x.shape != (1, H) or ids.ndim != 2 or ids.shape[0] != 1 or weights.shape != ids.shape:
+    if x.ndim != 2 or x.shape[1] != H or ids.ndim != 2 or ids.shape[0] != x.shape[0] or weights.shape != ids.shape:
         return None
     if ids.dtype not in (cp.int64, cp.int32) or not 1 <= ids.shape[1] <= 65535:
         return None
@@ -180,35 +196,71 @@ def _inputs(x, ids, weights, H: int):
     return x, ids, int(ids.dtype == cp.int64), weights
 
 
-def _out(out, H: int):
+def _out(out, T: int, H: int):
     if out is None:
-        return cp.empty((1, H), dtype=cp.float32)
-    assert out.shape == (1, H) and out.dtype == cp.float32 and out.flags.c_contiguous, (out.shape, out.dtype)
+        return cp.empty((T, H), dtype=cp.float32)
+    assert out.shape == (T, H) and out.dtype == cp.float32 and out.flags.c_contiguous, (out.shape, out.dtype)
     return out
 
 
-def _launch(gsrc, dsrc, gname, dname, gblock, dblock, inputs, E, H, I, act, out):
-    x, ids, ids64, w = inputs
-    k = ids.shape[1]
-    h = _scratch(k, I)
-    y = _out(out, H)
-    rg, rd = ROWS_GATE_UP[gname], ROWS_DOWN[dname]
-    a = np.int32(ACTS[act])
+def _per_slot(gsrc, dsrc, gfmt, dfmt, gblock, dblock, x, ids, ids64, w, y, E, H, I, a):
+    """Kernel A over (rows, slots), kernel B over (rows, tokens)."""
+    T, k = ids.shape
+    S = T * k
+    h = _scratch(k, I) if T == 1 else cp.empty((S, I), dtype=cp.float32)
+    rg, rd = ROWS_GATE_UP[gfmt], ROWS_DOWN[dfmt]
     _fn(f"moe_gate_up_{gsrc[1]}_r{rg}")(
-        ((I + rg * WARPS - 1) // (rg * WARPS), k), (WARPS * 32,),
-        (gsrc[0], ids, np.int32(ids64), x, h, np.int32(E), np.int32(I), np.int32(H),
+        ((I + rg * WARPS - 1) // (rg * WARPS), min(S, MAX_GRID_Y)), (WARPS * 32,),
+        (gsrc[0], ids, np.int32(ids64), x, h, np.int32(S), np.int32(k), np.int32(E), np.int32(I), np.int32(H),
          *(np.int32(v) for v in gblock), a))
     _fn(f"moe_down_{dsrc[1]}_r{rd}")(
-        ((H + rd * WARPS - 1) // (rd * WARPS),), (WARPS * 32,),
-        (dsrc[0], ids, np.int32(ids64), w, h, y, np.int32(k), np.int32(E), np.int32(H), np.int32(I),
+        ((H + rd * WARPS - 1) // (rd * WARPS), min(T, MAX_GRID_Y)), (WARPS * 32,),
+        (dsrc[0], ids, np.int32(ids64), w, h, y, np.int32(T), np.int32(k), np.int32(E), np.int32(H), np.int32(I),
          *(np.int32(v) for v in dblock)))
+
+
+def _grouped(gsrc, dsrc, gblock, dblock, x, ids, ids64, w, y, E, H, I, a):
+    """Bucket the slots by expert (one block), kernel A and the down GEMVs per (rows, expert) with MOE_NT slots
+    per weight load into (S, I) / (S, H) scratch, then the weighted sum per token in slot order."""
+    T, k = ids.shape
+    S = T * k
+    off, order = cp.empty(E + 1, dtype=cp.int32), cp.empty(S, dtype=cp.int32)
+    h, ys = cp.empty((S, I), dtype=cp.float32), cp.empty((S, H), dtype=cp.float32)
+    r = ROWS_GROUPED
+    _fn("moe_bucket")((1,), (BUCKET_THREADS,), (ids, np.int32(ids64), np.int32(S), np.int32(E), off, order))
+    _fn(f"moe_gate_up_g_{gsrc[1]}_r{r}")(
+        ((I + r * WARPS - 1) // (r * WARPS), E), (WARPS * 32,),
+        (gsrc[0], off, order, x, h, np.int32(k), np.int32(E), np.int32(I), np.int32(H),
+         *(np.int32(v) for v in gblock), a))
+    _fn(f"moe_down_g_{dsrc[1]}_r{r}")(
+        ((H + r * WARPS - 1) // (r * WARPS), E), (WARPS * 32,),
+        (dsrc[0], off, order, h, ys, np.int32(E), np.int32(H), np.int32(I), *(np.int32(v) for v in dblock)))
+    _fn("moe_combine")(((T * H + COMBINE_THREADS - 1) // COMBINE_THREADS,), (COMBINE_THREADS,),
+                       (ids, np.int32(ids64), w, ys, y, np.int32(T), np.int32(k), np.int32(E), np.int32(H)))
+
+
+def _launch(gsrc, dsrc, gfmt, dfmt, gblock, dblock, inputs, E, H, I, act, out):
+    x, ids, ids64, w = inputs
+    T, k = ids.shape
+    y = _out(out, T, H)
+    if T == 0:
+        return y
+    a = np.int32(ACTS[act])
+    if T < GROUPED_MIN_T or E > BUCKET_MAX_E:
+        _per_slot(gsrc, dsrc, gfmt, dfmt, gblock, dblock, x, ids, ids64, w, y, E, H, I, a)
+        return y
+    step = max(1, CHUNK_FLOATS // (k * max(H, I)))  # tokens per launch: bounds the scratch (shape-only)
+    for t0 in range(0, T, step):
+        t1 = min(T, t0 + step)
+        _grouped(gsrc, dsrc, gblock, dblock, x[t0:t1], ids[t0:t1], ids64, w[t0:t1], y[t0:t1], E, H, I, a)
     return y
 
 
-def experts_decode(x, ids, weights, gate_up, down, act: str = "silu", out=None):
-    """``ops.moe_experts`` for one token, without a host sync: x (1, H) f32; ids (1, k) int64/int32 and weights
-    (1, k) f32 on the device; gate_up per expert (gate, up) Weights (I, H); down per expert (H, I). -> (1, H)
-    f32. Falls back to ``ops.moe_experts`` (which syncs on the ids) where the kernels do not apply."""
+def experts(x, ids, weights, gate_up, down, act: str = "silu", out=None):
+    """``ops.moe_experts`` for any T without a host sync: x (T, H) f32; ids (T, k) int64/int32 and weights
+    (T, k) f32 on the device; gate_up per expert (gate, up) Weights (I, H); down per expert (H, I). -> (T, H)
+    f32 (``out`` (T, H) f32 C-contiguous to write into). Falls back to ``ops.moe_experts_grouped`` (which syncs
+    on the ids) where the kernels do not apply."""
     tg = _table(gate_up, True) if act in ACTS else None
     td = _table(down, False) if tg is not None else None
     ok = tg is not None and td is not None and len(gate_up) == len(down)
@@ -219,7 +271,11 @@ def experts_decode(x, ids, weights, gate_up, down, act: str = "silu", out=None):
     if not ok or inputs is None:
         from . import ops
 
-        return ops.moe_experts_grouped(x, ids, weights, gate_up, down, act)
+        y = ops.moe_experts_grouped(x, ids, weights, gate_up, down, act)
+        if out is not None:
+            out[...] = y
+            return out
+        return y
     return _launch((tg.ptrs, tg.fmt), (td.ptrs, td.fmt), tg.fmt, td.fmt, tg.block, td.block, inputs,
                    len(gate_up), H, I, act, out)
 
@@ -230,9 +286,10 @@ def _packed_ok(w, ndim_shape) -> bool:
             and d.shape == ndim_shape and d.flags.c_contiguous and d.data.ptr % 16 == 0)
 
 
-def experts_packed_decode(x, ids, weights, gate_up, down, act: str = "gelu_tanh", out=None):
-    """``ops.moe_experts_packed`` for one token: gate_up Weight (E, 2I, H) (each expert's gate rows then its up
-    rows), down Weight (E, H, I), bf16 / f16 / f32. Falls back to ``ops.moe_experts_packed`` (a host sync)."""
+def experts_packed(x, ids, weights, gate_up, down, act: str = "gelu_tanh", out=None):
+    """``ops.moe_experts_packed`` for any T: gate_up Weight (E, 2I, H) (each expert's gate rows then its up
+    rows), down Weight (E, H, I), bf16 / f16 / f32. Falls back to ``ops.moe_experts_packed_grouped`` (a host
+    sync)."""
     ok = act in ACTS and getattr(gate_up.data, "ndim", 0) == 3 and getattr(down.data, "ndim", 0) == 3
     if ok:
         E, I2, H = gate_up.data.shape
@@ -243,7 +300,15 @@ def experts_packed_decode(x, ids, weights, gate_up, down, act: str = "gelu_tanh"
     if not ok or inputs is None:
         from . import ops
 
-        return ops.moe_experts_packed_grouped(x, ids, weights, gate_up, down, act)
+        y = ops.moe_experts_packed_grouped(x, ids, weights, gate_up, down, act)
+        if out is not None:
+            out[...] = y
+            return out
+        return y
     one = (1, 1, 1)
     return _launch((gate_up.data, f"packed_{gate_up.format}"), (down.data, f"packed_{down.format}"),
                    gate_up.format, down.format, one, one, inputs, E, H, I, act, out)
+
+
+experts_decode = experts  # the T = 1 names ops.py calls
+experts_packed_decode = experts_packed

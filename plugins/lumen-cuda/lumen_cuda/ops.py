@@ -85,8 +85,18 @@ _gelu_tanh_mul = cp.ElementwiseKernel(
     "y = 0.5f * g * (1.0f + tanhf(0.7978845608028654f * (g + 0.044715f * (g * g * g)))) * u", "lumen_gelu_tanh_mul")
 
 
+_gdn_gates = cp.ElementwiseKernel(
+    "float32 a, float32 b, float32 neg_a, float32 dt_bias", "float32 g, float32 beta",
+    "const float t = a + dt_bias; g = neg_a * (fmaxf(t, 0.0f) + log1pf(expf(-fabsf(t)))); "
+    "beta = 0.5f * (tanhf(0.5f * b) + 1.0f)", "lumen_gdn_gates")
+
+
 def _f32(x):
     return x if x.dtype == F32 else x.astype(F32)
+
+
+def gdn_gates(a, b, neg_a, dt_bias):  # (T, Hv) x2, (Hv,) x2 -> g = neg_a * softplus(a + dt_bias), sigmoid(b)
+    return _gdn_gates(_f32(a), _f32(b), _f32(neg_a), _f32(dt_bias))
 
 
 def sigmoid(x):
@@ -143,9 +153,27 @@ def _step_rope(pos, inv_freq):
     inv = _INV.get(key)
     if inv is None:
         inv = _INV[key] = cp.asarray(np.asarray(inv_freq, dtype=np.float32))
-    freqs = graph.STEP.pos.astype(F32)[:, None] * inv[None, :]
-    emb = cp.concatenate([freqs, freqs], axis=-1)
-    return cp.cos(emb), cp.sin(emb)
+    half = inv.shape[0]
+    cos, sin = cp.empty((1, 2 * half), F32), cp.empty((1, 2 * half), F32)
+    _step_rope_kernel(graph.STEP.pos, inv, np.int32(half), cos, sin)
+    return cos, sin
+
+
+_step_rope_kernel = cp.ElementwiseKernel(
+    "raw int32 pos, raw float32 inv, int32 half", "float32 c, float32 s",
+    "const float f = (float)pos[0] * inv[i % half]; c = cosf(f); s = sinf(f)", "lumen_step_rope")
+_apply_rope = cp.ElementwiseKernel(
+    "raw float32 x, raw float32 cos, raw float32 sin, int32 H, int32 D, int32 rot", "float32 y",
+    """
+    const int d = i % D, t = i / (H * D);
+    if (d < rot) {
+      const int half = rot / 2;
+      const float r = d < half ? -x[i + half] : x[i - half];
+      y = x[i] * cos[t * rot + d] + r * sin[t * rot + d];
+    } else {
+      y = x[i];
+    }
+    """, "lumen_apply_rope")
 
 
 def _mrope_freqs(pos, inv, section, interleaved):
@@ -164,6 +192,18 @@ def _mrope_freqs(pos, inv, section, interleaved):
 
 
 def apply_rope(x, cos, sin):  # x (T, heads, D); cos/sin (T, rot), rotate-half pairing on dims [:rot]
+    """One kernel: y = x * cos + rotate_half(x) * sin on the first rot dims, the rest copied."""
+    T, H, D = x.shape
+    rot = cos.shape[-1]
+    if x.dtype == F32 and cos.dtype == F32 and sin.dtype == F32 and cos.shape == (T, rot) and rot % 2 == 0:
+        y = cp.empty((T, H, D), F32)
+        _apply_rope(cp.ascontiguousarray(x), cp.ascontiguousarray(cos), cp.ascontiguousarray(sin), np.int32(H),
+                    np.int32(D), np.int32(rot), y)
+        return y
+    return _apply_rope_cupy(x, cos, sin)
+
+
+def _apply_rope_cupy(x, cos, sin):
     rot = cos.shape[-1]
     xr, rest = x[..., :rot], x[..., rot:]
     half = rot // 2
@@ -251,12 +291,10 @@ def _groups(ids):
 
 def moe_experts(x, ids, weights, gate_up, down, act: str = "silu"):
     """x (T, H); ids, weights (T, k); gate_up: per expert (gate, up) Weights (I, H); down: per expert (H, I).
-    One token: the device kernels of lumen_cuda.moe (no host sync); more: grouped on the host."""
-    if x.shape[0] == 1:
-        from . import moe
+    The device kernels of lumen_cuda.moe for any T (no host sync); they fall back to ``moe_experts_grouped``."""
+    from . import moe
 
-        return moe.experts_decode(x, ids, weights, gate_up, down, act)
-    return moe_experts_grouped(x, ids, weights, gate_up, down, act)
+    return moe.experts(x, ids, weights, gate_up, down, act)
 
 
 def moe_experts_grouped(x, ids, weights, gate_up, down, act: str = "silu"):
@@ -272,12 +310,10 @@ def moe_experts_grouped(x, ids, weights, gate_up, down, act: str = "silu"):
 
 
 def moe_experts_packed(x, ids, weights, gate_up: Weight, down: Weight, act: str = "gelu_tanh"):
-    """gate_up (E, 2I, H): each expert's gate rows then up rows; down (E, H, I)."""
-    if x.shape[0] == 1:
-        from . import moe
+    """gate_up (E, 2I, H): each expert's gate rows then up rows; down (E, H, I). lumen_cuda.moe's kernels."""
+    from . import moe
 
-        return moe.experts_packed_decode(x, ids, weights, gate_up, down, act)
-    return moe_experts_packed_grouped(x, ids, weights, gate_up, down, act)
+    return moe.experts_packed(x, ids, weights, gate_up, down, act)
 
 
 def moe_experts_packed_grouped(x, ids, weights, gate_up: Weight, down: Weight, act: str = "gelu_tanh"):

@@ -41,12 +41,16 @@ class Attention:
         arch, s, ops, T = self.arch, self.spec, self.ops, h.shape[0]
         eps, off, H, D = arch.args.rms_norm_eps, arch.norm_offset, arch.args.num_attention_heads, s.head_dim
         cos, sin = rope
-        q = ops.apply_rope(ops.rms_norm(ops.linear(h, self.q).reshape(T, H, D), self.q_norm, eps, off), cos, sin)
+        if s.shared_from is not None:
+            q = ops.linear(h, self.q)
+        else:
+            q, k, *v = ops.linear_group(h, [self.q, self.k] + ([] if self.v is None else [self.v]))
+        q = ops.apply_rope(ops.rms_norm(q.reshape(T, H, D), self.q_norm, eps, off), cos, sin)
         if s.shared_from is not None:
             o = ops.attention_shared(q, state, start, arch.attn_scale, s.window)
         else:
-            k = ops.linear(h, self.k).reshape(T, s.kv_heads, D)
-            v = k if self.v is None else ops.linear(h, self.v).reshape(T, s.kv_heads, D)
+            k = k.reshape(T, s.kv_heads, D)
+            v = k if self.v is None else v[0].reshape(T, s.kv_heads, D)
             k = ops.apply_rope(ops.rms_norm(k, self.k_norm, eps, off), cos, sin)
             if arch.v_norm:
                 v = ops.rms_norm(v, None, eps)
@@ -61,7 +65,7 @@ class MLP:
 
     def __call__(self, h):
         ops = self.ops
-        return ops.linear(ops.gelu_tanh_mul(ops.linear(h, self.gate), ops.linear(h, self.up)), self.down)
+        return ops.linear(ops.gelu_tanh_mul(*ops.linear_group(h, [self.gate, self.up])), self.down)
 
 
 class MoE:

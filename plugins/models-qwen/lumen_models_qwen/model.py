@@ -32,11 +32,12 @@ class FullAttention:
     def __call__(self, h, state, start: int, rope):
         a, ops, T = self.a, self.ops, h.shape[0]
         D, H, Hkv = a.head_dim, a.num_attention_heads, a.num_key_value_heads
-        qg = ops.linear(h, self.q).reshape(T, H, 2 * D)  # per head: query then output gate
+        qg, k, v = ops.linear_group(h, [self.q, self.k, self.v])
+        qg = qg.reshape(T, H, 2 * D)  # per head: query then output gate
         gate = qg[..., D:].reshape(T, H * D)
         q = ops.rms_norm(qg[..., :D], self.q_norm, a.rms_norm_eps, 1.0)
-        k = ops.rms_norm(ops.linear(h, self.k).reshape(T, Hkv, D), self.k_norm, a.rms_norm_eps, 1.0)
-        v = ops.linear(h, self.v).reshape(T, Hkv, D)
+        k = ops.rms_norm(k.reshape(T, Hkv, D), self.k_norm, a.rms_norm_eps, 1.0)
+        v = v.reshape(T, Hkv, D)
         cos, sin = rope
         q, k = ops.apply_rope(q, cos, sin), ops.apply_rope(k, cos, sin)
         o = ops.attention(q, k, v, state, start, D ** -0.5)
@@ -64,15 +65,14 @@ class GatedDeltaNet:
         Hk, Dk = a.linear_num_key_heads, a.linear_key_head_dim
         Hv, Dv = a.linear_num_value_heads, a.linear_value_head_dim
         conv_state, delta_state = state
-        x = ops.causal_conv1d(ops.linear(h, self.qkv), self.conv, conv_state)  # (T, 2*Hk*Dk + Hv*Dv)
+        qkv, z, b, a_in = ops.linear_group(h, [self.qkv, self.z, self.in_b, self.in_a])
+        x = ops.causal_conv1d(qkv, self.conv, conv_state)  # (T, 2*Hk*Dk + Hv*Dv)
         kd = Hk * Dk
         q, k = x[:, :kd].reshape(T, Hk, Dk), x[:, kd:2 * kd].reshape(T, Hk, Dk)
         v = x[:, 2 * kd:].reshape(T, Hv, Dv)
-        beta = ops.sigmoid(ops.linear(h, self.in_b))  # (T, Hv)
-        g = self.neg_a * ops.softplus(ops.linear(h, self.in_a) + self.dt_bias)  # log decay, <= 0
+        g, beta = ops.gdn_gates(a_in, b, self.neg_a, self.dt_bias)  # log decay (<= 0), write strength (T, Hv)
         o = ops.gated_delta_rule(q, k, v, g, beta, delta_state)  # (T, Hv, Dv)
-        z = ops.linear(h, self.z).reshape(T, Hv, Dv)
-        o = ops.rms_norm_gated(o, z, self.norm, a.rms_norm_eps)
+        o = ops.rms_norm_gated(o, z.reshape(T, Hv, Dv), self.norm, a.rms_norm_eps)
         return ops.linear(o.reshape(T, Hv * Dv), self.out)
 
 
@@ -83,7 +83,7 @@ class DenseMLP:
 
     def __call__(self, h):
         ops = self.ops
-        return ops.linear(ops.silu_mul(ops.linear(h, self.gate), ops.linear(h, self.up)), self.down)
+        return ops.linear(ops.silu_mul(*ops.linear_group(h, [self.gate, self.up])), self.down)
 
 
 class MoEMLP:
@@ -102,9 +102,10 @@ class MoEMLP:
 
     def __call__(self, h):
         ops, take = self.ops, self.ebackend.take
-        weights, ids = ops.moe_route(ops.linear(h, self.router), self.a.num_experts_per_tok, True)
+        router, shared_gate = ops.linear_group(h, [self.router, self.shared_gate])
+        weights, ids = ops.moe_route(router, self.a.num_experts_per_tok, True)
         routed = self.eops.moe_experts(take(h), take(ids), take(weights), self.gate_up, self.down)
-        shared = self.shared(h) * ops.sigmoid(ops.linear(h, self.shared_gate))
+        shared = self.shared(h) * ops.sigmoid(shared_gate)
         return self.backend.take(routed) + shared
 
 
