@@ -130,13 +130,24 @@ def _linear16(x, w: Weight):  # x (..., K), w (N, K) bf16 bits / f16 -> (..., N)
     return ops.linear(x, w)
 
 
+_bf16_split = cp.ElementwiseKernel(
+    "float32 x", "uint16 hi, uint16 lo",
+    """
+    const unsigned int u = __float_as_uint(x);
+    const unsigned int h = (u + (((u >> 16) & 1u) + 0x7FFFu)) >> 16;
+    const float rest = x - __uint_as_float(h << 16);
+    const unsigned int r = __float_as_uint(rest);
+    hi = (unsigned short)h;
+    lo = (unsigned short)((r + (((r >> 16) & 1u) + 0x7FFFu)) >> 16);
+    """, "lumen_bf16_split")
+
+
 def bf16_split(x):
-    """x f32 -> (hi, lo) bf16 bits with hi + lo = x to ~2^-17 relative (hi rounded to nearest even)."""
-    u = cp.ascontiguousarray(x, dtype=cp.float32).view(cp.uint32)
-    hi = ((u + (((u >> 16) & 1) + 0x7FFF)) >> 16).astype(cp.uint16)
-    rest = x - (hi.astype(cp.uint32) << 16).view(cp.float32)
-    r = cp.ascontiguousarray(rest, dtype=cp.float32).view(cp.uint32)
-    lo = ((r + (((r >> 16) & 1) + 0x7FFF)) >> 16).astype(cp.uint16)
+    """x f32 -> (hi, lo) bf16 bits with hi + lo = x to ~2^-17 relative (each rounded to nearest even): one
+    kernel."""
+    x = cp.ascontiguousarray(x, dtype=cp.float32)
+    hi, lo = cp.empty(x.shape, cp.uint16), cp.empty(x.shape, cp.uint16)
+    _bf16_split(x, hi, lo)
     return hi, lo
 
 

@@ -246,11 +246,18 @@ def _decode_attention(q, k, v, cache, start, scale, window, softcap):
 
 
 def gated_delta_rule(q, k, v, g, beta, state):
+    """One token: the fused recurrent step (lumen_cuda.decode); more: the two-launch chunked kernels
+    (lumen_cuda.gdn_prefill), or the CuPy op where those refuse the shapes."""
     if q.shape[0] == 1:
         from . import decode
 
         return decode.gated_delta_step(q, k, v, g, beta, state)
-    return _delta.gated_delta_rule(q, k, v, g, beta, state)
+    from . import gdn_prefill
+
+    try:
+        return gdn_prefill.gated_delta_chunked(q, k, v, g, beta, state)
+    except ValueError:
+        return _delta.gated_delta_rule(q, k, v, g, beta, state)
 
 
 def causal_conv1d(x, w, state):
