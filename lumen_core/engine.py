@@ -103,14 +103,17 @@ class Engine:
         else:
             cache, sample, host = self.model.new_cache(self.context_size), make_sampler(params), True
         self.stats = st = Stats(prompt_tokens=len(prompt_ids))
-        t0 = time.perf_counter()
-        logits = self.model.forward(list(prompt_ids), cache, host=host)
-        st.prefill_seconds = time.perf_counter() - t0
         seen = list(prompt_ids)
+
+        def next_token(logits) -> int:
+            return sample(logits[-1] if runner else np.asarray(logits[-1], dtype=np.float32), seen)
+
+        t0 = time.perf_counter()
+        tok = next_token(self.model.forward(list(prompt_ids), cache, host=host))  # waits for the device
+        st.prefill_seconds = time.perf_counter() - t0
         t1 = time.perf_counter()
         st.finish_reason = "length"
-        while st.generated_tokens < max_tokens:
-            tok = sample(logits[-1] if runner else np.asarray(logits[-1], dtype=np.float32), seen)
+        while True:
             st.generated_tokens += 1
             if tok in eos:
                 st.finish_reason = "stop"
@@ -120,7 +123,7 @@ class Engine:
             if cache.pos >= self.context_size or st.generated_tokens >= max_tokens:
                 st.finish_reason = "length"
                 break
-            logits = runner.step(tok) if runner else self.model.forward([tok], cache)
+            tok = next_token(runner.step(tok) if runner else self.model.forward([tok], cache))
         st.decode_seconds = time.perf_counter() - t1
 
     def decode_runner(self):

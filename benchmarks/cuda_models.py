@@ -1,7 +1,8 @@
-"""GPU benchmark, end to end: Lumen's cuda backend vs transformers on Qwen 3.5 shapes with random weights.
+"""GPU benchmark, end to end: Lumen's cuda backend vs transformers on Qwen 3.5 / Gemma 4 shapes, random weights.
 
-    python benchmarks/cuda_qwen.py [--models 9b-bf16,9b-fp8,35b-a3b-fp8 --layers 32 --moe-layers 8
-                                    --prompts 512,4096 --decode 64 --workdir /tmp/lumen-bench --json out.json]
+    python benchmarks/cuda_models.py [--models 9b-bf16,9b-fp8,35b-a3b-fp8,g4-26b-a4b-bf16 --layers 32
+                                      --moe-layers 8 --prompts 512,4096 --decode 64 --workdir /tmp/lumen-bench
+                                      --json out.json]
 
 Rows (random checkpoints built by transformers in bf16 and saved; fp8 copies written by ``lumen quantize``):
 
@@ -10,6 +11,9 @@ Rows (random checkpoints built by transformers in bf16 and saved; fp8 copies wri
 - ``35b-a3b-bf16`` / ``35b-a3b-fp8``: the Qwen3.5-35B-A3B shape (hidden 2048, 256 experts of 512, 8 routed + a
   shared expert of 512, 16 heads / 2 kv of 256, 32 value heads of 128), ``--moe-layers`` layers (the checkpoint of
   all 40 would not fit the machine's disk; the bound below counts the bytes of the layers actually built).
+- ``g4-26b-a4b-bf16``: the Gemma-4-26B-A4B shape (hidden 2816, 16 heads / 8 kv of 256, full layers' head dim 512,
+  5 sliding (window 1024) : 1 full, a dense MLP of 2112 beside 128 experts of 704, top 8, vocab 262144, tied
+  embeddings), ``--moe-layers`` layers.
 
 Per row, in one process: Lumen (everything on cuda:0, weights in VRAM, decode through the captured CUDA graph
 and the on-device sampler, greedy) and transformers (bf16, its default attention; for fp8 rows transformers runs
@@ -38,12 +42,17 @@ SHAPES = {
                     linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
                     linear_value_head_dim=128, num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512,
                     shared_expert_intermediate_size=512),
+    "g4-26b-a4b": dict(hidden_size=2816, intermediate_size=2112, num_attention_heads=16, num_key_value_heads=8,
+                       head_dim=256, global_head_dim=512, sliding_window=1024, enable_moe_block=True,
+                       num_experts=128, top_k_experts=8, moe_intermediate_size=704, hidden_size_per_layer_input=0,
+                       tie_word_embeddings=True),
 }
+MOE_SHAPES = ("35b-a3b", "g4-26b-a4b")
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", default="9b-bf16,9b-fp8,35b-a3b-fp8")
+    p.add_argument("--models", default="9b-bf16,9b-fp8,35b-a3b-fp8,g4-26b-a4b-bf16")
     p.add_argument("--layers", type=int, default=32, help="layers of the 9B shape")
     p.add_argument("--moe-layers", type=int, default=8, help="layers of the 35B-A3B shape")
     p.add_argument("--vocab", type=int, default=248320)
@@ -57,17 +66,24 @@ def parse_args(argv=None):
 
 def build(shape: str, layers: int, vocab: int, workdir: Path) -> Path:
     import torch
-    from transformers import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig, Qwen3_5TextConfig
+    import transformers as tf
 
-    out = workdir / f"qwen3_5-{shape}-l{layers}-v{vocab}-bf16"
+    out = workdir / f"{shape}-l{layers}-bf16"
     if (out / "config.json").exists():
         return out
-    moe = "num_experts" in SHAPES[shape]
-    cfg_cls, model_cls = (Qwen3_5MoeTextConfig, Qwen3_5MoeForCausalLM) if moe else (Qwen3_5TextConfig,
-                                                                                  Qwen3_5ForCausalLM)
-    cfg = cfg_cls(vocab_size=vocab, num_hidden_layers=layers, tie_word_embeddings=False,
-                  rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
-                                   "mrope_section": [11, 11, 10], "mrope_interleaved": True}, **SHAPES[shape])
+    if shape.startswith("g4"):
+        kinds = ["sliding_attention"] * 5 + ["full_attention"]
+        cfg = tf.Gemma4TextConfig(vocab_size=262144, vocab_size_per_layer_input=262144, num_hidden_layers=layers,
+                                  layer_types=[kinds[i % 6] for i in range(layers - 1)] + ["full_attention"],
+                                  **SHAPES[shape])
+        model_cls = tf.Gemma4ForCausalLM
+    else:
+        moe = shape in MOE_SHAPES
+        cfg_cls, model_cls = (tf.Qwen3_5MoeTextConfig, tf.Qwen3_5MoeForCausalLM) if moe else (
+            tf.Qwen3_5TextConfig, tf.Qwen3_5ForCausalLM)
+        cfg = cfg_cls(vocab_size=vocab, num_hidden_layers=layers, tie_word_embeddings=False,
+                      rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
+                                       "mrope_section": [11, 11, 10], "mrope_interleaved": True}, **SHAPES[shape])
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = model_cls(cfg).to(torch.bfloat16)
@@ -101,18 +117,20 @@ def read_bandwidth() -> float:
 
 
 def bytes_per_token(path: Path) -> tuple[int, int]:
-    """(bytes a decode step reads, active parameters): every tensor but the embedding table; of the routed
-    experts only the top-k of E a token picks."""
+    """(bytes a decode step reads, active parameters): every tensor but the embedding table (unless tied: then
+    it is the lm_head); of the routed experts only the top-k of E a token picks."""
     from lumen_core.checkpoint.hf import HFCheckpoint
 
     ck = HFCheckpoint(path)
     cfg = ck.config.get("text_config", ck.config)
-    frac = cfg.get("num_experts_per_tok", 1) / cfg.get("num_experts", 1) if cfg.get("num_experts") else 1.0
+    top = cfg.get("num_experts_per_tok") or cfg.get("top_k_experts") or 1
+    frac = top / cfg["num_experts"] if cfg.get("num_experts") else 1.0
+    tied = cfg.get("tie_word_embeddings", ck.config.get("tie_word_embeddings", False))
     total = params = 0
     for name, info in ck.tensors.items():
-        if "embed_tokens" in name:
+        if "embed_tokens" in name and not (tied and name.endswith("embed_tokens.weight")):
             continue
-        f = frac if ".mlp.experts." in name else 1.0
+        f = frac if ".experts." in name else 1.0
         total += info.nbytes * f
         if not name.endswith(("_scale_inv", "_scale", "_scale_2")):
             n = 1
@@ -198,7 +216,7 @@ def main(argv=None):
     results, hf_cache = {}, {}
     for name in args.models.split(","):
         shape, fmt = name.rsplit("-", 1)
-        layers = args.moe_layers if "num_experts" in SHAPES[shape] else args.layers
+        layers = args.moe_layers if shape in MOE_SHAPES else args.layers
         t = time.perf_counter()
         src = build(shape, layers, args.vocab, workdir)
         path = src if fmt == "bf16" else quantized(src, fmt)
@@ -216,6 +234,10 @@ def main(argv=None):
             gc.collect()
             torch.cuda.empty_cache()
         results[name] = row
+        if args.json:  # after every row: a run cut short keeps what it measured
+            Path(args.json).write_text(json.dumps({"args": vars(args), "bandwidth": bw, "results": results},
+                                                  indent=2, default=str))
+        print(f"{name}: {json.dumps({k: v for k, v in row.items()}, default=str)[:600]}", file=sys.stderr)
     print(f"\nread bandwidth measured: {bw / 1e9:.0f} GB/s; bf16 tensor-core peak {BF16_PEAK / 1e12:.0f} TFLOP/s\n")
     head = "| model | layers | GB/token | bound tok/s | Lumen decode | % of bound | transformers decode | ratio |"
     print(head + "".join(f" prefill {n} Lumen | % TC | transformers | ratio |" for n in prompts))
