@@ -31,7 +31,7 @@ def test_kernel_ops_are_registered_above_the_cupy_ops():
     assert reg.op("linear", "cuda", "fp8").__name__ == "cuda_kernel_linear_fp8"
     assert reg.op("linear", "cuda", "nvfp4").__name__ == "cuda_kernel_linear_nvfp4"
     assert reg.op("embedding", "cuda", "nvfp4").__name__ == "cuda_kernel_embedding_nvfp4"
-    assert reg.op("linear", "cuda", "f32").__name__ == "cuda_linear"  # f32 weights: cuBLAS as before
+    assert reg.op("linear", "cuda", "f32").__name__ == "cuda_kernel_linear_f32"  # GEMV for T <= 4, else cuBLAS
     for key in (("linear", "cuda", "bf16"), ("rms_norm", "cuda", None)):
         assert len(reg.ops[key]) == 2 and reg.ops[key][0].priority > reg.ops[key][1].priority
 
@@ -223,3 +223,37 @@ def test_gemm_bf16_keeps_f32_accuracy(cp, gemv, T, N, K):
     hi, lo = gemv.bf16_split(cp.asarray(x))
     back = (hi.astype(cp.uint32) << 16).view(cp.float32) + (lo.astype(cp.uint32) << 16).view(cp.float32)
     close(back, x, 1e-5)
+
+
+
+# -- f32 and NVFP4 decode GEMVs -----------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 2, 4])
+def test_gemv_f32_against_numpy(cp, gemv, rows):
+    rng = np.random.default_rng(40 + rows)
+    for N, K in [(1000, 4100), (257, 132), (3, 4), (129, 2052)]:
+        w = rng.normal(size=(N, K)).astype(np.float32)
+        wd = cp.asarray(w)
+        for T in (1, 2, 3, 4):
+            x = rng.normal(size=(T, K)).astype(np.float32)
+            y = gemv.gemv32(cp.asarray(x), wd, out=poisoned(cp, T, N), rows=rows)
+            close(y, x.astype(np.float64) @ w.astype(np.float64).T)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 2, 4])
+def test_gemv_nvfp4_against_the_cpu_op(cp, gemv, gpu, cpu, rows):
+    """Random packed codes (every nibble, -0 included) and e4m3 block scales: the in-register dequantization
+    GEMV against the CPU backend's NVFP4 linear (which dequantizes the matrix, then multiplies)."""
+    rng = np.random.default_rng(70 + rows)
+    for N, K in [(1000, 4096), (257, 160), (3, 32), (129, 2080)]:
+        packed = rng.integers(0, 256, size=(N, K // 2), dtype=np.uint8)
+        scales = rng.uniform(0.25, 4.0, size=(N, K // 16)).astype(ml_dtypes.float8_e4m3fn)
+        scale = (scales, np.float32(0.37))
+        wc, wg = cpu.weight(packed, "nvfp4", "ram", scale=scale), gpu.weight(packed, "nvfp4", "vram", scale=scale)
+        for T in (1, 2, 3, 4):
+            x = rng.normal(size=(T, K)).astype(np.float32)
+            y = gemv.gemv_nvfp4(cp.asarray(x), wg.data, wg.scale.block, wg.scale.global_scale,
+                                out=poisoned(cp, T, N), rows=rows)
+            close(y, cpu.ops.linear(x, wc))
+        close(gpu.ops.linear(gpu.tensor(x[:1]), wg), cpu.ops.linear(x[:1], wc))  # through the registered op

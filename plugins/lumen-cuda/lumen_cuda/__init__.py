@@ -8,9 +8,11 @@ from lumen_core.ops import CONTRACT
 LINEAR_FORMATS = ("f32", "bf16", "f16", "fp8", "nvfp4")
 # Hand-written kernels (lumen_cuda.gemv, kernels/*.cu) registered above the CuPy ops; each falls back to the CuPy
 # op where it does not apply (GEMV: more than 4 tokens, or K not a multiple of 8 / 16). fp8: the GEMV for T <= 4,
-# else dequantize + cuBLAS; nvfp4: dequantize kernel + cuBLAS for every T (a fused GEMV comes later).
+# else dequantize + cuBLAS; nvfp4: the NVFP4 GEMV for T <= 4, else dequantize kernel + cuBLAS; f32: a GEMV for T <= 4
+# (cuBLAS cannot be captured in a CUDA graph), else cuBLAS.
 KERNEL_PRIORITY = 10
-KERNEL_OPS = (("linear", "linear_bf16", "bf16"), ("linear", "linear_f16", "f16"), ("linear", "linear_fp8", "fp8"),
+KERNEL_OPS = (("linear", "linear_f32", "f32"),
+              ("linear", "linear_bf16", "bf16"), ("linear", "linear_f16", "f16"), ("linear", "linear_fp8", "fp8"),
               ("linear", "linear_nvfp4", "nvfp4"), ("embedding", "embedding_fp8", "fp8"),
               ("embedding", "embedding_nvfp4", "nvfp4"), ("rms_norm", "rms_norm", None))
 

@@ -26,8 +26,8 @@ MAX_T = 4  # decode GEMV up to this many tokens; cuBLAS above
 WARPS = 4  # warps per block (GEMV_WARPS in the .cu files)
 # Rows per warp by format and T (index T - 1); 1, 2 and 4 are compiled. From the H200 sweep in docs/cuda.md:
 # 2-byte weights read best with 2 rows at T = 1 and 4 rows at T >= 2; fp8 with 4 rows.
-ROWS = {"bf16": (2, 4, 4, 4), "f16": (2, 4, 4, 4), "fp8": (4, 4, 4, 4)}
-ALIGN = {"bf16": 8, "f16": 8, "fp8": 16}  # K must be a multiple of this (one 16-byte load per lane per step)
+ROWS = {"bf16": (2, 4, 4, 4), "f16": (2, 4, 4, 4), "fp8": (4, 4, 4, 4), "f32": (2, 4, 4, 4), "nvfp4": (2, 4, 4, 4)}
+ALIGN = {"bf16": 8, "f16": 8, "fp8": 16, "f32": 4, "nvfp4": 32}  # K % this == 0: one 16-byte load per lane per step
 
 _FNS: dict[tuple[int, str, str], cp.RawKernel] = {}
 
@@ -84,6 +84,32 @@ def gemv16(x, w, fmt: str, out=None, rows: int | None = None):
     fn = _fn("gemv", f"gemv_{fmt}_x{_xname(x)}_t{T}_r{rows}")
     fn(((N + rows * WARPS - 1) // (rows * WARPS),), (WARPS * 32,), (w, x, y, np.int32(N), np.int32(K)))
     return y
+
+
+def gemv32(x, w, out=None, rows: int | None = None):
+    """y (T, N) f32 = x (T, K) f32 @ w.T for w (N, K) f32; 1 <= T <= 4, K % 4 == 0 (no cuBLAS: capturable)."""
+    if x.dtype == cp.uint16:
+        raise ValueError("this GEMV takes f32 activations, not bf16 bits")
+    x = _prep_x(x)
+    T, K = x.shape
+    N = w.shape[0]
+    assert w.shape == (N, K) and w.dtype == cp.float32 and gemv_supported("f32", w, T, K), (w.shape, x.shape)
+    rows = rows or ROWS["f32"][T - 1]
+    y = _out(out, T, N)
+    _fn("gemv", f"gemv_f32_xf32_t{T}_r{rows}")(((N + rows * WARPS - 1) // (rows * WARPS),), (WARPS * 32,),
+                                               (w, x, y, np.int32(N), np.int32(K)))
+    return y
+
+
+def linear_f32(x, w: Weight):  # x (..., K), w (N, K) f32 -> (..., N): the GEMV for T <= 4, else cuBLAS
+    K = w.shape[-1]
+    x2 = x.reshape(-1, K) if x.ndim != 2 else x
+    if isinstance(x, cp.ndarray) and w.data.dtype == cp.float32 and gemv_supported("f32", w.data, x2.shape[0], K):
+        y = gemv32(x2, w.data)
+        return y if x.ndim == 2 else y.reshape(*x.shape[:-1], y.shape[-1])
+    from . import ops
+
+    return ops.linear(x, w)
 
 
 def fp8_block(shape, scale, block=None) -> tuple[int, int, int]:
@@ -259,11 +285,33 @@ def dequantize_nvfp4(w: Weight):
     return nvfp4_dequantize(w.data, w.scale.block, w.scale.global_scale)
 
 
+def gemv_nvfp4(x, data, block, global_scale, out=None, rows: int | None = None):
+    """y (T, N) f32 = x (T, K) f32 @ W.T for an NVFP4 W: packed codes ``data`` (N, K/2), e4m3 ``block`` scales
+    (N, K/16), f32 ``global_scale``; dequantized in registers (kernels/gemv_nvfp4.cu); 1 <= T <= 4, K % 32 == 0."""
+    if x.dtype == cp.uint16:
+        raise ValueError("this GEMV takes f32 activations, not bf16 bits")
+    x = _prep_x(x)
+    T, K = x.shape
+    N = data.shape[0]
+    assert data.shape == (N, K // 2) and block.shape == (N, K // 16) and gemv_supported("nvfp4", data, T, K), (
+        data.shape, block.shape, x.shape)
+    rows = rows or ROWS["nvfp4"][T - 1]
+    y = _out(out, T, N)
+    _fn("gemv_nvfp4", f"gemv_nvfp4_t{T}_r{rows}")(((N + rows * WARPS - 1) // (rows * WARPS),), (WARPS * 32,),
+                                                  (data, cp.ascontiguousarray(block), x, y, np.int32(N),
+                                                   np.int32(K), np.float32(global_scale)))
+    return y
+
+
 def linear_nvfp4(x, w: Weight):  # x (..., K), w (N, K) NVFP4 -> (..., N) f32
-    """Dequantize a slab of rows at a time (kernels/nvfp4.cu), then cuBLAS SGEMM; every T (no fused GEMV yet)."""
+    """T <= 4: the NVFP4 GEMV (no cuBLAS: capturable); more tokens: dequantize a slab of rows at a time
+    (kernels/nvfp4.cu), then cuBLAS SGEMM."""
     N, K = w.shape
     x2 = x.reshape(-1, K) if x.ndim != 2 else x
     x2 = x2.astype(cp.float32, copy=False)
+    if gemv_supported("nvfp4", w.data, x2.shape[0], K):
+        y = gemv_nvfp4(x2, w.data, w.scale.block, w.scale.global_scale)
+        return y if x.ndim == 2 else y.reshape(*x.shape[:-1], N)
     step = max(1, NVFP4_SLAB // max(K, 1))
     if step >= N:
         y = cp.matmul(x2, dequantize_nvfp4(w).T)
@@ -306,6 +354,8 @@ _GROUPS: dict[tuple[int, ...], tuple] = {}  # id of each Weight -> (fused Weight
 def _linear_any(x, w: Weight):
     if w.format in ("bf16", "f16"):
         return _linear16(x, w)
+    if w.format == "f32":
+        return linear_f32(x, w)
     if w.format in ("fp8", "nvfp4"):
         return globals()[f"linear_{w.format}"](x, w)
     from . import ops

@@ -149,3 +149,76 @@ GEMV16_R(bf16, false, f32, false)
 GEMV16_R(bf16, false, bf16, true)
 GEMV16_R(f16, true, f32, false)
 GEMV16_R(f16, true, bf16, true)
+
+// f32 weights: the same layout with 4 weights per 16-byte load (K % 4 == 0), x f32. Used so that f32 checkpoints
+// decode without cuBLAS (which cannot be captured in a CUDA graph) at the same bandwidth.
+template <int T, int ROWS>
+__device__ __forceinline__ void gemv32(const float* __restrict__ W, const float* __restrict__ x,
+                                       float* __restrict__ y, int N, int K) {
+  const int lane = threadIdx.x & 31;
+  const int row0 = (blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5)) * ROWS;
+  if (row0 >= N) return;  // warp-uniform
+  float acc[T][ROWS];
+#pragma unroll
+  for (int t = 0; t < T; ++t)
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) acc[t][r] = 0.f;
+  const float* wrow[ROWS];
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) wrow[r] = W + (long long)min(row0 + r, N - 1) * K;
+  constexpr int STEP = 32 * 4;
+  for (int k0 = lane * 4; k0 < K; k0 += STEP * GEMV_U) {
+    uint4 wv[GEMV_U][ROWS];
+#pragma unroll
+    for (int u = 0; u < GEMV_U; ++u) {
+      const int k = k0 + u * STEP;
+#pragma unroll
+      for (int r = 0; r < ROWS; ++r) wv[u][r] = k < K ? ld_stream16(wrow[r] + k) : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int u = 0; u < GEMV_U; ++u) {
+      const int k = k0 + u * STEP;
+      if (k < K) {
+        float4 xv[T];
+#pragma unroll
+        for (int t = 0; t < T; ++t) xv[t] = __ldg(reinterpret_cast<const float4*>(x + (long long)t * K + k));
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) {
+          const float w0 = __uint_as_float(wv[u][r].x), w1 = __uint_as_float(wv[u][r].y);
+          const float w2 = __uint_as_float(wv[u][r].z), w3 = __uint_as_float(wv[u][r].w);
+#pragma unroll
+          for (int t = 0; t < T; ++t) {
+            acc[t][r] = fmaf(w0, xv[t].x, acc[t][r]);
+            acc[t][r] = fmaf(w1, xv[t].y, acc[t][r]);
+            acc[t][r] = fmaf(w2, xv[t].z, acc[t][r]);
+            acc[t][r] = fmaf(w3, xv[t].w, acc[t][r]);
+          }
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int t = 0; t < T; ++t)
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r)
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) acc[t][r] += __shfl_xor_sync(0xffffffffu, acc[t][r], off);
+  if (lane == 0) {
+#pragma unroll
+    for (int t = 0; t < T; ++t)
+#pragma unroll
+      for (int r = 0; r < ROWS; ++r)
+        if (row0 + r < N) y[(long long)t * N + row0 + r] = acc[t][r];
+  }
+}
+
+#define GEMV32(T, ROWS)                                                                                       \
+  extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                               \
+      gemv_f32_xf32_t##T##_r##ROWS(const float* __restrict__ W, const void* __restrict__ x,                    \
+                                   float* __restrict__ y, int N, int K) {                                      \
+    gemv32<T, ROWS>(W, static_cast<const float*>(x), y, N, K);                                                 \
+  }
+#define GEMV32_T(ROWS) GEMV32(1, ROWS) GEMV32(2, ROWS) GEMV32(3, ROWS) GEMV32(4, ROWS)
+GEMV32_T(1)
+GEMV32_T(2)
+GEMV32_T(4)
