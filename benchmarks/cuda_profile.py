@@ -19,16 +19,20 @@ def instrument(backend, records: list):
     """Replace every op the model will call on ``backend`` by one that records (name, start, end) events."""
     import cupy as cp
 
-    from lumen_core.ops import CONTRACT
+    from lumen_core.ops import CONTRACT, OPTIONAL
 
-    for name in CONTRACT:
+    for name in (*CONTRACT, *OPTIONAL):
         bound = getattr(backend.ops, name)
 
         def timed(*args, _bound=bound, _name=name, **kwargs):
             label = _name
+            T = args[0].shape[0] if args and getattr(args[0], "ndim", 0) > 1 else 1
             if _name == "linear":
                 w = args[1]
-                label = f"linear {w.format} {w.shape[0]}x{w.shape[1]} T={args[0].shape[0] if args[0].ndim > 1 else 1}"
+                label = f"linear {w.format} {w.shape[0]}x{w.shape[1]} T={T}"
+            elif _name == "linear_group":
+                ws = args[1]
+                label = f"linear_group {ws[0].format} {'+'.join(str(w.shape[0]) for w in ws)}x{ws[0].shape[1]} T={T}"
             e0, e1 = cp.cuda.Event(), cp.cuda.Event()
             e0.record()
             out = _bound(*args, **kwargs)
