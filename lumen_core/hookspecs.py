@@ -36,7 +36,11 @@ def register_quant_formats(register):
 
 @hookspec
 def register_chat_formats(register):
-    """Register chat formats: ``register(model_type, reasoning=..., tool_calls=...)``."""
+    """Register chat formats: ``register(model_type, format=lumen_core.chat.ChatFormat(...))``.
+
+    (``register(model_type, reasoning=..., tool_calls=..., thinking_kwarg=...)`` also works: the keywords
+    become a `ChatFormat`.) Model types without one get a plain format: no reasoning, no tool calls.
+    """
 
 
 @hookspec

@@ -9,3 +9,11 @@ def register_architectures(register):
         register(model_type, "lumen_models_gemma.gemma3:Gemma3")
     for model_type in ("gemma4", "gemma4_text"):
         register(model_type, "lumen_models_gemma.gemma4:Gemma4")
+
+
+@hookimpl
+def register_chat_formats(register):
+    from lumen_models_gemma.chat import GEMMA4
+
+    for model_type in ("gemma4", "gemma4_text"):
+        register(model_type, format=GEMMA4)

@@ -9,3 +9,11 @@ def register_architectures(register):
         register(model_type, "lumen_models_qwen.qwen3_5:Qwen3_5")
     for model_type in ("qwen3_5_moe", "qwen3_5_moe_text"):
         register(model_type, "lumen_models_qwen.qwen3_5_moe:Qwen3_5Moe")
+
+
+@hookimpl
+def register_chat_formats(register):
+    from lumen_models_qwen.chat import QWEN3_5
+
+    for model_type in ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"):
+        register(model_type, format=QWEN3_5)
