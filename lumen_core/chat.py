@@ -88,7 +88,8 @@ class ChatFormat:
     """How one model family writes reasoning and tool calls.
 
     ``thinking_kwarg`` is the chat-template variable that switches thinking (``enable_thinking``), and
-    ``thinking_default`` what the template does when it is not given.
+    ``thinking_default`` what the template does when it is not given. ``stop``: text that ends a reply besides
+    the end-of-turn token (Gemma 4 hands the turn to the tool with ``<|tool_response>``).
     """
 
     name: str
@@ -96,6 +97,7 @@ class ChatFormat:
     tool_calls: ToolCallSyntax | None = None
     thinking_kwarg: str | None = None
     thinking_default: bool = False
+    stop: tuple[str, ...] = ()
 
     @property
     def plain(self) -> bool:

@@ -161,6 +161,45 @@ class Engine:
         if tail:
             yield tail
 
+    # -- chat --------------------------------------------------------------------------------------------
+    def chat_format(self):
+        """The model family's chat format (reasoning and tool-call syntax; plain when none is registered)."""
+        from .chat import format_for
+
+        return format_for(get_registry(), self.arch.model_type or self.arch.config.get("model_type"))
+
+    def chat(self, messages: list[dict], tools: list[dict] | None = None, think: bool | None = None,
+             max_tokens: int | None = None, stop: list[str] | None = None, call_ids=None, **sampling):
+        """Answer a conversation, streamed as chat events: ``Reasoning``, ``Content`` and whole ``ToolCall``
+        events (lumen_core.chat), parsed with the model family's chat format. ``think`` switches the template's
+        thinking (an error on a template without the switch); the tags reach the parser because the reply is
+        decoded with its special tokens, and the format's own stop texts end the reply."""
+        from .chat import ChatStreamParser, prompt_ends_in_reasoning
+
+        fmt = self.chat_format()
+        kwargs = {}
+        if think is not None:
+            if not fmt.thinking_kwarg or fmt.thinking_kwarg not in str(self.tokenizer.chat_template or ""):
+                raise InputError("thinking on/off: this model's chat template has no thinking switch")
+            kwargs[fmt.thinking_kwarg] = think
+        prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools, **kwargs)
+        defaults = self.config.sampling_defaults()
+        max_tokens = defaults.get("max_tokens", 256) if max_tokens is None else max_tokens
+        stops = list(defaults.get("stop", []) if stop is None else stop)
+        parser = ChatStreamParser(fmt, tools, prompt_ends_in_reasoning(prompt, fmt), call_ids)
+        decoder = StreamDecoder(self.tokenizer, skip_special_tokens=False)
+        matcher = StopMatcher(stops + list(fmt.stop))
+        for tok in self.generate_tokens(self.encode(prompt), max_tokens, _params(defaults, sampling)):
+            text, stopped = matcher.push(decoder.push(tok))
+            yield from parser.push(text)
+            if stopped:
+                self.stats.finish_reason = "stop"
+                break
+        else:
+            text, stopped = matcher.push(decoder.flush())
+            yield from parser.push(text + ("" if stopped else matcher.flush()))
+        yield from parser.flush()
+
     # -- scoring -----------------------------------------------------------------------------------------
     def perplexity(self, text: str | list[int]) -> dict:
         """Mean negative log-likelihood (nats) of each token given the ones before it."""

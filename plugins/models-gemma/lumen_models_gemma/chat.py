@@ -151,4 +151,5 @@ GEMMA4 = ChatFormat(
     tool_calls=GemmaToolCalls(),
     thinking_kwarg="enable_thinking",
     thinking_default=False,
+    stop=("<|tool_response>",),
 )

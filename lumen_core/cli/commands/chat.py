@@ -1,0 +1,135 @@
+"""``lumen chat``: an interactive conversation in the terminal, through the model's chat template and format."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Annotated
+
+import typer
+
+from . import ConfigOpt
+
+Opt = typer.Option
+HELP = "commands: /reset (forget the conversation), /think on|off (thinking, where the template has it), /exit"
+
+
+def chat(
+    config: ConfigOpt,
+    system: Annotated[str | None, Opt("--system", help="System message at the start of the conversation.")] = None,
+    think: Annotated[bool | None, Opt("--think/--no-think",
+                                      help="Thinking on/off (templates with a switch; /think toggles it).")] = None,
+    max_tokens: Annotated[int | None, Opt("--max-tokens", "-n", min=1,
+                                          help="Most new tokens per reply (default: config, else 256).")] = None,
+    temperature: Annotated[float | None, Opt(help="0 = greedy (default: config, else 0).")] = None,
+    top_k: Annotated[int | None, Opt("--top-k", help="Keep the k most likely tokens (0 = off).")] = None,
+    top_p: Annotated[float | None, Opt("--top-p", help="Nucleus sampling mass (1 = off).")] = None,
+    min_p: Annotated[float | None, Opt("--min-p", help="Drop tokens below min-p × top probability.")] = None,
+    seed: Annotated[int | None, Opt(help="Random seed for sampling.")] = None,
+):
+    """Chat with the model in the terminal: type a message, Enter; the reply streams back.
+
+    Reasoning is shown apart from the answer (dimmed on a terminal), tool calls the model writes are printed
+    as JSON (nothing is executed). Commands: /reset, /think on|off, /exit (or Ctrl-D). The conversation is
+    kept until /reset or the end of the context.
+    """
+    from ...engine import load
+    from ...errors import InputError
+
+    engine = load(config)
+    if engine.tokenizer is None or not engine.tokenizer.chat_template:
+        raise InputError(f"{engine.config.model_path} has no chat template: use `lumen generate` for plain text")
+    fmt = engine.chat_format()
+    if think is not None and not fmt.thinking_kwarg:
+        raise InputError("--think/--no-think: this model's chat format has no thinking switch; drop the flag")
+    if temperature is None and "temperature" not in engine.config.sampling_defaults():
+        temperature = 0.0
+    sampling = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p, "seed": seed}
+    tty = sys.stdin.isatty()
+    start = [{"role": "system", "content": system}] if system else []
+    history = list(start)
+    typer.echo(f"lumen chat: {engine.config.model_path} ({fmt.name} format). {HELP}", err=True)
+    while True:
+        try:
+            line = input("you> " if tty else "")
+        except EOFError:
+            break
+        text = line.strip()
+        if not text:
+            continue
+        if text in ("/exit", "/quit"):
+            break
+        if text == "/reset":
+            history = list(start)
+            typer.echo("[conversation reset]", err=True)
+            continue
+        if text.startswith("/think"):
+            think = _toggle(text, think, fmt)
+            continue
+        if text.startswith("/"):
+            typer.echo(f"[unknown command {text.split()[0]}; {HELP}]", err=True)
+            continue
+        history.append({"role": "user", "content": text})
+        try:
+            reply = _answer(engine, history, think, max_tokens, sampling, tty)
+        except InputError as exc:  # e.g. the conversation outgrew the context
+            history.pop()
+            typer.echo(f"lumen: error: {exc}", err=True)
+            continue
+        history.append(reply)
+        typer.echo(f"[{engine.stats.summary()}]", err=True)
+
+
+def _toggle(text: str, think: bool | None, fmt) -> bool | None:
+    if not fmt.thinking_kwarg:
+        typer.echo("[this model's chat format has no thinking switch]", err=True)
+        return think
+    arg = text[len("/think"):].strip().lower()
+    if arg not in ("", "on", "off"):
+        typer.echo("[usage: /think on|off]", err=True)
+        return think
+    current = fmt.thinking_default if think is None else think
+    think = (not current) if arg == "" else arg == "on"
+    typer.echo(f"[thinking {'on' if think else 'off'}]", err=True)
+    return think
+
+
+def _answer(engine, history, think, max_tokens, sampling, tty) -> dict:
+    """Stream one reply to stdout; the assistant message to keep in the history."""
+    from ...chat import Content, Reasoning, ToolCall
+
+    dim, reset = ("\x1b[2m", "\x1b[0m") if tty else ("", "")
+    content, reasoning, calls, mode = [], [], [], None
+    for event in engine.chat(history, think=think, max_tokens=max_tokens, **sampling):
+        if isinstance(event, Reasoning):
+            if mode != "reasoning":
+                sys.stdout.write(f"{dim}[thinking] ")
+            mode = "reasoning"
+            reasoning.append(event.text)
+            sys.stdout.write(event.text)
+        elif isinstance(event, Content):
+            if mode == "reasoning":
+                sys.stdout.write(f"{reset}\n")
+            mode = "content"
+            content.append(event.text)
+            sys.stdout.write(event.text)
+        elif isinstance(event, ToolCall):
+            if mode == "reasoning":
+                sys.stdout.write(f"{reset}\n")
+            mode = "tool"
+            calls.append(event)
+            sys.stdout.write(f"\n[tool call] {event.name}({json.dumps(event.arguments, ensure_ascii=False)})\n")
+        sys.stdout.flush()
+    sys.stdout.write(f"{reset}\n" if mode == "reasoning" else "\n")
+    sys.stdout.flush()
+    message = {"role": "assistant", "content": "".join(content)}
+    if reasoning:
+        message["reasoning_content"] = "".join(reasoning)
+    if calls:
+        message["tool_calls"] = [{"id": c.id, "type": "function",
+                                  "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
+    return message
+
+
+def register(app: typer.Typer) -> None:
+    app.command("chat")(chat)
