@@ -48,3 +48,16 @@ def write_config(tmp_path):
         return path
 
     return write
+
+
+@pytest.fixture(scope="session")
+def cp():
+    """CuPy, for tests marked ``gpu``; skips where CuPy or a CUDA device is missing."""
+    cupy = pytest.importorskip("cupy")
+    try:
+        n = cupy.cuda.runtime.getDeviceCount()
+    except Exception:  # CuPy without a driver or device
+        n = 0
+    if n == 0:
+        pytest.skip("no CUDA device")
+    return cupy

@@ -14,6 +14,7 @@ import zlib
 
 import numpy as np
 import pytest
+from gpu_util import close, host
 
 pytest.importorskip("lumen_cuda")
 
@@ -21,36 +22,10 @@ STEPS = 5
 
 
 @pytest.fixture(scope="module")
-def cp():
-    cupy = pytest.importorskip("cupy")
-    try:
-        n = cupy.cuda.runtime.getDeviceCount()
-    except Exception:  # CuPy without a driver or device
-        n = 0
-    if n == 0:
-        pytest.skip("no CUDA device")
-    return cupy
-
-
-@pytest.fixture(scope="module")
 def mods(cp):
     from lumen_cuda import attention, decode, delta
 
     return attention, decode, delta
-
-
-def host(x):
-    return x.get() if hasattr(x, "get") else np.asarray(x)
-
-
-def close(got, want, tol=1e-5):
-    """Every element finite and max |got - want| <= tol × max(1, max |want|)."""
-    got, want = host(got).astype(np.float64), host(want).astype(np.float64)
-    assert got.shape == want.shape, (got.shape, want.shape)
-    assert np.isfinite(got).all(), "unwritten or non-finite outputs"
-    err, scale = np.abs(got - want).max(initial=0.0), max(1.0, np.abs(want).max(initial=0.0))
-    assert err <= tol * scale, f"max |Δ| {err:.3g} > {tol * scale:.3g}"
-    return err
 
 
 def strided(cp, rng, shape):

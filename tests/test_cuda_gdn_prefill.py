@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import zlib
 
+import gpu_util
 import numpy as np
 import pytest
 
@@ -18,36 +19,14 @@ TOL = 1e-4
 
 
 @pytest.fixture(scope="module")
-def cp():
-    cupy = pytest.importorskip("cupy")
-    try:
-        n = cupy.cuda.runtime.getDeviceCount()
-    except Exception:  # CuPy without a driver or device
-        n = 0
-    if n == 0:
-        pytest.skip("no CUDA device")
-    return cupy
-
-
-@pytest.fixture(scope="module")
 def mods(cp):
     from lumen_cuda import delta, gdn_prefill
 
     return delta, gdn_prefill
 
 
-def host(x):
-    return x.get() if hasattr(x, "get") else np.asarray(x)
-
-
 def close(got, want, tol=TOL):
-    """Every element finite and max |got - want| <= tol × max(1, max |want|)."""
-    got, want = host(got).astype(np.float64), host(want).astype(np.float64)
-    assert got.shape == want.shape, (got.shape, want.shape)
-    assert np.isfinite(got).all(), "unwritten or non-finite outputs"
-    err, scale = np.abs(got - want).max(initial=0.0), max(1.0, np.abs(want).max(initial=0.0))
-    assert err <= tol * scale, f"max |Δ| {err:.3g} > {tol * scale:.3g}"
-    return err
+    return gpu_util.close(got, want, tol)
 
 
 def strided(cp, rng, shape):

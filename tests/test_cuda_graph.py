@@ -41,18 +41,6 @@ MODELS = {  # name: (kind, overrides, prompt length); Gemma's sliding windows (8
 }
 
 
-@pytest.fixture(scope="module")
-def cp():
-    cupy = pytest.importorskip("cupy")
-    try:
-        n = cupy.cuda.runtime.getDeviceCount()
-    except Exception:  # CuPy without a driver or device
-        n = 0
-    if n == 0:
-        pytest.skip("no CUDA device")
-    return cupy
-
-
 def bf16_copy(src, dst):
     """The checkpoint at src with every floating tensor cast to bf16 (as a bf16 release is saved)."""
     from safetensors.torch import load_file, save_file

@@ -12,6 +12,7 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 import pytest
+from gpu_util import close
 
 from lumen_core.backend import Weight
 from lumen_core.plugins import get_registry
@@ -38,18 +39,6 @@ def test_kernel_ops_are_registered_above_the_cupy_ops():
 
 # -- fixtures and helpers --------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def cp():
-    cupy = pytest.importorskip("cupy")
-    try:
-        n = cupy.cuda.runtime.getDeviceCount()
-    except Exception:  # CuPy without a driver or device
-        n = 0
-    if n == 0:
-        pytest.skip("no CUDA device")
-    return cupy
-
-
-@pytest.fixture(scope="module")
 def gpu(cp):
     reg = get_registry()
     return reg.backend_class("cuda")("cuda:0", reg)
@@ -66,20 +55,6 @@ def gemv(cp):
     from lumen_cuda import gemv
 
     return gemv
-
-
-def host(x):
-    return x.get() if hasattr(x, "get") else np.asarray(x)
-
-
-def close(got, want, tol=1e-5):
-    """Every element written (finite) and max |got - want| <= tol × max(1, max |want|)."""
-    got, want = host(got).astype(np.float64), np.asarray(want, dtype=np.float64)
-    assert got.shape == want.shape, (got.shape, want.shape)
-    assert np.isfinite(got).all(), "unwritten (NaN-poisoned) or non-finite outputs"
-    err, scale = np.abs(got - want).max(initial=0.0), max(1.0, np.abs(want).max(initial=0.0))
-    assert err <= tol * scale, f"max |Δ| {err:.3g} > {tol * scale:.3g}"
-    return err
 
 
 def poisoned(cp, T, N):

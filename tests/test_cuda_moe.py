@@ -13,22 +13,11 @@ import sys
 import ml_dtypes
 import numpy as np
 import pytest
+from gpu_util import close, host
 
 from lumen_core.plugins import get_registry
 
 pytest.importorskip("lumen_cuda")
-
-
-@pytest.fixture(scope="module")
-def cp():
-    cupy = pytest.importorskip("cupy")
-    try:
-        n = cupy.cuda.runtime.getDeviceCount()
-    except Exception:  # CuPy without a driver or device
-        n = 0
-    if n == 0:
-        pytest.skip("no CUDA device")
-    return cupy
 
 
 @pytest.fixture(autouse=True)
@@ -58,20 +47,6 @@ def ops(cp):
     from lumen_cuda import ops
 
     return ops
-
-
-def host(x):
-    return x.get() if hasattr(x, "get") else np.asarray(x)
-
-
-def close(got, want, tol=1e-5):
-    """Every element written (finite) and max |got - want| <= tol x max(1, max |want|)."""
-    got, want = host(got).astype(np.float64), host(want).astype(np.float64)
-    assert got.shape == want.shape, (got.shape, want.shape)
-    assert np.isfinite(got).all(), "unwritten (NaN-poisoned) or non-finite outputs"
-    err, scale = np.abs(got - want).max(initial=0.0), max(1.0, np.abs(want).max(initial=0.0))
-    assert err <= tol * scale, f"max |d| {err:.3g} > {tol * scale:.3g}"
-    return err
 
 
 def matrix(gpu, rng, N, K, kind):

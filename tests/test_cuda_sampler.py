@@ -33,18 +33,6 @@ PARAMS = {
 
 # -- fixtures and helpers --------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def cp():
-    cupy = pytest.importorskip("cupy")
-    try:
-        n = cupy.cuda.runtime.getDeviceCount()
-    except Exception:  # CuPy without a driver or device
-        n = 0
-    if n == 0:
-        pytest.skip("no CUDA device")
-    return cupy
-
-
-@pytest.fixture(scope="module")
 def sampler(cp):
     from lumen_cuda import sampler
 
