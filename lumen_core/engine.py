@@ -146,7 +146,7 @@ class Engine:
         defaults = self.config.sampling_defaults()
         max_tokens = defaults.get("max_tokens", 256) if max_tokens is None else max_tokens
         stop = stop if stop is not None else defaults.get("stop", [])
-        params = _params(defaults, sampling)
+        params = sampling_params(defaults, sampling)
         ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         decoder, matcher = StreamDecoder(self.tokenizer), StopMatcher(stop)
         for tok in self.generate_tokens(ids, max_tokens, params):
@@ -189,7 +189,7 @@ class Engine:
         parser = ChatStreamParser(fmt, tools, prompt_ends_in_reasoning(prompt, fmt), call_ids)
         decoder = StreamDecoder(self.tokenizer, skip_special_tokens=False)
         matcher = StopMatcher(stops + list(fmt.stop))
-        for tok in self.generate_tokens(self.encode(prompt), max_tokens, _params(defaults, sampling)):
+        for tok in self.generate_tokens(self.encode(prompt), max_tokens, sampling_params(defaults, sampling)):
             text, stopped = matcher.push(decoder.push(tok))
             yield from parser.push(text)
             if stopped:
@@ -236,7 +236,8 @@ def _logsumexp(x):
     return m + np.log(np.exp(x - m[:, None]).sum(axis=-1))
 
 
-def _params(defaults: dict, overrides: dict) -> SamplingParams:
+def sampling_params(defaults: dict, overrides: dict) -> SamplingParams:
+    """The config's sampling defaults with a request's options on top (None = not given); unknown names raise."""
     names = ("temperature", "top_k", "top_p", "min_p", "seed", "repetition_penalty")
     unknown = set(overrides) - set(names)
     if unknown:

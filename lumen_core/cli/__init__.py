@@ -28,9 +28,9 @@ def _register_commands() -> None:
     if _registered:
         return
     _registered = True
-    from .commands import chat, generate, perplexity, plugins, quantize, show_plan, validate
+    from .commands import chat, generate, perplexity, plugins, quantize, serve, show_plan, validate
 
-    for module in (plugins, validate, show_plan, generate, chat, perplexity, quantize):
+    for module in (plugins, validate, show_plan, generate, chat, serve, perplexity, quantize):
         module.register(app)
     from ..plugins import get_plugin_manager
 

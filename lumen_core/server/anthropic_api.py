@@ -1,0 +1,468 @@
+"""The Anthropic-compatible routes: ``POST /v1/messages`` (whole or streamed) and ``/v1/messages/count_tokens``.
+
+An Anthropic request is turned into the OpenAI-style conversation the chat templates take, then answered with
+``Engine.chat`` on the shared ``Service`` worker. Mapping:
+
+* ``system`` (a string or text blocks) -> a ``system`` message.
+* user blocks: ``text`` -> user message text; ``tool_result`` -> a ``{"role": "tool"}`` message, in the order the
+  blocks come (Anthropic puts the results first, so they directly follow the assistant's tool calls);
+  ``is_error`` results are prefixed with ``Error:``. ``image`` / ``document`` blocks -> 400 (no vision).
+* assistant blocks: ``text`` -> content, ``thinking`` -> ``reasoning_content``, ``tool_use`` -> ``tool_calls``
+  (arguments as a dict, as the templates want); ``redacted_thinking`` is dropped.
+* ``tools`` -> OpenAI-style function tools. ``tool_choice``: ``auto`` and ``any`` pass every tool, ``tool`` passes
+  only the named one, ``none`` passes none. The model is never *forced* to call a tool (no constrained decoding):
+  ``any`` / ``tool`` only make the tools available.
+* ``thinking``: ``enabled`` / ``disabled`` switch the template's thinking (``enabled`` on a template without a
+  switch is a 400; ``disabled`` there is a no-op). Absent, ``adaptive`` or ``between_tools``: the template's
+  default. ``budget_tokens`` is accepted
+  but not enforced (``max_tokens`` bounds thinking and answer together).
+* ``stop_sequences`` are matched in this layer on the answer text (not inside thinking or tool calls), so the
+  matched string can be reported as ``stop_sequence``.
+* ``temperature``, ``top_p``, ``top_k`` -> sampling (anthropic SDK 2.x no longer has them as arguments: send them
+  with ``extra_body``); ``metadata``, ``service_tier`` and unknown fields are ignored.
+
+Not supported: images and documents (400), server tools (400), a final assistant message as a prefill (400).
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from contextlib import aclosing
+from typing import Any, Literal
+
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..chat import Content, Reasoning, ToolCall
+from ..errors import InputError
+from ..tokenizer import StopMatcher
+from .app import APIError
+from .service import Usage
+
+# --- request models (wrong types -> RequestValidationError -> 400 in Anthropic's shape) ---------------------
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class MessageParam(_Model):
+    role: Literal["user", "assistant"]
+    content: str | list[dict[str, Any]]
+
+
+class ToolParam(_Model):
+    name: str
+    description: str | None = None
+    input_schema: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
+    type: str | None = None
+
+
+class ToolChoice(_Model):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+
+
+class ThinkingParam(_Model):
+    type: Literal["enabled", "disabled", "adaptive", "between_tools"]
+    budget_tokens: int | None = Field(default=None, strict=True)
+
+
+class CountTokensRequest(_Model):
+    model: str
+    messages: list[MessageParam]
+    system: str | list[dict[str, Any]] | None = None
+    tools: list[ToolParam] | None = None
+    tool_choice: ToolChoice | None = None
+    thinking: ThinkingParam | None = None
+
+
+class MessagesRequest(CountTokensRequest):
+    max_tokens: int = Field(strict=True, ge=1)
+    stop_sequences: list[str] | None = None
+    temperature: float | None = Field(default=None, ge=0.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, strict=True, ge=0)
+    stream: bool = False
+    metadata: dict[str, Any] | None = None
+
+
+# --- conversion ---------------------------------------------------------------------------------------------
+
+_NO_VISION = "{kind} blocks are not supported (no vision): this server runs a text-only chat"
+
+
+def _bad(message: str) -> APIError:
+    return APIError(400, message, "invalid_request_error")
+
+
+def _block_text(block: dict, where: str) -> str:
+    kind = block.get("type")
+    if kind in ("image", "document"):
+        raise _bad(_NO_VISION.format(kind=kind) + f" ({where})")
+    if kind != "text":
+        raise _bad(f"{where}: unsupported content block type {kind!r} here")
+    text = block.get("text")
+    if not isinstance(text, str):
+        raise _bad(f"{where}: a text block needs a string 'text'")
+    return text
+
+
+def _system_text(system) -> str | None:
+    if system is None:
+        return None
+    if isinstance(system, str):
+        return system or None
+    return "\n".join(_block_text(b, f"system[{i}]") for i, b in enumerate(system)) or None
+
+
+def _tool_result_text(block: dict, where: str) -> str:
+    content = block.get("content", "")
+    if content is None:
+        content = ""
+    if isinstance(content, list):
+        content = "\n".join(_block_text(b, f"{where}.content[{i}]") for i, b in enumerate(content))
+    elif not isinstance(content, str):
+        raise _bad(f"{where}: tool_result content must be a string or a list of text blocks")
+    if block.get("is_error"):
+        content = "Error: " + content
+    return content
+
+
+def to_openai_messages(messages: list[MessageParam], system) -> list[dict]:
+    """Anthropic messages (+ system) -> the OpenAI-style list the chat templates render."""
+    out: list[dict] = []
+    sys_text = _system_text(system)
+    if sys_text is not None:
+        out.append({"role": "system", "content": sys_text})
+    if not messages:
+        raise _bad("messages: at least one message is required")
+    for m, msg in enumerate(messages):
+        where = f"messages[{m}]"
+        if msg.role == "assistant" and m == len(messages) - 1:
+            raise _bad(f"{where}: a final assistant message (a prefill to continue) is not supported; end the "
+                       "conversation with a user message")
+        if isinstance(msg.content, str):
+            out.append({"role": msg.role, "content": msg.content})
+            continue
+        if msg.role == "user":
+            texts: list[str] = []
+            for i, block in enumerate(msg.content):
+                if block.get("type") == "tool_result":
+                    if texts:
+                        out.append({"role": "user", "content": "\n".join(texts)})
+                        texts = []
+                    tool_id = block.get("tool_use_id")
+                    if not isinstance(tool_id, str):
+                        raise _bad(f"{where}.content[{i}]: a tool_result needs a string 'tool_use_id'")
+                    out.append({"role": "tool", "tool_call_id": tool_id,
+                                "content": _tool_result_text(block, f"{where}.content[{i}]")})
+                else:
+                    texts.append(_block_text(block, f"{where}.content[{i}]"))
+            if texts or not msg.content:
+                out.append({"role": "user", "content": "\n".join(texts)})
+            continue
+        texts, reasoning, calls = [], [], []
+        for i, block in enumerate(msg.content):
+            kind = block.get("type")
+            if kind == "thinking":
+                if not isinstance(block.get("thinking"), str):
+                    raise _bad(f"{where}.content[{i}]: a thinking block needs a string 'thinking'")
+                reasoning.append(block["thinking"])
+            elif kind == "redacted_thinking":
+                continue
+            elif kind == "tool_use":
+                name, args = block.get("name"), block.get("input", {})
+                if not isinstance(name, str) or not isinstance(args, dict):
+                    raise _bad(f"{where}.content[{i}]: a tool_use block needs a string 'name' and an object "
+                               "'input'")
+                calls.append({"id": str(block.get("id") or ""), "type": "function",
+                              "function": {"name": name, "arguments": args}})
+            else:
+                texts.append(_block_text(block, f"{where}.content[{i}]"))
+        turn: dict = {"role": "assistant", "content": "".join(texts)}
+        if reasoning:
+            turn["reasoning_content"] = "\n".join(reasoning)
+        if calls:
+            turn["tool_calls"] = calls
+        out.append(turn)
+    return out
+
+
+def to_openai_tools(tools: list[ToolParam] | None, choice: ToolChoice | None) -> list[dict] | None:
+    if not tools or (choice is not None and choice.type == "none"):
+        return None
+    out = []
+    for i, tool in enumerate(tools):
+        if tool.type not in (None, "custom"):
+            raise _bad(f"tools[{i}]: server tool {tool.type!r} is not supported; only custom tools "
+                       "(name, description, input_schema)")
+        fn = {"name": tool.name, "parameters": tool.input_schema}
+        if tool.description:
+            fn["description"] = tool.description
+        out.append({"type": "function", "function": fn})
+    if choice is not None and choice.type == "tool":
+        if not choice.name:
+            raise _bad("tool_choice: type 'tool' needs a 'name'")
+        out = [t for t in out if t["function"]["name"] == choice.name]
+        if not out:
+            raise _bad(f"tool_choice: no tool named {choice.name!r} in tools")
+    return out
+
+
+def _think(engine, thinking: ThinkingParam | None) -> bool | None:
+    """Anthropic's semantics: no ``thinking`` field means no thinking (off where the template has a switch);
+    adaptive / between_tools leave it to the template's default."""
+    fmt = engine.chat_format()
+    has_switch = bool(fmt.thinking_kwarg) and fmt.thinking_kwarg in str(engine.tokenizer.chat_template or "")
+    if thinking is not None and thinking.type in ("adaptive", "between_tools"):
+        return None
+    if thinking is None or thinking.type == "disabled":
+        return False if has_switch else None
+    if not has_switch:
+        raise _bad("thinking: this model's chat template has no thinking switch; leave 'thinking' out or disable it")
+    return True
+
+
+class _Prepared:
+    """A request rendered to its prompt: what generation and count_tokens need."""
+
+    def __init__(self, app: FastAPI, req: CountTokensRequest):
+        engine = app.state.engine
+        if engine.tokenizer is None or not getattr(engine.tokenizer, "chat_template", None):
+            raise _bad("this model has no chat template: /v1/messages needs one")
+        self.engine = engine
+        self.messages = to_openai_messages(req.messages, req.system)
+        self.tools = to_openai_tools(req.tools, req.tool_choice)
+        self.think = _think(engine, req.thinking)
+        kwargs = {}
+        if self.think is not None:
+            kwargs[engine.chat_format().thinking_kwarg] = self.think
+        try:
+            prompt = engine.tokenizer.apply_chat_template(self.messages, add_generation_prompt=True,
+                                                          tools=self.tools, **kwargs)
+            self.input_tokens = len(engine.encode(prompt))
+        except InputError as exc:
+            raise _bad(str(exc)) from exc
+        except Exception as exc:  # a template that refuses the conversation (raise_exception in jinja)
+            raise _bad(f"the chat template could not render this conversation: {exc}") from exc
+
+
+# --- generation ---------------------------------------------------------------------------------------------
+
+
+class _StopSequences(StopMatcher):
+    """StopMatcher that remembers which stop string matched."""
+
+    matched: str | None = None
+
+    def _first_stop(self):
+        hits = [(i, s) for s in self.stops if (i := self.held.find(s)) >= 0]
+        if not hits:
+            return None
+        i, self.matched = min(hits, key=lambda h: h[0])
+        return i
+
+
+def _tool_ids():
+    while True:
+        yield "toolu_" + secrets.token_hex(12)
+
+
+def _runner(prep: _Prepared, req: MessagesRequest, state: dict):
+    """The zero-arg generator function the Service runs on its worker: chat events, answer text cut at the
+    first stop sequence (``state["stop"]`` then names it)."""
+    sampling = {k: v for k, v in (("temperature", req.temperature), ("top_p", req.top_p), ("top_k", req.top_k))
+                if v is not None}
+    stops = [s for s in (req.stop_sequences or []) if s]
+
+    def run():
+        matcher = _StopSequences(stops)
+        for event in prep.engine.chat(prep.messages, tools=prep.tools, think=prep.think, max_tokens=req.max_tokens,
+                                      call_ids=_tool_ids(), **sampling):
+            if not stops:
+                yield event
+                continue
+            if isinstance(event, Content):
+                text, stopped = matcher.push(event.text)
+                if text:
+                    yield Content(text)
+                if stopped:
+                    state["stop"] = matcher.matched
+                    return
+                continue
+            held = matcher.flush()  # a stop cannot span a tool call or a thinking block
+            if held:
+                yield Content(held)
+            yield event
+        held = matcher.flush()
+        if held:
+            yield Content(held)
+
+    return run
+
+
+def _stop_reason(usage: Usage, state: dict, saw_tool: bool) -> str:
+    if state.get("stop") is not None:
+        return "stop_sequence"
+    if saw_tool:
+        return "tool_use"
+    if usage.finish_reason == "length":
+        return "max_tokens"
+    return "end_turn"
+
+
+def _message_id() -> str:
+    return "msg_" + secrets.token_hex(12)
+
+
+def _sse(event: str, data: dict) -> str:
+    return f"event: {event}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+def _start_block(event) -> dict:
+    if isinstance(event, Reasoning):
+        return {"type": "thinking", "thinking": "", "signature": ""}
+    if isinstance(event, ToolCall):
+        return {"type": "tool_use", "id": event.id, "name": event.name, "input": {}}
+    return {"type": "text", "text": ""}
+
+
+def _delta(event) -> dict:
+    if isinstance(event, Reasoning):
+        return {"type": "thinking_delta", "thinking": event.text}
+    if isinstance(event, ToolCall):
+        return {"type": "input_json_delta", "partial_json": event.arguments_json}
+    return {"type": "text_delta", "text": event.text}
+
+
+def _blocks(events: list) -> list[dict]:
+    """Events -> content blocks, consecutive text (or thinking) merged, in the order they came."""
+    blocks: list[dict] = []
+    for e in events:
+        if isinstance(e, ToolCall):
+            blocks.append({"type": "tool_use", "id": e.id, "name": e.name, "input": e.arguments})
+        elif isinstance(e, Reasoning):
+            if blocks and blocks[-1]["type"] == "thinking":
+                blocks[-1]["thinking"] += e.text
+            else:
+                blocks.append({"type": "thinking", "thinking": e.text, "signature": ""})
+        elif isinstance(e, Content):
+            if blocks and blocks[-1]["type"] == "text":
+                blocks[-1]["text"] += e.text
+            else:
+                blocks.append({"type": "text", "text": e.text})
+    return blocks
+
+
+class _StreamBlocks:
+    """Chat events -> content_block_start / _delta / _stop events: consecutive text (or thinking) shares a block,
+    each tool call is a block of its own whose one input_json_delta carries the whole input."""
+
+    def __init__(self):
+        self.index, self.open, self.saw_tool = -1, None, False
+
+    def push(self, event) -> list[str]:
+        kind = type(event)
+        if kind not in (Content, Reasoning, ToolCall):
+            return []
+        out = []
+        self.saw_tool |= kind is ToolCall
+        if self.open is not kind or kind is ToolCall:
+            out += self.close()
+            self.index += 1
+            self.open = kind
+            out.append(_sse("content_block_start", {"type": "content_block_start", "index": self.index,
+                                                    "content_block": _start_block(event)}))
+        out.append(_sse("content_block_delta", {"type": "content_block_delta", "index": self.index,
+                                                "delta": _delta(event)}))
+        return out
+
+    def close(self) -> list[str]:
+        if self.open is None:
+            return []
+        self.open = None
+        return [_sse("content_block_stop", {"type": "content_block_stop", "index": self.index})]
+
+
+async def _create(app: FastAPI, req: MessagesRequest, model: str):
+    prep = _Prepared(app, req)
+    try:
+        prep.engine.check_length(prep.input_tokens)
+    except InputError as exc:
+        raise _bad(str(exc)) from exc
+    usage, state = Usage(), {}
+    stream = app.state.service.stream(_runner(prep, req, state), usage)
+    msg_id = _message_id()
+
+    if not req.stream:
+        events = []
+        async with aclosing(stream) as it:
+            try:
+                async for event in it:
+                    events.append(event)
+            except InputError as exc:
+                raise _bad(str(exc)) from exc
+        saw_tool = any(isinstance(e, ToolCall) for e in events)
+        return JSONResponse({
+            "id": msg_id, "type": "message", "role": "assistant", "model": model, "content": _blocks(events),
+            "stop_reason": _stop_reason(usage, state, saw_tool), "stop_sequence": state.get("stop"),
+            "usage": {"input_tokens": prep.input_tokens, "output_tokens": usage.completion_tokens}})
+
+    # Wait for the first event before answering, so that errors raised before any output (a bad sampling value)
+    # still come back as an HTTP error rather than inside a 200 stream.
+    try:
+        first = [await stream.__anext__()]
+    except StopAsyncIteration:
+        first = []
+    except InputError as exc:
+        await stream.aclose()
+        raise _bad(str(exc)) from exc
+    except BaseException:
+        await stream.aclose()
+        raise
+
+    async def sse():
+        yield _sse("message_start", {"type": "message_start", "message": {
+            "id": msg_id, "type": "message", "role": "assistant", "model": model, "content": [],
+            "stop_reason": None, "stop_sequence": None,
+            "usage": {"input_tokens": prep.input_tokens, "output_tokens": 0}}})
+        yield _sse("ping", {"type": "ping"})
+        blocks = _StreamBlocks()
+        async with aclosing(stream) as it:
+            try:
+                for event in first:
+                    for chunk in blocks.push(event):
+                        yield chunk
+                async for event in it:
+                    for chunk in blocks.push(event):
+                        yield chunk
+            except Exception as exc:  # the headers are sent: Anthropic's in-stream error event
+                kind = "invalid_request_error" if isinstance(exc, InputError) else "api_error"
+                yield _sse("error", {"type": "error", "error": {"type": kind, "message": str(exc)}})
+                return
+        for chunk in blocks.close():
+            yield chunk
+        yield _sse("message_delta", {"type": "message_delta",
+                                     "delta": {"stop_reason": _stop_reason(usage, state, blocks.saw_tool),
+                                               "stop_sequence": state.get("stop")},
+                                     "usage": {"input_tokens": prep.input_tokens,
+                                               "output_tokens": usage.completion_tokens}})
+        yield _sse("message_stop", {"type": "message_stop"})
+
+    return StreamingResponse(sse(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def mount(app: FastAPI) -> None:
+    """Add the Anthropic routes to ``app`` (made by ``create_app``)."""
+
+    @app.post("/v1/messages")
+    async def messages(req: MessagesRequest):
+        return await _create(app, req, req.model)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(req: CountTokensRequest):
+        return {"input_tokens": _Prepared(app, req).input_tokens}

@@ -1,0 +1,114 @@
+"""The FastAPI application: auth, errors in each API's own shape, health, metrics, models; the OpenAI routes
+(``openai_api.py``) and the Anthropic routes (``anthropic_api.py``) are mounted here."""
+
+from __future__ import annotations
+
+import hmac
+import json
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .service import Service
+
+ANTHROPIC_PREFIX = "/v1/messages"
+
+
+class APIError(Exception):
+    """An error to return as JSON in the calling API's shape: ``status``, a message, an OpenAI/Anthropic type."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param = status, message, kind, param
+
+
+def error_response(request: Request, status: int, message: str, kind: str = "invalid_request_error",
+                   param: str | None = None) -> JSONResponse:
+    """OpenAI: {"error": {message, type, param, code}}; Anthropic: {"type": "error", "error": {type, message}}."""
+    if request.url.path.startswith(ANTHROPIC_PREFIX):
+        anthropic_kind = {401: "authentication_error", 404: "not_found_error", 413: "request_too_large",
+                          429: "rate_limit_error", 500: "api_error", 503: "overloaded_error"}.get(status, kind)
+        body = {"type": "error", "error": {"type": anthropic_kind, "message": message}}
+    else:
+        body = {"error": {"message": message, "type": kind, "param": param, "code": None}}
+    return JSONResponse(body, status_code=status)
+
+
+def create_app(engine, api_keys: list[str] | None = None, model_name: str | None = None) -> FastAPI:
+    """The app over a loaded Engine. ``api_keys``: when non-empty, every route but /health needs one of them as
+    ``Authorization: Bearer KEY`` or ``x-api-key: KEY`` (401 otherwise)."""
+    app = FastAPI(title="Lumen", description="OpenAI- and Anthropic-compatible API over one local model.")
+    service = Service(engine)
+    app.state.service = service
+    app.state.engine = engine
+    app.state.model_name = model_name or str(engine.config.model_path).rstrip("/").split("/")[-1]
+    keys = [k.encode() for k in (api_keys or [])]
+
+    @app.middleware("http")
+    async def auth_and_count(request: Request, call_next):
+        path = request.url.path
+        if keys and path != "/health":
+            given = request.headers.get("x-api-key") or ""
+            bearer = request.headers.get("authorization", "")
+            if bearer.lower().startswith("bearer "):
+                given = given or bearer[7:].strip()
+            if not any(hmac.compare_digest(given.encode(), k) for k in keys):
+                response = error_response(request, 401, "invalid or missing API key (Authorization: Bearer KEY or "
+                                          "x-api-key: KEY)", "authentication_error")
+                _count(service, path, 401)
+                return response
+        response = await call_next(request)
+        _count(service, path, response.status_code)
+        return response
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError):
+        return error_response(request, exc.status, exc.message, exc.kind, exc.param)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError):
+        parts = []
+        for err in exc.errors():
+            loc = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
+            parts.append(f"{loc or 'body'}: {err.get('msg')}")
+        return error_response(request, 400, "invalid request: " + "; ".join(parts))
+
+    @app.exception_handler(json.JSONDecodeError)
+    async def bad_json(request: Request, exc: json.JSONDecodeError):
+        return error_response(request, 400, f"the body is not valid JSON: {exc}")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return error_response(request, exc.status_code, str(exc.detail), kind)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception):  # never a bare 500 page
+        return error_response(request, 500, f"internal error: {type(exc).__name__}: {exc}", "api_error")
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "model": app.state.model_name, "queue_depth": service.queue_depth}
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(service.metrics.prometheus(service.queue_depth),
+                                 media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": app.state.model_name, "object": "model", "created": 0,
+                                            "owned_by": "lumen"}]}
+
+    from . import anthropic_api, openai_api
+
+    openai_api.mount(app)
+    anthropic_api.mount(app)
+    return app
+
+
+def _count(service: Service, path: str, status: int) -> None:
+    key = (path, status)
+    service.metrics.requests[key] = service.metrics.requests.get(key, 0) + 1

@@ -1,0 +1,501 @@
+"""The OpenAI-compatible routes: ``POST /v1/chat/completions`` and ``POST /v1/completions``.
+
+Requests are pydantic models that forbid unknown fields, so a misspelt or unsupported option is a 400, never
+silently dropped. A few fields OpenAI clients commonly send are declared and ignored because they change
+nothing about the reply (``user``, ``metadata``, ``store``, ``service_tier``, ``prompt_cache_key``,
+``safety_identifier``). Options this server cannot honour are refused with a 400 naming them: ``n`` other than
+1, ``logprobs``/``top_logprobs``, non-zero ``frequency_penalty``/``presence_penalty``, a non-empty
+``logit_bias``, a ``response_format`` other than ``text``, non-text content parts; for completions ``echo``,
+``suffix``, ``best_of`` > 1 and ``logprobs``.
+
+Behaviour worth knowing:
+
+* ``model`` is accepted whatever it names: the server has one model, and the responses report its id.
+* Sampling options left out take the model config's defaults (then the engine's); ``max_tokens`` /
+  ``max_completion_tokens`` likewise (both given: they must agree). Non-standard ``top_k``, ``min_p`` and
+  ``repetition_penalty`` are accepted too.
+* Thinking: ``reasoning_effort`` ``none``/``minimal`` switches the template's thinking off, ``low``/``medium``/
+  ``high`` on; the non-standard ``chat_template_kwargs: {"enable_thinking": bool}`` does the same (other keys
+  are refused; the two disagreeing is a 400). Left out, the template's default applies. A model whose template
+  has no thinking switch refuses either with a 400. The reply's reasoning comes back as ``reasoning_content``.
+* ``tool_choice``: ``auto`` (default) passes the tools; ``none`` renders the prompt without them; a named
+  function passes only that tool; ``required`` passes them all. Generation is not constrained: with
+  ``required`` or a named tool, a model that answers in text gets ``finish_reason`` ``stop``/``length`` (what
+  actually happened), not ``tool_calls``. ``parallel_tool_calls: false`` keeps only the first call.
+* ``finish_reason`` is ``tool_calls`` when the reply made calls, else ``length`` when ``max_tokens`` or the
+  context ran out, else ``stop``.
+* A prompt longer than the context (or a bad sampling value, or messages the chat template refuses) is a 400
+  before anything is queued, for streaming requests too, so a client never gets a broken stream for them.
+* Every generation runs through the shared `Service` queue; a streaming client that disconnects cancels its
+  generation (the next token is not computed).
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from collections.abc import AsyncIterator
+from typing import Any, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.concurrency import run_in_threadpool
+
+from ..chat import Content, Reasoning, ToolCall
+from ..engine import sampling_params
+from ..errors import InputError
+from .app import APIError
+from .service import Usage
+
+# --- request models ------------------------------------------------------------------------------------
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class _Loose(BaseModel):
+    # Parts of messages: clients echo back assistant messages as the SDK returned them (refusal, annotations,
+    # audio: null, ...), so unknown keys inside a message are ignored.
+    model_config = ConfigDict(extra="ignore")
+
+
+class ContentPart(_Loose):
+    type: str
+    text: str | None = None
+
+
+class FunctionCallIn(_Loose):
+    name: str
+    arguments: str | dict = "{}"
+
+
+class ToolCallIn(_Loose):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
+class Message(_Loose):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None  # an alias some clients use
+
+
+class FunctionDef(_Loose):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class StreamOptions(_Strict):
+    include_usage: bool | None = None
+    include_obfuscation: bool | None = None  # OpenAI's; nothing to obfuscate here
+
+
+class ResponseFormat(_Loose):
+    type: str
+
+
+class _Common(_Strict):
+    model: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    repetition_penalty: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    n: int | None = None
+    logit_bias: dict[str, float] | None = None
+    # Commonly sent, no effect on the reply: accepted and ignored.
+    user: str | None = None
+    metadata: dict[str, Any] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+
+
+class ChatRequest(_Common):
+    messages: list[Message] = Field(min_length=1)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    response_format: ResponseFormat | None = None
+    reasoning_effort: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    modalities: list[str] | None = None
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[Any]
+    echo: bool | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+    logprobs: int | None = None
+
+
+# --- shared helpers ------------------------------------------------------------------------------------
+
+
+def _refuse(condition: bool, param: str, message: str) -> None:
+    if condition:
+        raise APIError(400, message, param=param)
+
+
+def _common_checks(req: _Common) -> None:
+    _refuse(req.n not in (None, 1), "n", f"n={req.n} is not supported: this server returns exactly one choice")
+    for name in ("frequency_penalty", "presence_penalty"):
+        value = getattr(req, name)
+        _refuse(value not in (None, 0), name, f"{name}={value} is not supported (only 0); "
+                "repetition_penalty is available instead")
+    _refuse(bool(req.logit_bias), "logit_bias", "logit_bias is not supported")
+    _refuse(req.stream_options is not None and not req.stream, "stream_options",
+            "stream_options is only allowed with stream=true")
+
+
+def _stops(stop) -> list[str] | None:
+    if stop is None:
+        return None
+    stops = [stop] if isinstance(stop, str) else list(stop)
+    _refuse(any(s == "" for s in stops), "stop", "stop sequences must not be empty strings")
+    return stops
+
+
+def _sampling(engine, req: _Common) -> dict:
+    names = ("temperature", "top_k", "top_p", "min_p", "seed", "repetition_penalty")
+    sampling = {k: getattr(req, k) for k in names if getattr(req, k) is not None}
+    try:  # the worker would raise the same later; here it is a clean 400 before the queue (and the stream)
+        sampling_params(engine.config.sampling_defaults(), sampling).validate()
+    except InputError as exc:
+        raise APIError(400, str(exc)) from exc
+    return sampling
+
+
+def _include_usage(req: _Common) -> bool:
+    return bool(req.stream and req.stream_options and req.stream_options.include_usage)
+
+
+def _usage(usage: Usage) -> dict:
+    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+            "total_tokens": usage.prompt_tokens + usage.completion_tokens}
+
+
+def _finish(usage: Usage, calls: bool) -> str:
+    if calls:
+        return "tool_calls"
+    return "length" if usage.finish_reason == "length" else "stop"
+
+
+def _sse(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def _sse_error(exc: BaseException) -> str:
+    status = 400 if isinstance(exc, InputError) else 500
+    kind = "invalid_request_error" if status == 400 else "api_error"
+    message = str(exc) if status == 400 else f"internal error: {type(exc).__name__}: {exc}"
+    return _sse({"error": {"message": message, "type": kind, "param": None, "code": None}})
+
+
+async def _consume(request: Request, service, run, usage: Usage) -> list:
+    """All events of a non-streamed generation; a client that went away cancels it."""
+    events = []
+    stream = service.stream(run, usage)
+    try:
+        async for event in stream:
+            events.append(event)
+            if len(events) % 16 == 0 and await request.is_disconnected():
+                break
+    except InputError as exc:
+        raise APIError(400, str(exc)) from exc
+    finally:
+        await stream.aclose()
+    return events
+
+
+def _streaming(body: AsyncIterator[str]) -> StreamingResponse:
+    return StreamingResponse(body, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+# --- chat ----------------------------------------------------------------------------------------------
+
+
+def _text(content, where: str) -> str | None:
+    if content is None or isinstance(content, str):
+        return content
+    texts = []
+    for part in content:
+        _refuse(part.type != "text" or part.text is None, "messages",
+                f"{where}: content part type {part.type!r} is not supported (text parts only)")
+        texts.append(part.text)
+    return "\n".join(texts)
+
+
+def _messages(messages: list[Message]) -> list[dict]:
+    out = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role,
+                               "content": _text(m.content, where)}
+        if m.role == "assistant":
+            reasoning = m.reasoning_content if m.reasoning_content is not None else m.reasoning
+            if reasoning is not None:
+                msg["reasoning_content"] = reasoning
+            if m.tool_calls:
+                calls = []
+                for j, call in enumerate(m.tool_calls):
+                    args = call.function.arguments
+                    if isinstance(args, str):
+                        try:
+                            args = json.loads(args) if args.strip() else {}
+                        except ValueError as exc:
+                            raise APIError(400, f"{where}.tool_calls[{j}].function.arguments is not valid "
+                                           f"JSON: {exc}", param="messages") from exc
+                    _refuse(not isinstance(args, dict), "messages",
+                            f"{where}.tool_calls[{j}].function.arguments must be a JSON object")
+                    calls.append({"id": call.id, "type": "function",
+                                  "function": {"name": call.function.name, "arguments": args}})
+                msg["tool_calls"] = calls
+        elif m.tool_calls:
+            raise APIError(400, f"{where}: only assistant messages carry tool_calls", param="messages")
+        if m.role == "tool":
+            _refuse(msg["content"] is None, "messages", f"{where}: a tool message needs content")
+            if m.tool_call_id is not None:
+                msg["tool_call_id"] = m.tool_call_id
+            if m.name is not None:
+                msg["name"] = m.name
+        out.append(msg)
+    return out
+
+
+def _tools(req: ChatRequest) -> list[dict] | None:
+    tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+    choice = req.tool_choice
+    if choice == "none" or not tools:
+        if isinstance(choice, NamedToolChoice) or choice == "required":
+            raise APIError(400, "tool_choice 'required' or a named function needs tools", param="tool_choice")
+        return None
+    if isinstance(choice, NamedToolChoice):
+        picked = [t for t in tools if t["function"]["name"] == choice.function.name]
+        _refuse(not picked, "tool_choice", f"tool_choice names {choice.function.name!r}, which is not among "
+                f"the tools ({', '.join(t['function']['name'] for t in tools)})")
+        return picked
+    return tools
+
+
+def _think(engine, req: ChatRequest) -> bool | None:
+    think = None
+    if req.reasoning_effort is not None:
+        effort = req.reasoning_effort.lower()
+        _refuse(effort not in ("none", "minimal", "low", "medium", "high"), "reasoning_effort",
+                f"reasoning_effort={req.reasoning_effort!r}: expected none, minimal, low, medium or high")
+        think = effort not in ("none", "minimal")
+    kwargs = req.chat_template_kwargs or {}
+    unknown = sorted(set(kwargs) - {"enable_thinking"})
+    _refuse(bool(unknown), "chat_template_kwargs",
+            f"chat_template_kwargs {unknown} not supported (only enable_thinking)")
+    if "enable_thinking" in kwargs:
+        value = kwargs["enable_thinking"]
+        _refuse(not isinstance(value, bool), "chat_template_kwargs",
+                "chat_template_kwargs.enable_thinking must be true or false")
+        _refuse(think is not None and think != value, "chat_template_kwargs",
+                "chat_template_kwargs.enable_thinking disagrees with reasoning_effort")
+        think = value
+    return think
+
+
+def _prompt_tokens(engine, messages: list[dict], tools, think: bool | None) -> int:
+    """Render and measure the prompt as Engine.chat will; InputError (too long, template refusal) → 400."""
+    fmt = engine.chat_format()
+    kwargs = {}
+    if think is not None:
+        if not fmt.thinking_kwarg or fmt.thinking_kwarg not in str(engine.tokenizer.chat_template or ""):
+            raise InputError("thinking on/off: this model's chat template has no thinking switch")
+        kwargs[fmt.thinking_kwarg] = think
+    n = len(engine.encode(engine.chat_prompt(messages, tools=tools, **kwargs)))
+    engine.check_length(n)
+    return n
+
+
+async def chat_completions(req: ChatRequest, request: Request):
+    app = request.app
+    engine, service, model = app.state.engine, app.state.service, app.state.model_name
+    _common_checks(req)
+    _refuse(bool(req.logprobs) or bool(req.top_logprobs), "logprobs", "logprobs are not supported")
+    if req.response_format is not None and req.response_format.type != "text":
+        raise APIError(400, f"response_format {req.response_format.type!r} is not supported (only 'text')",
+                       param="response_format")
+    _refuse(req.modalities is not None and req.modalities != ["text"], "modalities",
+            "only the text modality is supported")
+    max_tokens = req.max_completion_tokens or req.max_tokens
+    _refuse(req.max_tokens is not None and req.max_completion_tokens is not None
+            and req.max_tokens != req.max_completion_tokens, "max_completion_tokens",
+            "max_tokens and max_completion_tokens disagree; send one")
+    sampling = _sampling(engine, req)
+    stop = _stops(req.stop)
+    messages, tools, think = _messages(req.messages), _tools(req), _think(engine, req)
+    try:
+        await run_in_threadpool(_prompt_tokens, engine, messages, tools, think)
+    except InputError as exc:
+        raise APIError(400, str(exc)) from exc
+    single_call = req.parallel_tool_calls is False
+
+    def run():
+        return engine.chat(messages, tools=tools, think=think, max_tokens=max_tokens, stop=stop, **sampling)
+
+    usage = Usage()
+    cid, created = "chatcmpl-" + secrets.token_hex(12), int(time.time())
+    if not req.stream:
+        events = await _consume(request, service, run, usage)
+        content = "".join(e.text for e in events if isinstance(e, Content))
+        reasoning = "".join(e.text for e in events if isinstance(e, Reasoning))
+        calls = [e for e in events if isinstance(e, ToolCall)][:1 if single_call else None]
+        message: dict[str, Any] = {"role": "assistant", "content": content if content or not calls else None,
+                                   "reasoning_content": reasoning or None}
+        if calls:
+            message["tool_calls"] = [{"id": c.id, "type": "function",
+                                      "function": {"name": c.name, "arguments": c.arguments_json}} for c in calls]
+        return JSONResponse({
+            "id": cid, "object": "chat.completion", "created": created, "model": model,
+            "choices": [{"index": 0, "message": message, "logprobs": None,
+                         "finish_reason": _finish(usage, bool(calls))}],
+            "usage": _usage(usage), "system_fingerprint": None})
+
+    include_usage = _include_usage(req)
+
+    def chunk(delta: dict, finish: str | None = None) -> str:
+        return _sse({"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
+                     "system_fingerprint": None,
+                     "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]})
+
+    async def body():
+        stream = service.stream(run, usage)
+        n_calls = 0
+        try:
+            yield chunk({"role": "assistant", "content": ""})
+            try:
+                async for event in stream:
+                    if isinstance(event, Content):
+                        yield chunk({"content": event.text})
+                    elif isinstance(event, Reasoning):
+                        yield chunk({"reasoning_content": event.text})
+                    elif isinstance(event, ToolCall) and not (single_call and n_calls):
+                        yield chunk({"tool_calls": [{"index": n_calls, "id": event.id, "type": "function",
+                                                     "function": {"name": event.name,
+                                                                  "arguments": event.arguments_json}}]})
+                        n_calls += 1
+            except Exception as exc:  # the status line is gone: report it in the stream, as OpenAI does
+                yield _sse_error(exc)
+                yield "data: [DONE]\n\n"
+                return
+            yield chunk({}, _finish(usage, n_calls > 0))
+            if include_usage:
+                yield _sse({"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
+                            "system_fingerprint": None, "choices": [], "usage": _usage(usage)})
+            yield "data: [DONE]\n\n"
+        finally:
+            await stream.aclose()  # a disconnected client: cancels the generation
+
+    return _streaming(body())
+
+
+# --- completions ---------------------------------------------------------------------------------------
+
+
+async def completions(req: CompletionRequest, request: Request):
+    app = request.app
+    engine, service, model = app.state.engine, app.state.service, app.state.model_name
+    _common_checks(req)
+    for name, bad in (("echo", bool(req.echo)), ("suffix", req.suffix is not None),
+                      ("best_of", req.best_of not in (None, 1)), ("logprobs", req.logprobs is not None)):
+        _refuse(bad, name, f"{name} is not supported")
+    prompt = req.prompt
+    if isinstance(prompt, list):
+        _refuse(len(prompt) != 1 or not isinstance(prompt[0], str), "prompt",
+                "prompt must be a string (or a list of exactly one string)")
+        prompt = prompt[0]
+    sampling = _sampling(engine, req)
+    stop = _stops(req.stop)
+
+    def measure() -> list[int]:
+        ids = engine.encode(prompt)
+        engine.check_length(len(ids))
+        return ids
+
+    try:
+        ids = await run_in_threadpool(measure)
+    except InputError as exc:
+        raise APIError(400, str(exc)) from exc
+
+    def run():
+        return engine.generate(ids, max_tokens=req.max_tokens, stop=stop, **sampling)
+
+    usage = Usage()
+    cid, created = "cmpl-" + secrets.token_hex(12), int(time.time())
+
+    def obj(text: str, finish: str | None) -> dict:
+        return {"id": cid, "object": "text_completion", "created": created, "model": model,
+                "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}
+
+    if not req.stream:
+        pieces = await _consume(request, service, run, usage)
+        return JSONResponse({**obj("".join(pieces), _finish(usage, False)), "usage": _usage(usage)})
+
+    include_usage = _include_usage(req)
+
+    async def body():
+        stream = service.stream(run, usage)
+        try:
+            try:
+                async for piece in stream:
+                    yield _sse(obj(piece, None))
+            except Exception as exc:
+                yield _sse_error(exc)
+                yield "data: [DONE]\n\n"
+                return
+            yield _sse(obj("", _finish(usage, False)))
+            if include_usage:
+                yield _sse({"id": cid, "object": "text_completion", "created": created, "model": model,
+                            "choices": [], "usage": _usage(usage)})
+            yield "data: [DONE]\n\n"
+        finally:
+            await stream.aclose()
+
+    return _streaming(body())
+
+
+def mount(app: FastAPI) -> None:
+    app.post("/v1/chat/completions")(chat_completions)
+    app.post("/v1/completions")(completions)
