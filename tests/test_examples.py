@@ -11,7 +11,8 @@ import lumen_core as lumen
 from lumen_core.config import load_config
 
 EXAMPLES = sorted((Path(__file__).resolve().parents[1] / "examples").glob("*.json"))
-KIND = {"tiny-qwen-cpu.json": "qwen3_5", "tiny-qwen-moe-cpu-mmap.json": "qwen3_5_moe"}
+KIND = {"tiny-qwen-cpu.json": "qwen3_5", "tiny-qwen-moe-cpu-mmap.json": "qwen3_5_moe",
+        "tiny-qwen-serve.json": "qwen3_5"}
 
 
 def test_there_are_examples():
@@ -41,3 +42,26 @@ def test_tiny_example_runs(name, tiny_checkpoint, write_config):
     ids = list(engine.generate_tokens(engine.encode("Hello"), max_tokens=4))
     assert len(ids) == engine.stats.generated_tokens - (engine.stats.finish_reason == "stop") >= 0
     assert engine.plan.context_size == raw["model"]["hidden-layers"]["kv-cache"]["context-size"]
+
+
+def test_serve_example_requires_its_api_key(tiny_checkpoint, write_config):
+    """`lumen serve --config examples/tiny-qwen-serve.json`: the server-parameters' key guards every route but
+    /health (the app as `lumen serve` builds it, driven in process)."""
+    from fastapi.testclient import TestClient
+
+    from lumen_core.server.app import create_app
+
+    raw = json.loads((EXAMPLES[0].parent / "tiny-qwen-serve.json").read_text())
+    raw["model"]["path"] = str(tiny_checkpoint("qwen3_5"))
+    engine = lumen.load(str(write_config(raw)), progress=False)
+    params = engine.config.server_parameters()
+    assert (params["host"], params["port"]) == ("127.0.0.1", 8000)
+    app = create_app(engine, params["api_keys"])
+    with TestClient(app) as http:
+        assert http.get("/health").status_code == 200
+        assert http.get("/v1/models").status_code == 401
+        assert http.get("/v1/models", headers={"Authorization": "Bearer change-me"}).status_code == 200
+        body = {"model": "m", "prompt": "Hi", "max_tokens": 3}
+        out = http.post("/v1/completions", json=body, headers={"x-api-key": "change-me"})
+        assert out.status_code == 200 and out.json()["usage"]["completion_tokens"] == 3
+    app.state.service.close()

@@ -64,3 +64,24 @@ def test_greedy_tokens_equal_transformers(engine, reference, prompt):
 def test_real_text(engine):
     text = "".join(engine.generate("The capital of France is", max_tokens=12, temperature=0))
     assert "capital" in text or "Paris" in text
+
+
+def test_real_model_through_the_openai_completions_api(engine):
+    """`lumen serve` over the real model: /v1/completions (whole and streamed) gives the engine's own greedy text."""
+    import openai
+    from server_util import Server
+
+    want = "".join(engine.generate("The capital of France is", max_tokens=12, temperature=0))
+    server = Server(engine, model_name="gemma-3-270m")
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        out = client.completions.create(model="gemma-3-270m", prompt="The capital of France is", max_tokens=12,
+                                        temperature=0)
+        assert out.choices[0].text == want
+        assert out.usage.completion_tokens == 12 and out.choices[0].finish_reason == "length"
+        streamed = "".join(c.choices[0].text for c in client.completions.create(
+            model="gemma-3-270m", prompt="The capital of France is", max_tokens=12, temperature=0, stream=True)
+            if c.choices)
+        assert streamed == want
+    finally:
+        server.stop()

@@ -230,6 +230,8 @@ def _error(response: httpx.Response, status: int = 400) -> str:
 def test_invalid_requests_are_400_in_anthropic_shape(server):
     url = server.url + "/v1/messages"
     assert "max_tokens" in _error(httpx.post(url, json={"model": "tiny", "messages": HI}))
+    assert "bogus_option" in _error(httpx.post(url, json={"model": "tiny", "max_tokens": 5, "messages": HI,
+                                                          "bogus_option": 1}))  # unknown: refused, not ignored
     assert "JSON" in _error(httpx.post(url, content=b'{"model": "tiny", "max_tokens": ',
                                        headers={"content-type": "application/json"}))
     assert "max_tokens" in _error(httpx.post(url, json={"model": "tiny", "max_tokens": "many", "messages": HI}))

@@ -13,13 +13,14 @@ An Anthropic request is turned into the OpenAI-style conversation the chat templ
   only the named one, ``none`` passes none. The model is never *forced* to call a tool (no constrained decoding):
   ``any`` / ``tool`` only make the tools available.
 * ``thinking``: ``enabled`` / ``disabled`` switch the template's thinking (``enabled`` on a template without a
-  switch is a 400; ``disabled`` there is a no-op). Absent, ``adaptive`` or ``between_tools``: the template's
-  default. ``budget_tokens`` is accepted
-  but not enforced (``max_tokens`` bounds thinking and answer together).
+  switch is a 400; ``disabled`` there is a no-op). Absent means off, as with Anthropic's API; ``adaptive`` or
+  ``between_tools``: the template's default. ``budget_tokens`` is accepted but not enforced (``max_tokens``
+  bounds thinking and answer together).
 * ``stop_sequences`` are matched in this layer on the answer text (not inside thinking or tool calls), so the
   matched string can be reported as ``stop_sequence``.
 * ``temperature``, ``top_p``, ``top_k`` -> sampling (anthropic SDK 2.x no longer has them as arguments: send them
-  with ``extra_body``); ``metadata``, ``service_tier`` and unknown fields are ignored.
+  with ``extra_body``); ``metadata``, ``service_tier``, ``cache_control`` are accepted and ignored (they change
+  nothing here); any other unknown top-level field is a 400 naming it.
 
 Not supported: images and documents (400), server tools (400), a final assistant message as a prefill (400).
 """
@@ -70,7 +71,11 @@ class ThinkingParam(_Model):
     budget_tokens: int | None = Field(default=None, strict=True)
 
 
-class CountTokensRequest(_Model):
+class CountTokensRequest(BaseModel):
+    """Top level: an unknown field is a 400 naming it (nothing silently ignored); per-block and per-tool extras
+    such as ``cache_control`` are allowed (they change nothing here)."""
+
+    model_config = ConfigDict(extra="forbid")
     model: str
     messages: list[MessageParam]
     system: str | list[dict[str, Any]] | None = None
@@ -86,7 +91,9 @@ class MessagesRequest(CountTokensRequest):
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, strict=True, ge=0)
     stream: bool = False
-    metadata: dict[str, Any] | None = None
+    metadata: dict[str, Any] | None = None  # ignored: user ids and tags change nothing about the reply
+    service_tier: str | None = None  # ignored: one local tier
+    cache_control: dict[str, Any] | None = None  # ignored: no prompt cache across requests yet
 
 
 # --- conversion ---------------------------------------------------------------------------------------------
