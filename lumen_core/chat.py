@@ -82,6 +82,11 @@ class ToolCallSyntax(Protocol):
 
     def parse(self, body: str, tools: list[dict] | None) -> list[tuple[str, dict]]: ...
 
+    def opener(self, name: str | None) -> str:
+        """The text that starts a call (to function ``name``, or to one the model picks): written after the prompt
+        to make the model call a tool (``tool_choice`` required / named)."""
+        ...
+
 
 @dataclass(frozen=True)
 class ChatFormat:

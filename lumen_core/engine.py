@@ -169,24 +169,19 @@ class Engine:
         return format_for(get_registry(), self.arch.model_type or self.arch.config.get("model_type"))
 
     def chat(self, messages: list[dict], tools: list[dict] | None = None, think: bool | None = None,
-             max_tokens: int | None = None, stop: list[str] | None = None, call_ids=None, **sampling):
+             max_tokens: int | None = None, stop: list[str] | None = None, call_ids=None,
+             force_tool: bool | str = False, **sampling):
         """Answer a conversation, streamed as chat events: ``Reasoning``, ``Content`` and whole ``ToolCall``
         events (lumen_core.chat), parsed with the model family's chat format. ``think`` switches the template's
         thinking (an error on a template without the switch); the tags reach the parser because the reply is
-        decoded with its special tokens, and the format's own stop texts end the reply."""
-        from .chat import ChatStreamParser, prompt_ends_in_reasoning
-
-        fmt = self.chat_format()
-        kwargs = {}
-        if think is not None:
-            if not fmt.thinking_kwarg or fmt.thinking_kwarg not in str(self.tokenizer.chat_template or ""):
-                raise InputError("thinking on/off: this model's chat template has no thinking switch")
-            kwargs[fmt.thinking_kwarg] = think
-        prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools, **kwargs)
+        decoded with its special tokens, and the format's own stop texts end the reply. ``force_tool``: True
+        makes the reply start with a tool call (``tool_choice`` required), a name with a call to that function:
+        the format's call opener is written after the prompt (closing an open reasoning block first)."""
+        prompt, fmt, parser, first = self.chat_prompt_and_parser(messages, tools, think, call_ids, force_tool)
+        yield from first
         defaults = self.config.sampling_defaults()
         max_tokens = defaults.get("max_tokens", 256) if max_tokens is None else max_tokens
         stops = list(defaults.get("stop", []) if stop is None else stop)
-        parser = ChatStreamParser(fmt, tools, prompt_ends_in_reasoning(prompt, fmt), call_ids)
         decoder = StreamDecoder(self.tokenizer, skip_special_tokens=False)
         matcher = StopMatcher(stops + list(fmt.stop))
         for tok in self.generate_tokens(self.encode(prompt), max_tokens, sampling_params(defaults, sampling)):
@@ -199,6 +194,32 @@ class Engine:
             text, stopped = matcher.push(decoder.flush())
             yield from parser.push(text + ("" if stopped else matcher.flush()))
         yield from parser.flush()
+
+    def chat_prompt_and_parser(self, messages: list[dict], tools: list[dict] | None = None,
+                               think: bool | None = None, call_ids=None, force_tool: bool | str = False):
+        """(prompt text, chat format, a parser primed for the reply, events already due): what ``chat`` generates
+        from. A forced tool call's opener is part of the prompt and already pushed into the parser."""
+        from .chat import ChatStreamParser, prompt_ends_in_reasoning
+
+        fmt = self.chat_format()
+        kwargs = {}
+        if think is not None:
+            if not fmt.thinking_kwarg or fmt.thinking_kwarg not in str(self.tokenizer.chat_template or ""):
+                raise InputError("thinking on/off: this model's chat template has no thinking switch")
+            kwargs[fmt.thinking_kwarg] = think
+        prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools, **kwargs)
+        in_reasoning = prompt_ends_in_reasoning(prompt, fmt)
+        parser = ChatStreamParser(fmt, tools, in_reasoning, call_ids)
+        if force_tool:
+            if fmt.tool_calls is None or not hasattr(fmt.tool_calls, "opener"):
+                raise InputError(f"a required tool call: the {fmt.name!r} chat format has no tool-call syntax")
+            if not tools:
+                raise InputError("a required tool call needs tools")
+            prefix = (fmt.reasoning.end + "\n\n" if in_reasoning else "") + fmt.tool_calls.opener(
+                force_tool if isinstance(force_tool, str) else None)
+            prompt += prefix
+            return prompt, fmt, parser, parser.push(prefix)  # (empty: the reasoning closes empty, the call is open)
+        return prompt, fmt, parser, []
 
     # -- scoring -----------------------------------------------------------------------------------------
     def perplexity(self, text: str | list[int]) -> dict:

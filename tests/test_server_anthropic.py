@@ -130,6 +130,16 @@ def test_tool_choice_none_and_tool(client, engine, monkeypatch):
                                tool_choice={"type": "tool", "name": "nope"})
 
 
+def test_tool_choice_tool_starts_the_reply_with_that_call(client, engine, monkeypatch):
+    prompts: list[str] = []
+    script(engine, monkeypatch, "<parameter=city>\nRome\n</parameter>\n</function>\n</tool_call>", prompts)
+    msg = client.messages.create(model="tiny", max_tokens=64, messages=HI, tools=WEATHER,
+                                 tool_choice={"type": "tool", "name": "get_weather"})
+    assert [b.type for b in msg.content] == ["tool_use"] and msg.stop_reason == "tool_use"
+    assert msg.content[0].name == "get_weather" and msg.content[0].input == {"city": "Rome"}
+    assert prompts[0].endswith("<tool_call>\n<function=get_weather>\n")
+
+
 def test_thinking_enabled_gives_a_thinking_block_then_text(client, engine, monkeypatch):
     prompts: list[str] = []
     script(engine, monkeypatch, "The user greets me.\n</think>\n\nHello!", prompts)

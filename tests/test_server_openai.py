@@ -140,8 +140,10 @@ def test_tool_choice_decides_which_tools_the_prompt_carries(client, engine, monk
 
     assert prompt_tokens(WEATHER + other, tool_choice="none") == rendered(None)
     assert prompt_tokens(WEATHER + other, tool_choice="auto") == rendered(WEATHER + other)
+    forced = engine.chat_prompt_and_parser(HELLO, other, None, None, "get_time")[0]
+    assert forced.endswith("</think>\n\n<tool_call>\n<function=get_time>\n")  # the named call is opened
     assert prompt_tokens(WEATHER + other, tool_choice={"type": "function", "function": {"name": "get_time"}}) \
-        == rendered(other)
+        == len(engine.encode(forced))
     # parallel_tool_calls=false keeps the first of two calls
     scripted(engine, monkeypatch, "</think><tool_call>\n<function=get_time>\n</function>\n</tool_call>\n"
              "<tool_call>\n<function=get_weather>\n<parameter=city>\nRome\n</parameter>\n</function>\n</tool_call>")
@@ -297,3 +299,18 @@ def test_a_client_leaving_mid_stream_cancels_and_the_server_carries_on(client, s
     after = client.chat.completions.create(**kw).choices[0].message
     assert (after.content, after.reasoning_content) == (before.content, before.reasoning_content)
     assert "lumen_queue_depth 0" in httpx.get(server.url + "/metrics").text
+
+
+def test_required_and_named_tool_choice_start_the_reply_with_a_call(client, engine, monkeypatch):
+    """The call opener is written after the prompt: the model continues inside the call."""
+    scripted(engine, monkeypatch, "<parameter=city>\nRome\n</parameter>\n</function>\n</tool_call>")
+    named = client.chat.completions.create(model="tiny", messages=HELLO, tools=WEATHER,
+                                           tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    (call,) = named.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Rome"}
+    assert named.choices[0].finish_reason == "tool_calls" and not named.choices[0].message.reasoning_content
+    scripted(engine, monkeypatch, "<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n</function>\n"
+             "</tool_call>")
+    required = client.chat.completions.create(model="tiny", messages=HELLO, tools=WEATHER, tool_choice="required")
+    (call,) = required.choices[0].message.tool_calls
+    assert json.loads(call.function.arguments) == {"city": "Oslo"}

@@ -9,9 +9,10 @@ An Anthropic request is turned into the OpenAI-style conversation the chat templ
   ``is_error`` results are prefixed with ``Error:``. ``image`` / ``document`` blocks -> 400 (no vision).
 * assistant blocks: ``text`` -> content, ``thinking`` -> ``reasoning_content``, ``tool_use`` -> ``tool_calls``
   (arguments as a dict, as the templates want); ``redacted_thinking`` is dropped.
-* ``tools`` -> OpenAI-style function tools. ``tool_choice``: ``auto`` and ``any`` pass every tool, ``tool`` passes
-  only the named one, ``none`` passes none. The model is never *forced* to call a tool (no constrained decoding):
-  ``any`` / ``tool`` only make the tools available.
+* ``tools`` -> OpenAI-style function tools. ``tool_choice``: ``auto`` passes every tool; ``any`` passes every tool
+  and starts the reply with a tool call; ``tool`` passes only the named one and starts the reply with a call to
+  it (the format's call opener written after the prompt: ``Engine.chat(force_tool=...)``); ``none`` passes none.
+  The arguments are not grammar-constrained.
 * ``thinking``: ``enabled`` / ``disabled`` switch the template's thinking (``enabled`` on a template without a
   switch is a 400; ``disabled`` there is a no-op). Absent means off, as with Anthropic's API; ``adaptive`` or
   ``between_tools``: the template's default. ``budget_tokens`` is accepted but not enforced (``max_tokens``
@@ -244,12 +245,11 @@ class _Prepared:
         self.messages = to_openai_messages(req.messages, req.system)
         self.tools = to_openai_tools(req.tools, req.tool_choice)
         self.think = _think(engine, req.thinking)
-        kwargs = {}
-        if self.think is not None:
-            kwargs[engine.chat_format().thinking_kwarg] = self.think
+        choice = req.tool_choice
+        self.force = (choice.name if choice is not None and choice.type == "tool" else
+                      bool(choice is not None and choice.type == "any" and self.tools))
         try:
-            prompt = engine.tokenizer.apply_chat_template(self.messages, add_generation_prompt=True,
-                                                          tools=self.tools, **kwargs)
+            prompt = engine.chat_prompt_and_parser(self.messages, self.tools, self.think, None, self.force)[0]
             self.input_tokens = len(engine.encode(prompt))
         except InputError as exc:
             raise _bad(str(exc)) from exc
@@ -288,7 +288,7 @@ def _runner(prep: _Prepared, req: MessagesRequest, state: dict):
     def run():
         matcher = _StopSequences(stops)
         for event in prep.engine.chat(prep.messages, tools=prep.tools, think=prep.think, max_tokens=req.max_tokens,
-                                      call_ids=_tool_ids(), **sampling):
+                                      call_ids=_tool_ids(), force_tool=prep.force, **sampling):
             if not stops:
                 yield event
                 continue

@@ -19,9 +19,10 @@ Behaviour worth knowing:
   are refused; the two disagreeing is a 400). Left out, the template's default applies. A model whose template
   has no thinking switch refuses either with a 400. The reply's reasoning comes back as ``reasoning_content``.
 * ``tool_choice``: ``auto`` (default) passes the tools; ``none`` renders the prompt without them; a named
-  function passes only that tool; ``required`` passes them all. Generation is not constrained: with
-  ``required`` or a named tool, a model that answers in text gets ``finish_reason`` ``stop``/``length`` (what
-  actually happened), not ``tool_calls``. ``parallel_tool_calls: false`` keeps only the first call.
+  function passes only that tool and starts the reply with a call to it; ``required`` passes them all and starts
+  the reply with a tool call (the format's call opener is written after the prompt, closing an open reasoning
+  block: ``Engine.chat(force_tool=...)``). The arguments are not grammar-constrained: a model that writes a
+  malformed call gets it back as content. ``parallel_tool_calls: false`` keeps only the first call.
 * ``finish_reason`` is ``tool_calls`` when the reply made calls, else ``length`` when ``max_tokens`` or the
   context ran out, else ``stop``.
 * A prompt longer than the context (or a bad sampling value, or messages the chat template refuses) is a 400
@@ -336,17 +337,20 @@ def _think(engine, req: ChatRequest) -> bool | None:
     return think
 
 
-def _prompt_tokens(engine, messages: list[dict], tools, think: bool | None) -> int:
+def _prompt_tokens(engine, messages, tools, think, force) -> int:
     """Render and measure the prompt as Engine.chat will; InputError (too long, template refusal) → 400."""
-    fmt = engine.chat_format()
-    kwargs = {}
-    if think is not None:
-        if not fmt.thinking_kwarg or fmt.thinking_kwarg not in str(engine.tokenizer.chat_template or ""):
-            raise InputError("thinking on/off: this model's chat template has no thinking switch")
-        kwargs[fmt.thinking_kwarg] = think
-    n = len(engine.encode(engine.chat_prompt(messages, tools=tools, **kwargs)))
+    prompt = engine.chat_prompt_and_parser(messages, tools, think, None, force)[0]
+    n = len(engine.encode(prompt))
     engine.check_length(n)
     return n
+
+
+def _force(req: ChatRequest) -> bool | str:
+    """tool_choice required → a tool call is forced; a named function → a call to it (the call's opener is
+    written after the prompt, so the model continues inside it)."""
+    if isinstance(req.tool_choice, NamedToolChoice):
+        return req.tool_choice.function.name
+    return req.tool_choice == "required"
 
 
 async def chat_completions(req: ChatRequest, request: Request):
@@ -365,15 +369,16 @@ async def chat_completions(req: ChatRequest, request: Request):
             "max_tokens and max_completion_tokens disagree; send one")
     sampling = _sampling(engine, req)
     stop = _stops(req.stop)
-    messages, tools, think = _messages(req.messages), _tools(req), _think(engine, req)
+    messages, tools, think, force = _messages(req.messages), _tools(req), _think(engine, req), _force(req)
     try:
-        await run_in_threadpool(_prompt_tokens, engine, messages, tools, think)
+        await run_in_threadpool(_prompt_tokens, engine, messages, tools, think, force)
     except InputError as exc:
         raise APIError(400, str(exc)) from exc
     single_call = req.parallel_tool_calls is False
 
     def run():
-        return engine.chat(messages, tools=tools, think=think, max_tokens=max_tokens, stop=stop, **sampling)
+        return engine.chat(messages, tools=tools, think=think, max_tokens=max_tokens, stop=stop, force_tool=force,
+                           **sampling)
 
     usage = Usage()
     cid, created = "chatcmpl-" + secrets.token_hex(12), int(time.time())

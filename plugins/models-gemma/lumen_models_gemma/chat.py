@@ -25,6 +25,9 @@ class GemmaToolCalls:
     start = "<|tool_call>"
     end = "<tool_call|>"
 
+    def opener(self, name: str | None) -> str:
+        return self.start + "call:" + (name or "")
+
     def parse(self, body: str, tools: list[dict] | None) -> list[tuple[str, dict]]:
         text = body.strip()
         if not text.startswith("call:"):

@@ -34,6 +34,9 @@ class QwenToolCalls:
     start = "<tool_call>"
     end = "</tool_call>"
 
+    def opener(self, name: str | None) -> str:
+        return self.start + "\n" + (f"<function={name}>\n" if name else "")
+
     def parse(self, body: str, tools: list[dict] | None) -> list[tuple[str, dict]]:
         text = body.strip()
         if text.startswith("{"):
