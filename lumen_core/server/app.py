@@ -106,9 +106,13 @@ def create_app(engine, api_keys: list[str] | None = None, model_name: str | None
 
     openai_api.mount(app)
     anthropic_api.mount(app)
+    service.routes = {getattr(r, "path", None) for r in app.routes} - {None}
     return app
 
 
 def _count(service: Service, path: str, status: int) -> None:
+    """Requests by route and status; paths that are no route count as "other" (bounded label values)."""
+    if path not in service.routes:
+        path = "other"
     key = (path, status)
     service.metrics.requests[key] = service.metrics.requests.get(key, 0) + 1

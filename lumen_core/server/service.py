@@ -67,6 +67,7 @@ class Service:
     def __init__(self, engine):
         self.engine = engine
         self.metrics = Metrics()
+        self.routes: set[str] = set()  # the app's route paths (metrics label values)
         self._jobs: queue.Queue[Job | None] = queue.Queue()
         self._depth = 0
         self._lock = threading.Lock()
