@@ -62,6 +62,7 @@ class Backend(ABC):
     name: str = ""
     stores: tuple[str, ...] = ()  # the weight stores this backend can compute from
     kv_types: tuple[str, ...] = ("f32",)  # KV-cache element types it can keep
+    kv_stores: tuple[str, ...] = ("ram",)  # memories it can keep a layer's KV cache in (kv-cache.store)
 
     def __init__(self, device: str, registry):
         self.device = device

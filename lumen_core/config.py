@@ -429,9 +429,7 @@ class Config:
         wanted = [("vision", "vision tower", "vision" in self.raw),
                   ("draft", "speculative decoding", "draft" in self.raw),
                   ("model.attention.compute-quantization", "fp8 attention",
-                   model.get("attention", {}).get("compute-quantization", "none") != "none"),
-                  ("model.hidden-layers.kv-cache.store", "kv-cache store",
-                   "store" in model.get("hidden-layers", {}).get("kv-cache", {}))]
+                   model.get("attention", {}).get("compute-quantization", "none") != "none")]
         return [(path, feature) for path, feature, on in wanted if on]
 
 

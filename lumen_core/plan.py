@@ -109,12 +109,6 @@ def check_features(config) -> None:
     for path, feature in config.requested_features():
         if feature in UNSUPPORTED:
             raise ConfigError(path, f"{feature}: not supported by this version of Lumen", UNSUPPORTED[feature])
-        if feature == "kv-cache store":
-            raise ConfigError(
-                path,
-                "a separate kv-cache store is not supported yet: the cache lives with its layer",
-                "remove 'store' from kv-cache",
-            )
 
 
 def check_placement(config, arch: Architecture, registry, components: list[Component]) -> dict:
@@ -140,6 +134,7 @@ def check_placement(config, arch: Architecture, registry, components: list[Compo
             )
         if comp[0] == "layer":
             _check_kv_types(config, cls)
+            _check_kv_store(config, cls, comp)
         placements[comp] = p
     return placements
 
@@ -154,6 +149,18 @@ def _check_kv_types(config, backend_cls) -> None:
                 f"backend {backend_cls.name!r} cannot keep a {value} KV cache",
                 f"use one of: {', '.join(supported)}",
             )
+
+
+def _check_kv_store(config, backend_cls, comp) -> None:
+    """``kv-cache.store`` must be a memory the layer's backend keeps caches in (the CPU: ram; cuda: vram)."""
+    store = config.kv_cache().store
+    if store is not None and store not in backend_cls.kv_stores:
+        raise ConfigError(
+            "model.hidden-layers.kv-cache.store",
+            f"{component_label(comp)} computes on backend {backend_cls.name!r}, which keeps its KV cache in "
+            f"{' or '.join(backend_cls.kv_stores)}; a KV cache in {store!r} there is not supported yet",
+            f"remove kv-cache.store, or set it to {backend_cls.kv_stores[0]!r}",
+        )
 
 
 def _check_device(registry, p, path: str) -> None:
@@ -196,8 +203,8 @@ def make_plan(config, arch: Architecture, ckpt, registry) -> tuple[Plan, dict]:
             cache = arch.cache_bytes(comp[1], context, kv_bytes)
             kv_fmt = kv.type_k if kv.type_k == kv.type_v else f"{kv.type_k}/{kv.type_v}"
             plan.entries.append(
-                PlanEntry(f"cache.layers.{comp[1]}", p.backend, p.device, "ram" if p.store == "mmap"
-                          else p.store, kv_fmt, cache, kind="cache")
+                PlanEntry(f"cache.layers.{comp[1]}", p.backend, p.device, kv.store or ("ram" if p.store == "mmap"
+                          else p.store), kv_fmt, cache, kind="cache")
             )
     plan.notes = _no_effect_notes(config, components)
     _fit(plan, registry, placements)

@@ -411,8 +411,7 @@ def test_requested_features():
            "vision": {}, "draft": {"model": {"path": "y"}, "num-draft-tokens": 3}}
     assert load_config(raw).requested_features() == [
         ("vision", "vision tower"), ("draft", "speculative decoding"),
-        ("model.attention.compute-quantization", "fp8 attention"),
-        ("model.hidden-layers.kv-cache.store", "kv-cache store")]
+        ("model.attention.compute-quantization", "fp8 attention")]
 
 
 # ---------------------------------------------------------------- config_from_path_or_model

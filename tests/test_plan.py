@@ -132,3 +132,13 @@ def test_experts_placement_on_a_dense_model_is_reported_not_silently_ignored(tin
     moe = lumen.load({"model": {"path": str(tiny_checkpoint("qwen3_5_moe")),
                                 "hidden-layers": {"experts": {"store": "mmap"}}}}, progress=False)
     assert moe.plan.notes == []
+
+
+def test_kv_cache_store_is_checked_against_each_layers_backend(tiny_checkpoint):
+    path = str(tiny_checkpoint("qwen3_5"))
+    ok = lumen.load({"model": {"path": path, "store": "mmap", "hidden-layers": {"kv-cache": {"store": "ram"}}}},
+                    progress=False)
+    assert {e.store for e in ok.plan.entries if e.kind == "cache"} == {"ram"}
+    with pytest.raises(ConfigError, match=r"layers\.0 computes on backend 'cpu'.*'vram' there is not supported") as err:
+        lumen.load({"model": {"path": path, "hidden-layers": {"kv-cache": {"store": "vram"}}}}, progress=False)
+    assert "kv-cache.store" in str(err.value)

@@ -43,6 +43,7 @@ class CUDABackend(Backend):
     name = "cuda"
     stores = ("vram",)  # streaming weights from host RAM ("ram") comes with the hand-written kernels
     kv_types = ("f32", "f16", "bf16")
+    kv_stores = ("vram",)  # a KV cache in host RAM for a GPU layer comes with issue 5
 
     @classmethod
     def devices(cls) -> list[DeviceInfo]:
