@@ -7,6 +7,7 @@ import threading
 import time
 
 import lumen_core as lumen
+from lumen_core.engine import Stats
 
 
 def load_tiny(path, context: int = 512):
@@ -41,3 +42,23 @@ class Server:
         self.server.should_exit = True
         self.thread.join(timeout=10)
         self.app.state.service.close()
+
+
+def script(engine, monkeypatch, reply: str, prompts: list | None = None):
+    """Make ``engine`` 'generate' exactly the tokens of ``reply`` (then an end-of-turn token when ``max_tokens``
+    leaves room), keeping ``engine.stats`` as the real loop does; each prompt is appended to ``prompts`` as text.
+    Servers run generation on a worker thread, which calls this same engine object."""
+    ids = engine.tokenizer.backend.encode(reply, add_special_tokens=False).ids
+
+    def fake(prompt_ids, max_tokens=256, params=None):
+        if prompts is not None:
+            prompts.append(engine.tokenizer.decode(list(prompt_ids), skip_special_tokens=False))
+        engine.stats = st = Stats(prompt_tokens=len(prompt_ids), finish_reason="length")
+        for tok in ids[:max_tokens]:
+            st.generated_tokens += 1
+            yield tok
+        if len(ids) < max_tokens:
+            st.generated_tokens += 1  # the end-of-turn token
+            st.finish_reason = "stop"
+
+    monkeypatch.setattr(engine, "generate_tokens", fake)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 
 import pytest
+from server_util import script
 
 import lumen_core as lumen
 from lumen_core.chat import Content, Reasoning, ToolCall, collect, parse, prompt_ends_in_reasoning, sequential_call_ids
@@ -37,20 +38,12 @@ def gemma4(tiny_checkpoint):
     return load(tiny_checkpoint("gemma4"))
 
 
-def scripted(engine, monkeypatch, reply: str):
-    """Make the engine 'generate' exactly the tokens of ``reply``."""
-    ids = engine.tokenizer.backend.encode(reply, add_special_tokens=False).ids
-
-    def fake(prompt_ids, max_tokens=256, params=None):
-        yield from ids[:max_tokens]
-
-    monkeypatch.setattr(engine, "generate_tokens", fake)
 
 
 def test_a_scripted_qwen_reply_becomes_reasoning_content_and_a_typed_tool_call(qwen, monkeypatch):
     reply = ("Paris is in France.\n</think>\n\nLet me check.\n<tool_call>\n<function=get_weather>\n"
              "<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>")
-    scripted(qwen, monkeypatch, reply)
+    script(qwen, monkeypatch, reply)
     events = list(qwen.chat([{"role": "user", "content": "Weather in Paris?"}], tools=WEATHER, think=True,
                             call_ids=sequential_call_ids()))
     content, reasoning, calls = collect(events)
@@ -62,7 +55,7 @@ def test_a_scripted_qwen_reply_becomes_reasoning_content_and_a_typed_tool_call(q
 def test_a_scripted_gemma4_reply_with_specials_kept_and_its_stop_text(gemma4, monkeypatch):
     reply = ('<|channel>thought\nThe user wants weather.<channel|>Checking.<|tool_call>call:get_weather'
              '{city:<|"|>Paris<|"|>,days:2}<tool_call|><|tool_response>ignored after the stop')
-    scripted(gemma4, monkeypatch, reply)
+    script(gemma4, monkeypatch, reply)
     events = list(gemma4.chat([{"role": "user", "content": "Weather?"}], tools=WEATHER, think=True,
                               call_ids=sequential_call_ids()))
     content, reasoning, calls = collect(events)

@@ -9,7 +9,7 @@ import time
 import anthropic
 import httpx
 import pytest
-from server_util import Server, load_tiny
+from server_util import Server, load_tiny, script
 
 from lumen_core.engine import Stats
 
@@ -36,22 +36,6 @@ def client(server):
     return anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0, timeout=30)
 
 
-def script(engine, monkeypatch, reply: str, prompts: list | None = None):
-    """Make the engine 'generate' exactly the tokens of ``reply`` (stats kept as the real loop keeps them)."""
-    ids = engine.tokenizer.backend.encode(reply, add_special_tokens=False).ids
-
-    def fake(prompt_ids, max_tokens=256, params=None):
-        if prompts is not None:
-            prompts.append(engine.tokenizer.decode(list(prompt_ids), skip_special_tokens=False))
-        engine.stats = st = Stats(prompt_tokens=len(prompt_ids), finish_reason="length")
-        for tok in ids[:max_tokens]:
-            st.generated_tokens += 1
-            yield tok
-        if len(ids) < max_tokens:
-            st.generated_tokens += 1  # the end-of-turn token
-            st.finish_reason = "stop"
-
-    monkeypatch.setattr(engine, "generate_tokens", fake)
 
 
 def text_of(message) -> str:

@@ -9,9 +9,7 @@ import json
 import anthropic
 import openai
 import pytest
-from server_util import Server, load_tiny
-
-from lumen_core.engine import Stats
+from server_util import Server, load_tiny, script
 
 WEATHER = [{"type": "function", "function": {
     "name": "get_weather", "description": "Weather for a city",
@@ -33,20 +31,10 @@ def server(engine):
     srv.stop()
 
 
-def scripted(engine, monkeypatch, reply: str):
-    ids = engine.tokenizer.backend.encode(reply, add_special_tokens=False).ids
-
-    def fake(prompt_ids, max_tokens=256, params=None):
-        engine.stats = st = Stats(prompt_tokens=len(prompt_ids), finish_reason="stop")
-        for tok in ids[:max_tokens]:
-            st.generated_tokens += 1
-            yield tok
-
-    monkeypatch.setattr(engine, "generate_tokens", fake)
 
 
 def test_openai_tool_call_and_reasoning_in_gemma4_syntax(server, engine, monkeypatch):
-    scripted(engine, monkeypatch, CALL)
+    script(engine, monkeypatch, CALL)
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
     messages = [{"role": "user", "content": "Weather in Paris?"}]
     r = client.chat.completions.create(model="g", messages=messages, tools=WEATHER, reasoning_effort="high")
@@ -56,7 +44,7 @@ def test_openai_tool_call_and_reasoning_in_gemma4_syntax(server, engine, monkeyp
     (call,) = msg.tool_calls
     assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris", "days": 3}
     # the result goes back through the Gemma 4 template; the model answers
-    scripted(engine, monkeypatch, "It is sunny in Paris.")
+    script(engine, monkeypatch, "It is sunny in Paris.")
     history = messages + [msg.model_dump(exclude_none=True),
                           {"role": "tool", "tool_call_id": call.id, "content": '{"sky": "sunny"}'}]
     r2 = client.chat.completions.create(model="g", messages=history, tools=WEATHER)
@@ -64,7 +52,7 @@ def test_openai_tool_call_and_reasoning_in_gemma4_syntax(server, engine, monkeyp
 
 
 def test_anthropic_tool_use_and_thinking_in_gemma4_syntax(server, engine, monkeypatch):
-    scripted(engine, monkeypatch, CALL)
+    script(engine, monkeypatch, CALL)
     client = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
     tools = [{"name": "get_weather", "description": "Weather for a city",
               "input_schema": WEATHER[0]["function"]["parameters"]}]

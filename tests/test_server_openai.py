@@ -15,9 +15,7 @@ import time
 import httpx
 import openai
 import pytest
-from server_util import Server, load_tiny
-
-from lumen_core.engine import Stats
+from server_util import Server, load_tiny, script
 
 CONTEXT = 2048
 WEATHER = [{"type": "function", "function": {
@@ -44,20 +42,6 @@ def client(server):
     return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
 
 
-def scripted(engine, monkeypatch, reply: str):
-    """Make the engine 'generate' exactly the tokens of ``reply`` (then end of turn), keeping its stats."""
-    ids = engine.tokenizer.backend.encode(reply, add_special_tokens=False).ids
-
-    def fake(prompt_ids, max_tokens=256, params=None):
-        engine.stats = st = Stats(prompt_tokens=len(prompt_ids), finish_reason="length")
-        for tok in ids[:max_tokens]:
-            st.generated_tokens += 1
-            yield tok
-        if len(ids) < max_tokens:
-            st.generated_tokens += 1  # the end-of-turn token
-            st.finish_reason = "stop"
-
-    monkeypatch.setattr(engine, "generate_tokens", fake)
 
 
 def stream_chat(client, **kw):
@@ -95,7 +79,7 @@ def test_streamed_chat_equals_the_whole_reply_for_greedy(client):
 
 
 def test_a_tool_call_round_trip(client, engine, monkeypatch):
-    scripted(engine, monkeypatch, "Checking the weather.\n</think>\n\n<tool_call>\n<function=get_weather>\n"
+    script(engine, monkeypatch, "Checking the weather.\n</think>\n\n<tool_call>\n<function=get_weather>\n"
              "<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>")
     messages = [{"role": "user", "content": "Weather in Paris?"}]
     r = client.chat.completions.create(model="tiny", messages=messages, tools=WEATHER)
@@ -114,7 +98,7 @@ def test_a_tool_call_round_trip(client, engine, monkeypatch):
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
     # The assistant turn (arguments as a JSON string) and the tool's result go back; the model answers.
-    scripted(engine, monkeypatch, "It is sunny.\n</think>\n\nSunny in Paris for 3 days.")
+    script(engine, monkeypatch, "It is sunny.\n</think>\n\nSunny in Paris for 3 days.")
     history = messages + [msg.model_dump(exclude_none=True),
                           {"role": "tool", "tool_call_id": call.id, "content": '{"sky": "sunny"}'}]
     r2 = client.chat.completions.create(model="tiny", messages=history, tools=WEATHER)
@@ -145,7 +129,7 @@ def test_tool_choice_decides_which_tools_the_prompt_carries(client, engine, monk
     assert prompt_tokens(WEATHER + other, tool_choice={"type": "function", "function": {"name": "get_time"}}) \
         == len(engine.encode(forced))
     # parallel_tool_calls=false keeps the first of two calls
-    scripted(engine, monkeypatch, "</think><tool_call>\n<function=get_time>\n</function>\n</tool_call>\n"
+    script(engine, monkeypatch, "</think><tool_call>\n<function=get_time>\n</function>\n</tool_call>\n"
              "<tool_call>\n<function=get_weather>\n<parameter=city>\nRome\n</parameter>\n</function>\n</tool_call>")
     both = client.chat.completions.create(model="tiny", messages=HELLO, tools=WEATHER + other)
     assert [c.function.name for c in both.choices[0].message.tool_calls] == ["get_time", "get_weather"]
@@ -156,7 +140,7 @@ def test_tool_choice_decides_which_tools_the_prompt_carries(client, engine, monk
 
 def test_reasoning_comes_back_separately_and_thinking_off_renders_another_prompt(client, engine, monkeypatch):
     with monkeypatch.context() as m:
-        scripted(engine, m, "First, think.</think>The answer is 4.")
+        script(engine, m, "First, think.</think>The answer is 4.")
         r = client.chat.completions.create(model="tiny", messages=HELLO)
         assert r.choices[0].message.reasoning_content == "First, think."
         assert r.choices[0].message.content == "The answer is 4."
@@ -184,7 +168,7 @@ def test_stop_sequences_and_max_tokens(client):
 
 
 def test_chat_stop_sequence_on_a_scripted_reply(client, engine, monkeypatch):
-    scripted(engine, monkeypatch, "</think>Hello world. END and more text")
+    script(engine, monkeypatch, "</think>Hello world. END and more text")
     r = client.chat.completions.create(model="tiny", messages=HELLO, stop="END")
     assert r.choices[0].message.content == "Hello world." and r.choices[0].finish_reason == "stop"
 
@@ -303,13 +287,13 @@ def test_a_client_leaving_mid_stream_cancels_and_the_server_carries_on(client, s
 
 def test_required_and_named_tool_choice_start_the_reply_with_a_call(client, engine, monkeypatch):
     """The call opener is written after the prompt: the model continues inside the call."""
-    scripted(engine, monkeypatch, "<parameter=city>\nRome\n</parameter>\n</function>\n</tool_call>")
+    script(engine, monkeypatch, "<parameter=city>\nRome\n</parameter>\n</function>\n</tool_call>")
     named = client.chat.completions.create(model="tiny", messages=HELLO, tools=WEATHER,
                                            tool_choice={"type": "function", "function": {"name": "get_weather"}})
     (call,) = named.choices[0].message.tool_calls
     assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Rome"}
     assert named.choices[0].finish_reason == "tool_calls" and not named.choices[0].message.reasoning_content
-    scripted(engine, monkeypatch, "<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n</function>\n"
+    script(engine, monkeypatch, "<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n</function>\n"
              "</tool_call>")
     required = client.chat.completions.create(model="tiny", messages=HELLO, tools=WEATHER, tool_choice="required")
     (call,) = required.choices[0].message.tool_calls
