@@ -39,9 +39,19 @@ def test_generate_chat_with_sampling_options(capsys, ckpt):
     code, out, err = run(capsys, "generate", "-c", str(ckpt), "--prompt", "Hi", "--chat", "--temperature", "0.7",
                          "--top-k", "20", "--top-p", "0.95", "--min-p", "0.05", "--seed", "1", "-n", "6")
     assert code == 0, err
-    code2, out2, _ = run(capsys, "generate", "-c", str(ckpt), "--prompt", "Hi", "--chat", "--temperature", "0.7",
-                         "--top-k", "20", "--top-p", "0.95", "--min-p", "0.05", "--seed", "1", "-n", "6")
-    assert out == out2
+    code2, out2, err2 = run(capsys, "generate", "-c", str(ckpt), "--prompt", "Hi", "--chat", "--temperature", "0.7",
+                            "--top-k", "20", "--top-p", "0.95", "--min-p", "0.05", "--seed", "1", "-n", "6")
+    # the same seed, the same reply: answer (stdout) and reasoning (stderr, before the timing line)
+    assert (out, err.splitlines()[:-1]) == (out2, err2.splitlines()[:-1])
+
+
+def test_generate_chat_parses_the_reply(capsys, ckpt):
+    """--chat --think: the Qwen template opens <think>, so the reply starts as reasoning, which goes to stderr;
+    no tag reaches stdout."""
+    code, out, err = run(capsys, "generate", "-c", str(ckpt), "--prompt", "Hi", "--chat", "--think", "-n", "12")
+    assert code == 0, err
+    assert "[thinking] " in err
+    assert "<think>" not in out and "</think>" not in out and "<tool_call>" not in out
 
 
 def test_generate_reads_prompt_from_file_and_stdin(capsys, ckpt, tmp_path, monkeypatch):

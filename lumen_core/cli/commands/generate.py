@@ -18,7 +18,8 @@ def generate(
     prompt_file: Annotated[str | None, Opt("--prompt-file", help="Read the prompt from a file.")] = None,
     max_tokens: Annotated[int | None, Opt("--max-tokens", "-n", min=1,
                                           help="Most new tokens (default: config, else 256).")] = None,
-    chat: Annotated[bool, Opt("--chat", help="Wrap the prompt as a user turn with the chat template.")] = False,
+    chat: Annotated[bool, Opt("--chat", help="Wrap the prompt as a user turn with the chat template; the reply "
+                                           "is parsed (reasoning to stderr, the answer to stdout).")] = False,
     system: Annotated[str | None, Opt("--system", help="System message (with --chat).")] = None,
     think: Annotated[bool | None, Opt("--think/--no-think",
                                       help="Chat templates with a thinking switch: turn it on/off.")] = None,
@@ -40,24 +41,53 @@ def generate(
 
     text = _read_prompt(prompt, prompt_file)
     engine = load(config)
+    if temperature is None and "temperature" not in engine.config.sampling_defaults():
+        temperature = 0.0
+    sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
     if chat:
         messages = ([{"role": "system", "content": system}] if system else []) + [
             {"role": "user", "content": text}]
-        kwargs = {} if think is None else {"enable_thinking": think}
         if think is not None and "enable_thinking" not in str(engine.tokenizer.chat_template or ""):
             raise InputError("--think/--no-think: this model's chat template has no thinking switch "
                              "(enable_thinking); drop the flag")
-        text = engine.chat_prompt(messages, **kwargs)
-    if temperature is None and "temperature" not in engine.config.sampling_defaults():
-        temperature = 0.0
-    for piece in engine.generate(text, max_tokens=max_tokens, stop=stop, temperature=temperature,
-                                 top_k=top_k, top_p=top_p, min_p=min_p, seed=seed):
-        sys.stdout.write(piece)
-        sys.stdout.flush()
+        _chat(engine, messages, think, max_tokens, stop, sampling)
+    else:
+        for piece in engine.generate(text, max_tokens=max_tokens, stop=stop, **sampling):
+            sys.stdout.write(piece)
+            sys.stdout.flush()
     sys.stdout.write("\n")
     sys.stdout.flush()  # the text ends before the timing line on a shared terminal
     if not quiet:
         typer.echo(f"[{engine.stats.summary()}]", err=True)
+
+
+def _chat(engine, messages, think, max_tokens, stop, sampling) -> None:
+    """The reply through the model's chat format: the answer to stdout; reasoning to stderr (so a pipe gets only
+    the answer); tool calls as one JSON line each on stdout."""
+    import json
+
+    from ...chat import Content, Reasoning, ToolCall
+
+    thinking = False
+    for event in engine.chat(messages, think=think, max_tokens=max_tokens, stop=stop, **sampling):
+        if isinstance(event, Reasoning):
+            if not thinking:
+                sys.stderr.write("[thinking] ")
+                thinking = True
+            sys.stderr.write(event.text)
+            sys.stderr.flush()
+            continue
+        if thinking:
+            sys.stderr.write("\n")
+            thinking = False
+        if isinstance(event, Content):
+            sys.stdout.write(event.text)
+        elif isinstance(event, ToolCall):
+            sys.stdout.write(json.dumps({"tool_call": {"name": event.name, "arguments": event.arguments}},
+                                        ensure_ascii=False) + "\n")
+        sys.stdout.flush()
+    if thinking:
+        sys.stderr.write("\n")
 
 
 def _read_prompt(prompt: str | None, prompt_file: str | None) -> str:
