@@ -249,3 +249,10 @@ def test_an_image_block_is_refused(client):
     with pytest.raises(anthropic.BadRequestError, match="no vision"):
         client.messages.create(model="tiny", max_tokens=5,
                                messages=[{"role": "user", "content": [image, {"type": "text", "text": "What?"}]}])
+
+
+def test_models_in_anthropic_shape(client):
+    assert [m.id for m in client.models.list()] == ["tiny"]
+    assert client.models.retrieve("tiny").type == "model"
+    with pytest.raises(anthropic.NotFoundError):
+        client.models.retrieve("claude-9")

@@ -52,8 +52,11 @@ def stream_chat(client, **kw):
     return content, reasoning, chunks
 
 
-def test_models_list(client):
+def test_models_list_and_retrieve(client):
     assert [m.id for m in client.models.list().data] == ["tiny"]
+    assert client.models.retrieve("tiny").id == "tiny"
+    with pytest.raises(openai.NotFoundError, match="not found"):
+        client.models.retrieve("gpt-9")
 
 
 def test_plain_chat_and_its_usage(client, engine):

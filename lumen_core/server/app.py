@@ -26,8 +26,9 @@ class APIError(Exception):
 
 def error_response(request: Request, status: int, message: str, kind: str = "invalid_request_error",
                    param: str | None = None) -> JSONResponse:
-    """OpenAI: {"error": {message, type, param, code}}; Anthropic: {"type": "error", "error": {type, message}}."""
-    if request.url.path.startswith(ANTHROPIC_PREFIX):
+    """OpenAI: {"error": {message, type, param, code}}; Anthropic (its routes, or a request from its SDK, which
+    sends ``anthropic-version``): {"type": "error", "error": {type, message}}."""
+    if request.url.path.startswith(ANTHROPIC_PREFIX) or request.headers.get("anthropic-version"):
         anthropic_kind = {401: "authentication_error", 404: "not_found_error", 413: "request_too_large",
                           429: "rate_limit_error", 500: "api_error", 503: "overloaded_error"}.get(status, kind)
         body = {"type": "error", "error": {"type": anthropic_kind, "message": message}}
@@ -97,10 +98,26 @@ def create_app(engine, api_keys: list[str] | None = None, model_name: str | None
         return PlainTextResponse(service.metrics.prometheus(service.queue_depth),
                                  media_type="text/plain; version=0.0.4")
 
+    def model_card(request: Request) -> dict:
+        if request.headers.get("anthropic-version"):  # the anthropic SDK's shape
+            return {"type": "model", "id": app.state.model_name, "display_name": app.state.model_name,
+                    "created_at": "1970-01-01T00:00:00Z"}
+        return {"id": app.state.model_name, "object": "model", "created": 0, "owned_by": "lumen"}
+
     @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [{"id": app.state.model_name, "object": "model", "created": 0,
-                                            "owned_by": "lumen"}]}
+    async def models(request: Request):
+        card = model_card(request)
+        if "type" in card:
+            return {"data": [card], "has_more": False, "first_id": card["id"], "last_id": card["id"]}
+        return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str, request: Request):
+        if model_id != app.state.model_name:
+            raise APIError(404, f"model {model_id!r} not found; this server serves {app.state.model_name!r}",
+                           "not_found_error" if request.headers.get("anthropic-version") else
+                           "invalid_request_error")
+        return model_card(request)
 
     from . import anthropic_api, openai_api
 
