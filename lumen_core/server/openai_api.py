@@ -44,7 +44,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
-from ..chat import Content, Reasoning, ToolCall
+from ..chat import Content, Reasoning, ToolCall, collect
 from ..engine import sampling_params
 from ..errors import InputError
 from .app import APIError
@@ -384,11 +384,10 @@ async def chat_completions(req: ChatRequest, request: Request):
     cid, created = "chatcmpl-" + secrets.token_hex(12), int(time.time())
     if not req.stream:
         events = await _consume(request, service, run, usage)
-        content = "".join(e.text for e in events if isinstance(e, Content))
-        reasoning = "".join(e.text for e in events if isinstance(e, Reasoning))
-        calls = [e for e in events if isinstance(e, ToolCall)][:1 if single_call else None]
+        content, reasoning, calls = collect(events)
+        calls = calls[:1 if single_call else None]
         message: dict[str, Any] = {"role": "assistant", "content": content if content or not calls else None,
-                                   "reasoning_content": reasoning or None}
+                                   "reasoning_content": reasoning}
         if calls:
             message["tool_calls"] = [{"id": c.id, "type": "function",
                                       "function": {"name": c.name, "arguments": c.arguments_json}} for c in calls]

@@ -96,35 +96,30 @@ def _toggle(text: str, think: bool | None, fmt) -> bool | None:
 
 def _answer(engine, history, think, max_tokens, sampling, tty) -> dict:
     """Stream one reply to stdout; the assistant message to keep in the history."""
-    from ...chat import Content, Reasoning, ToolCall
+    from ...chat import Reasoning, ToolCall, collect
 
     dim, reset = ("\x1b[2m", "\x1b[0m") if tty else ("", "")
-    content, reasoning, calls, mode = [], [], [], None
+    events, thinking = [], False
     for event in engine.chat(history, think=think, max_tokens=max_tokens, **sampling):
+        events.append(event)
         if isinstance(event, Reasoning):
-            if mode != "reasoning":
-                sys.stdout.write(f"{dim}[thinking] ")
-            mode = "reasoning"
-            reasoning.append(event.text)
-            sys.stdout.write(event.text)
-        elif isinstance(event, Content):
-            if mode == "reasoning":
-                sys.stdout.write(f"{reset}\n")
-            mode = "content"
-            content.append(event.text)
-            sys.stdout.write(event.text)
-        elif isinstance(event, ToolCall):
-            if mode == "reasoning":
-                sys.stdout.write(f"{reset}\n")
-            mode = "tool"
-            calls.append(event)
+            sys.stdout.write(("" if thinking else f"{dim}[thinking] ") + event.text)
+            thinking = True
+            continue
+        if thinking:
+            sys.stdout.write(f"{reset}\n")
+            thinking = False
+        if isinstance(event, ToolCall):
             sys.stdout.write(f"\n[tool call] {event.name}({json.dumps(event.arguments, ensure_ascii=False)})\n")
+        else:
+            sys.stdout.write(event.text)
         sys.stdout.flush()
-    sys.stdout.write(f"{reset}\n" if mode == "reasoning" else "\n")
+    sys.stdout.write(f"{reset}\n" if thinking else "\n")
     sys.stdout.flush()
-    message = {"role": "assistant", "content": "".join(content)}
+    content, reasoning, calls = collect(events)
+    message = {"role": "assistant", "content": content}
     if reasoning:
-        message["reasoning_content"] = "".join(reasoning)
+        message["reasoning_content"] = reasoning
     if calls:
         message["tool_calls"] = [{"id": c.id, "type": "function",
                                   "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
