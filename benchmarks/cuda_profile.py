@@ -5,7 +5,10 @@ the engine's decode loop (wall time per token: graph + sampling + the host round
     python benchmarks/cuda_profile.py CHECKPOINT_DIR [--prompt 512 --steps 64]
 
 Prints, per phase, the ops sorted by total time with their call counts, and the time no op accounts for (the
-architecture's own tensor arithmetic between ops: residual adds, reshapes that copy). Dev tool: needs cupy.
+architecture's own tensor arithmetic between ops: residual adds, reshapes that copy). With ``--trace`` (needs torch,
+whose profiler reads CUPTI for every kernel in the process, CuPy's and graph nodes included) it also prints, per
+kernel name, the GPU time per decode step inside the replayed graph and per prefill, and the idle time between
+kernels (launch gaps). Dev tool: needs cupy.
 """
 
 from __future__ import annotations
@@ -59,11 +62,54 @@ def report(title: str, records: list, e_start, e_end) -> None:
         print(f"| {label} | {n} | {t:.3f} | {t / total:.1%} |")
 
 
+def kernel_trace(title: str, run, per: int) -> None:
+    """Kernel-level timeline of ``run()`` through torch's profiler: per kernel name the calls and GPU time per
+    ``per`` repetitions, and the GPU's idle time between the first kernel's start and the last one's end."""
+    import cupy as cp
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.init()
+    cp.cuda.Device().synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+        cp.cuda.Device().synchronize()
+    spans = []
+    for e in prof.events():
+        if str(getattr(e, "device_type", "")).endswith("CUDA") and e.time_range.end > e.time_range.start:
+            if "memcpy" in e.name.lower() or "memset" in e.name.lower() or e.name.startswith("cuda"):
+                continue
+            spans.append((e.time_range.start, e.time_range.end, e.name))
+    if not spans:
+        print(f"\n## {title}: the profiler saw no kernels (CUPTI unavailable?)")
+        return
+    spans.sort()
+    busy, cur0, cur1 = 0.0, spans[0][0], spans[0][1]
+    for a, b, _ in spans[1:]:
+        if a > cur1:
+            busy += cur1 - cur0
+            cur0, cur1 = a, b
+        else:
+            cur1 = max(cur1, b)
+    busy += cur1 - cur0
+    span = spans[-1][1] - spans[0][0]
+    by = defaultdict(lambda: [0, 0.0])
+    for a, b, name in spans:
+        by[name[:70]][0] += 1
+        by[name[:70]][1] += b - a
+    print(f"\n## {title} (kernel trace): per repetition {span / per:.1f} us span, {busy / per:.1f} us with a "
+          f"kernel running, {(span - busy) / per:.1f} us idle; {len(spans) / per:.1f} kernels\n")
+    print("| kernel | calls | us | % of span |\n|---|---:|---:|---:|")
+    for name, (n, t) in sorted(by.items(), key=lambda kv: -kv[1][1])[:40]:
+        print(f"| {name} | {n / per:g} | {t / per:.1f} | {t / span:.1%} |")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("checkpoint")
     p.add_argument("--prompt", type=int, default=512)
     p.add_argument("--steps", type=int, default=64)
+    p.add_argument("--trace", action="store_true", help="kernel-level trace through torch's profiler")
     args = p.parse_args(argv)
     import cupy as cp
     import numpy as np
@@ -98,6 +144,16 @@ def main(argv=None):
               f"GPU; prefill {args.prompt} tokens {prefill_wall * 1e3:.1f} ms wall")
     else:
         print(f"decode: engine {wall * 1e3:.3f} ms/token wall (no graph); prefill {prefill_wall * 1e3:.1f} ms wall")
+    if args.trace:
+        if runner:
+            def replay(n=16):
+                with runner.stream:
+                    for _ in range(n):
+                        runner.graph.launch(runner.stream)
+
+            kernel_trace("decode graph replay", replay, 16)
+        tcache = engine.model.new_cache(ctx)
+        kernel_trace(f"prefill {args.prompt}", lambda: engine.model.forward(ids, tcache, host=False), 1)
 
     backend = next(iter({id(b): b for b in engine.backends.values()}.values()))
     records: list = []

@@ -11,7 +11,7 @@ Each raises ValueError naming what it does not support (the caller routes those 
 
 Launch configurations:
 - ``attention_decode``: ``attn_split_k<K>_v<V>`` grid (nsplit, Hkv, ceil(G / 8)), 128 threads, G = Hq / Hkv,
-  nsplit = ceil(ctx / chunk), chunk = ``split_chunk(ctx)`` (a power of two in 128..512); then ``attn_combine``
+  nsplit = ceil(ctx / chunk), chunk = ``split_chunk(ctx)`` (a power of two in 32..256); then ``attn_combine``
   grid (Hq,), 128 threads.
 - ``gated_delta_step``: ``gdn_step_r<RPT>`` grid (Hv, ceil(Dv / 32)), 256 threads, RPT = 4/8/16/32 for
   Dk <= 32/64/128/256.
@@ -57,10 +57,11 @@ def _f32(x, name: str):
 
 
 def split_chunk(ctx: int) -> int:
-    """Cache positions per attention split for a cache of ``ctx`` positions: ~64 splits per kv head, each of
-    128..512 positions (a power of two). Depends on the capacity only."""
-    want = max(1, -(-ctx // 64))
-    return min(512, max(128, 1 << (want - 1).bit_length()))
+    """Cache positions per attention split for a cache of ``ctx`` positions: ~128 splits per kv head, each of
+    32..256 positions (a power of two), so that even a short cache with 2 kv heads spreads over dozens of
+    blocks. Depends on the capacity only."""
+    want = max(1, -(-ctx // 128))
+    return min(256, max(32, 1 << (want - 1).bit_length()))
 
 
 # -- attention ----------------------------------------------------------------------------------------------------
@@ -125,9 +126,8 @@ def attention_decode(q, k, v, cache, pos, scale: float, window: int | None = Non
     o_part = cp.empty((nsplit, Hq, Dv), dtype=F32)
     ml_part = cp.empty((nsplit, Hq, 2), dtype=F32)
     out = cp.empty((1, Hq, Dv), dtype=F32)
-    R = ATTN_NT // (Dv // 4)
     gm = min(ATTN_GM, G)  # query heads per block
-    smem = 4 * gm * (max(D, R * Dv) + chunk)
+    smem = 4 * gm * (D + chunk + (ATTN_NT // 32) * 128)
     win = np.int32(window or 0)
     fn = _fn(ATTN_FILE, f"attn_split_k{_KV_NAMES[kc.dtype]}_v{_KV_NAMES[vc.dtype]}")
     fn((nsplit, Hkv, -(-G // ATTN_GM)), (ATTN_NT,),

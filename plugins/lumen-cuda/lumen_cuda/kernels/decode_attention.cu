@@ -14,21 +14,24 @@
 //      type as the CuPy op does.
 //   2. Positions outside [lo, pos] (lo = max(0, pos - window + 1), or 0) are skipped; a block with none writes
 //      max = -inf, sum = 0 and returns.
-//   3. Scores, one thread per key: (q . key) * scale, optionally tanh(s / softcap) * softcap, into shared memory.
+//   3. Scores: each warp takes 8 keys at a time with the head dim split over its lanes (4 elements a lane per
+//      128), the 8 keys x 8 heads partial dots reduced across the warp together; (q . key) * scale, optionally
+//      tanh(s / softcap) * softcap, into shared memory.
 //   4. Per head: max m and exp(s - m) (one warp per head), sum l.
-//   5. Values: threads cover (row r, 4 value columns c); each accumulates its keys r, r+R, ...; the R partials
-//      are summed in order through shared memory. o_part[s, hq] = sum_t exp(s_t - m) v_t (not normalised).
+//   5. Values, per slab of 128 columns (4 a lane): each warp accumulates its keys (8 rows loaded at a time),
+//      the 4 warp partials are summed in warp order through shared memory. o_part[s, hq] = sum_t exp(s_t - m)
+//      v_t (not normalised).
 // attn_combine: grid (Hq,), ATTN_NT threads: log-sum-exp over the splits that intersect [lo, pos] (read from
 //   pos, so idle splits are never read): out = sum_s e^(m_s - M) o_s / sum_s e^(m_s - M) l_s.
 //
-// Dynamic shared memory (floats): split: gm * max(D, R * Dv) + gm * chunk, gm = min(ATTN_GM, G),
-// R = ATTN_NT / (Dv / 4);
+// Dynamic shared memory (floats): split: gm * (D + chunk + 4 * 128), gm = min(ATTN_GM, G);
 // combine: nsplit.
 // No headers: compiles under NVRTC and nvcc alike (sm_90, sm_120a).
 
 #define ATTN_GM 8    // query heads per block
 #define ATTN_NT 128  // threads per block (both kernels)
-#define ATTN_U 4     // loads in flight per thread
+#define ATTN_NW (ATTN_NT / 32)
+#define ATTN_KU 8    // keys per warp step (ATTN_KU * ATTN_GM = 64 partial dots, reduced together)
 
 #define KV_F32 0
 #define KV_F16 1
@@ -89,6 +92,19 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
+// One step of a warp-wide reduction of 2 HALF values per lane: lanes with bit OFF set keep the upper half, the
+// others the lower, each adding its partner's copy of the half it keeps.
+template <int HALF, int OFF>
+__device__ __forceinline__ void exchange_half(float* part, int lane) {
+  const bool upper = (lane & OFF) != 0;
+#pragma unroll
+  for (int j = 0; j < HALF; ++j) {
+    const float send = upper ? part[j] : part[j + HALF];
+    const float keep = upper ? part[j + HALF] : part[j];
+    part[j] = keep + __shfl_xor_sync(0xffffffffu, send, OFF);
+  }
+}
+
 template <int KT, int VT>
 __device__ __forceinline__ void attn_split(const float* __restrict__ q,     // (Hq, D)
                                            const float* __restrict__ kn,    // (Hkv, D) the new key
@@ -129,48 +145,56 @@ __device__ __forceinline__ void attn_split(const float* __restrict__ q,     // (
     return;  // block-uniform
   }
   const int n = b - a;
-  const int dv4 = Dv >> 2;
-  const int R = ATTN_NT / dv4;  // value rows (>= 1 since Dv <= 512)
   const int gm = min(ATTN_GM, G);  // heads per block as sized by the launcher
-  const int region = gm * max(D, R * Dv);
-  float* qs = smem;           // (ng, D) queries; later reused for the value partials (R, ATTN_GM, Dv)
-  float* sc = smem + region;  // (ng, chunk) scores, then probabilities
+  float* qs = smem;                // (gm, D) queries
+  float* sc = smem + gm * D;       // (gm, chunk) scores, then probabilities
+  float* red = sc + gm * chunk;    // (ATTN_NW, gm, 128) value partials of one column slab
 
   for (int i = tid; i < ng * D; i += ATTN_NT) qs[i] = q[(long long)hq0 * D + i];
   __syncthreads();
 
-  // 3. scores: one thread per key, ATTN_U 4-element loads in flight
-  for (int t = tid; t < n; t += ATTN_NT) {
-    float acc[ATTN_GM];
+  // 3. scores: each warp takes ATTN_KU keys at a time, lanes split the head dim (lane owns d = 4 lane + 128 i),
+  //    all ATTN_KU rows loaded before any FMA; the ATTN_KU x ATTN_GM partial dots are reduced across the warp by
+  //    a halving exchange (62 shuffles for 64 values), after which lane L holds values 2L and 2L + 1, i.e. key
+  //    u = L / 4 and heads 2 (L % 4) + {0, 1}.
+  for (int base = warp * ATTN_KU; base < n; base += ATTN_NW * ATTN_KU) {
+    float part[ATTN_KU * ATTN_GM];
 #pragma unroll
-    for (int g = 0; g < ATTN_GM; ++g) acc[g] = 0.f;
-    const long long row = ((long long)h * ctx + a + t) * D;
-    for (int d0 = 0; d0 < D; d0 += 4 * ATTN_U) {
-      float kv[ATTN_U][4];
+    for (int j = 0; j < ATTN_KU * ATTN_GM; ++j) part[j] = 0.f;
+    for (int d = 4 * lane; d < D; d += 128) {
+      float kv[ATTN_KU][4];
 #pragma unroll
-      for (int u = 0; u < ATTN_U; ++u)
-        if (d0 + 4 * u < D) load4<KT>(kc, row + d0 + 4 * u, kv[u]);
+      for (int u = 0; u < ATTN_KU; ++u) {
+        if (base + u < n) load4<KT>(kc, ((long long)h * ctx + a + base + u) * D + d, kv[u]);
+        else kv[u][0] = kv[u][1] = kv[u][2] = kv[u][3] = 0.f;
+      }
 #pragma unroll
-      for (int u = 0; u < ATTN_U; ++u) {
-        const int d = d0 + 4 * u;
-        if (d < D) {
+      for (int g = 0; g < ATTN_GM; ++g) {
+        if (g < ng) {
+          const float4 qv = *reinterpret_cast<const float4*>(qs + g * D + d);
 #pragma unroll
-          for (int g = 0; g < ATTN_GM; ++g) {
-            if (g < ng) {
-              const float4 qv = *reinterpret_cast<const float4*>(qs + g * D + d);
-              acc[g] = fmaf(qv.x, kv[u][0], acc[g]);
-              acc[g] = fmaf(qv.y, kv[u][1], acc[g]);
-              acc[g] = fmaf(qv.z, kv[u][2], acc[g]);
-              acc[g] = fmaf(qv.w, kv[u][3], acc[g]);
-            }
+          for (int u = 0; u < ATTN_KU; ++u) {
+            float v = part[u * ATTN_GM + g];
+            v = fmaf(qv.x, kv[u][0], v);
+            v = fmaf(qv.y, kv[u][1], v);
+            v = fmaf(qv.z, kv[u][2], v);
+            v = fmaf(qv.w, kv[u][3], v);
+            part[u * ATTN_GM + g] = v;
           }
         }
       }
     }
+    exchange_half<32, 16>(part, lane);
+    exchange_half<16, 8>(part, lane);
+    exchange_half<8, 4>(part, lane);
+    exchange_half<4, 2>(part, lane);
+    exchange_half<2, 1>(part, lane);
+    const int u = lane >> 2, t = base + u;
 #pragma unroll
-    for (int g = 0; g < ATTN_GM; ++g) {
-      if (g < ng) {
-        float v = acc[g] * scale;
+    for (int j = 0; j < 2; ++j) {
+      const int g = 2 * (lane & 3) + j;
+      if (g < ng && t < n) {
+        float v = part[j] * scale;
         if (softcap > 0.f) v = tanhf(v / softcap) * softcap;
         sc[g * chunk + t] = v;
       }
@@ -179,7 +203,7 @@ __device__ __forceinline__ void attn_split(const float* __restrict__ q,     // (
   __syncthreads();
 
   // 4. softmax pieces, one warp per head
-  for (int g = warp; g < ng; g += ATTN_NT / 32) {
+  for (int g = warp; g < ng; g += ATTN_NW) {
     float* row = sc + g * chunk;
     float m = neg_inf();
     for (int t = lane; t < n; t += 32) m = fmaxf(m, row[t]);
@@ -198,28 +222,31 @@ __device__ __forceinline__ void attn_split(const float* __restrict__ q,     // (
   }
   __syncthreads();
 
-  // 5. values: thread (r, c) sums keys r, r+R, ... for value columns 4c..4c+3
-  const int r = tid / dv4, c = tid - r * dv4;
-  float* red = qs;  // (R, gm, Dv); the queries are no longer needed
-  if (r < R) {
+  // 5. values, per slab of 128 columns (lane owns 4 of them): each warp sums its keys (ATTN_KU rows loaded
+  //    before the FMAs), then the ATTN_NW warp partials are added in warp order through shared memory.
+  for (int c0 = 0; c0 < Dv; c0 += 128) {
+    const int c = c0 + 4 * lane;
     float acc[ATTN_GM][4];
 #pragma unroll
     for (int g = 0; g < ATTN_GM; ++g) acc[g][0] = acc[g][1] = acc[g][2] = acc[g][3] = 0.f;
-    for (int t0 = r; t0 < n; t0 += R * ATTN_U) {
-      float vv[ATTN_U][4];
+    if (c < Dv) {
+      for (int base = warp * ATTN_KU; base < n; base += ATTN_NW * ATTN_KU) {
+        float vv[ATTN_KU][4];
 #pragma unroll
-      for (int u = 0; u < ATTN_U; ++u)
-        if (t0 + u * R < n) load4<VT>(vc, ((long long)h * ctx + a + t0 + u * R) * Dv + 4 * c, vv[u]);
+        for (int u = 0; u < ATTN_KU; ++u) {
+          if (base + u < n) load4<VT>(vc, ((long long)h * ctx + a + base + u) * Dv + c, vv[u]);
+          else vv[u][0] = vv[u][1] = vv[u][2] = vv[u][3] = 0.f;
+        }
 #pragma unroll
-      for (int u = 0; u < ATTN_U; ++u) {
-        const int t = t0 + u * R;
-        if (t < n) {
+        for (int u = 0; u < ATTN_KU; ++u) {
+          if (base + u < n) {
 #pragma unroll
-          for (int g = 0; g < ATTN_GM; ++g) {
-            if (g < ng) {
-              const float p = sc[g * chunk + t];
+            for (int g = 0; g < ATTN_GM; ++g) {
+              if (g < ng) {
+                const float p = sc[g * chunk + base + u];
 #pragma unroll
-              for (int i = 0; i < 4; ++i) acc[g][i] = fmaf(p, vv[u][i], acc[g][i]);
+                for (int i = 0; i < 4; ++i) acc[g][i] = fmaf(p, vv[u][i], acc[g][i]);
+              }
             }
           }
         }
@@ -228,15 +255,20 @@ __device__ __forceinline__ void attn_split(const float* __restrict__ q,     // (
 #pragma unroll
     for (int g = 0; g < ATTN_GM; ++g)
       if (g < ng)
-        *reinterpret_cast<float4*>(red + (r * gm + g) * Dv + 4 * c) =
+        *reinterpret_cast<float4*>(red + (warp * gm + g) * 128 + 4 * lane) =
             make_float4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]);
-  }
-  __syncthreads();
-  for (int i = tid; i < ng * Dv; i += ATTN_NT) {
-    const int g = i / Dv, j = i - g * Dv;
-    float acc = 0.f;
-    for (int rr = 0; rr < R; ++rr) acc += red[(rr * gm + g) * Dv + j];
-    o_part[((long long)s * Hq + hq0 + g) * Dv + j] = acc;
+    __syncthreads();
+    const int width = min(128, Dv - c0);
+    for (int i = tid; i < ng * 128; i += ATTN_NT) {
+      const int g = i >> 7, j = i & 127;
+      if (j < width) {
+        float v = 0.f;
+#pragma unroll
+        for (int w = 0; w < ATTN_NW; ++w) v += red[(w * gm + g) * 128 + j];
+        o_part[((long long)s * Hq + hq0 + g) * Dv + c0 + j] = v;
+      }
+    }
+    __syncthreads();  // red is rewritten by the next slab
   }
 }
 
@@ -289,9 +321,10 @@ extern "C" __global__ void __launch_bounds__(ATTN_NT)
   __syncthreads();
   for (int j = tid; j < Dv; j += ATTN_NT) {
     float acc = 0.f;
-    for (int s = s0; s <= s1; ++s) {
-      const float w = wts[s - s0];
-      if (w != 0.f) acc = fmaf(w, o_part[((long long)s * Hq + hq) * Dv + j], acc);
+#pragma unroll 8
+    for (int s = s0; s <= s1; ++s) {  // loads unconditional (every split in s0..s1 wrote its row): pipelined
+      const float w = wts[s - s0], o = o_part[((long long)s * Hq + hq) * Dv + j];
+      if (w != 0.f) acc = fmaf(w, o, acc);
     }
     out[(long long)hq * Dv + j] = acc;
   }
