@@ -194,6 +194,9 @@ def _gemms_bf16(y, parts, K: int, col0: int = 0, n: int | None = None):
     n = N - col0 if n is None else n
     one, zero = np.ones(1, np.float32), np.zeros(1, np.float32)
     handle = cp.cuda.device.get_cublas_handle()
+    # CuPy's shared handle keeps the stream its last user set: ours is the current one (where x's split and the
+    # weight's dequant_split ran), as CuPy's own cuBLAS calls do
+    cublas.setStream(handle, cp.cuda.get_current_stream().ptr)
     out = y.data.ptr + 4 * col0
     for i, (w, part) in enumerate(parts):
         # y^T (n, T) = w (n, K) . part^T (K, T); w's row-major bytes are w^T (K, n), ld K
