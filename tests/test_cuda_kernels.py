@@ -12,7 +12,7 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 import pytest
-from gpu_util import close
+from gpu_util import close, host
 
 from lumen_core.backend import Weight
 from lumen_core.plugins import get_registry
@@ -129,12 +129,12 @@ def test_gemv_fp8_per_channel_and_per_tensor_scales(cp, gemv, cpu, kind):
 @pytest.mark.gpu
 def test_linear_fp8_falls_back_above_four_tokens_and_on_unaligned_k(cp, gemv, cpu):
     rng = np.random.default_rng(12)
-    for N, K, T in [(200, 272, 7), (130, 40, 2), (130, 272, 1)]:  # T > 4; K % 16 != 0; the kernel
+    for N, K, T in [(200, 272, 7), (130, 40, 2), (130, 272, 1)]:  # T > 4 (gemm_split); K % 16 != 0; GEMV
         w8, scale = fp8_weight(rng, N, K)
         wc = cpu.weight(w8, "fp8", "ram", scale=scale)
         wg = Weight(cp.asarray(w8.view(np.uint8)), "fp8", (N, K), cp.asarray(scale), wc.block)
         x = rng.normal(size=(T, K)).astype(np.float32)
-        close(gemv.linear_fp8(cp.asarray(x), wg), cpu.ops.linear(x, wc))
+        close(gemv.linear_fp8(cp.asarray(x), wg), cpu.ops.linear(x, wc), 2e-5 if T > 4 else 1e-5)
     assert not gemv.gemv_supported("fp8", wg.data, 5, 272)
 
 
@@ -198,6 +198,123 @@ def test_gemm_bf16_keeps_f32_accuracy(cp, gemv, T, N, K):
     hi, lo = gemv.bf16_split(cp.asarray(x))
     back = (hi.astype(cp.uint32) << 16).view(cp.float32) + (lo.astype(cp.uint32) << 16).view(cp.float32)
     close(back, x, 1e-5)
+
+
+# -- prefill GEMM for fp8 / NVFP4 weights (dequantized into bf16 hi + lo, three bf16 GEMMs: gemv.gemm_split) ----
+SPLIT_SHAPES = [(300, 272), (257, 1040), (4096, 4096)]
+SPLIT_CASES = ["fp8-128x128", "fp8-32x32", "fp8-per-channel", "fp8-per-tensor", "nvfp4"]
+
+
+def quantized_case(cpu, gpu, rng, case, N, K):
+    """(CPU Weight, GPU Weight, the f32 matrix (N, K) the CPU backend dequantizes it to) for a SPLIT_CASES case."""
+    from lumen_cpu import nvfp4
+    from lumen_cpu.ops import dequantize
+
+    if case == "nvfp4":  # every nibble (-0 included), e4m3 block scales, a global scale
+        packed = rng.integers(0, 256, size=(N, K // 2), dtype=np.uint8)
+        scales = rng.uniform(0.25, 4.0, size=(N, K // 16)).astype(ml_dtypes.float8_e4m3fn)
+        scale = (scales, np.float32(0.37))
+        wc, wg = cpu.weight(packed, "nvfp4", "ram", scale=scale), gpu.weight(packed, "nvfp4", "vram", scale=scale)
+        return wc, wg, nvfp4.dequantize(wc)
+    w8 = (rng.normal(size=(N, K)) * 0.5).astype(ml_dtypes.float8_e4m3fn)
+    kind = case.removeprefix("fp8-")
+    if kind == "per-channel":
+        shape = (N, 1)
+    elif kind == "per-tensor":
+        shape = (1,)
+    else:
+        b = int(kind.split("x")[0])
+        shape = (-(-N // b), -(-K // b))
+    scale = rng.uniform(0.5, 2.0, size=shape).astype(np.float32)
+    wc, wg = cpu.weight(w8, "fp8", "ram", scale=scale), gpu.weight(w8, "fp8", "vram", scale=scale)
+    assert wg.block == wc.block == (None if len(shape) < 2 or shape[1] == 1 else (b, b))
+    return wc, wg, dequantize(wc)
+
+
+def split_rows(gemv, wg, row0, rows):
+    """(W_hi, W_lo) bf16 bits of rows row0 .. row0 + rows of a GPU Weight, from the dequant_split kernels."""
+    if wg.format == "nvfp4":
+        return gemv.nvfp4_split(wg.data, wg.scale.block, wg.scale.global_scale, row0, rows)
+    return gemv.fp8_split(wg.data, wg.scale, wg.block, row0, rows)
+
+
+def bf16_bits_to_f64(b):
+    return (host(b).astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+
+
+@pytest.fixture
+def no_f32_fallback(gemv, monkeypatch):
+    """Makes the old dequantize-to-f32 + SGEMM paths raise: a test using this runs the tensor-core path only."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the f32 dequantization fallback ran instead of gemm_split")
+
+    for name in ("dequantize_fp8", "dequantize_nvfp4", "nvfp4_dequantize"):
+        monkeypatch.setattr(gemv, name, refuse)
+
+
+def linear_q(gemv, x, wg):
+    return gemv.linear_nvfp4(x, wg) if wg.format == "nvfp4" else gemv.linear_fp8(x, wg)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N,K", SPLIT_SHAPES)
+@pytest.mark.parametrize("case", SPLIT_CASES)
+def test_dequant_split_is_bf16_hi_lo_of_the_f32_dequantization(cp, gemv, gpu, cpu, case, N, K):
+    """The dequant_split kernels: W_hi is exactly bf16(W) (round to nearest even, ml_dtypes) of the CPU backend's
+    f32 dequantization W, and W_hi + W_lo (summed in float64) is W to within 2^-16 relative per element; for the
+    whole matrix and for a slab of rows that starts and ends inside a scale block."""
+    rng = np.random.default_rng(N + K + len(case))
+    wc, wg, W = quantized_case(cpu, gpu, rng, case, N, K)
+    for row0, rows in [(0, N), (N // 3, N - N // 3 - 1)]:
+        hi, lo = split_rows(gemv, wg, row0, rows)
+        assert hi.shape == lo.shape == (rows, K) and hi.dtype == lo.dtype == cp.uint16
+        Wr = W[row0:row0 + rows]
+        np.testing.assert_array_equal(host(hi), Wr.astype(ml_dtypes.bfloat16).view(np.uint16))
+        err = np.abs(bf16_bits_to_f64(hi) + bf16_bits_to_f64(lo) - Wr.astype(np.float64))
+        assert (err <= 2.0**-16 * np.abs(Wr.astype(np.float64))).all(), err.max()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N,K", SPLIT_SHAPES)
+@pytest.mark.parametrize("case", SPLIT_CASES)
+def test_linear_quantized_prefill_keeps_f32_accuracy(cp, gemv, gpu, cpu, no_f32_fallback, case, N, K):
+    """linear_fp8 / linear_nvfp4 for T > 4 (the tensor-core path; the f32 fallback is made to raise) against a
+    float64 numpy product with the CPU backend's f32 dequantized matrix, T = 5, 64, 513. Tolerance: max |Δ| <=
+    2e-5 × max(1, max |reference|): x and W each split into bf16 hi + lo (2^-16 relative each at worst), the
+    dropped x_lo.W_lo term (~2^-18 relative, 2^-16 at worst), f32 accumulation on the tensor cores."""
+    rng = np.random.default_rng(N * K + len(case))
+    wc, wg, W = quantized_case(cpu, gpu, rng, case, N, K)
+    W64 = W.astype(np.float64)
+    assert gemv._slab_rows(N, K) == N  # one slab at these sizes (slabs: the next test)
+    for T in (5, 64, 513):
+        x = rng.normal(size=(T, K)).astype(np.float32)
+        ref = x.astype(np.float64) @ W64.T
+        close(linear_q(gemv, cp.asarray(x), wg), ref, 2e-5)
+    close(linear_q(gemv, cp.asarray(x).reshape(1, T, K), wg), ref.reshape(1, T, N), 2e-5)  # (..., K) input
+    close(gpu.ops.linear(gpu.tensor(x), wg), ref, 2e-5)  # through the registered op
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("slab_rows", [3, 130])
+@pytest.mark.parametrize("case", SPLIT_CASES)
+def test_linear_quantized_prefill_in_slabs(cp, gemv, gpu, cpu, monkeypatch, no_f32_fallback, case, slab_rows):
+    """SPLIT_SLAB forced small (3 rows a slab; 130 rows, rounded down to 128): every slab's output columns are
+    written from the right weight rows and scales, and the result matches the one-slab result (f32 rounding:
+    1e-5 × max(1, max |Δ|)) and the float64 reference (2e-5, as above)."""
+    rng = np.random.default_rng(slab_rows + len(case))
+    for N, K in [(300, 272), (257, 1040)]:
+        wc, wg, W = quantized_case(cpu, gpu, rng, case, N, K)
+        x = rng.normal(size=(37, K)).astype(np.float32)
+        ref = x.astype(np.float64) @ W.astype(np.float64).T
+        whole = linear_q(gemv, cp.asarray(x), wg)
+        with monkeypatch.context() as m:  # (an undo() would also lift no_f32_fallback)
+            m.setattr(gemv, "SPLIT_SLAB", slab_rows * K)
+            assert gemv._slab_rows(N, K) == (3 if slab_rows == 3 else 128)
+            y = linear_q(gemv, cp.asarray(x), wg)
+        assert gemv._slab_rows(N, K) == N
+        close(y, whole)
+        close(y, ref, 2e-5)
 
 
 

@@ -1,10 +1,12 @@
 """Launchers for the hand-written decode kernels: GEMV for bf16 / f16 / FP8-E4M3 weights (``kernels/gemv.cu``,
-``kernels/gemv_fp8.cu``) and the fused RMSNorm (``kernels/rms_norm.cu``).
+``kernels/gemv_fp8.cu``) and the fused RMSNorm (``kernels/rms_norm.cu``); the prefill GEMMs on the tensor cores.
 
 The ``linear_*`` and ``rms_norm`` functions here are what ``lumen_cuda/__init__.py`` registers above the CuPy
 versions in ``ops.py``; each falls back to those where the kernel does not apply:
 
-- GEMV: x (T, K) with T <= MAX_T (4) tokens; above that, cuBLAS (``ops.linear``).
+- GEMV: x (T, K) with T <= MAX_T (4) tokens; above that, cuBLAS (``ops.linear``). fp8 / NVFP4 above MAX_T:
+  ``gemm_split`` (the weight dequantized a slab at a time into bf16 hi + lo, ``kernels/dequant_split.cu``, then
+  three bf16 GemmEx on the tensor cores with f32 accumulation; docs/cuda.md).
 - Alignment (16-byte vector loads): bf16/f16 need K % 8 == 0, fp8 K % 16 == 0 (and a column block size that is
   a multiple of 16); the weight must be C-contiguous with a 16-byte aligned base. Otherwise: the fallback.
   x is made contiguous (and copied when its base is not 16-byte aligned).
@@ -180,22 +182,123 @@ def bf16_split(x):
 _CUDA_R_32F, _CUDA_R_16BF, _COMPUTE_32F, _GEMM_DEFAULT = 0, 14, 68, -1
 
 
+def _gemms_bf16(y, parts, K: int, col0: int = 0, n: int | None = None):
+    """y[:, col0:col0 + n] = the sum over ``parts`` [(w, x), ...] of x @ w.T, one cuBLAS GemmEx per part (bf16
+    inputs, f32 output and accumulation; beta 0 for the first, 1 after). y (T, N) f32 C-contiguous; each w holds
+    n rows of K bf16 bits, each x (T, K) bf16 bits, both C-contiguous (w may be a larger buffer: n rows are read).
+    Column-major view: y^T (N, T) with ld N, so output columns col0 .. col0 + n are rows col0.. of y^T: the
+    pointer moves by col0 and ldc stays N."""
+    from cupy_backends.cuda.libs import cublas
+
+    T, N = y.shape
+    n = N - col0 if n is None else n
+    one, zero = np.ones(1, np.float32), np.zeros(1, np.float32)
+    handle = cp.cuda.device.get_cublas_handle()
+    # CuPy's shared handle keeps the stream its last user set: ours is the current one (where x's split and the
+    # weight's dequant_split ran), as CuPy's own cuBLAS calls do
+    cublas.setStream(handle, cp.cuda.get_current_stream().ptr)
+    out = y.data.ptr + 4 * col0
+    for i, (w, part) in enumerate(parts):
+        # y^T (n, T) = w (n, K) . part^T (K, T); w's row-major bytes are w^T (K, n), ld K
+        cublas.gemmEx(handle, 1, 0, n, T, K, one.ctypes.data, w.data.ptr, _CUDA_R_16BF, K, part.data.ptr,
+                      _CUDA_R_16BF, K, (one if i else zero).ctypes.data, out, _CUDA_R_32F, N, _COMPUTE_32F,
+                      _GEMM_DEFAULT)
+
+
 def gemm_bf16(x, w):
     """y (T, N) f32 = x (T, K) f32 @ w.T for w (N, K) bf16 bits, on the tensor cores (cuBLAS GemmEx, bf16 inputs,
     f32 accumulation). x is split into two bf16 halves (hi + lo) and multiplied twice, so the result keeps f32
     activations' accuracy (~1e-5 relative) at twice the FLOPs of one bf16 GEMM: prefill stays compute-bound."""
-    from cupy_backends.cuda.libs import cublas
-
     T, K = x.shape
     N = w.shape[0]
     hi, lo = bf16_split(x)
     y = cp.empty((T, N), dtype=cp.float32)
-    one, zero = np.ones(1, np.float32), np.zeros(1, np.float32)
-    handle = cp.cuda.device.get_cublas_handle()
-    for part, beta in ((hi, zero), (lo, one)):
-        # column-major: y^T (N, T) = w (N, K) . part^T (K, T); w's row-major bytes are w^T (K, N), ld K
-        cublas.gemmEx(handle, 1, 0, N, T, K, one.ctypes.data, w.data.ptr, _CUDA_R_16BF, K, part.data.ptr,
-                      _CUDA_R_16BF, K, beta.ctypes.data, y.data.ptr, _CUDA_R_32F, N, _COMPUTE_32F, _GEMM_DEFAULT)
+    _gemms_bf16(y, [(w, hi), (w, lo)], K)
+    return y
+
+
+# -- prefill for quantized weights on the tensor cores (kernels/dequant_split.cu) --------------------------------
+SPLIT_SLAB = 1 << 25  # weight values dequantized into bf16 W_hi + W_lo at once (two 64 MB buffers)
+
+
+def _slab_rows(N: int, K: int) -> int:
+    """Weight rows a slab: SPLIT_SLAB values, a multiple of 128 rows when that many fit (aligned output columns)."""
+    step = max(1, SPLIT_SLAB // max(K, 1))
+    if step >= 128:
+        step -= step % 128
+    return min(step, N)
+
+
+def _split_out(out, rows: int, K: int):
+    """(hi, lo) (rows, K) uint16 views: of the given flat buffers (at least rows * K values each), or fresh."""
+    if out is None:
+        return cp.empty((rows, K), cp.uint16), cp.empty((rows, K), cp.uint16)
+    assert all(b.dtype == cp.uint16 and b.flags.c_contiguous and b.size >= rows * K for b in out)
+    return tuple(b.reshape(-1)[:rows * K].reshape(rows, K) for b in out)
+
+
+def _grid(n: int) -> tuple[int]:
+    return (min((n + 255) // 256, 65536),)
+
+
+def fp8_split(data, scale, block=None, row0: int = 0, rows: int | None = None, out=None):
+    """(W_hi, W_lo), each (rows, K) bf16 bits, for rows row0 .. row0 + rows of the fp8 weight W = e4m3(data) x
+    scale (one f32 multiply, as ``dequantize_fp8``; every layout of ``fp8_block``): W_hi = bf16(W), W_lo =
+    bf16(W - W_hi), rounded to nearest even. data (N, K) e4m3 bytes, C-contiguous; out: optional flat uint16
+    buffers (hi, lo) of at least rows * K values to write into."""
+    N, K = data.shape
+    rows = N - row0 if rows is None else rows
+    assert data.dtype == cp.uint8 and data.flags.c_contiguous and 0 <= row0 and row0 + rows <= N, (
+        data.dtype, data.shape, row0, rows)
+    br, bc, sk = fp8_block((N, K), scale, block)
+    s = cp.ascontiguousarray(cp.asarray(scale, dtype=cp.float32))
+    hi, lo = _split_out(out, rows, K)
+    if rows * K:
+        _fn("dequant_split", "dequant_split_fp8")(_grid(rows * K), (256,), (
+            data, s, hi, lo, np.int64(row0), np.int64(rows), np.int32(K), np.int32(br), np.int32(bc),
+            np.int32(sk)))
+    return hi, lo
+
+
+def nvfp4_split(data, block, global_scale, row0: int = 0, rows: int | None = None, out=None):
+    """(W_hi, W_lo), each (rows, K) bf16 bits, for rows row0 .. row0 + rows of an NVFP4 weight: W as
+    ``nvfp4_dequantize`` computes it ((e2m1 x block scale) x global scale), W_hi = bf16(W), W_lo = bf16(W - W_hi).
+    data (N, K/2) packed codes, block (N, K/16) e4m3 bytes; out as for ``fp8_split``."""
+    N, half = data.shape
+    K = 2 * half
+    rows = N - row0 if rows is None else rows
+    assert data.dtype == cp.uint8 and block.dtype == cp.uint8 and block.shape == (N, K // 16), (data.shape,
+                                                                                              block.shape)
+    assert data.flags.c_contiguous and 0 <= row0 and row0 + rows <= N, (row0, rows, N)
+    hi, lo = _split_out(out, rows, K)
+    if rows * half:
+        _fn("dequant_split", "dequant_split_nvfp4")(_grid(rows * half), (256,), (
+            data, cp.ascontiguousarray(block), hi, lo, np.int64(row0), np.int64(rows), np.int32(K),
+            np.float32(global_scale)))
+    return hi, lo
+
+
+def prefill_supported(x, data, T: int, N: int, K: int) -> bool:
+    """Whether the tensor-core prefill path applies: device x with T > MAX_T tokens, a C-contiguous 2-D byte
+    weight, nothing empty."""
+    return (isinstance(x, cp.ndarray) and T > MAX_T and N > 0 and K > 0 and data.ndim == 2 and
+            data.dtype == cp.uint8 and data.flags.c_contiguous)
+
+
+def gemm_split(x, N: int, split):
+    """y (T, N) f32 = x (T, K) @ W.T on the tensor cores, for a quantized W (N, K) given slab by slab as
+    ``split(row0, rows, out) -> (W_hi, W_lo)`` bf16 bits: y = x_hi.W_hi^T + x_lo.W_hi^T + x_hi.W_lo^T (three
+    GemmEx per slab into the slab's output columns; x_lo.W_lo^T, ~2^-18 relative, is dropped). The two bf16
+    buffers hold at most SPLIT_SLAB values each and are reused from slab to slab (same stream: ordered)."""
+    T, K = x.shape
+    xh, xl = bf16_split(x)
+    y = cp.empty((T, N), dtype=cp.float32)
+    step = _slab_rows(N, K)
+    bufs = (cp.empty(step * K, cp.uint16), cp.empty(step * K, cp.uint16))
+    for r in range(0, N, step):
+        n = min(step, N - r)
+        wh, wl = split(r, n, bufs)
+        _gemms_bf16(y, [(wh, xh), (wh, xl), (wl, xh)], K, r, n)
     return y
 
 
@@ -237,12 +340,17 @@ def dequantize_fp8(w: Weight):
 
 
 def linear_fp8(x, w: Weight):  # x (..., K), w (N, K) e4m3 + scale -> (..., N) f32
-    """The fp8 GEMV for T <= 4 (aligned), else the dequantized f32 matrix through cuBLAS."""
+    """The fp8 GEMV for T <= 4 (aligned); T > 4: the tensor-core prefill GEMM (``gemm_split``); else the
+    dequantized f32 matrix through cuBLAS SGEMM."""
     K = w.shape[-1]
     x2 = x.reshape(-1, K) if x.ndim != 2 else x
-    if isinstance(x, cp.ndarray) and gemv_supported("fp8", w.data, x2.shape[0], K, w.block):
+    T, N = x2.shape[0], w.shape[0]
+    if isinstance(x, cp.ndarray) and gemv_supported("fp8", w.data, T, K, w.block):
         y = gemv_fp8(x2, w.data, w.scale, w.block)
-    else:
+    elif prefill_supported(x, w.data, T, N, K):
+        y = gemm_split(x2.astype(cp.float32, copy=False), N,
+                       lambda r, n, out: fp8_split(w.data, w.scale, w.block, r, n, out))
+    else:  # fallback where neither applies (T <= 4 with an unaligned weight, a strided weight): f32 SGEMM
         y = cp.matmul(x2.astype(cp.float32, copy=False), dequantize_fp8(w).T)
     return y if x.ndim == 2 else y.reshape(*x.shape[:-1], y.shape[-1])
 
@@ -260,7 +368,7 @@ def embedding_fp8(ids, w: Weight):  # ids (T,) -> (T, H) f32: the rows, times th
 
 
 # -- NVFP4 ------------------------------------------------------------------------------------------------------
-NVFP4_SLAB = 1 << 25  # f32 values dequantized at once by linear_nvfp4 (128 MB)
+NVFP4_SLAB = 1 << 25  # f32 values dequantized at once by linear_nvfp4's SGEMM fallback (128 MB)
 
 
 def nvfp4_dequantize(data, block, global_scale, out=None):
@@ -304,14 +412,20 @@ def gemv_nvfp4(x, data, block, global_scale, out=None, rows: int | None = None):
 
 
 def linear_nvfp4(x, w: Weight):  # x (..., K), w (N, K) NVFP4 -> (..., N) f32
-    """T <= 4: the NVFP4 GEMV (no cuBLAS: capturable); more tokens: dequantize a slab of rows at a time
-    (kernels/nvfp4.cu), then cuBLAS SGEMM."""
+    """T <= 4: the NVFP4 GEMV (no cuBLAS: capturable); more tokens: the tensor-core prefill GEMM
+    (``gemm_split``); where neither applies, dequantize a slab of rows at a time to f32 (kernels/nvfp4.cu), then
+    cuBLAS SGEMM."""
     N, K = w.shape
     x2 = x.reshape(-1, K) if x.ndim != 2 else x
     x2 = x2.astype(cp.float32, copy=False)
     if gemv_supported("nvfp4", w.data, x2.shape[0], K):
         y = gemv_nvfp4(x2, w.data, w.scale.block, w.scale.global_scale)
         return y if x.ndim == 2 else y.reshape(*x.shape[:-1], N)
+    if prefill_supported(x, w.data, x2.shape[0], N, K):
+        y = gemm_split(x2, N, lambda r, n, out: nvfp4_split(w.data, w.scale.block, w.scale.global_scale, r, n,
+                                                            out))
+        return y if x.ndim == 2 else y.reshape(*x.shape[:-1], N)
+    # fallback where neither applies (T <= 4 with K % 32 != 0, a strided weight): f32 slabs through SGEMM
     step = max(1, NVFP4_SLAB // max(K, 1))
     if step >= N:
         y = cp.matmul(x2, dequantize_nvfp4(w).T)
