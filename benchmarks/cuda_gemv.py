@@ -6,6 +6,7 @@ the calls are queued behind a 10 ms spin kernel instead, so the GPU runs them ba
 rotated over enough copies to defeat the L2.
 
     python benchmarks/cuda_gemv.py [--json PATH] [--tokens 1,4] [--reps 20]
+    python benchmarks/cuda_gemv.py --fp8-sweep     # fp8 at T = 1: e4m3 conversion variants x rows per warp
 
 Bytes counted per call: the weight (+ fp8 scales) + x + y. "% copy" = GB/s over the device-to-device copy's GB/s
 (read + write); "% read" = over a read-only streaming kernel's GB/s (the ceiling a GEMV can reach).
@@ -186,8 +187,46 @@ def bench_tokens(name, N, K, T, sets, nsets, reps, record):
         record(name, T, "cupy bf16 (before)", "-", t, b16, mode)
 
 
+FP8_SWEEP_SHAPES = [  # decode matrices of the Qwen3.5-9B and 35B-A3B shapes (fp8 checkpoints)
+    ("9b mlp up 24576x4096", 24576, 4096), ("9b mlp down 4096x12288", 4096, 12288),
+    ("9b gdn in 12352x4096", 12352, 4096), ("9b out 4096x4096", 4096, 4096),
+    ("35b gdn in 12352x2048", 12352, 2048), ("35b out 2048x4096", 2048, 4096),
+    ("35b shared up 1024x2048", 1024, 2048), ("35b shared down 2048x512", 2048, 512),
+]
+
+
+def fp8_sweep(reps: int, read_bw: float) -> None:
+    """The fp8 GEMV at T = 1 for each e4m3 conversion (gemv.FP8_CONV) and rows per warp: time, bandwidth, and
+    the largest difference from conversion 0 (relative to max |y|)."""
+    print("\n| shape | conv | rows | us | GB/s | % of read BW | max diff vs conv 0 |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for name, N, K in FP8_SWEEP_SHAPES:
+        cp.random.seed(0)
+        nsets = max(2, math.ceil(ROTATE_BYTES / (N * K)))
+        w8 = [random_fp8(N, K) for _ in range(nsets)]
+        s8 = [cp.random.uniform(1e-3, 2e-3, size=(-(-N // 128), -(-K // 128))).astype(cp.float32)
+              for _ in range(nsets)]
+        x = cp.random.standard_normal((1, K), dtype=cp.float32)
+        y = cp.empty((1, N), cp.float32)
+        nbytes = N * K + 4 * s8[0].size + 4 * K + 4 * N
+        base = gemv.gemv_fp8(x, w8[0], s8[0], (128, 128), conv=0)
+        for conv in (0, 1, 2):
+            diff = float(cp.abs(gemv.gemv_fp8(x, w8[0], s8[0], (128, 128), conv=conv) - base).max()
+                         / cp.abs(base).max())
+            for rows in (1, 2, 4):
+                def call(i, r=rows, c=conv, x=x, y=y, w8=w8, s8=s8):
+                    gemv.gemv_fp8(x, w8[i], s8[i], (128, 128), out=y, rows=r, conv=c)
+
+                t, _ = timed(call, nsets, reps)
+                gbs = nbytes / t / 1e9
+                print(f"| {name} | {conv} | {rows} | {t * 1e6:.1f} | {gbs:.0f} | {100 * gbs * 1e9 / read_bw:.0f}% | "
+                      f"{diff:.1e} |", flush=True)
+        cp.get_default_memory_pool().free_all_blocks()
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--fp8-sweep", action="store_true", help="only the fp8 conversion x rows sweep at T = 1")
     ap.add_argument("--json", help="write every measurement here")
     ap.add_argument("--tokens", default="1,4", help="token counts T (1..4)")
     ap.add_argument("--reps", type=int, default=20, help="calls per CUDA graph")
@@ -203,6 +242,9 @@ def main(argv=None):
     print(f"copy bandwidth (read + write): memcpy {bw_memcpy / 1e9:.0f} GB/s, elementwise {bw_kernel / 1e9:.0f} GB/s; "
           f"read-only stream {read_bw / 1e9:.0f} GB/s", flush=True)
     rows_out = []
+    if args.fp8_sweep:
+        fp8_sweep(args.reps, read_bw)
+        return 0
 
     def record(shape, T, impl, rows, t, nbytes, mode, err=None):
         gbs = nbytes / t / 1e9

@@ -133,6 +133,14 @@ class DecodeRunner(ABC):
     def sampler(self, params):
         """``sample(logits, previous_ids) -> int`` for backend logits of one row, as ``make_sampler(params)``."""
 
+    def greedy_tokens(self, token: int):
+        """Optional: an iterator over the greedy continuation of ``token`` (the argmax token after it, then the
+        one after that, ...), each step's argmax fed to the next step on the device, so steps need not wait for the
+        host. The runner may compute up to two steps ahead of what was consumed (cache positions past the last
+        token yielded: the engine resets the cache before each generation). None: not offered (the engine calls
+        ``step`` and ``sampler``). Used for temperature 0 without a repetition penalty."""
+        return None
+
 
 def _is_numpy(x) -> bool:
     return type(x).__module__ == "numpy"

@@ -113,17 +113,28 @@ class Engine:
         st.prefill_seconds = time.perf_counter() - t0
         t1 = time.perf_counter()
         st.finish_reason = "length"
-        while True:
-            st.generated_tokens += 1
-            if tok in eos:
-                st.finish_reason = "stop"
-                break
-            yield tok
-            seen.append(tok)
-            if cache.pos >= self.context_size or st.generated_tokens >= max_tokens:
-                st.finish_reason = "length"
-                break
-            tok = next_token(runner.step(tok) if runner else self.model.forward([tok], cache))
+        chain = None  # the runner's pipelined greedy steps, when it offers them
+        if runner and params.temperature == 0 and params.repetition_penalty == 1.0:
+            chain = runner.greedy_tokens(tok)
+        try:
+            while True:
+                st.generated_tokens += 1
+                if tok in eos:
+                    st.finish_reason = "stop"
+                    break
+                yield tok
+                seen.append(tok)
+                fed = len(prompt_ids) + st.generated_tokens - 1  # tokens in the cache before tok (= cache.pos)
+                if fed >= self.context_size or st.generated_tokens >= max_tokens:
+                    st.finish_reason = "length"
+                    break
+                if chain is not None:
+                    tok = next(chain)
+                else:
+                    tok = next_token(runner.step(tok) if runner else self.model.forward([tok], cache))
+        finally:
+            if chain is not None:
+                chain.close()
         st.decode_seconds = time.perf_counter() - t1
 
     def decode_runner(self):

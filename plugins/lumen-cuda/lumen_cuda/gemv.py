@@ -16,6 +16,8 @@ versions in ``ops.py``; each falls back to those where the kernel does not apply
 
 from __future__ import annotations
 
+import os
+
 import cupy as cp
 import numpy as np
 
@@ -31,14 +33,18 @@ WARPS = 4  # warps per block (GEMV_WARPS in the .cu files)
 ROWS = {"bf16": (2, 4, 4, 4), "f16": (2, 4, 4, 4), "fp8": (4, 4, 4, 4), "f32": (2, 4, 4, 4), "nvfp4": (2, 4, 4, 4)}
 ALIGN = {"bf16": 8, "f16": 8, "fp8": 16, "f32": 4, "nvfp4": 32}  # K % this == 0: one 16-byte load per lane per step
 
-_FNS: dict[tuple[int, str, str], cp.RawKernel] = {}
+# How the fp8 GEMV turns e4m3 bytes into floats (FP8_CONV in gemv_fp8.cu: 0 hardware conversion, 1 integer bit
+# placement, 2 half each); the same values either way. LUMEN_CUDA_FP8_CONV overrides (benchmarks).
+FP8_CONV = int(os.environ.get("LUMEN_CUDA_FP8_CONV", "0"))
+
+_FNS: dict[tuple, cp.RawKernel] = {}
 
 
-def _fn(file: str, name: str) -> cp.RawKernel:
-    key = (cp.cuda.runtime.getDevice(), file, name)
+def _fn(file: str, name: str, options: tuple[str, ...] = ()) -> cp.RawKernel:
+    key = (cp.cuda.runtime.getDevice(), file, name, options)
     fn = _FNS.get(key)
     if fn is None:
-        fn = _FNS[key] = kernels.function(file, name)
+        fn = _FNS[key] = kernels.function(file, name, options)
     return fn
 
 
@@ -126,7 +132,7 @@ def fp8_block(shape, scale, block=None) -> tuple[int, int, int]:
     return 1, kpad, 1
 
 
-def gemv_fp8(x, w, scale, block=(128, 128), out=None, rows: int | None = None):
+def gemv_fp8(x, w, scale, block=(128, 128), out=None, rows: int | None = None, conv: int | None = None):
     """y (T, N) f32 = x (T, K) @ (w * scale).T for w (N, K) e4m3 bytes (uint8), scale (ceil(N/BR), ceil(K/BC))
     f32 (HF ``weight_scale_inv``), per-channel (N,) or per-tensor (1,) with block None; K % 16 == 0."""
     x = _prep_x(x)
@@ -137,7 +143,8 @@ def gemv_fp8(x, w, scale, block=(128, 128), out=None, rows: int | None = None):
     s = cp.ascontiguousarray(scale, dtype=cp.float32)
     rows = rows or ROWS["fp8"][T - 1]
     y = _out(out, T, N)
-    fn = _fn("gemv_fp8", f"gemv_fp8_x{_xname(x)}_t{T}_r{rows}")
+    conv = FP8_CONV if conv is None else conv
+    fn = _fn("gemv_fp8", f"gemv_fp8_x{_xname(x)}_t{T}_r{rows}", (f"-DFP8_CONV={conv}",))
     fn(((N + rows * WARPS - 1) // (rows * WARPS),), (WARPS * 32,),
        (w, s, x, y, np.int32(N), np.int32(K), np.int32(br), np.int32(bc), np.int32(sk)))
     return y

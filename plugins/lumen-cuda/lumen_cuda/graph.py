@@ -39,6 +39,7 @@ class StepInputs:
 
 
 STEP: StepInputs | None = None  # set while a decode step is prepared (warm-up and capture)
+GREEDY_BLOCKS, GREEDY_THREADS = 128, 256  # kernels/greedy.cu
 
 
 def device_ids(ids):
@@ -77,6 +78,7 @@ class GraphRunner(DecodeRunner):
             self.cache = model.new_cache(context_size)
         self.graph = None
         self.logits = None  # the graph's output buffer (1, vocab) f32, in the private pool
+        self._greedy = None  # greedy_tokens' kernel, scratch, remap table, pinned slots and events
 
     def prepare(self) -> str | None:
         """Warm up and capture; None when the graph is ready, else why the step cannot be captured."""
@@ -133,6 +135,60 @@ class GraphRunner(DecodeRunner):
         from .sampler import DeviceSampler
 
         return DeviceSampler(params)
+
+    def greedy_tokens(self, token: int):
+        """The greedy continuation of ``token``, pipelined: after each replay ``greedy_next`` (kernels/greedy.cu)
+        writes the argmax to the next step's input id (through the model's input_id remapping) and advances the
+        position on the device, so the next replay is queued before the host has read this token; the host reads
+        each token from pinned memory one step behind the GPU. Up to two steps run ahead of the consumer (their
+        cache writes lie past the last token yielded: harmless, since ``reset`` precedes every generation)."""
+        from . import kernels
+
+        n = self.logits.size
+        if self._greedy is None:
+            with self.dev:
+                vocab = getattr(self.model, "vocab_size", n)
+                pairs = [(t, i) for t in range(vocab) if (i := self.model.input_id(t)) != t]
+                remap = np.array(pairs or [(0, 0)], dtype=np.int64).reshape(-1)
+                self._greedy = (
+                    kernels.function("greedy", "greedy_next"),
+                    cp.empty(GREEDY_BLOCKS, cp.float32), cp.empty(GREEDY_BLOCKS, cp.int32),
+                    cp.zeros(1, cp.uint32), cp.asarray(remap), np.int32(len(pairs)),
+                    [cp.empty(1, cp.int64) for _ in range(2)],  # raw tokens per slot (device)
+                    cp.cuda.alloc_pinned_memory(16), [cp.cuda.Event(), cp.cuda.Event()])
+        fn, part_v, part_i, counter, remap, nremap, raw, pinned, events = self._greedy
+        host = np.frombuffer(pinned, dtype=np.int64, count=2)
+        logits = self.logits.reshape(-1)
+        pending, launches = [], [0]
+
+        def launch() -> None:  # at most two in flight: a new launch reuses the slot just read
+            if self.cache.pos >= self.cache.capacity:
+                return
+            slot = launches[0] % 2
+            launches[0] += 1
+            self.graph.launch(self.stream)
+            self.cache.pos += 1
+            fn((GREEDY_BLOCKS,), (GREEDY_THREADS,), (logits, np.int32(n), part_v, part_i, counter, self.inputs.ids,
+                                                     self.inputs.pos, raw[slot], remap, nremap))
+            cp.cuda.runtime.memcpyAsync(host.ctypes.data + 8 * slot, raw[slot].data.ptr, 8,
+                                        cp.cuda.runtime.memcpyDeviceToHost, self.stream.ptr)
+            events[slot].record(self.stream)
+            pending.append(slot)
+
+        with self.dev, self.stream:
+            if self.cache.pos >= self.cache.capacity:
+                raise ValueError(f"the cache holds {self.cache.capacity} tokens; position {self.cache.pos} is "
+                                 "past it")
+            self.inputs.ids.fill(self.model.input_id(int(token)))
+            self.inputs.pos.fill(self.cache.pos)
+            launch()
+            launch()
+            while pending:
+                slot = pending.pop(0)
+                events[slot].synchronize()
+                tok = int(host[slot])
+                launch()  # queued before the consumer looks at tok
+                yield tok
 
 
 def _zero(obj) -> None:
