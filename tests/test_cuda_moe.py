@@ -36,6 +36,12 @@ def gpu(cp):
 
 
 @pytest.fixture(scope="module")
+def cpu():
+    reg = get_registry()
+    return reg.backend_class("cpu")("cpu", reg)
+
+
+@pytest.fixture(scope="module")
 def moe(cp):
     from lumen_cuda import moe
 
@@ -49,9 +55,20 @@ def ops(cp):
     return ops
 
 
+def nvfp4_host(rng, N, K):
+    """An NVFP4 matrix (N, K) on the host: random packed e2m1 codes (every nibble, -0 included), e4m3 block scales
+    and a global scale of its own (|values| <= 6 x 2 x 0.015, so the MLP output stays O(1))."""
+    packed = rng.integers(0, 256, size=(N, K // 2), dtype=np.uint8)
+    block = rng.uniform(0.25, 2.0, size=(N, K // 16)).astype(ml_dtypes.float8_e4m3fn)
+    return packed, (block, np.float32(rng.uniform(0.005, 0.015)))
+
+
 def matrix(gpu, rng, N, K, kind):
-    """One expert matrix (N, K) as a cuda Weight: bf16 / f16 / f32, or fp8 with 128x128 block or per-channel
-    scales (values ~ N(0, 0.5) x scale ~ 0.05, so the MLP output stays O(1))."""
+    """One expert matrix (N, K) as a cuda Weight: bf16 / f16 / f32, fp8 with 128x128 block or per-channel
+    scales (values ~ N(0, 0.5) x scale ~ 0.05, so the MLP output stays O(1)), or nvfp4 (``nvfp4_host``)."""
+    if kind == "nvfp4":
+        packed, scale = nvfp4_host(rng, N, K)
+        return gpu.weight(packed, "nvfp4", "vram", scale=scale)
     if kind.startswith("fp8"):
         w8 = (rng.normal(size=(N, K)) * 0.5).astype(ml_dtypes.float8_e4m3fn)
         shape = (-(-N // 128), -(-K // 128)) if kind == "fp8-block128" else (N, 1)
@@ -100,7 +117,7 @@ SIZES = [(8, 2, 256, 128), (64, 8, 512, 256), (8, 2, 256, 256)]  # (E, k, H, I)
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
-@pytest.mark.parametrize("kind", ["bf16", "f16", "f32", "fp8-block128", "fp8-per-channel"])
+@pytest.mark.parametrize("kind", ["bf16", "f16", "f32", "fp8-block128", "fp8-per-channel", "nvfp4"])
 @pytest.mark.parametrize("E,k,H,I", SIZES)
 def test_experts_decode_matches_ops(cp, gpu, moe, ops, kind, act, E, k, H, I):
     rng = np.random.default_rng(E * k + H + I + len(kind) + len(act))
@@ -173,7 +190,7 @@ def test_ids_changed_in_place_change_the_result(cp, gpu, moe, ops):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kind", ["bf16", "fp8-block128"])
+@pytest.mark.parametrize("kind", ["bf16", "fp8-block128", "nvfp4"])
 def test_graph_capture_and_replay(cp, gpu, moe, ops, kind):
     """route + experts captured once as a CUDA graph (possible only without host syncs or host copies), then
     replayed after new logits are written in place: the replay matches an eager call on the new logits."""
@@ -242,7 +259,7 @@ TS = [1, 2, 7, 64, 300]  # T < moe.GROUPED_MIN_T: per-slot kernels; from it on: 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
-@pytest.mark.parametrize("kind", ["bf16", "f16", "fp8-block128", "f32"])
+@pytest.mark.parametrize("kind", ["bf16", "f16", "fp8-block128", "f32", "nvfp4"])
 @pytest.mark.parametrize("T", TS)
 def test_experts_tokens_match_grouped(cp, gpu, moe, ops, T, kind, act):
     rng = np.random.default_rng(T * 7 + len(kind) + len(act))
@@ -261,7 +278,7 @@ def test_experts_tokens_match_grouped(cp, gpu, moe, ops, T, kind, act):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("grouped_min_t", [1, 10**9])
-@pytest.mark.parametrize("kind", ["bf16", "fp8-block128"])
+@pytest.mark.parametrize("kind", ["bf16", "fp8-block128", "nvfp4"])
 def test_experts_both_paths_skewed_and_chunked(cp, gpu, moe, ops, monkeypatch, kind, grouped_min_t):
     """Either path forced for every T (grouped from T = 1, or per-slot up to T = 300); skewed routing (every
     token to the same few experts: buckets of 300 slots) and the grouped path cut into token chunks."""
@@ -329,3 +346,81 @@ def test_tokens_graph_capture(cp, gpu, moe, ops, T):
     graph.launch(stream)
     stream.synchronize()
     close(y, ops.moe_experts_grouped(x, ids, w, gate_up, down, "silu"))
+
+
+# -- T = 1: the down kernel's slot chunks ---------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["bf16", "f16", "f32", "fp8-block128", "fp8-per-channel", "nvfp4"])
+@pytest.mark.parametrize("k", [1, 2, 8, 10])
+def test_decode_slot_chunks(cp, gpu, moe, ops, kind, k):
+    """T = 1 through the per-slot kernels (ROWS = 1 down, the k slots in chunks of up to 8, 4 for f32 / nvfp4):
+    k = 10 spans two or three chunks; the same result for int32 ids and run to run; an invalid id (-1) inside a
+    chunk is skipped (the reference is the call without that slot)."""
+    rng = np.random.default_rng(100 * k + len(kind))
+    E, H, I = 16, 256, 512
+    gate_up, down = experts(gpu, rng, E, H, I, kind)
+    assert moe._table(gate_up, True) is not None and moe._table(down, False) is not None  # the kernel path
+    x = cp.asarray(rng.normal(size=(1, H)).astype(np.float32))
+    ids, w = routing(cp, rng, E, k)
+    want = ops.moe_experts_grouped(x, ids, w, gate_up, down, "silu")
+    y = moe.experts_decode(x, ids, w, gate_up, down, "silu", out=cp.full((1, H), np.nan, dtype=cp.float32))
+    close(y, want)
+    close(moe.experts_decode(x, ids.astype(cp.int32), w, gate_up, down, "silu"), y, 0)
+    close(moe.experts_decode(x, ids, w, gate_up, down, "silu"), y, 0)
+    if k > 1:
+        bad = ids.copy()
+        bad[0, k // 2] = -1
+        keep = [j for j in range(k) if j != k // 2]
+        close(moe.experts_decode(x, bad, w, gate_up, down, "silu"),
+              ops.moe_experts_grouped(x, ids[:, keep], w[:, keep], gate_up, down, "silu"))
+
+
+# -- NVFP4 experts ----------------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("grouped_min_t", [None, 1, 10**9])
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+def test_experts_nvfp4_against_ops_and_cpu(cp, gpu, cpu, moe, ops, monkeypatch, act, grouped_min_t):
+    """NVFP4 expert lists (the same packed codes and scales on both backends, a global scale per matrix) through
+    the device kernels for T = 1, 3, 8, 37: the default split, everything grouped, everything per slot; against
+    ``ops.moe_experts_grouped`` (the CuPy reference) and the CPU backend's ``moe_experts``."""
+    if grouped_min_t is not None:
+        monkeypatch.setattr(moe, "GROUPED_MIN_T", grouped_min_t)
+    rng = np.random.default_rng(31 + len(act) + (grouped_min_t or 0) % 7)
+    E, k, H, I = 16, 4, 256, 384
+    host_gu = [(nvfp4_host(rng, I, H), nvfp4_host(rng, I, H)) for _ in range(E)]
+    host_d = [nvfp4_host(rng, H, I) for _ in range(E)]
+    gate_up = [tuple(gpu.weight(p, "nvfp4", "vram", scale=s) for p, s in pair) for pair in host_gu]
+    down = [gpu.weight(p, "nvfp4", "vram", scale=s) for p, s in host_d]
+    cgate_up = [tuple(cpu.weight(p, "nvfp4", "ram", scale=s) for p, s in pair) for pair in host_gu]
+    cdown = [cpu.weight(p, "nvfp4", "ram", scale=s) for p, s in host_d]
+    tg = moe._table(gate_up, True)
+    assert tg is not None and moe._table(down, False) is not None  # the kernel path, not the host-sync fallback
+    assert tg.fmt == "nvfp4" and tg.block == (1, 16, H // 16) and tuple(tg.ptrs.shape) == (6, E)
+    for T in (1, 3, 8, 37):
+        xh = rng.normal(size=(T, H)).astype(np.float32)
+        x = cp.asarray(xh)
+        ids, w = routing(cp, rng, E, k, np.int64, T)
+        out = cp.full((T, H), np.nan, dtype=cp.float32)
+        y = moe.experts(x, ids, w, gate_up, down, act, out=out)
+        assert y is out
+        close(y, ops.moe_experts_grouped(x, ids, w, gate_up, down, act))
+        close(y, cpu.ops.moe_experts(xh, host(ids), host(w), cgate_up, cdown, act))
+        close(moe.experts(x, ids.astype(cp.int32), w, gate_up, down, act), y, 0)  # deterministic
+
+
+@pytest.mark.gpu
+def test_nvfp4_fallback_and_global_scale_row(cp, gpu, moe, ops):
+    """K not a multiple of 32 (one 16-byte load = 32 nvfp4 values): no table, the CuPy op answers. With K % 32:
+    the table's last rows hold the global scales' f32 bits."""
+    rng = np.random.default_rng(41)
+    E, k, H, I = 4, 2, 272, 48  # 272 % 32 = 16, 48 % 32 = 16
+    gate_up, down = experts(gpu, rng, E, H, I, "nvfp4")
+    assert moe._table(gate_up, True) is None and moe._table(down, False) is None
+    x = cp.asarray(rng.normal(size=(2, H)).astype(np.float32))
+    ids, w = routing(cp, rng, E, k, np.int64, 2)
+    close(moe.experts(x, ids, w, gate_up, down), ops.moe_experts_grouped(x, ids, w, gate_up, down))
+    gate_up, down = experts(gpu, rng, E, 256, 64, "nvfp4")
+    td = moe._table(down, False)
+    assert td is not None and tuple(td.ptrs.shape) == (3, E)
+    bits = host(td.ptrs[2]).astype(np.uint32).view(np.float32)
+    np.testing.assert_array_equal(bits, np.array([d.scale.global_scale for d in down], np.float32))

@@ -10,22 +10,30 @@ as a CUDA graph and replayed with new ids (the kernels read ``ids[j]`` from devi
   same function). Slot s = t * k + j reads token t's row of x.
   T < GROUPED_MIN_T: kernel A (grid (ceil(I / rows per block), min(T k, 65535)), looping over slots) writes
   act(gate . x_t) * (up . x_t) per slot into a (T k, I) f32 scratch; kernel B (grid (row blocks, min(T, 65535)),
-  one warp per ROWS output rows of one token) sums weights[t, j] * down_{ids[t, j]} . h[t k + j] over j in order.
+  one warp per ROWS output rows of one token; ROWS = 1 at T = 1, so that the grid has H / 4 blocks) sums
+  weights[t, j] * down_{ids[t, j]} . h[t k + j] over j in order, taking the slots in chunks (up to 8): the
+  chunk's ids, then its table entries, then every weight load of the chunk before any FMA (a few dependent
+  memory latencies per warp instead of ~3 per slot), the sum still j by j.
   T >= GROUPED_MIN_T: moe_bucket (one block) sorts the slots into per-expert buckets on the device; then the
   gate/up and down GEMVs run per (row block, expert), each 16-byte weight load shared by MOE_NT = 4 slots of
   that expert (h (T k, I), ys (T k, H) f32 scratch, allocated per call; T is cut into chunks that keep the
   scratch under 256 MiB), and moe_combine sums weights[t, j] * ys[t k + j] over j in order. Both paths are
-  deterministic (no atomics in any sum). Expert matrices are found through a pointer table (uint64 data
-  pointers, and fp8 scale pointers) built once per weight list and cached (the only host->device copy, on
-  first use: make one eager call before capturing a graph).
+  deterministic (no atomics in any sum). Expert matrices are found through a pointer table (uint64 (rows, E):
+  data pointers; fp8: then the f32 scale pointers; nvfp4: then the e4m3 block-scale pointers, then the f32
+  global scales, each stored as its float bits in the low 32 bits of a uint64 entry) built once per weight list
+  and cached (the only host->device copy, on first use: make one eager call before capturing a graph).
 - ``experts_packed`` (= ``experts_packed_decode``): ``ops.moe_experts_packed`` for any T; the expert's
   matrices are at base + e * stride, computed in the kernel (no table).
 
 Fast-path requirements (checked; otherwise the CuPy ops ``ops.moe_experts_grouped`` /
 ``ops.moe_experts_packed_grouped``, whose ``_groups`` brings the ids to the host — a sync, and not
-capturable): formats bf16 / f16 / f32 / fp8 (per list: one format, one shape and, for fp8, one scale block
-shape; packed: bf16 / f16 / f32); K % 8 for bf16/f16, % 4 for f32, % 16 for fp8 (and an fp8 column block a
-multiple of 16), for K = H (gate/up) and K = I (down); C-contiguous 16-byte aligned data.
+capturable): formats bf16 / f16 / f32 / fp8 / nvfp4 (per list: one format, one shape and, for fp8, one scale
+block shape; packed: bf16 / f16 / f32); K % 8 for bf16/f16, % 4 for f32, % 16 for fp8 (and an fp8 column block
+a multiple of 16), % 32 for nvfp4 (one 16-byte load = 32 values), for K = H (gate/up) and K = I (down);
+C-contiguous 16-byte aligned data (nvfp4: packed codes (N, K/2) uint8, its block scales (N, K/16) uint8
+C-contiguous and 2-byte aligned, the global scale a host scalar). An nvfp4 value is (e2m1 x block scale) x global
+scale as in ``gemv.gemv_nvfp4``: per 16-value block p = sum w x, lane sum = fmaf(p, block scale, sum), the
+global scale multiplies the gate / up row sum (down: each slot's partial sum) afterwards.
 
 Graph capture notes: for T = 1 the (k, I) scratch is cached per (device, k, I) and reused by every call, so
 calls must be ordered on one stream (as a decode step is); pass ``out`` (1, H) f32 to keep the output buffer
@@ -48,11 +56,14 @@ from . import gemv, kernels
 WARPS = 4  # MOE_WARPS in moe.cu
 MAX_E, MAX_K = 1024, 32  # ROUTE_MAX_E / ROUTE_MAX_K
 ROUTE_THREADS = 256
-ALIGN = {"bf16": 8, "f16": 8, "f32": 4, "fp8": 16}
-DTYPE = {"bf16": np.uint16, "f16": np.float16, "f32": np.float32, "fp8": np.uint8}
-# Rows per warp (1, 2 and 4 are compiled): gate/up reads 2 x ROWS row streams per warp; down ROWS.
-ROWS_GATE_UP = {"bf16": 2, "f16": 2, "f32": 2, "fp8": 2}
-ROWS_DOWN = {"bf16": 2, "f16": 2, "f32": 2, "fp8": 4}
+ALIGN = {"bf16": 8, "f16": 8, "f32": 4, "fp8": 16, "nvfp4": 32}  # values per 16-byte load (K % ALIGN == 0)
+DTYPE = {"bf16": np.uint16, "f16": np.float16, "f32": np.float32, "fp8": np.uint8, "nvfp4": np.uint8}
+NVFP4_GROUP = 16  # values per e4m3 block scale
+# Rows per warp (1, 2 and 4 are compiled): gate/up reads 2 x ROWS row streams per warp; down ROWS (T > 1; at
+# T = 1 the down kernel runs ROWS_DOWN_T1 rows per warp: H / 4 blocks, enough warps to fill the GPU).
+ROWS_GATE_UP = {"bf16": 2, "f16": 2, "f32": 2, "fp8": 2, "nvfp4": 2}
+ROWS_DOWN = {"bf16": 2, "f16": 2, "f32": 2, "fp8": 4, "nvfp4": 2}
+ROWS_DOWN_T1 = 1
 ACTS = {"silu": 0, "gelu_tanh": 1}
 
 _FNS: dict[tuple[int, str], cp.RawKernel] = {}
@@ -98,8 +109,10 @@ def route(logits, k: int, normalize: bool = True, out=None):
 class _Table:
     fmt: str
     shape: tuple[int, int]  # each expert's (N, K)
-    block: tuple[int, int, int]  # fp8 (BR, BC, SK); (1, 1, 1) otherwise
-    ptrs: Any  # cupy uint64 (rows, E): data pointers per matrix, then fp8 scale pointers
+    block: tuple[int, int, int]  # fp8 (BR, BC, SK); nvfp4 (1, 16, K / 16); (1, 1, 1) otherwise
+    # cupy uint64 (rows, E): data pointers per matrix; fp8: then scale pointers per matrix; nvfp4: then block-scale
+    # pointers per matrix, then the global scales per matrix (f32 bits in the low 32 bits)
+    ptrs: Any
     keep: list  # arrays the table points into that the Weights do not hold (contiguous f32 copies of scales)
 
 
@@ -113,11 +126,29 @@ def clear_cache():
     _SCRATCH.clear()
 
 
+def _data_shape(fmt: str, shape) -> tuple[int, int]:
+    return (shape[0], shape[1] // 2) if fmt == "nvfp4" else tuple(shape)  # nvfp4: two codes a byte
+
+
 def _matrix_ok(w, fmt: str, shape, block) -> bool:
     d = w.data
-    return (w.format == fmt and tuple(w.shape) == shape and isinstance(d, cp.ndarray) and d.dtype == DTYPE[fmt]
-            and d.shape == shape and d.flags.c_contiguous and d.data.ptr % 16 == 0
-            and (fmt != "fp8" or gemv.fp8_block(shape, w.scale, w.block) == block))
+    ok = (w.format == fmt and tuple(w.shape) == shape and isinstance(d, cp.ndarray) and d.dtype == DTYPE[fmt]
+          and d.shape == _data_shape(fmt, shape) and d.flags.c_contiguous and d.data.ptr % 16 == 0)
+    if not ok:
+        return False
+    if fmt == "fp8":
+        return gemv.fp8_block(shape, w.scale, w.block) == block
+    if fmt == "nvfp4":  # e4m3 block scales (N, K/16); the kernels read a load's two scales as one aligned u16
+        b = getattr(w.scale, "block", None)
+        return (isinstance(b, cp.ndarray) and b.dtype == cp.uint8 and b.shape == (shape[0], shape[1] // NVFP4_GROUP)
+                and b.flags.c_contiguous and b.data.ptr % 2 == 0
+                and np.isfinite(np.asarray(w.scale.global_scale, dtype=np.float32)).all())
+    return True
+
+
+def _f32_bits(v) -> int:
+    """A host f32 scalar's bits as an int (the table stores nvfp4 global scales so)."""
+    return int(np.asarray(v, dtype=np.float32).reshape(()).view(np.uint32))
 
 
 def _build(mats: list[list]) -> _Table | None:
@@ -126,7 +157,12 @@ def _build(mats: list[list]) -> _Table | None:
     fmt, shape = first.format, tuple(first.shape)
     if fmt not in ALIGN or len(shape) != 2 or shape[1] % ALIGN[fmt] or 0 in shape:
         return None
-    block = gemv.fp8_block(shape, first.scale, first.block) if fmt == "fp8" else (1, 1, 1)
+    if fmt == "fp8":
+        block = gemv.fp8_block(shape, first.scale, first.block)
+    elif fmt == "nvfp4":
+        block = (1, NVFP4_GROUP, shape[1] // NVFP4_GROUP)
+    else:
+        block = (1, 1, 1)
     if fmt == "fp8" and block[1] % 16:
         return None
     if not all(_matrix_ok(w, fmt, shape, block) for role in mats for w in role):
@@ -141,6 +177,9 @@ def _build(mats: list[list]) -> _Table | None:
                     keep.append(s)
                 row.append(s.data.ptr)
             rows.append(row)
+    if fmt == "nvfp4":
+        rows += [[w.scale.block.data.ptr for w in role] for role in mats]
+        rows += [[_f32_bits(w.scale.global_scale) for w in role] for role in mats]
     return _Table(fmt, shape, block, cp.asarray(np.array(rows, dtype=np.uint64)), keep)
 
 
@@ -208,7 +247,7 @@ def _per_slot(gsrc, dsrc, gfmt, dfmt, gblock, dblock, x, ids, ids64, w, y, E, H,
     T, k = ids.shape
     S = T * k
     h = _scratch(k, I) if T == 1 else cp.empty((S, I), dtype=cp.float32)
-    rg, rd = ROWS_GATE_UP[gfmt], ROWS_DOWN[dfmt]
+    rg, rd = ROWS_GATE_UP[gfmt], (ROWS_DOWN_T1 if T == 1 else ROWS_DOWN[dfmt])
     _fn(f"moe_gate_up_{gsrc[1]}_r{rg}")(
         ((I + rg * WARPS - 1) // (rg * WARPS), min(S, MAX_GRID_Y)), (WARPS * 32,),
         (gsrc[0], ids, np.int32(ids64), x, h, np.int32(S), np.int32(k), np.int32(E), np.int32(I), np.int32(H),

@@ -12,22 +12,30 @@
 //     slots s = y, y + gridDim.y, ..., reads e = ids[s] and x row s / k; each warp owns ROWS rows of that
 //     expert's gate and up matrices (2*ROWS row streams, 16-byte loads, U steps in flight), shuffle-reduces and
 //     writes h[s, i] = act(gate_i . x) * (up_i . x) into the (T k, I) f32 scratch.
-//     moe_down_*: grid (ceil(H / (ROWS * MOE_WARPS)), min(T, 65535)). Each warp owns ROWS output rows n of a
-//     token t and loops over its k slots in order: out[t, n] = sum_j weights[t, j] * (down_{ids[t, j]}[n, :] .
-//     h[t k + j, :]). Deterministic, no atomics.
+//     moe_down_*: grid (ceil(H / (ROWS * MOE_WARPS)), min(T, 65535)) (moe.py: ROWS = 1 at T = 1). Each warp owns
+//     ROWS output rows n of a token t: out[t, n] = sum_j weights[t, j] * (down_{ids[t, j]}[n, :] . h[t k + j, :]),
+//     j in order. The slots go in chunks of KC (down_chunk: 8 / ROWS, 4 / ROWS for f32 and nvfp4): the chunk's
+//     ids, then all its table entries, then all KC x ROWS weight (and scale) loads of a column step before any
+//     FMA, so a warp waits ~3 memory latencies per chunk instead of ~3 per slot; the per-slot partial sums still
+//     enter the accumulator one slot at a time in j order. Deterministic, no atomics.
 //   larger T, grouped: moe_bucket sorts the slots by expert; moe_gate_up_g_* / moe_down_g_* run per (row block,
 //     expert), MOE_NT slots of that expert per weight load, into h (T k, I) and ys (T k, H); moe_combine sums
 //     weights[t, j] * ys[t k + j] over j in order.
-//   Weights per expert come from a pointer table (uint64 (.., E): data pointers, and for fp8 the scale
-//   pointers) or, for the packed layout (E, 2I, H) / (E, H, I), from the base pointer plus e times the
-//   expert's stride. An id outside [0, E) contributes nothing (h row zero, slot skipped).
+//   Weights per expert come from a pointer table (uint64 (.., E): data pointers, then for fp8 the scale
+//   pointers, for nvfp4 the block-scale pointers and then the f32 global scales as bits in the low 32 bits of
+//   an entry; see expert_gate_up) or, for the packed layout (E, 2I, H) / (E, H, I), from the base pointer plus
+//   e times the expert's stride. An id outside [0, E) contributes nothing (h row zero, slot skipped).
 //
 // Formats (template FMT): 0 bf16 bits, 1 f16, 2 f32, 3 fp8 e4m3 with f32 block scales in the HF
 // weight_scale_inv layout (S[row / BR, col / BC], SK scale columns; per-channel / per-tensor expressed as
-// BR = 1 / N and BC covering every column, as gemv.fp8_block does).
+// BR = 1 / N and BC covering every column, as gemv.fp8_block does), 4 nvfp4: packed e2m1 codes (N, K/2) bytes
+// (value 2j in the low nibble of byte j), e4m3 block scales (N, K/16) bytes, an f32 global scale per matrix;
+// value = (e2m1 x block scale) x global scale with gemv_nvfp4.cu's arithmetic (per 16 values p = sum w x,
+// acc = fmaf(p, block scale, acc); the global scale times the warp's row sum, for down times each slot's
+// per-lane partial sum). The e2m1 table lives in registers (e2m1x8: byte permutes), no shared memory.
 // Alignment (moe.py checks, else the CuPy fallback): every 16-byte load lies inside a row: K % VEC == 0
-// (VEC = 8 bf16/f16, 4 f32, 16 fp8; K = H for gate/up, I for down), BC % 16 == 0 for fp8, and all weight
-// rows, x and the scratch 16-byte aligned.
+// (VEC = 8 bf16/f16, 4 f32, 16 fp8, 32 nvfp4; K = H for gate/up, I for down), BC % 16 == 0 for fp8, all weight
+// rows, x and the scratch 16-byte aligned, nvfp4 block scales 2-byte aligned.
 
 #include <cuda_fp8.h>
 
@@ -128,13 +136,46 @@ extern "C" __global__ void __launch_bounds__(ROUTE_THREADS)
 }
 
 // -- expert GEMVs -----------------------------------------------------------------------------------------------
+// VEC values per 16-byte load; ES bytes per value (nvfp4: half a byte, see nbytes); SES bytes per scale entry.
 template <int FMT> struct Fmt;
-template <> struct Fmt<0> { static constexpr int VEC = 8, ES = 2; };   // bf16 bits
-template <> struct Fmt<1> { static constexpr int VEC = 8, ES = 2; };   // f16
-template <> struct Fmt<2> { static constexpr int VEC = 4, ES = 4; };   // f32
-template <> struct Fmt<3> { static constexpr int VEC = 16, ES = 1; };  // fp8 e4m3
+template <> struct Fmt<0> { static constexpr int VEC = 8, ES = 2, SES = 0; };   // bf16 bits
+template <> struct Fmt<1> { static constexpr int VEC = 8, ES = 2, SES = 0; };   // f16
+template <> struct Fmt<2> { static constexpr int VEC = 4, ES = 4, SES = 0; };   // f32
+template <> struct Fmt<3> { static constexpr int VEC = 16, ES = 1, SES = 4; };  // fp8 e4m3, f32 block scales
+template <> struct Fmt<4> { static constexpr int VEC = 32, ES = 1, SES = 1; };  // nvfp4: e2m1 pairs, e4m3 scales
 
-// One 16-byte load -> VEC floats.
+// Bytes taken by n values of a row (n even for nvfp4: every offset here is a multiple of 32 values or a row).
+template <int FMT>
+__device__ __forceinline__ long long nbytes(long long n) { return FMT == 4 ? n >> 1 : n * Fmt<FMT>::ES; }
+
+__device__ __forceinline__ float e4m3_to_f32(unsigned int b) {
+  const __half_raw h = __nv_cvt_fp8_to_halfraw((__nv_fp8_storage_t)(b & 0xffu), __NV_E4M3);
+  return __half2float(__half(h));
+}
+
+// 8 e2m1 codes (one 32-bit word, value i in bits 4i..4i+3: the low nibble of a byte first) -> 8 floats, exactly
+// the table {0, 0.5, 1, 1.5, 2, 3, 4, 6} x sign (sign = bit 3; code 8 is -0) that gemv_nvfp4.cu reads from shared
+// memory, here in registers: the f16 encodings of the 8 magnitudes have a zero low byte, so one byte permutation
+// (prmt) looks up the high bytes of 4 codes at once; a second one pairs values i and i + 4 into a half2 and the
+// sign bits are or-ed in; the half2 -> float2 conversion is exact.
+__device__ __forceinline__ void e2m1x8(unsigned int w, float* v) {
+  const unsigned int lo = 0x3E3C3800u, hi = 0x46444240u;  // f16 high bytes of magnitudes 0..3 and 4..7
+  const unsigned int ta = __byte_perm(lo, hi, w & 0x7777u);          // values 0..3
+  const unsigned int tb = __byte_perm(lo, hi, (w >> 16) & 0x7777u);  // values 4..7
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const unsigned int sel = ((4u + i) << 12) | ((4u + i) << 8) | ((unsigned)i << 4) | (unsigned)i;
+    const unsigned int h2 = (__byte_perm(ta, tb, sel) & 0xff00ff00u) | ((w << (12 - 4 * i)) & 0x80008000u);
+    __half2_raw raw;
+    raw.x = (unsigned short)(h2 & 0xffffu);
+    raw.y = (unsigned short)(h2 >> 16);
+    const float2 f = __half22float2(__half2(raw));
+    v[i] = f.x;
+    v[i + 4] = f.y;
+  }
+}
+
+// One 16-byte load -> VEC floats (formats 0-3; nvfp4 decodes 16 values at a time in dot_load).
 template <int FMT>
 __device__ __forceinline__ void unpack(const uint4 v, float* w) {
   const unsigned int u[4] = {v.x, v.y, v.z, v.w};
@@ -153,7 +194,7 @@ __device__ __forceinline__ void unpack(const uint4 v, float* w) {
   } else if (FMT == 2) {
 #pragma unroll
     for (int i = 0; i < 4; ++i) w[i] = __uint_as_float(u[i]);
-  } else {
+  } else if (FMT == 3) {
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
 #pragma unroll
@@ -168,42 +209,85 @@ __device__ __forceinline__ void unpack(const uint4 v, float* w) {
   }
 }
 
-// Per lane: acc[r] += sum over this lane's columns of row_r[c] * x[c] (times the fp8 block scale); K % VEC == 0.
+// The block scale(s) of the 16-byte load at column k of a row whose scales start at srow (bytes): fp8 one f32
+// S[k / BC] (.x); nvfp4 the two e4m3 bytes of the load's two 16-value blocks (k % 32 == 0: one aligned u16 load).
+template <int FMT>
+__device__ __forceinline__ float2 load_scale(const unsigned char* srow, int k, int BC) {
+  if (FMT == 3) return make_float2(__ldg(reinterpret_cast<const float*>(srow) + k / BC), 0.f);
+  if (FMT == 4) {
+    const unsigned int b = __ldg(reinterpret_cast<const unsigned short*>(srow + k / 16));
+    return make_float2(e4m3_to_f32(b), e4m3_to_f32(b >> 8));
+  }
+  return make_float2(1.f, 0.f);
+}
+
+// x[0 .. VEC) (16-byte aligned) -> xv.
+template <int VEC>
+__device__ __forceinline__ void load_x(const float* __restrict__ x, float* xv) {
+  const float4* xp = reinterpret_cast<const float4*>(x);
+#pragma unroll
+  for (int i = 0; i < VEC / 4; ++i) {
+    const float4 a = __ldg(xp + i);
+    xv[4 * i] = a.x; xv[4 * i + 1] = a.y; xv[4 * i + 2] = a.z; xv[4 * i + 3] = a.w;
+  }
+}
+
+// acc += (one 16-byte load of a row) . xv: p = sum_i w_i x_i (fmaf, i ascending), then acc += p (bf16 / f16 /
+// f32), acc = fmaf(p, scale, acc) (fp8), or per 16-value block acc = fmaf(p_block, block scale, acc) (nvfp4, the
+// arithmetic of gemv_nvfp4.cu; the global scale multiplies the row's lane sum later).
+template <int FMT>
+__device__ __forceinline__ float dot_load(const uint4 v, const float* xv, const float2 sc, float acc) {
+  constexpr int VEC = Fmt<FMT>::VEC;
+  if (FMT == 4) {
+    const unsigned int u[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      float w[16];
+      e2m1x8(u[2 * half], w);
+      e2m1x8(u[2 * half + 1], w + 8);
+      float p = 0.f;
+#pragma unroll
+      for (int i = 0; i < 16; ++i) p = fmaf(w[i], xv[16 * half + i], p);
+      acc = fmaf(p, half ? sc.y : sc.x, acc);
+    }
+    return acc;
+  } else {
+    float w[VEC];
+    unpack<FMT>(v, w);
+    float p = 0.f;
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) p = fmaf(w[i], xv[i], p);
+    return FMT == 3 ? fmaf(p, sc.x, acc) : acc + p;
+  }
+}
+
+// Per lane: acc[r] += sum over this lane's columns of row_r[c] * x[c] (with the block scales); K % VEC == 0.
+// rows / srow: byte pointers to each row's data and (fp8 / nvfp4) its first scale.
 template <int FMT, int NR>
-__device__ __forceinline__ void warp_dot(const unsigned char* const* rows, const float* const* srow,
+__device__ __forceinline__ void warp_dot(const unsigned char* const* rows, const unsigned char* const* srow,
                                          const float* __restrict__ x, int K, int BC, float* acc) {
-  constexpr int VEC = Fmt<FMT>::VEC, ES = Fmt<FMT>::ES, STEP = 32 * VEC;
+  constexpr int VEC = Fmt<FMT>::VEC, STEP = 32 * VEC;
   const int lane = threadIdx.x & 31;
   for (int k0 = lane * VEC; k0 < K; k0 += STEP * MOE_U) {
     uint4 wv[MOE_U][NR];
+    float2 sc[MOE_U][NR];
 #pragma unroll
-    for (int u = 0; u < MOE_U; ++u) {
+    for (int u = 0; u < MOE_U; ++u) {  // every load of the step (weights and their scales) before any FMA
       const int k = k0 + u * STEP;
 #pragma unroll
-      for (int r = 0; r < NR; ++r)
-        wv[u][r] = k < K ? ld_stream16(rows[r] + (long long)k * ES) : make_uint4(0, 0, 0, 0);
+      for (int r = 0; r < NR; ++r) {
+        wv[u][r] = k < K ? ld_stream16(rows[r] + nbytes<FMT>(k)) : make_uint4(0, 0, 0, 0);
+        sc[u][r] = k < K ? load_scale<FMT>(srow[r], k, BC) : make_float2(0.f, 0.f);
+      }
     }
 #pragma unroll
     for (int u = 0; u < MOE_U; ++u) {
       const int k = k0 + u * STEP;
       if (k < K) {
         float xv[VEC];
-        const float4* xp = reinterpret_cast<const float4*>(x + k);
+        load_x<VEC>(x + k, xv);
 #pragma unroll
-        for (int i = 0; i < VEC / 4; ++i) {
-          const float4 a = __ldg(xp + i);
-          xv[4 * i] = a.x; xv[4 * i + 1] = a.y; xv[4 * i + 2] = a.z; xv[4 * i + 3] = a.w;
-        }
-#pragma unroll
-        for (int r = 0; r < NR; ++r) {
-          float w[VEC];
-          unpack<FMT>(wv[u][r], w);
-          float p = 0.f;
-#pragma unroll
-          for (int i = 0; i < VEC; ++i) p = fmaf(w[i], xv[i], p);
-          if (FMT == 3) acc[r] = fmaf(p, __ldg(srow[r] + k / BC), acc[r]);
-          else acc[r] += p;
-        }
+        for (int r = 0; r < NR; ++r) acc[r] = dot_load<FMT>(wv[u][r], xv, sc[u][r], acc[r]);
       }
     }
   }
@@ -234,46 +318,33 @@ __device__ __forceinline__ float act_mul(float g, float u, int act) {
 // Several tokens against the same NR weight rows: acc[t][r] += row_r . xs[t] for t < nt (warp-uniform), each
 // 16-byte weight load shared by the nt tokens (the grouped kernels).
 template <int FMT, int NR, int NT>
-__device__ __forceinline__ void warp_dot_nt(const unsigned char* const* rows, const float* const* srow,
+__device__ __forceinline__ void warp_dot_nt(const unsigned char* const* rows, const unsigned char* const* srow,
                                             const float* const* xs, int nt, int K, int BC, float (*acc)[NR]) {
-  constexpr int VEC = Fmt<FMT>::VEC, ES = Fmt<FMT>::ES, STEP = 32 * VEC;
+  constexpr int VEC = Fmt<FMT>::VEC, STEP = 32 * VEC, UN = FMT == 4 ? 1 : MOE_U;  // nvfp4: 32-float x per token
   const int lane = threadIdx.x & 31;
-  for (int k0 = lane * VEC; k0 < K; k0 += STEP * MOE_U) {
-    uint4 wv[MOE_U][NR];
+  for (int k0 = lane * VEC; k0 < K; k0 += STEP * UN) {
+    uint4 wv[UN][NR];
+    float2 sc[UN][NR];
 #pragma unroll
-    for (int u = 0; u < MOE_U; ++u) {
+    for (int u = 0; u < UN; ++u) {
       const int k = k0 + u * STEP;
 #pragma unroll
-      for (int r = 0; r < NR; ++r)
-        wv[u][r] = k < K ? ld_stream16(rows[r] + (long long)k * ES) : make_uint4(0, 0, 0, 0);
+      for (int r = 0; r < NR; ++r) {
+        wv[u][r] = k < K ? ld_stream16(rows[r] + nbytes<FMT>(k)) : make_uint4(0, 0, 0, 0);
+        sc[u][r] = k < K ? load_scale<FMT>(srow[r], k, BC) : make_float2(0.f, 0.f);
+      }
     }
 #pragma unroll
-    for (int u = 0; u < MOE_U; ++u) {
+    for (int u = 0; u < UN; ++u) {
       const int k = k0 + u * STEP;
       if (k < K) {
-        float sc[NR];
-#pragma unroll
-        for (int r = 0; r < NR; ++r) sc[r] = FMT == 3 ? __ldg(srow[r] + k / BC) : 1.f;
 #pragma unroll
         for (int t = 0; t < NT; ++t) {
           if (t < nt) {
             float xv[VEC];
-            const float4* xp = reinterpret_cast<const float4*>(xs[t] + k);
+            load_x<VEC>(xs[t] + k, xv);
 #pragma unroll
-            for (int i = 0; i < VEC / 4; ++i) {
-              const float4 a = __ldg(xp + i);
-              xv[4 * i] = a.x; xv[4 * i + 1] = a.y; xv[4 * i + 2] = a.z; xv[4 * i + 3] = a.w;
-            }
-#pragma unroll
-            for (int r = 0; r < NR; ++r) {
-              float w[VEC];
-              unpack<FMT>(wv[u][r], w);
-              float p = 0.f;
-#pragma unroll
-              for (int i = 0; i < VEC; ++i) p = fmaf(w[i], xv[i], p);
-              if (FMT == 3) acc[t][r] = fmaf(p, sc[r], acc[t][r]);
-              else acc[t][r] += p;
-            }
+            for (int r = 0; r < NR; ++r) acc[t][r] = dot_load<FMT>(wv[u][r], xv, sc[u][r], acc[t][r]);
           }
         }
       }
@@ -281,72 +352,90 @@ __device__ __forceinline__ void warp_dot_nt(const unsigned char* const* rows, co
   }
 }
 
-// Expert e's matrices: from the pointer table tab (NT, E) uint64 (PACKED false), or at base + e * stride.
-// Gate/up table rows: gate data, up data, gate scale, up scale. Down table rows: data, scale.
+// Expert e's matrices: from the pointer table tab (rows, E) uint64 (PACKED false), or at base + e * stride.
+// Table rows, gate/up: gate data, up data, then for fp8 / nvfp4 the gate and up scale pointers (f32 blocks /
+// e4m3 bytes), then for nvfp4 the gate and up global scales (the f32's bits in the low 32 bits of the entry).
+// Down: data, scale pointer, global scale. Formats without a global scale get 1 (never multiplied in).
 template <int FMT, bool PACKED>
 __device__ __forceinline__ void expert_gate_up(const void* __restrict__ wsrc, int e, int E, int I, int H,
-                                               const unsigned char*& G, const unsigned char*& U, const float*& SG,
-                                               const float*& SU) {
-  constexpr int ES = Fmt<FMT>::ES;
+                                               const unsigned char*& G, const unsigned char*& U,
+                                               const unsigned char*& SG, const unsigned char*& SU, float& GG,
+                                               float& GU) {
   SG = SU = nullptr;
+  GG = GU = 1.f;
   if (PACKED) {
-    G = static_cast<const unsigned char*>(wsrc) + (long long)e * 2 * I * H * ES;
-    U = G + (long long)I * H * ES;
+    G = static_cast<const unsigned char*>(wsrc) + nbytes<FMT>((long long)e * 2 * I * H);
+    U = G + nbytes<FMT>((long long)I * H);
   } else {
     const unsigned long long* tab = static_cast<const unsigned long long*>(wsrc);
-    G = reinterpret_cast<const unsigned char*>(tab[e]);
-    U = reinterpret_cast<const unsigned char*>(tab[E + e]);
-    if (FMT == 3) {
-      SG = reinterpret_cast<const float*>(tab[2 * E + e]);
-      SU = reinterpret_cast<const float*>(tab[3 * E + e]);
+    G = reinterpret_cast<const unsigned char*>(__ldg(tab + e));
+    U = reinterpret_cast<const unsigned char*>(__ldg(tab + E + e));
+    if (FMT >= 3) {
+      SG = reinterpret_cast<const unsigned char*>(__ldg(tab + 2 * E + e));
+      SU = reinterpret_cast<const unsigned char*>(__ldg(tab + 3 * E + e));
+    }
+    if (FMT == 4) {
+      GG = __uint_as_float((unsigned int)__ldg(tab + 4 * E + e));
+      GU = __uint_as_float((unsigned int)__ldg(tab + 5 * E + e));
     }
   }
 }
 
 template <int FMT, bool PACKED>
 __device__ __forceinline__ void expert_down(const void* __restrict__ wsrc, int e, int E, int H, int I,
-                                            const unsigned char*& D, const float*& S) {
-  constexpr int ES = Fmt<FMT>::ES;
+                                            const unsigned char*& D, const unsigned char*& S, float& GS) {
   S = nullptr;
+  GS = 1.f;
   if (PACKED) {
-    D = static_cast<const unsigned char*>(wsrc) + (long long)e * H * I * ES;
+    D = static_cast<const unsigned char*>(wsrc) + nbytes<FMT>((long long)e * H * I);
   } else {
     const unsigned long long* tab = static_cast<const unsigned long long*>(wsrc);
-    D = reinterpret_cast<const unsigned char*>(tab[e]);
-    if (FMT == 3) S = reinterpret_cast<const float*>(tab[E + e]);
+    D = reinterpret_cast<const unsigned char*>(__ldg(tab + e));
+    if (FMT >= 3) S = reinterpret_cast<const unsigned char*>(__ldg(tab + E + e));
+    if (FMT == 4) GS = __uint_as_float((unsigned int)__ldg(tab + 2 * E + e));
   }
 }
 
+// Byte offset of the scales of row `row` (fp8: block row row / BR of SK f32; nvfp4: BR = 1, SK = K / 16 bytes).
+template <int FMT>
+__device__ __forceinline__ long long scale_off(int row, int BR, int SK) {
+  return FMT >= 3 ? (long long)(row / BR) * SK * Fmt<FMT>::SES : 0;
+}
+
 // -- per-slot kernels (any T; used for small T) -----------------------------------------------------------------
-// gate_up: block (x, y) handles slots y, y + gridDim.y, ...; slot s = t * k + j reads x row t = s / k.
+// gate_up: block (x, y) handles slots y, y + gridDim.y, ... (one slot per block whenever T k <= 65535); slot
+// s = t * k + j reads x row t = s / k. The chain per slot is id -> table entries (all of them in one go: data,
+// scales, global scales) -> every weight and scale load of a step; the next slot's id is read before the current
+// slot's GEMV so that a block looping over several slots does not wait for it.
 template <int FMT, int ROWS, bool PACKED>
 __device__ __forceinline__ void gate_up(const void* __restrict__ wsrc, const void* __restrict__ ids, int ids64,
                                         const float* __restrict__ x, float* __restrict__ h, int S, int k, int E,
                                         int I, int H, int BR, int BC, int SK, int act) {
-  constexpr int ES = Fmt<FMT>::ES;
   const int lane = threadIdx.x & 31;
   const int row0 = (blockIdx.x * MOE_WARPS + (threadIdx.x >> 5)) * ROWS;
   if (row0 >= I) return;  // warp-uniform
+  int e_next = blockIdx.y < S ? load_id(ids, ids64, blockIdx.y) : -1;
   for (int s = blockIdx.y; s < S; s += gridDim.y) {
+    const int e = e_next;
+    if (s + gridDim.y < S) e_next = load_id(ids, ids64, s + gridDim.y);
     float* hrow = h + (long long)s * I;
     const float* xt = x + (long long)(s / k) * H;
-    const int e = load_id(ids, ids64, s);
     if (e < 0 || e >= E) {
       if (lane < ROWS && row0 + lane < I) hrow[row0 + lane] = 0.f;
       continue;
     }
-    const unsigned char *G, *U;
-    const float *SG, *SU;
-    expert_gate_up<FMT, PACKED>(wsrc, e, E, I, H, G, U, SG, SU);
+    const unsigned char *G, *U, *SG, *SU;
+    float GG, GU;
+    expert_gate_up<FMT, PACKED>(wsrc, e, E, I, H, G, U, SG, SU, GG, GU);
     const unsigned char* rows[2 * ROWS];
-    const float* srow[2 * ROWS];
+    const unsigned char* srow[2 * ROWS];
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {  // a ragged last warp re-reads row I-1, never writes it
       const int row = min(row0 + r, I - 1);
-      rows[r] = G + (long long)row * H * ES;
-      rows[ROWS + r] = U + (long long)row * H * ES;
-      srow[r] = FMT == 3 ? SG + (long long)(row / BR) * SK : nullptr;
-      srow[ROWS + r] = FMT == 3 ? SU + (long long)(row / BR) * SK : nullptr;
+      rows[r] = G + nbytes<FMT>((long long)row * H);
+      rows[ROWS + r] = U + nbytes<FMT>((long long)row * H);
+      srow[r] = SG + scale_off<FMT>(row, BR, SK);
+      srow[ROWS + r] = SU + scale_off<FMT>(row, BR, SK);
     }
     float acc[2 * ROWS];
 #pragma unroll
@@ -355,48 +444,103 @@ __device__ __forceinline__ void gate_up(const void* __restrict__ wsrc, const voi
     warp_sum<2 * ROWS>(acc);
     if (lane == 0) {
 #pragma unroll
-      for (int r = 0; r < ROWS; ++r)
-        if (row0 + r < I) hrow[row0 + r] = act_mul(acc[r], acc[ROWS + r], act);
+      for (int r = 0; r < ROWS; ++r) {
+        const float g = FMT == 4 ? acc[r] * GG : acc[r], u = FMT == 4 ? acc[ROWS + r] * GU : acc[ROWS + r];
+        if (row0 + r < I) hrow[row0 + r] = act_mul(g, u, act);
+      }
     }
   }
 }
 
 // down: block (x, y) handles tokens y, y + gridDim.y, ...: out[t, n] = sum_j weights[t, j] * down_{ids[t, j]}[n]
-// . h[t * k + j] over j in order.
+// . h[t * k + j] over j in order. The k slots go in chunks of KC = MOE_KC / ROWS: a warp reads the chunk's ids
+// and routing weights, then all its table entries, then issues every weight (and scale) load of the chunk's
+// experts for one column step (KC x ROWS 16-byte loads per lane) before any FMA; part[c][r] (this lane's columns
+// of row r of slot c's expert, in ascending column order, as warp_dot sums them) then enters acc[r] =
+// fmaf(w_j, part_j, acc[r]) for j ascending (nvfp4: part_j times the expert's global scale first), and acc is
+// reduced across the warp at the end: the same arithmetic whatever KC is.
+#define MOE_KC 8
+// Slots per chunk: MOE_KC / ROWS (f32 and nvfp4, whose x vectors per load are larger than their weights: half).
+__device__ constexpr int down_chunk(int fmt, int rows) {
+  const int kc = ((fmt == 2 || fmt == 4) ? MOE_KC / 2 : MOE_KC) / rows;
+  return kc > 1 ? kc : 1;
+}
+#ifndef MOE_DOWN_MIN_BLOCKS
+#define MOE_DOWN_MIN_BLOCKS 4  // <= 128 registers: 16 warps per SM resident
+#endif
+
 template <int FMT, int ROWS, bool PACKED>
 __device__ __forceinline__ void down(const void* __restrict__ wsrc, const void* __restrict__ ids, int ids64,
                                      const float* __restrict__ weights, const float* __restrict__ h,
                                      float* __restrict__ out, int T, int k, int E, int H, int I, int BR, int BC,
                                      int SK) {
-  constexpr int ES = Fmt<FMT>::ES;
+  constexpr int VEC = Fmt<FMT>::VEC, STEP = 32 * VEC, KC = down_chunk(FMT, ROWS);
   const int lane = threadIdx.x & 31;
   const int row0 = (blockIdx.x * MOE_WARPS + (threadIdx.x >> 5)) * ROWS;
   if (row0 >= H) return;  // warp-uniform
+  long long roff[ROWS], soff[ROWS];  // byte offsets of this warp's rows in an expert's data and scales
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) {  // a ragged last warp re-reads row H-1, never writes it
+    const int row = min(row0 + r, H - 1);
+    roff[r] = nbytes<FMT>((long long)row * I);
+    soff[r] = scale_off<FMT>(row, BR, SK);
+  }
   for (int t = blockIdx.y; t < T; t += gridDim.y) {
     float acc[ROWS];
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) acc[r] = 0.f;
-    for (int j = t * k; j < (t + 1) * k; ++j) {
-      const int e = load_id(ids, ids64, j);
-      if (e < 0 || e >= E) continue;  // uniform over the block
-      const float wj = weights[j];
-      const unsigned char* D;
-      const float* S;
-      expert_down<FMT, PACKED>(wsrc, e, E, H, I, D, S);
-      const unsigned char* rows[ROWS];
-      const float* srow[ROWS];
+    const int jend = (t + 1) * k;
+    for (int j0 = t * k; j0 < jend; j0 += KC) {
+      int e[KC];
+      float wj[KC];
 #pragma unroll
-      for (int r = 0; r < ROWS; ++r) {
-        const int row = min(row0 + r, H - 1);
-        rows[r] = D + (long long)row * I * ES;
-        srow[r] = FMT == 3 ? S + (long long)(row / BR) * SK : nullptr;
+      for (int c = 0; c < KC; ++c) {  // 1: the chunk's ids and routing weights
+        e[c] = j0 + c < jend ? load_id(ids, ids64, j0 + c) : -1;
+        wj[c] = j0 + c < jend ? weights[j0 + c] : 0.f;
       }
-      float part[ROWS];
+      const unsigned char* D[KC];
+      const unsigned char* S[KC];
+      float GS[KC];
+      bool ok[KC];
 #pragma unroll
-      for (int r = 0; r < ROWS; ++r) part[r] = 0.f;
-      warp_dot<FMT, ROWS>(rows, srow, h + (long long)j * I, I, BC, part);
+      for (int c = 0; c < KC; ++c) {  // 2: their table entries (an invalid id: the slot is skipped)
+        ok[c] = e[c] >= 0 && e[c] < E;
+        D[c] = S[c] = nullptr;
+        GS[c] = 1.f;
+        if (ok[c]) expert_down<FMT, PACKED>(wsrc, e[c], E, H, I, D[c], S[c], GS[c]);
+      }
+      float part[KC][ROWS];
 #pragma unroll
-      for (int r = 0; r < ROWS; ++r) acc[r] = fmaf(wj, part[r], acc[r]);
+      for (int c = 0; c < KC; ++c)
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) part[c][r] = 0.f;
+#pragma unroll 1  // KC x ROWS loads in flight per step already; unrolling would only add registers
+      for (int k0 = lane * VEC; k0 < I; k0 += STEP) {
+        uint4 wv[KC][ROWS];
+        float2 sc[KC][ROWS];
+#pragma unroll
+        for (int c = 0; c < KC; ++c)  // 3: every weight and scale load of the step, all slots, before any FMA
+#pragma unroll
+          for (int r = 0; r < ROWS; ++r) {
+            wv[c][r] = ok[c] ? ld_stream16(D[c] + roff[r] + nbytes<FMT>(k0)) : make_uint4(0, 0, 0, 0);
+            sc[c][r] = ok[c] ? load_scale<FMT>(S[c] + soff[r], k0, BC) : make_float2(0.f, 0.f);
+          }
+#pragma unroll
+        for (int c = 0; c < KC; ++c) {
+          if (ok[c]) {
+            float xv[VEC];
+            load_x<VEC>(h + (long long)(j0 + c) * I + k0, xv);
+#pragma unroll
+            for (int r = 0; r < ROWS; ++r) part[c][r] = dot_load<FMT>(wv[c][r], xv, sc[c][r], part[c][r]);
+          }
+        }
+      }
+#pragma unroll
+      for (int c = 0; c < KC; ++c)  // 4: the slots in order
+        if (ok[c]) {
+#pragma unroll
+          for (int r = 0; r < ROWS; ++r) acc[r] = fmaf(wj[c], FMT == 4 ? part[c][r] * GS[c] : part[c][r], acc[r]);
+        }
     }
     warp_sum<ROWS>(acc);
     if (lane == 0) {
@@ -472,25 +616,25 @@ __device__ __forceinline__ void gate_up_grouped(const void* __restrict__ wsrc, c
                                                 const int* __restrict__ order, const float* __restrict__ x,
                                                 float* __restrict__ h, int k, int E, int I, int H, int BR, int BC,
                                                 int SK, int act) {
-  constexpr int ES = Fmt<FMT>::ES, NR = 2 * ROWS;
+  constexpr int NR = 2 * ROWS;
   const int e = blockIdx.y;
   const int lane = threadIdx.x & 31;
   const int row0 = (blockIdx.x * MOE_WARPS + (threadIdx.x >> 5)) * ROWS;
   if (row0 >= I) return;  // warp-uniform
   const int beg = off[e], n = off[e + 1] - beg;
   if (n <= 0) return;  // block-uniform
-  const unsigned char *G, *U;
-  const float *SG, *SU;
-  expert_gate_up<FMT, PACKED>(wsrc, e, E, I, H, G, U, SG, SU);
+  const unsigned char *G, *U, *SG, *SU;
+  float GG, GU;
+  expert_gate_up<FMT, PACKED>(wsrc, e, E, I, H, G, U, SG, SU, GG, GU);
   const unsigned char* rows[NR];
-  const float* srow[NR];
+  const unsigned char* srow[NR];
 #pragma unroll
   for (int r = 0; r < ROWS; ++r) {
     const int row = min(row0 + r, I - 1);
-    rows[r] = G + (long long)row * H * ES;
-    rows[ROWS + r] = U + (long long)row * H * ES;
-    srow[r] = FMT == 3 ? SG + (long long)(row / BR) * SK : nullptr;
-    srow[ROWS + r] = FMT == 3 ? SU + (long long)(row / BR) * SK : nullptr;
+    rows[r] = G + nbytes<FMT>((long long)row * H);
+    rows[ROWS + r] = U + nbytes<FMT>((long long)row * H);
+    srow[r] = SG + scale_off<FMT>(row, BR, SK);
+    srow[ROWS + r] = SU + scale_off<FMT>(row, BR, SK);
   }
   for (int c0 = 0; c0 < n; c0 += MOE_NT) {
     const int nt = min(MOE_NT, n - c0);
@@ -510,8 +654,11 @@ __device__ __forceinline__ void gate_up_grouped(const void* __restrict__ wsrc, c
       warp_sum<NR>(acc[t]);
       if (lane == 0 && t < nt) {
 #pragma unroll
-        for (int r = 0; r < ROWS; ++r)
-          if (row0 + r < I) h[(long long)slot[t] * I + row0 + r] = act_mul(acc[t][r], acc[t][ROWS + r], act);
+        for (int r = 0; r < ROWS; ++r) {
+          const float g = FMT == 4 ? acc[t][r] * GG : acc[t][r];
+          const float u = FMT == 4 ? acc[t][ROWS + r] * GU : acc[t][ROWS + r];
+          if (row0 + r < I) h[(long long)slot[t] * I + row0 + r] = act_mul(g, u, act);
+        }
       }
     }
   }
@@ -522,23 +669,22 @@ template <int FMT, int ROWS, bool PACKED>
 __device__ __forceinline__ void down_grouped(const void* __restrict__ wsrc, const int* __restrict__ off,
                                              const int* __restrict__ order, const float* __restrict__ h,
                                              float* __restrict__ ys, int E, int H, int I, int BR, int BC, int SK) {
-  constexpr int ES = Fmt<FMT>::ES;
   const int e = blockIdx.y;
   const int lane = threadIdx.x & 31;
   const int row0 = (blockIdx.x * MOE_WARPS + (threadIdx.x >> 5)) * ROWS;
   if (row0 >= H) return;  // warp-uniform
   const int beg = off[e], n = off[e + 1] - beg;
   if (n <= 0) return;
-  const unsigned char* D;
-  const float* S;
-  expert_down<FMT, PACKED>(wsrc, e, E, H, I, D, S);
+  const unsigned char *D, *S;
+  float GS;
+  expert_down<FMT, PACKED>(wsrc, e, E, H, I, D, S, GS);
   const unsigned char* rows[ROWS];
-  const float* srow[ROWS];
+  const unsigned char* srow[ROWS];
 #pragma unroll
   for (int r = 0; r < ROWS; ++r) {
     const int row = min(row0 + r, H - 1);
-    rows[r] = D + (long long)row * I * ES;
-    srow[r] = FMT == 3 ? S + (long long)(row / BR) * SK : nullptr;
+    rows[r] = D + nbytes<FMT>((long long)row * I);
+    srow[r] = S + scale_off<FMT>(row, BR, SK);
   }
   for (int c0 = 0; c0 < n; c0 += MOE_NT) {
     const int nt = min(MOE_NT, n - c0);
@@ -559,7 +705,7 @@ __device__ __forceinline__ void down_grouped(const void* __restrict__ wsrc, cons
       if (lane == 0 && t < nt) {
 #pragma unroll
         for (int r = 0; r < ROWS; ++r)
-          if (row0 + r < H) ys[(long long)slot[t] * H + row0 + r] = acc[t][r];
+          if (row0 + r < H) ys[(long long)slot[t] * H + row0 + r] = FMT == 4 ? acc[t][r] * GS : acc[t][r];
       }
     }
   }
@@ -581,9 +727,11 @@ extern "C" __global__ void __launch_bounds__(256)
   out[i] = acc;
 }
 
-// moe_gate_up_<fmt>_r<ROWS>(tab (4, E) u64, ids (S,), ids64, x (T, H) f32, h (S, I) f32, S, k, E, I, H, BR, BC,
+// <fmt>: bf16, f16, f32, fp8, nvfp4 (table rows: 2 / 4 / 6 for gate_up, 1 / 2 / 3 for down: plain / fp8 / nvfp4);
+// nvfp4 passes BR = 1, BC = 16, SK = K / 16.
+// moe_gate_up_<fmt>_r<ROWS>(tab (rows, E) u64, ids (S,), ids64, x (T, H) f32, h (S, I) f32, S, k, E, I, H, BR, BC,
 //                           SK, act); grid (ceil(I / (ROWS * MOE_WARPS)), min(S, 65535))
-// moe_down_<fmt>_r<ROWS>(tab (2, E) u64, ids, ids64, weights (S,) f32, h (S, I), out (T, H) f32, T, k, E, H, I,
+// moe_down_<fmt>_r<ROWS>(tab (rows, E) u64, ids, ids64, weights (S,) f32, h (S, I), out (T, H) f32, T, k, E, H, I,
 //                        BR, BC, SK); grid (ceil(H / (ROWS * MOE_WARPS)), min(T, 65535))
 // moe_gate_up_g_<fmt>_r<ROWS>(tab, off (E + 1,), order (S,), x, h, k, E, I, H, BR, BC, SK, act); grid (.., E)
 // moe_down_g_<fmt>_r<ROWS>(tab, off, order, h, ys (S, H) f32, E, H, I, BR, BC, SK); grid (.., E)
@@ -595,7 +743,7 @@ extern "C" __global__ void __launch_bounds__(256)
                                    int I, int H, int BR, int BC, int SK, int act) {                            \
     gate_up<FMT, ROWS, PACKED>(wsrc, ids, ids64, x, h, S, k, E, I, H, BR, BC, SK, act);                        \
   }                                                                                                            \
-  extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)                                                \
+  extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32, MOE_DOWN_MIN_BLOCKS)                          \
       moe_down_##NAME##_r##ROWS(const void* __restrict__ wsrc, const void* __restrict__ ids, int ids64,        \
                                 const float* __restrict__ weights, const float* __restrict__ h,                \
                                 float* __restrict__ out, int T, int k, int E, int H, int I, int BR, int BC,    \
@@ -629,6 +777,7 @@ MOE_R(bf16, 0, false)
 MOE_R(f16, 1, false)
 MOE_R(f32, 2, false)
 MOE_R(fp8, 3, false)
+MOE_R(nvfp4, 4, false)
 MOE_R(packed_bf16, 0, true)
 MOE_R(packed_f16, 1, true)
 MOE_R(packed_f32, 2, true)
