@@ -56,6 +56,7 @@ from . import gemv, kernels
 WARPS = 4  # MOE_WARPS in moe.cu
 MAX_E, MAX_K = 1024, 32  # ROUTE_MAX_E / ROUTE_MAX_K
 ROUTE_THREADS = 256
+ROUTE_WARP, ROUTE_WARPS = True, 4  # routing by kernels/moe_route.cu (ROUTEW_WARPS rows a block) or moe.cu's block
 ALIGN = {"bf16": 8, "f16": 8, "f32": 4, "fp8": 16, "nvfp4": 32}  # values per 16-byte load (K % ALIGN == 0)
 DTYPE = {"bf16": np.uint16, "f16": np.float16, "f32": np.float32, "fp8": np.uint8, "nvfp4": np.uint8}
 NVFP4_GROUP = 16  # values per e4m3 block scale
@@ -99,7 +100,12 @@ def route(logits, k: int, normalize: bool = True, out=None):
         w, ids = out
         assert w.shape == ids.shape == (T, k) and w.dtype == cp.float32 and ids.dtype == cp.int64
         assert w.flags.c_contiguous and ids.flags.c_contiguous
-    if T:
+    if T and ROUTE_WARP:  # one warp per row (kernels/moe_route.cu): no block barriers
+        key = (cp.cuda.runtime.getDevice(), "moe_route_warp")
+        fn = _FNS.get(key) or _FNS.setdefault(key, kernels.function("moe_route", "moe_route_warp"))
+        fn(((T + ROUTE_WARPS - 1) // ROUTE_WARPS,), (ROUTE_WARPS * 32,),
+           (lg, w, ids, np.int32(T), np.int32(E), np.int32(k), np.int32(bool(normalize))))
+    elif T:  # one block per row (moe.cu)
         _fn("moe_route_f32")((T,), (ROUTE_THREADS,), (lg, w, ids, np.int32(E), np.int32(k), np.int32(bool(normalize))))
     return w, ids
 
