@@ -3,9 +3,9 @@ online softmax, the (T, S) scores never written to memory. ``attend`` has the se
 (which calls it first for T > 1) and matches it to 1e-5 relative; it returns None for what it does not support, and
 the caller then runs the CuPy path. ``LUMEN_CUDA_FLASH=0`` turns it off (read at every call).
 
-Launch configuration: ``flash_fwd_c<CV>_n<BN>`` grid (Hkv, ceil(T * G / 32)), 256 threads, G = Hq / Hkv,
-CV = ceil(Dv / 128) (1..4), BN = keys per tile, the largest of 64 / 32 / 16 whose shared memory
-4 * (32 * D + BN * (max(D, Dv) + 4) + 32 * BN + 32) bytes fits the device's per-block opt-in limit
+Launch configuration: ``flash_fwd_v<DV>_n<BN>`` grid (Hkv, ceil(T * G / 32)), 256 threads, G = Hq / Hkv,
+DV = 128 / 256 / 512, the smallest >= Dv; BN = keys per tile, the largest of 64 / 32 / 16 whose shared memory
+4 * (32 * (D + 4) + BN * (max(D, Dv) + 4) + 32 * BN + 32) bytes fits the device's per-block opt-in limit
 (H200, 227 KB: BN = 64 for every D <= 512; 99 KB parts: BN = 32 at D = 256, 16 at D = 512).
 """
 
@@ -23,7 +23,8 @@ FILE = "flash_attention"
 THREADS = 256
 ROWS = 32  # FA_R: (query, head-of-group) rows per block
 TILES = (64, 32, 16)  # keys per tile, largest first
-MAX_DIM = 512  # D and Dv (Dv <= 128 * CV, CV <= 4)
+MAX_DIM = 512  # D and Dv
+DV_CLASSES = (128, 256, 512)  # kernel variants by value head dim
 MAX_ROW_BLOCKS = 65535  # grid.y
 
 _FNS: dict[tuple[int, str], cp.RawKernel] = {}
@@ -37,7 +38,7 @@ def enabled() -> bool:
 
 
 def smem_bytes(D: int, Dv: int, bn: int) -> int:
-    return 4 * (ROWS * D + bn * (max(D, Dv) + 4) + ROWS * bn + ROWS)
+    return 4 * (ROWS * (D + 4) + bn * (max(D, Dv) + 4) + ROWS * bn + ROWS)
 
 
 def _smem_limit() -> int:
@@ -80,11 +81,11 @@ def _rows(x, width: int):
 
 def kernel_name(D: int, Dv: int, limit: int | None = None):
     """(kernel name, shared memory bytes) for head dims D, Dv, or None when no variant fits."""
-    cv = -(-Dv // 128)
+    dv = next(c for c in DV_CLASSES if Dv <= c)
     for bn in TILES:
         smem = smem_bytes(D, Dv, bn)
         if limit is None or smem <= limit:
-            return f"flash_fwd_c{cv}_n{bn}", smem
+            return f"flash_fwd_v{dv}_n{bn}", smem
     return None
 
 

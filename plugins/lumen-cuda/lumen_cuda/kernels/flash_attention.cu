@@ -7,20 +7,21 @@
 // lo + j > start + t - window). Score = (q . k) * scale, then tanh(score / softcap) * softcap when softcap > 0
 // (before masking, as the CuPy op does). GQA: query head hq reads kv head hq / G.
 //
-// flash_fwd_c<CV>_n<BN>: grid (Hkv, ceil(T * G / FA_R)), FA_NT = 256 threads (8 warps). A block owns kv head
-// blockIdx.x and FA_R = 32 "rows" of the flattened (t, g) order r = t * G + g (query t of query head h * G + g), so
-// each K/V tile it stages is used by every query head of the group. Row blocks run heaviest first (the last
-// queries see the most keys). Keys are visited in tiles of BN from the first key any row of the block may see
-// (window) to the last one (causality); tiles wholly outside are never loaded, the per-element mask is applied on
-// every visited tile (it costs O(1) per score against the O(D) dot product).
+// flash_fwd_v<DV>_n<BN> (Dv <= DV): grid (Hkv, ceil(T * G / FA_R)), FA_NT = 256 threads (8 warps). A block owns kv
+// head blockIdx.x and FA_R = 32 "rows" of the flattened (t, g) order r = t * G + g (query t of query head h * G + g),
+// so each K/V tile it stages serves every query head of the group. Row blocks run heaviest first (the last queries
+// see the most keys). Keys are visited in tiles of BN from the first key any row of the block may see (window) to
+// the last one (causality); tiles wholly outside are never loaded; the per-element mask is applied on every
+// visited tile (O(1) per score against the O(D) dot product).
 //   Per tile: K tile -> shared; scores: thread (sr = tid / 16, sc = tid % 16) computes rows 2sr, 2sr+1 against
 //   keys sc + 16k (k < BN / 16), float4 over D; online softmax per row across the 16 lanes of a half warp
-//   (running max m, sum l, rescale alpha = e^(m_old - m_new)), p into shared; V tile -> the same buffer;
-//   P V: warp w owns rows 4w..4w+3 (the rows it scored), lane owns value float4 columns lane + 32c (c < CV), so
-//   Dv <= 128 * CV; the accumulators are rescaled by alpha first. At the end out = acc / l.
+//   (running max m, sum l, rescale alpha = e^(m_old - m_new)), p and alpha into shared; V tile -> the same
+//   buffer; P V: thread (tr = tid / TC, tc = tid % TC), TC = 256 * RT / 32, owns rows tr*RT .. tr*RT+RT-1 and
+//   value float4 columns tc + TC*c (c < CV): v128 RT 4 CV 1, v256 RT 8 CV 1, v512 RT 8 CV 2; the accumulators
+//   are rescaled by alpha first. At the end out = acc / l.
 //
-// Dynamic shared memory (floats): Q FA_R * D + K/V tile BN * (max(D, Dv) + 4) + P FA_R * BN + FA_R.
-// D, Dv multiples of 4 (the launcher checks), Dv <= 128 * CV.
+// Dynamic shared memory (floats): Q FA_R * (D + 4) + K/V tile BN * (max(D, Dv) + 4) + P FA_R * BN + FA_R.
+// D, Dv multiples of 4 (the launcher checks).
 // No headers: compiles under NVRTC and nvcc alike (sm_90, sm_120a).
 
 #define FA_R 32    // rows (query, head-of-group pairs) per block
@@ -55,22 +56,25 @@ __device__ __forceinline__ void fa_stage(float* dst, int dst_stride, const float
   }
 }
 
-template <int CV, int BN>
+template <int RT, int CV, int BN>
 __device__ __forceinline__ void flash_fwd(const float* __restrict__ q, const float* __restrict__ k,
                                           const float* __restrict__ v, float* __restrict__ out, int T, int Hq,
                                           int G, int S, int D, int Dv, long long k_hs, long long v_hs, int start,
                                           int lo, float scale, float softcap, int window, float* smem) {
-  constexpr int NK = BN / 16;  // keys per thread in the score phase
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  constexpr int NK = BN / 16;       // keys per thread in the score phase
+  constexpr int TC = FA_NT * RT / FA_R;  // P V: threads per row group (32 at RT = 4, 64 at RT = 8)
+  const int tid = threadIdx.x;
+  const int tr = tid / TC, tc = tid - tr * TC;  // P V: rows tr*RT.., value float4 columns tc + TC*cv
   const int sr = tid >> 4, sc = tid & 15;
   const int h = blockIdx.x;
   const int rb = gridDim.y - 1 - blockIdx.y;  // heaviest row block first
   const int rows = T * G, r0 = rb * FA_R;
   const int nr = min(FA_R, rows - r0);
   const int D4 = D >> 2, Dv4 = Dv >> 2;
+  const int qs = D + 4;            // padded: the two rows a warp reads at one d fall in distinct banks
   const int kvs = max(D, Dv) + 4;  // padded: the 16 keys a half warp reads at one d fall in distinct banks
-  float* Qs = smem;                // (FA_R, D)
-  float* KV = Qs + FA_R * D;       // (BN, kvs): the K tile, then the V tile
+  float* Qs = smem;                // (FA_R, qs)
+  float* KV = Qs + FA_R * qs;      // (BN, kvs): the K tile, then the V tile
   float* Ps = KV + BN * kvs;       // (FA_R, BN) probabilities of the tile
   float* Al = Ps + FA_R * BN;      // (FA_R) rescale factors, at the end the sums l
 
@@ -82,7 +86,7 @@ __device__ __forceinline__ void flash_fwd(const float* __restrict__ q, const flo
       const int r = r0 + rr, t = r / G, g = r - t * G;
       x = reinterpret_cast<const float4*>(q + ((long long)t * Hq + h * G + g) * D)[c];
     }
-    reinterpret_cast<float4*>(Qs + rr * D)[c] = x;
+    reinterpret_cast<float4*>(Qs + rr * qs)[c] = x;
   }
 
   // positions of this thread's two score rows (an absent row masks every key) and the block's key range
@@ -99,9 +103,9 @@ __device__ __forceinline__ void flash_fwd(const float* __restrict__ q, const flo
   const float* vh = v + h * v_hs;
 
   float m[2] = {fa_neg_inf(), fa_neg_inf()}, l[2] = {0.f, 0.f};
-  float acc[4][CV][4];
+  float acc[RT][CV][4];
 #pragma unroll
-  for (int rr = 0; rr < 4; ++rr)
+  for (int rr = 0; rr < RT; ++rr)
 #pragma unroll
     for (int cv = 0; cv < CV; ++cv) acc[rr][cv][0] = acc[rr][cv][1] = acc[rr][cv][2] = acc[rr][cv][3] = 0.f;
 
@@ -114,8 +118,8 @@ __device__ __forceinline__ void flash_fwd(const float* __restrict__ q, const flo
     float s[2][NK];
 #pragma unroll
     for (int kk = 0; kk < NK; ++kk) s[0][kk] = s[1][kk] = 0.f;
-    const float4* q0 = reinterpret_cast<const float4*>(Qs + 2 * sr * D);
-    const float4* q1 = reinterpret_cast<const float4*>(Qs + (2 * sr + 1) * D);
+    const float4* q0 = reinterpret_cast<const float4*>(Qs + 2 * sr * qs);
+    const float4* q1 = reinterpret_cast<const float4*>(Qs + (2 * sr + 1) * qs);
 #pragma unroll 4
     for (int c = 0; c < D4; ++c) {
       const float4 a0 = q0[c], a1 = q1[c];
@@ -166,29 +170,29 @@ __device__ __forceinline__ void flash_fwd(const float* __restrict__ q, const flo
     fa_stage(KV, kvs, vh + (long long)j0 * Dv, Dv, BN, nj, Dv4);
     __syncthreads();
 
-    // acc (rows 4w..4w+3, columns lane + 32 cv) = alpha acc + P V
+    // acc (rows tr*RT.., columns tc + TC*cv) = alpha acc + P V
 #pragma unroll
-    for (int rr = 0; rr < 4; ++rr) {
-      const float a = Al[4 * warp + rr];
+    for (int rr = 0; rr < RT; ++rr) {
+      const float a = Al[tr * RT + rr];
 #pragma unroll
       for (int cv = 0; cv < CV; ++cv)
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc[rr][cv][e] *= a;
     }
     for (int jj = 0; jj < BN; jj += 4) {
-      float4 p[4];
+      float4 p[RT];
 #pragma unroll
-      for (int rr = 0; rr < 4; ++rr) p[rr] = reinterpret_cast<const float4*>(Ps + (4 * warp + rr) * BN + jj)[0];
+      for (int rr = 0; rr < RT; ++rr) p[rr] = reinterpret_cast<const float4*>(Ps + (tr * RT + rr) * BN + jj)[0];
 #pragma unroll
       for (int u = 0; u < 4; ++u) {
         const float4* vr = reinterpret_cast<const float4*>(KV + (jj + u) * kvs);
 #pragma unroll
         for (int cv = 0; cv < CV; ++cv) {
-          const int c4 = lane + 32 * cv;
+          const int c4 = tc + TC * cv;
           if (c4 < Dv4) {
             const float4 b = vr[c4];
 #pragma unroll
-            for (int rr = 0; rr < 4; ++rr) {
+            for (int rr = 0; rr < RT; ++rr) {
               const float pp = fa_get(p[rr], u);
               acc[rr][cv][0] = fmaf(pp, b.x, acc[rr][cv][0]);
               acc[rr][cv][1] = fmaf(pp, b.y, acc[rr][cv][1]);
@@ -202,22 +206,22 @@ __device__ __forceinline__ void flash_fwd(const float* __restrict__ q, const flo
     __syncthreads();  // before the next K tile overwrites KV, Ps and Al
   }
 
-  // out = acc / l (the warp scored these rows itself: a warp barrier suffices)
+  // out = acc / l
   if (sc == 0) {
     Al[2 * sr] = l[0];
     Al[2 * sr + 1] = l[1];
   }
-  __syncwarp();
+  __syncthreads();
 #pragma unroll
-  for (int rr = 0; rr < 4; ++rr) {
-    const int row = 4 * warp + rr;
+  for (int rr = 0; rr < RT; ++rr) {
+    const int row = tr * RT + rr;
     if (row < nr) {
       const int r = r0 + row, t = r / G, g = r - t * G;
       const float L = Al[row];
       float4* o = reinterpret_cast<float4*>(out + ((long long)t * Hq + h * G + g) * Dv);
 #pragma unroll
       for (int cv = 0; cv < CV; ++cv) {
-        const int c4 = lane + 32 * cv;
+        const int c4 = tc + TC * cv;
         if (c4 < Dv4)
           o[c4] = make_float4(acc[rr][cv][0] / L, acc[rr][cv][1] / L, acc[rr][cv][2] / L, acc[rr][cv][3] / L);
       }
@@ -225,26 +229,32 @@ __device__ __forceinline__ void flash_fwd(const float* __restrict__ q, const flo
   }
 }
 
-// flash_fwd_c<CV>_n<BN>(q, K, V, out, T, Hq, G, S, D, Dv, k_hs, v_hs, start, lo, scale, softcap (0: none),
-//                       window (0: none))
-#define FLASH_FWD(CV, BN, MINB)                                                                                     \
-  extern "C" __global__ void __launch_bounds__(FA_NT, MINB) flash_fwd_c##CV##_n##BN(                                \
+// flash_fwd_v<DV>_n<BN>(q, K, V, out, T, Hq, G, S, D, Dv, k_hs, v_hs, start, lo, scale, softcap (0: none),
+//                       window (0: none)); Dv <= DV. P V thread tiles: v128 4 rows x 1 float4 column (RT 4, CV 1),
+// v256 8 x 1 (RT 8, CV 1), v512 8 x 2 (RT 8, CV 2).
+#define FLASH_FWD(DV, RT, CV, BN, MINB)                                                                             \
+  extern "C" __global__ void __launch_bounds__(FA_NT, MINB) flash_fwd_v##DV##_n##BN(                                \
       const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,                        \
       float* __restrict__ out, int T, int Hq, int G, int S, int D, int Dv, long long k_hs, long long v_hs,          \
       int start, int lo, float scale, float softcap, int window) {                                                  \
     extern __shared__ float4 fa_smem4[];                                                                            \
-    flash_fwd<CV, BN>(q, k, v, out, T, Hq, G, S, D, Dv, k_hs, v_hs, start, lo, scale, softcap, window,              \
-                      reinterpret_cast<float*>(fa_smem4));                                                          \
+    flash_fwd<RT, CV, BN>(q, k, v, out, T, Hq, G, S, D, Dv, k_hs, v_hs, start, lo, scale, softcap, window,          \
+                          reinterpret_cast<float*>(fa_smem4));                                                      \
   }
 
-#define FLASH_FWD_N(CV, MINB)                                                                                       \
-  FLASH_FWD(CV, 16, MINB)                                                                                           \
-  FLASH_FWD(CV, 32, MINB)                                                                                           \
-  FLASH_FWD(CV, 64, MINB)
+#define FLASH_FWD_N(DV, RT, CV, MINB)                                                                               \
+  FLASH_FWD(DV, RT, CV, 16, MINB)                                                                                   \
+  FLASH_FWD(DV, RT, CV, 32, MINB)                                                                                   \
+  FLASH_FWD(DV, RT, CV, 64, MINB)
 
-// Dv <= 256: two blocks per SM where shared memory allows (<= 128 registers); Dv <= 512: one (its shared memory
-// takes the SM anyway at BN = 64), with the registers that the accumulators want.
-FLASH_FWD_N(1, 2)
-FLASH_FWD_N(2, 2)
-FLASH_FWD_N(3, 1)
-FLASH_FWD_N(4, 1)
+// Dv <= 256: two blocks per SM (<= 128 registers) on sm_90, where 2 x 108 KB of shared memory fit at D = 256;
+// Dv <= 512, and sm_120 (~100 KB of shared memory per SM: one block at D >= 128 anyway): one, with the registers
+// the accumulators want.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000
+#define FA_MINB 1
+#else
+#define FA_MINB 2
+#endif
+FLASH_FWD_N(128, 4, 1, FA_MINB)
+FLASH_FWD_N(256, 8, 1, FA_MINB)
+FLASH_FWD_N(512, 8, 2, 1)
