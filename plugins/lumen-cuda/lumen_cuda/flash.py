@@ -1,7 +1,10 @@
 """Causal prefill attention in one kernel launch (``kernels/flash_attention.cu``): FlashAttention-2 style, f32 SIMT,
 online softmax, the (T, S) scores never written to memory. ``attend`` has the semantics of ``attention._attend``
 (which calls it first for T > 1) and matches it to 1e-5 relative; it returns None for what it does not support, and
-the caller then runs the CuPy path. ``LUMEN_CUDA_FLASH=0`` turns it off (read at every call).
+the caller then runs the CuPy path. ``LUMEN_CUDA_FLASH=0`` turns it off (read at every call). It also declines a
+few queries over a long cache (more than LONG_KEYS keys and fewer than half as many blocks as SMs): there each
+block would walk every key alone, and the CuPy path's small score matrix is cheaper (a split-K variant is not
+written yet).
 
 Launch configuration: ``flash_fwd_v<DV>_n<BN>`` grid (Hkv, ceil(T * G / 32)), 256 threads, G = Hq / Hkv,
 DV = 128 / 256 / 512, the smallest >= Dv; BN = keys per tile, the largest of 64 / 32 / 16 whose shared memory
@@ -26,11 +29,14 @@ TILES = (64, 32, 16)  # keys per tile, largest first
 MAX_DIM = 512  # D and Dv
 DV_CLASSES = (128, 256, 512)  # kernel variants by value head dim
 MAX_ROW_BLOCKS = 65535  # grid.y
+LONG_KEYS = 2048  # above this many keys, decline a grid of fewer than half as many blocks as the device has SMs
 
 _FNS: dict[tuple[int, str], cp.RawKernel] = {}
 _SMEM_SET: dict[tuple[int, str], int] = {}
 _LIMITS: dict[int, int] = {}
 _ATTR_SMEM_OPTIN = 97  # cudaDevAttrMaxSharedMemoryPerBlockOptin
+_ATTR_SMS = 16  # cudaDevAttrMultiProcessorCount
+_SMS: dict[int, int] = {}
 
 
 def enabled() -> bool:
@@ -51,6 +57,18 @@ def _smem_limit() -> int:
             limit = 48 * 1024
         _LIMITS[dev] = limit
     return limit
+
+
+def _sm_count() -> int:
+    dev = cp.cuda.runtime.getDevice()
+    n = _SMS.get(dev)
+    if n is None:
+        try:
+            n = int(cp.cuda.runtime.deviceGetAttribute(_ATTR_SMS, dev))
+        except Exception:
+            n = 1
+        _SMS[dev] = n
+    return n
 
 
 def _fn(name: str, smem: int) -> cp.RawKernel:
@@ -109,6 +127,8 @@ def attend(q, keys, vals, start: int, lo: int, scale: float, window: int | None,
         return None
     if window is not None and window < 1:
         return None
+    if S > LONG_KEYS and 2 * Hkv * nrb < _sm_count():
+        return None  # a few queries over a long cache: a block per 32 rows walks every key alone (no split-K yet)
     choice = kernel_name(D, Dv, _smem_limit())
     if choice is None:
         return None
