@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import cupy as cp
 
+from . import flash
+
 F32 = cp.float32
 KV_DTYPES = {"f32": cp.float32, "f16": cp.float16, "bf16": cp.uint16}
 
@@ -115,7 +117,19 @@ def _ring_update(cache: RingKVCache, k, v, start: int, window: int | None):
 
 
 def _attend(q, keys, vals, start: int, lo: int, scale: float, window: int | None, softcap: float | None):
-    """q (T, Hq, D) at start.., keys (Hkv, S, D) / vals (Hkv, S, Dv) at lo.. -> (T, Hq, Dv)."""
+    """q (T, Hq, D) at start.., keys (Hkv, S, D) / vals (Hkv, S, Dv) at lo.. -> (T, Hq, Dv).
+
+    T > 1: the flash kernel (``flash.attend``: one launch, no (T, S) scores in memory) unless it declines
+    (unsupported shapes, ``LUMEN_CUDA_FLASH=0``); otherwise, and for T = 1, the CuPy path."""
+    if q.shape[0] > 1:
+        out = flash.attend(q, keys, vals, start, lo, scale, window, softcap)
+        if out is not None:
+            return out
+    return _attend_cupy(q, keys, vals, start, lo, scale, window, softcap)
+
+
+def _attend_cupy(q, keys, vals, start: int, lo: int, scale: float, window: int | None, softcap: float | None):
+    """``_attend`` with CuPy ops: the (Hkv, G*T, S) f32 scores materialised (the reference for the kernel)."""
     T, hq, _ = q.shape
     end = lo + keys.shape[1]
     hkv = keys.shape[0]

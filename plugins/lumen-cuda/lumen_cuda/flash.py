@@ -1,0 +1,147 @@
+"""Causal prefill attention in one kernel launch (``kernels/flash_attention.cu``): FlashAttention-2 style, f32 SIMT,
+online softmax, the (T, S) scores never written to memory. ``attend`` has the semantics of ``attention._attend``
+(which calls it first for T > 1) and matches it to 1e-5 relative; it returns None for what it does not support, and
+the caller then runs the CuPy path. ``LUMEN_CUDA_FLASH=0`` turns it off (read at every call). It also declines a
+few queries over a long cache (more than LONG_KEYS keys and fewer than half as many blocks as SMs): there each
+block would walk every key alone, and the CuPy path's small score matrix is cheaper (a split-K variant is not
+written yet).
+
+Launch configuration: ``flash_fwd_v<DV>_n<BN>`` grid (Hkv, ceil(T * G / 32)), 256 threads, G = Hq / Hkv,
+DV = 128 / 256 / 512, the smallest >= Dv; BN = keys per tile, the largest of 64 / 32 / 16 whose shared memory
+4 * (32 * (D + 4) + BN * (max(D, Dv) + 4) + 32 * BN + 32) bytes fits the device's per-block opt-in limit
+(H200, 227 KB: BN = 64 for every D <= 512; 99 KB parts: BN = 32 at D = 256, 16 at D = 512).
+"""
+
+from __future__ import annotations
+
+import os
+
+import cupy as cp
+import numpy as np
+
+from . import kernels
+
+F32 = cp.float32
+FILE = "flash_attention"
+THREADS = 256
+ROWS = 32  # FA_R: (query, head-of-group) rows per block
+TILES = (64, 32, 16)  # keys per tile, largest first
+MAX_DIM = 512  # D and Dv
+DV_CLASSES = (128, 256, 512)  # kernel variants by value head dim
+MAX_ROW_BLOCKS = 65535  # grid.y
+LONG_KEYS = 2048  # above this many keys, decline a grid of fewer than half as many blocks as the device has SMs
+
+_FNS: dict[tuple[int, str], cp.RawKernel] = {}
+_SMEM_SET: dict[tuple[int, str], int] = {}
+_LIMITS: dict[int, int] = {}
+_ATTR_SMEM_OPTIN = 97  # cudaDevAttrMaxSharedMemoryPerBlockOptin
+_ATTR_SMS = 16  # cudaDevAttrMultiProcessorCount
+_SMS: dict[int, int] = {}
+
+
+def enabled() -> bool:
+    return os.environ.get("LUMEN_CUDA_FLASH", "1") != "0"
+
+
+def smem_bytes(D: int, Dv: int, bn: int) -> int:
+    return 4 * (ROWS * (D + 4) + bn * (max(D, Dv) + 4) + ROWS * bn + ROWS)
+
+
+def _smem_limit() -> int:
+    dev = cp.cuda.runtime.getDevice()
+    limit = _LIMITS.get(dev)
+    if limit is None:
+        try:
+            limit = int(cp.cuda.runtime.deviceGetAttribute(_ATTR_SMEM_OPTIN, dev))
+        except Exception:  # a runtime without the attribute: the default limit
+            limit = 48 * 1024
+        _LIMITS[dev] = limit
+    return limit
+
+
+def _sm_count() -> int:
+    dev = cp.cuda.runtime.getDevice()
+    n = _SMS.get(dev)
+    if n is None:
+        try:
+            n = int(cp.cuda.runtime.deviceGetAttribute(_ATTR_SMS, dev))
+        except Exception:
+            n = 1
+        _SMS[dev] = n
+    return n
+
+
+def _fn(name: str, smem: int) -> cp.RawKernel:
+    key = (cp.cuda.runtime.getDevice(), name)
+    fn = _FNS.get(key)
+    if fn is None:
+        fn = _FNS[key] = kernels.function(FILE, name)
+    if smem > 48 * 1024 and _SMEM_SET.get(key, 0) < smem:
+        fn.max_dynamic_shared_size_bytes = smem
+        _SMEM_SET[key] = smem
+    return fn
+
+
+def _ptr(x) -> int:
+    return x.data.ptr
+
+
+def _rows(x, width: int):
+    """x (H, S, width) f32 as (array, head stride in elements) with contiguous 16-byte aligned rows (a view
+    sliced along S is kept; anything else is copied)."""
+    st = x.strides
+    if x.dtype != F32 or st[2] != 4 or st[1] != 4 * width or st[0] < 0 or st[0] % 16 or _ptr(x) % 16:
+        x = cp.ascontiguousarray(x, dtype=F32)
+    if x.shape[0] > 1:
+        return x, x.strides[0] // 4
+    return x, x.shape[1] * width
+
+
+def kernel_name(D: int, Dv: int, limit: int | None = None):
+    """(kernel name, shared memory bytes) for head dims D, Dv, or None when no variant fits."""
+    dv = next(c for c in DV_CLASSES if Dv <= c)
+    for bn in TILES:
+        smem = smem_bytes(D, Dv, bn)
+        if limit is None or smem <= limit:
+            return f"flash_fwd_v{dv}_n{bn}", smem
+    return None
+
+
+def attend(q, keys, vals, start: int, lo: int, scale: float, window: int | None, softcap: float | None):
+    """q (T, Hq, D) at start.., keys (Hkv, S, D) / vals (Hkv, S, Dv) at lo.. -> (T, Hq, Dv) f32, as
+    ``attention._attend``; None where unsupported or disabled."""
+    if not enabled():
+        return None
+    if not all(isinstance(a, cp.ndarray) for a in (q, keys, vals)) or q.ndim != 3 or keys.ndim != 3 or vals.ndim != 3:
+        return None
+    T, Hq, D = q.shape
+    Hkv, S, Dk = keys.shape
+    Dv = vals.shape[2]
+    if Dk != D or vals.shape[:2] != (Hkv, S) or Hkv == 0 or Hq % Hkv or T < 1 or S < 1:
+        return None
+    if not (0 < D <= MAX_DIM and 0 < Dv <= MAX_DIM and D % 4 == 0 and Dv % 4 == 0):
+        return None
+    G = Hq // Hkv
+    nrb = -(-T * G // ROWS)
+    if nrb > MAX_ROW_BLOCKS or start < 0 or lo < 0 or start + T >= 2 ** 30:
+        return None
+    if window is not None and window < 1:
+        return None
+    if S > LONG_KEYS and 2 * Hkv * nrb < _sm_count():
+        return None  # a few queries over a long cache: a block per 32 rows walks every key alone (no split-K yet)
+    choice = kernel_name(D, Dv, _smem_limit())
+    if choice is None:
+        return None
+    name, smem = choice
+    win = 0 if window is None or window >= start + T else int(window)  # a window reaching past position 0: none
+    cap = float(softcap) if softcap else 0.0
+    qc = cp.ascontiguousarray(q, dtype=F32)
+    kc, k_hs = _rows(keys, D)
+    vc, v_hs = _rows(vals, Dv)
+    out = cp.empty((T, Hq, Dv), dtype=F32)
+    _fn(name, smem)((Hkv, nrb), (THREADS,),
+                    (qc, kc, vc, out, np.int32(T), np.int32(Hq), np.int32(G), np.int32(S), np.int32(D),
+                     np.int32(Dv), np.int64(k_hs), np.int64(v_hs), np.int32(start), np.int32(lo),
+                     np.float32(scale), np.float32(cap), np.int32(win)),
+                    shared_mem=smem)
+    return out

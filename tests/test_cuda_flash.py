@@ -1,0 +1,162 @@
+"""The prefill attention kernel (lumen_cuda.flash: kernels/flash_attention.cu) against the CuPy path it replaces
+(lumen_cuda.attention._attend_cupy, which materialises the scores): outputs within 1e-5 × max(1, max |reference|)
+over head dims, GQA groups, lengths, offsets, windows and softcaps; the tile sizes a 99 KB part gets; and the
+public ops (full and ring caches, bf16) equal with LUMEN_CUDA_FLASH on and off.
+
+GPU tests carry the ``gpu`` marker and skip without CuPy or a CUDA device.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+import pytest
+from gpu_util import close
+
+pytest.importorskip("lumen_cuda")
+
+
+@pytest.fixture(scope="module")
+def mods(cp):
+    from lumen_cuda import attention, flash
+
+    return attention, flash
+
+
+def case(cp, rng, T, Hq, Hkv, D, Dv, start, window, views=False):
+    """q (T, Hq, D), keys (Hkv, S, D), vals (Hkv, S, Dv) at lo.. as attention() would pass them."""
+    lo = 0 if window is None else max(0, start - window + 1)
+    S = start - lo + T
+    q = cp.asarray(rng.normal(size=(Hq, T, D)).astype(np.float32)).swapaxes(0, 1)  # a non-contiguous view
+    if views:  # keys / values sliced along S out of a longer buffer (attention_shared on a ring's record)
+        keys = cp.asarray(rng.normal(size=(Hkv, S + 7, D)).astype(np.float32))[:, 3:3 + S]
+        vals = cp.asarray(rng.normal(size=(Hkv, S + 7, Dv)).astype(np.float32))[:, 4:4 + S]
+    else:
+        keys = cp.asarray(rng.normal(size=(Hkv, S, D)).astype(np.float32))
+        vals = cp.asarray(rng.normal(size=(Hkv, S, Dv)).astype(np.float32))
+    return q, keys, vals, lo
+
+
+def check(attention, flash, q, keys, vals, start, lo, scale, window, softcap):
+    got = flash.attend(q, keys, vals, start, lo, scale, window, softcap)
+    assert got is not None, "the kernel declined a supported case"
+    want = attention._attend_cupy(q, keys, vals, start, lo, scale, window, softcap)
+    return close(got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("softcap", [None, 30.0])
+@pytest.mark.parametrize("window", [None, 32, 100])
+@pytest.mark.parametrize("start", [0, 37])
+@pytest.mark.parametrize("T", [2, 17, 64, 129, 600])
+@pytest.mark.parametrize("G", [1, 2, 8])
+@pytest.mark.parametrize("D", [64, 128, 256, 512])
+def test_flash_against_the_cupy_path(cp, mods, D, G, T, start, window, softcap):
+    attention, flash = mods
+    rng = np.random.default_rng(zlib.crc32(repr((D, G, T, start, window, softcap)).encode()))
+    Hkv = 2
+    q, keys, vals, lo = case(cp, rng, T, G * Hkv, Hkv, D, D, start, window)
+    scale = (4.0 if softcap else 1.0) * D ** -0.5  # scores up to ~15 with the softcap: it bends them
+    check(attention, flash, q, keys, vals, start, lo, scale, window, softcap)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dims", [(512, 128), (128, 96), (96, 256), (20, 36)])
+@pytest.mark.parametrize(("T", "start", "window", "softcap"), [(129, 37, None, None), (70, 300, 100, 30.0)])
+def test_flash_other_head_dims_and_views(cp, mods, dims, T, start, window, softcap):
+    """Dv != D, head dims that are no power of two, keys / values as views sliced along S, one kv head."""
+    attention, flash = mods
+    (D, Dv) = dims
+    rng = np.random.default_rng(zlib.crc32(repr((dims, T, start, window)).encode()))
+    for Hq, Hkv in ((4, 2), (3, 1)):
+        q, keys, vals, lo = case(cp, rng, T, Hq, Hkv, D, Dv, start, window, views=True)
+        check(attention, flash, q, keys, vals, start, lo, 0.7 * D ** -0.5, window, softcap)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D", [64, 128, 256, 512])
+def test_flash_tiles_of_a_99_kb_part(cp, mods, monkeypatch, D):
+    """The smaller key tiles (BN = 32 at D = 256, 16 at D = 512) that a 99 KB-per-block GPU (sm_120) gets."""
+    attention, flash = mods
+    monkeypatch.setattr(flash, "_smem_limit", lambda: 99 * 1024)
+    name, smem = flash.kernel_name(D, D, 99 * 1024)
+    assert smem <= 99 * 1024
+    rng = np.random.default_rng(D)
+    for T, start, window, softcap in ((129, 0, None, None), (64, 37, 32, 30.0)):
+        q, keys, vals, lo = case(cp, rng, T, 8, 2, D, D, start, window)
+        check(attention, flash, q, keys, vals, start, lo, D ** -0.5, window, softcap)
+
+
+@pytest.mark.gpu
+def test_flash_long_prefill(cp, mods):
+    """T = 2048, D = 256, G = 4 (correctness; the two timings are printed, not asserted)."""
+    attention, flash = mods
+    rng = np.random.default_rng(2048)
+    T, Hkv, G, D = 2048, 2, 4, 256
+    q, keys, vals, lo = case(cp, rng, T, G * Hkv, Hkv, D, D, 0, None)
+    scale = D ** -0.5
+    check(attention, flash, q, keys, vals, 0, lo, scale, None, None)
+    times = {}
+    for name, fn in (("flash", flash.attend), ("cupy", attention._attend_cupy)):
+        fn(q, keys, vals, 0, lo, scale, None, None)
+        a, b = cp.cuda.Event(), cp.cuda.Event()
+        a.record()
+        for _ in range(3):
+            fn(q, keys, vals, 0, lo, scale, None, None)
+        b.record()
+        b.synchronize()
+        times[name] = cp.cuda.get_elapsed_time(a, b) / 3
+    flops = 4 * G * Hkv * D * T * (T + 1) / 2  # causal: QK and PV over the attended pairs
+    print(f"\nT={T} D={D} Hq={G * Hkv}: flash {times['flash']:.3f} ms ({flops / times['flash'] / 1e9:.1f} TFLOP/s), "
+          f"cupy {times['cupy']:.3f} ms")
+
+
+@pytest.mark.gpu
+def test_flash_declines_what_it_does_not_support(cp, mods, monkeypatch):
+    """Disabled, head dims it has no variant for, and a few queries over a long cache (left to the CuPy path)."""
+    attention, flash = mods
+    rng = np.random.default_rng(3)
+    q, keys, vals, lo = case(cp, rng, 5, 4, 2, 64, 64, 0, None)
+    monkeypatch.setenv("LUMEN_CUDA_FLASH", "0")
+    assert flash.attend(q, keys, vals, 0, lo, 0.1, None, None) is None
+    close(attention._attend(q, keys, vals, 0, lo, 0.1, None, None),
+          attention._attend_cupy(q, keys, vals, 0, lo, 0.1, None, None))
+    monkeypatch.setenv("LUMEN_CUDA_FLASH", "1")
+    q6, k6, v6, _ = case(cp, rng, 5, 4, 2, 6, 6, 0, None)  # D % 4 != 0
+    assert flash.attend(q6, k6, v6, 0, 0, 0.1, None, None) is None
+    q9, k9, v9, _ = case(cp, rng, 5, 4, 2, 64, 516, 0, None)  # Dv > 512
+    assert flash.attend(q9, k9, v9, 0, 0, 0.1, None, None) is None
+    close(attention._attend(q6, k6, v6, 0, 0, 0.1, None, None),
+          attention._attend_cupy(q6, k6, v6, 0, 0, 0.1, None, None))
+    ql, kl, vl, lo = case(cp, rng, 2, 2, 1, 64, 64, flash.LONG_KEYS + 100, None)  # one block over a long cache
+    assert flash.attend(ql, kl, vl, flash.LONG_KEYS + 100, lo, 0.1, None, None) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["full", "ring"])
+@pytest.mark.parametrize("softcap", [None, 30.0])
+def test_attention_op_with_flash_on_and_off(cp, mods, monkeypatch, kind, softcap):
+    """attention / attention_shared over a bf16 KVCache (window None and 48) and a bf16 RingKVCache (window 48):
+    a prefill, one decode token, then two more prefill chunks; the same with the kernel on and off."""
+    attention, _ = mods
+    Hq, Hkv, D, W = 8, 2, 128, 48
+    scale = (4.0 if softcap else 1.0) * D ** -0.5
+    for window in ((None, W) if kind == "full" else (W,)):
+        results, caches = [], []
+        for flag in ("1", "0"):
+            monkeypatch.setenv("LUMEN_CUDA_FLASH", flag)
+            rng = np.random.default_rng(7)
+            cache = (attention.kv_cache(512, Hkv, D, "bf16") if kind == "full"
+                     else attention.sliding_kv_cache(W, Hkv, D, "bf16"))
+            outs, start = [], 0
+            for T in (100, 1, 33, 65):
+                q, k, v = (cp.asarray(rng.normal(size=(T, h, D)).astype(np.float32)) for h in (Hq, Hkv, Hkv))
+                outs.append(attention.attention(q, k, v, cache, start, scale, window, softcap))
+                outs.append(attention.attention_shared(q, cache, start, scale, window, softcap))
+                start += T
+            results.append(outs)
+            caches.append(cache)
+        for got, want in zip(*results, strict=True):
+            close(got, want)
+        assert cp.array_equal(caches[0].k, caches[1].k) and cp.array_equal(caches[0].v, caches[1].v)
