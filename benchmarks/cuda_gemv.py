@@ -6,7 +6,7 @@ the calls are queued behind a 10 ms spin kernel instead, so the GPU runs them ba
 rotated over enough copies to defeat the L2.
 
     python benchmarks/cuda_gemv.py [--json PATH] [--tokens 1,4] [--reps 20]
-    python benchmarks/cuda_gemv.py --fp8-sweep     # fp8 at T = 1: e4m3 conversion variants x rows per warp
+    python benchmarks/cuda_gemv.py --fp8-sweep     # fp8 at T = 1: unroll 2 / 4 x rows per warp
 
 Bytes counted per call: the weight (+ fp8 scales) + x + y. "% copy" = GB/s over the device-to-device copy's GB/s
 (read + write); "% read" = over a read-only streaming kernel's GB/s (the ceiling a GEMV can reach).
@@ -196,9 +196,9 @@ FP8_SWEEP_SHAPES = [  # decode matrices of the Qwen3.5-9B and 35B-A3B shapes (fp
 
 
 def fp8_sweep(reps: int, read_bw: float) -> None:
-    """The fp8 GEMV at T = 1 for each e4m3 conversion (gemv.FP8_CONV) and rows per warp: time, bandwidth, and
-    the largest difference from conversion 0 (relative to max |y|)."""
-    print("\n| shape | conv | rows | us | GB/s | % of read BW | max diff vs conv 0 |")
+    """The fp8 GEMV at T = 1 for each unroll (gemv.FP8_UNROLL: loads in flight per row) and rows per warp: time,
+    bandwidth, and the largest difference from unroll 2 (relative to max |y|)."""
+    print("\n| shape | unroll | rows | us | GB/s | % of read BW | max diff vs unroll 2 |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for name, N, K in FP8_SWEEP_SHAPES:
         cp.random.seed(0)
@@ -209,13 +209,13 @@ def fp8_sweep(reps: int, read_bw: float) -> None:
         x = cp.random.standard_normal((1, K), dtype=cp.float32)
         y = cp.empty((1, N), cp.float32)
         nbytes = N * K + 4 * s8[0].size + 4 * K + 4 * N
-        base = gemv.gemv_fp8(x, w8[0], s8[0], (128, 128), conv=0)
-        for conv in (0, 1, 2):
-            diff = float(cp.abs(gemv.gemv_fp8(x, w8[0], s8[0], (128, 128), conv=conv) - base).max()
+        base = gemv.gemv_fp8(x, w8[0], s8[0], (128, 128), unroll=2)
+        for conv in (2, 4):
+            diff = float(cp.abs(gemv.gemv_fp8(x, w8[0], s8[0], (128, 128), unroll=conv) - base).max()
                          / cp.abs(base).max())
             for rows in (1, 2, 4):
                 def call(i, r=rows, c=conv, x=x, y=y, w8=w8, s8=s8):
-                    gemv.gemv_fp8(x, w8[i], s8[i], (128, 128), out=y, rows=r, conv=c)
+                    gemv.gemv_fp8(x, w8[i], s8[i], (128, 128), out=y, rows=r, unroll=c)
 
                 t, _ = timed(call, nsets, reps)
                 gbs = nbytes / t / 1e9
@@ -226,7 +226,7 @@ def fp8_sweep(reps: int, read_bw: float) -> None:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--fp8-sweep", action="store_true", help="only the fp8 conversion x rows sweep at T = 1")
+    ap.add_argument("--fp8-sweep", action="store_true", help="only the fp8 unroll x rows sweep at T = 1")
     ap.add_argument("--json", help="write every measurement here")
     ap.add_argument("--tokens", default="1,4", help="token counts T (1..4)")
     ap.add_argument("--reps", type=int, default=20, help="calls per CUDA graph")

@@ -33,9 +33,9 @@ WARPS = 4  # warps per block (GEMV_WARPS in the .cu files)
 ROWS = {"bf16": (2, 4, 4, 4), "f16": (2, 4, 4, 4), "fp8": (4, 4, 4, 4), "f32": (2, 4, 4, 4), "nvfp4": (2, 4, 4, 4)}
 ALIGN = {"bf16": 8, "f16": 8, "fp8": 16, "f32": 4, "nvfp4": 32}  # K % this == 0: one 16-byte load per lane per step
 
-# How the fp8 GEMV turns e4m3 bytes into floats (FP8_CONV in gemv_fp8.cu: 0 hardware conversion, 1 integer bit
-# placement, 2 half each); the same values either way. LUMEN_CUDA_FP8_CONV overrides (benchmarks).
-FP8_CONV = int(os.environ.get("LUMEN_CUDA_FP8_CONV", "0"))
+# 16-byte loads in flight per row and lane in the fp8 GEMV (GEMV_U in gemv_fp8.cu); LUMEN_CUDA_FP8_UNROLL
+# overrides (benchmarks/cuda_gemv.py --fp8-sweep compares 2 and 4).
+FP8_UNROLL = int(os.environ.get("LUMEN_CUDA_FP8_UNROLL", "2"))
 
 _FNS: dict[tuple, cp.RawKernel] = {}
 
@@ -132,7 +132,7 @@ def fp8_block(shape, scale, block=None) -> tuple[int, int, int]:
     return 1, kpad, 1
 
 
-def gemv_fp8(x, w, scale, block=(128, 128), out=None, rows: int | None = None, conv: int | None = None):
+def gemv_fp8(x, w, scale, block=(128, 128), out=None, rows: int | None = None, unroll: int | None = None):
     """y (T, N) f32 = x (T, K) @ (w * scale).T for w (N, K) e4m3 bytes (uint8), scale (ceil(N/BR), ceil(K/BC))
     f32 (HF ``weight_scale_inv``), per-channel (N,) or per-tensor (1,) with block None; K % 16 == 0."""
     x = _prep_x(x)
@@ -143,8 +143,8 @@ def gemv_fp8(x, w, scale, block=(128, 128), out=None, rows: int | None = None, c
     s = cp.ascontiguousarray(scale, dtype=cp.float32)
     rows = rows or ROWS["fp8"][T - 1]
     y = _out(out, T, N)
-    conv = FP8_CONV if conv is None else conv
-    fn = _fn("gemv_fp8", f"gemv_fp8_x{_xname(x)}_t{T}_r{rows}", (f"-DFP8_CONV={conv}",))
+    unroll = FP8_UNROLL if unroll is None else unroll
+    fn = _fn("gemv_fp8", f"gemv_fp8_x{_xname(x)}_t{T}_r{rows}", (f"-DGEMV_U={unroll}",))
     fn(((N + rows * WARPS - 1) // (rows * WARPS),), (WARPS * 32,),
        (w, s, x, y, np.int32(N), np.int32(K), np.int32(br), np.int32(bc), np.int32(sk)))
     return y
@@ -260,7 +260,13 @@ def fp8_split(data, scale, block=None, row0: int = 0, rows: int | None = None, o
     br, bc, sk = fp8_block((N, K), scale, block)
     s = cp.ascontiguousarray(cp.asarray(scale, dtype=cp.float32))
     hi, lo = _split_out(out, rows, K)
-    if rows * K:
+    vec = (K % 8 == 0 and bc % 8 == 0 and data.data.ptr % 8 == 0 and hi.data.ptr % 16 == 0
+           and lo.data.ptr % 16 == 0 and N < 2**31)
+    if rows * K and vec:  # 8 values a thread (the usual case)
+        _fn("dequant_split", "dequant_split_fp8_v8")((-(-K // 1024), min(rows, 65535)), (128,), (
+            data, s, hi, lo, np.int32(row0), np.int32(rows), np.int32(K), np.int32(br), np.int32(bc),
+            np.int32(sk)))
+    elif rows * K:
         _fn("dequant_split", "dequant_split_fp8")(_grid(rows * K), (256,), (
             data, s, hi, lo, np.int64(row0), np.int64(rows), np.int32(K), np.int32(br), np.int32(bc),
             np.int32(sk)))
@@ -278,7 +284,13 @@ def nvfp4_split(data, block, global_scale, row0: int = 0, rows: int | None = Non
                                                                                               block.shape)
     assert data.flags.c_contiguous and 0 <= row0 and row0 + rows <= N, (row0, rows, N)
     hi, lo = _split_out(out, rows, K)
-    if rows * half:
+    vec = (K % 16 == 0 and data.data.ptr % 8 == 0 and hi.data.ptr % 16 == 0 and lo.data.ptr % 16 == 0
+           and N < 2**31)
+    if rows * half and vec:  # 16 values a thread (the usual case)
+        _fn("dequant_split", "dequant_split_nvfp4_v16")((-(-K // 2048), min(rows, 65535)), (128,), (
+            data, cp.ascontiguousarray(block), hi, lo, np.int32(row0), np.int32(rows), np.int32(K),
+            np.float32(global_scale)))
+    elif rows * half:
         _fn("dequant_split", "dequant_split_nvfp4")(_grid(rows * half), (256,), (
             data, cp.ascontiguousarray(block), hi, lo, np.int64(row0), np.int64(rows), np.int32(K),
             np.float32(global_scale)))

@@ -80,6 +80,36 @@ extern "C" __global__ void dequant_split_fp8(const unsigned char* __restrict__ w
 // NVFP4: W[n, k] = (e2m1 * block scale) * gs, in that order (kernels/nvfp4.cu: the first product exact, the
 // second rounds once). data (N, K/2) packed codes, element 2j in the low nibble; scales (N, K/16) e4m3 bytes;
 // K % 16 == 0. One thread per packed byte (two elements, one 4-byte store into hi and one into lo).
+// The same for K % 8 == 0 and BC % 8 == 0 (one scale per 8 values), 8 values a thread: one 8-byte load, two
+// 16-byte stores, 32-bit index arithmetic. grid (ceil(K / 8 / 128), min(rows, 65535)), 128 threads; row0 + rows
+// <= N < 2^31.
+extern "C" __global__ void dequant_split_fp8_v8(const unsigned char* __restrict__ w, const float* __restrict__ S,
+                                                unsigned short* __restrict__ hi, unsigned short* __restrict__ lo,
+                                                int row0, int rows, int K, int BR, int BC, int SK) {
+  const int c = (blockIdx.x * blockDim.x + threadIdx.x) * 8;
+  if (c >= K) return;
+  const int cb = c / BC;
+  for (int r = blockIdx.y; r < rows; r += gridDim.y) {
+    const int row = row0 + r;
+    const float s = S[(long long)(row / BR) * SK + cb];
+    const uint2 b = *reinterpret_cast<const uint2*>(w + (long long)row * K + c);
+    const unsigned int u[2] = {b.x, b.y};
+    unsigned short h[8], l[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const float v = __fmul_rn(e4m3fn_value((u[j >> 2] >> (8 * (j & 3))) & 0xffu), s);
+      bf16_split1(v, h[j], l[j]);
+    }
+    uint4 ho, lo4;
+    ho.x = h[0] | ((unsigned int)h[1] << 16); ho.y = h[2] | ((unsigned int)h[3] << 16);
+    ho.z = h[4] | ((unsigned int)h[5] << 16); ho.w = h[6] | ((unsigned int)h[7] << 16);
+    lo4.x = l[0] | ((unsigned int)l[1] << 16); lo4.y = l[2] | ((unsigned int)l[3] << 16);
+    lo4.z = l[4] | ((unsigned int)l[5] << 16); lo4.w = l[6] | ((unsigned int)l[7] << 16);
+    *reinterpret_cast<uint4*>(hi + (long long)r * K + c) = ho;
+    *reinterpret_cast<uint4*>(lo + (long long)r * K + c) = lo4;
+  }
+}
+
 extern "C" __global__ void dequant_split_nvfp4(const unsigned char* __restrict__ data,    // (N, K/2)
                                                const unsigned char* __restrict__ scales,  // (N, K/16) e4m3
                                                unsigned short* __restrict__ hi,           // (rows, K) bf16 bits
@@ -98,5 +128,39 @@ extern "C" __global__ void dequant_split_nvfp4(const unsigned char* __restrict__
     bf16_split1(v1, h1, l1);
     reinterpret_cast<unsigned int*>(hi)[i] = (unsigned int)h0 | ((unsigned int)h1 << 16);
     reinterpret_cast<unsigned int*>(lo)[i] = (unsigned int)l0 | ((unsigned int)l1 << 16);
+  }
+}
+
+// The same, 16 values (8 packed bytes, one block scale) a thread, 32-bit index arithmetic; K % 16 == 0.
+// grid (ceil(K / 16 / 128), min(rows, 65535)), 128 threads.
+extern "C" __global__ void dequant_split_nvfp4_v16(const unsigned char* __restrict__ data,
+                                                   const unsigned char* __restrict__ scales,
+                                                   unsigned short* __restrict__ hi, unsigned short* __restrict__ lo,
+                                                   int row0, int rows, int K, float gs) {
+  const int g = blockIdx.x * blockDim.x + threadIdx.x;  // group of 16 values in the row
+  if (g * 16 >= K) return;
+  for (int r = blockIdx.y; r < rows; r += gridDim.y) {
+    const int row = row0 + r;
+    const float s = e4m3fn_value(scales[(long long)row * (K / 16) + g]);
+    const uint2 b = *reinterpret_cast<const uint2*>(data + (long long)row * (K / 2) + g * 8);
+    const unsigned int u[2] = {b.x, b.y};
+    unsigned int ho[8], lo8[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {  // byte j holds values 2j (low nibble) and 2j + 1
+      const unsigned int byte = (u[j >> 2] >> (8 * (j & 3))) & 0xffu;
+      const float v0 = __fmul_rn(__fmul_rn(e2m1_value(byte & 15u), s), gs);
+      const float v1 = __fmul_rn(__fmul_rn(e2m1_value(byte >> 4), s), gs);
+      unsigned short h0, l0, h1, l1;
+      bf16_split1(v0, h0, l0);
+      bf16_split1(v1, h1, l1);
+      ho[j] = (unsigned int)h0 | ((unsigned int)h1 << 16);
+      lo8[j] = (unsigned int)l0 | ((unsigned int)l1 << 16);
+    }
+    uint4* hp = reinterpret_cast<uint4*>(hi + (long long)r * K + g * 16);
+    uint4* lp = reinterpret_cast<uint4*>(lo + (long long)r * K + g * 16);
+    hp[0] = make_uint4(ho[0], ho[1], ho[2], ho[3]);
+    hp[1] = make_uint4(ho[4], ho[5], ho[6], ho[7]);
+    lp[0] = make_uint4(lo8[0], lo8[1], lo8[2], lo8[3]);
+    lp[1] = make_uint4(lo8[4], lo8[5], lo8[6], lo8[7]);
   }
 }

@@ -14,16 +14,9 @@
 #ifndef GEMV_WARPS
 #define GEMV_WARPS 4
 #endif
-#define GEMV_U 2
-// How e4m3 bytes become floats: 0 = the e4m3x2 -> f16x2 conversion, then f16 -> f32 (exact); 1 = integer bit
-// placement (the 7 magnitude bits at f32 bits 20..26, the sign at 31: the value times 2^-120 exactly, e4m3
-// subnormals included as f32 subnormals), with x pre-multiplied by 2^60 and the block scale by 2^60 so products
-// stay far from the f32 subnormal range; 2 = words 0 and 2 of each 16-byte load one way, 1 and 3 the other
-// (two pipes in parallel). All three give the same value up to f32 summation order.
-#ifndef FP8_CONV
-#define FP8_CONV 0
+#ifndef GEMV_U
+#define GEMV_U 2  // 16-byte loads per row in flight per lane (gemv.py may compile with -DGEMV_U=4)
 #endif
-#define FP8_X_SCALE __int_as_float(0x5d800000)  // 2^60
 
 __device__ __forceinline__ uint4 ld_stream16(const void* p) {
   uint4 v;
@@ -57,8 +50,9 @@ __device__ __forceinline__ void load_x16(const void* __restrict__ x, long long o
   }
 }
 
-// Four e4m3 bytes of a 32-bit word -> floats: exact values (cvt), or the values times 2^-120 (integer path).
-__device__ __forceinline__ void e4m3x4_cvt(unsigned int u, float* w) {
+// Four e4m3 bytes of a 32-bit word -> floats (e4m3x2 -> f16x2, exact, then f16 -> f32). An integer bit-placement
+// variant was measured no faster (the GEMV is bound by memory latency, not conversions) and dropped.
+__device__ __forceinline__ void e4m3x4(unsigned int u, float* w) {
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const __nv_fp8x2_storage_t pair = (__nv_fp8x2_storage_t)((u >> (16 * h)) & 0xffffu);
@@ -68,13 +62,6 @@ __device__ __forceinline__ void e4m3x4_cvt(unsigned int u, float* w) {
     w[2 * h + 1] = f.y;
   }
 }
-__device__ __forceinline__ void e4m3x4_int(unsigned int u, float* w) {
-  w[0] = __int_as_float(((int)(u << 24) >> 4) & 0x87f00000);
-  w[1] = __int_as_float(((int)(u << 16) >> 4) & 0x87f00000);
-  w[2] = __int_as_float(((int)(u << 8) >> 4) & 0x87f00000);
-  w[3] = __int_as_float(((int)u >> 4) & 0x87f00000);
-}
-__device__ __forceinline__ bool word_int(int i) { return FP8_CONV == 1 || (FP8_CONV == 2 && (i & 1)); }
 
 template <bool XBF16, int T, int ROWS>
 __device__ __forceinline__ void gemv_e4m3(const unsigned char* __restrict__ W,  // (N, K) e4m3
@@ -117,34 +104,21 @@ __device__ __forceinline__ void gemv_e4m3(const unsigned char* __restrict__ W,  
       if (k < K) {
         float xv[T][16];
 #pragma unroll
-        for (int t = 0; t < T; ++t) {
-          load_x16<XBF16>(x, (long long)t * K + k, xv[t]);
-#pragma unroll
-          for (int j = 0; j < 16; ++j)
-            if (word_int(j / 4)) xv[t][j] *= FP8_X_SCALE;
-        }
+        for (int t = 0; t < T; ++t) load_x16<XBF16>(x, (long long)t * K + k, xv[t]);
         const int kb = bc_pow2 ? k >> bc_shift : k / BC;
 #pragma unroll
         for (int r = 0; r < ROWS; ++r) {
           const unsigned int wu[4] = {wv[u][r].x, wv[u][r].y, wv[u][r].z, wv[u][r].w};
           float w[16];
 #pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            if (word_int(i)) e4m3x4_int(wu[i], w + 4 * i);
-            else e4m3x4_cvt(wu[i], w + 4 * i);
-          }
+          for (int i = 0; i < 4; ++i) e4m3x4(wu[i], w + 4 * i);
           const float s = __ldg(srow[r] + kb);
 #pragma unroll
           for (int t = 0; t < T; ++t) {
-            float pc = 0.f, pi = 0.f;  // cvt words (true values), integer words (x 2^-120 . x 2^60 = x 2^-60)
+            float p = 0.f;
 #pragma unroll
-            for (int j = 0; j < 16; ++j) {
-              if (word_int(j / 4)) pi = fmaf(w[j], xv[t][j], pi);
-              else pc = fmaf(w[j], xv[t][j], pc);
-            }
-            if (FP8_CONV == 0) acc[t][r] = fmaf(pc, s, acc[t][r]);
-            else if (FP8_CONV == 1) acc[t][r] = fmaf(pi, s * FP8_X_SCALE, acc[t][r]);
-            else acc[t][r] = fmaf(fmaf(pi, FP8_X_SCALE, pc), s, acc[t][r]);
+            for (int j = 0; j < 16; ++j) p = fmaf(w[j], xv[t][j], p);
+            acc[t][r] = fmaf(p, s, acc[t][r]);
           }
         }
       }
