@@ -136,3 +136,66 @@ def test_chat_prompt_uses_the_template(engine):
 def test_load_accepts_a_checkpoint_directory(ckpt):
     engine = lumen.load(str(ckpt), progress=False)
     assert engine.plan.entries[0].device == "cpu"
+
+
+class _RunAheadRunner:
+    """A DecodeRunner on the CPU model that offers greedy_tokens the way the CUDA one does: it computes up to two
+    steps ahead of what was consumed, so the engine's loop is exercised against a runner that runs ahead."""
+
+    def __init__(self, model, context):
+        self.model, self.cache, self.ahead = model, model.new_cache(context), []
+
+    def reset(self):
+        self.cache = self.model.new_cache(self.cache.capacity if hasattr(self.cache, "capacity") else 128)
+
+    def step(self, token):
+        return self.model.forward([token], self.cache)
+
+    def sampler(self, params):
+        from lumen_core.sampling import make_sampler
+
+        return make_sampler(params)
+
+    def greedy_tokens(self, token):
+        import numpy as np
+
+        queue = []
+
+        def launch(tok):
+            if self.cache.pos < 128:
+                queue.append(int(np.argmax(self.model.forward([tok], self.cache)[-1])))
+
+        launch(token)
+        if queue:
+            launch(queue[-1])
+        while queue:
+            tok = queue.pop(0)
+            if queue:
+                launch(queue[-1])
+            self.ahead.append(self.cache.pos)
+            yield tok
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 7, 200])
+def test_pipelined_greedy_runner_gives_the_same_tokens(engine, monkeypatch, max_tokens):
+    """The engine's greedy loop over DecodeRunner.greedy_tokens (a runner that computes ahead) yields what the
+    step-by-step loop yields, and stops at max_tokens, EOS and a full context the same way."""
+    prompts = [engine.encode(PROMPT), engine.encode("word " * 60)[:120]]
+
+    def run():
+        outs, reasons = [], []
+        for p in prompts:
+            outs.append(list(engine.generate_tokens(p, max_tokens=max_tokens)))
+            reasons.append((engine.stats.finish_reason, engine.stats.generated_tokens))
+        return outs, reasons
+
+    want, want_reasons = run()
+    runner = _RunAheadRunner(engine.model, 128)
+    monkeypatch.setattr(engine, "decode_runner", lambda: runner)
+    got, got_reasons = run()
+    assert got == want and got_reasons == want_reasons
+    if max_tokens > 1:
+        assert runner.ahead, "the engine did not use greedy_tokens"
+    monkeypatch.setattr(engine, "_eos", lambda: {want[0][min(3, len(want[0]) - 1)]})
+    stopped = list(engine.generate_tokens(prompts[0], max_tokens=max_tokens))
+    assert stopped == want[0][:min(3, len(want[0]) - 1)]
