@@ -2,7 +2,7 @@
 
     python benchmarks/cuda_models.py [--models 9b-bf16,9b-fp8,35b-a3b-fp8,g4-26b-a4b-bf16 --layers 32
                                       --moe-layers 8 --prompts 512,4096 --decode 64 --workdir /tmp/lumen-bench
-                                      --json out.json]
+                                      --placements vram,stream,stream-cache64,cpu-experts --json out.json]
 
 Rows (random checkpoints built by transformers in bf16 and saved; fp8 copies written by ``lumen quantize``):
 
@@ -59,6 +59,11 @@ def parse_args(argv=None):
     p.add_argument("--prompts", default="512,4096", help="prefill lengths (comma-separated)")
     p.add_argument("--decode", type=int, default=64, help="greedy decode steps timed")
     p.add_argument("--no-hf", action="store_true", help="skip transformers")
+    p.add_argument("--placements", default="vram",
+                   help="for MoE rows, comma-separated: vram (all on cuda:0), stream (routed experts in pinned host "
+                        "RAM, staged into the VRAM expert cache), stream-cacheN (a cache of N experts; default 32), "
+                        "cpu-experts (routed experts computed by the CPU backend); rows other than vram prefill "
+                        "only the first --prompts length")
     p.add_argument("--workdir", default="/tmp/lumen-bench")
     p.add_argument("--json")
     return p.parse_args(argv)
@@ -126,12 +131,13 @@ def bytes_per_token(path: Path) -> tuple[int, int]:
     top = cfg.get("num_experts_per_tok") or cfg.get("top_k_experts") or 1
     frac = top / cfg["num_experts"] if cfg.get("num_experts") else 1.0
     tied = cfg.get("tie_word_embeddings", ck.config.get("tie_word_embeddings", False))
-    total = params = 0
+    total = params = experts = 0
     for name, info in ck.tensors.items():
         if "embed_tokens" in name and not (tied and name.endswith("embed_tokens.weight")):
             continue
         f = frac if ".experts." in name else 1.0
         total += info.nbytes * f
+        experts += info.nbytes * f if ".experts." in name else 0
         if not name.endswith(("_scale_inv", "_scale", "_scale_2")):
             n = 1
             for d in info.shape:
@@ -140,17 +146,47 @@ def bytes_per_token(path: Path) -> tuple[int, int]:
     return int(total), int(params)
 
 
-def time_lumen(path: Path, prompts, steps: int) -> dict:
+def experts_block(placement: str) -> dict | None:
+    """The hidden-layers.experts block of a --placements entry (None: all in VRAM)."""
+    if placement == "vram":
+        return None
+    if placement.startswith("stream"):
+        cache = placement.removeprefix("stream").removeprefix("-cache")
+        return {"compute": "cuda:0", "store": "ram", **({"cache": int(cache)} if cache else {})}
+    if placement == "cpu-experts":
+        return {"compute": "cpu", "store": "ram"}
+    raise SystemExit(f"unknown placement {placement!r}: vram, stream, stream-cacheN, cpu-experts")
+
+
+def pinned_bandwidth() -> float:
+    """Host-to-device bytes per second from page-locked memory (1 GiB copies)."""
+    import cupy as cp
+
+    n = 1 << 30
+    host = cp.cuda.alloc_pinned_memory(n)
+    dev = cp.empty(n, cp.uint8)
+    dev.data.copy_from_host_async(host.ptr, n)
+    cp.cuda.Device().synchronize()
+    t = time.perf_counter()
+    for _ in range(3):
+        dev.data.copy_from_host_async(host.ptr, n)
+    cp.cuda.Device().synchronize()
+    return 3 * n / (time.perf_counter() - t)
+
+
+def time_lumen(path: Path, prompts, steps: int, experts: dict | None = None) -> dict:
     import numpy as np
 
     import lumen_core as lumen
     from lumen_core.sampling import SamplingParams
 
     ctx = max(prompts) + steps + 8
+    hidden = {"kv-cache": {"context-size": ctx, "type-k": "bf16", "type-v": "bf16"}}
+    if experts:
+        hidden["experts"] = experts
     t = time.perf_counter()
     engine = lumen.load({"model": {"path": str(path), "compute": "cuda:0", "store": "vram",
-                                   "hidden-layers": {"kv-cache": {"context-size": ctx, "type-k": "bf16",
-                                                                  "type-v": "bf16"}}}}, progress=False)
+                                   "hidden-layers": hidden}}, progress=False)
     load_s = time.perf_counter() - t
     vocab = engine.model.vocab_size
     greedy = SamplingParams(temperature=0.0)
@@ -161,13 +197,26 @@ def time_lumen(path: Path, prompts, steps: int) -> dict:
             toks = list(engine.generate_tokens(ids, 2, greedy))
         out["prefill"][n] = n / engine.stats.prefill_seconds
     ids = np.random.RandomState(0).randint(0, vocab, prompts[0]).tolist()
+    c0 = _copied_bytes()
+    list(engine.generate_tokens(ids, 1, greedy))  # the prefill's copies alone (streamed experts)
+    c1 = _copied_bytes()
     toks = list(engine.generate_tokens(ids, steps + 1, greedy))
     out["decode"] = (engine.stats.generated_tokens - 1) / engine.stats.decode_seconds
+    # host -> device bytes per decoded token when experts stream: this call's copies less a prefill's
+    out["h2d_bytes_per_token"] = max(0, (_copied_bytes() - c1) - (c1 - c0)) / max(1, engine.stats.generated_tokens - 1)
     out["graph"] = bool(engine.decode_runner())
     out["tokens"] = toks
     del engine
     gc.collect()
     return out
+
+
+def _copied_bytes() -> int:
+    """Bytes the streamed-expert caches have copied host -> device so far (0 when nothing streams)."""
+    import sys as _sys
+
+    mod = _sys.modules.get("lumen_cuda.stream")
+    return sum(v["copied_bytes"] for v in mod.stats().values()) if mod else 0
 
 
 def time_hf(path: Path, prompts, steps: int) -> dict:
@@ -213,7 +262,8 @@ def main(argv=None):
     workdir.mkdir(parents=True, exist_ok=True)
     prompts = [int(p) for p in args.prompts.split(",")]
     bw = read_bandwidth()
-    results, hf_cache = {}, {}
+    pcie = pinned_bandwidth()
+    results, hf_cache, placed = {}, {}, {}
     for name in args.models.split(","):
         shape, fmt = name.rsplit("-", 1)
         layers = args.moe_layers if shape in MOE_SHAPES else args.layers
@@ -221,7 +271,18 @@ def main(argv=None):
         src = build(shape, layers, args.vocab, workdir)
         path = src if fmt == "bf16" else quantized(src, fmt)
         print(f"{name}: checkpoint ready in {time.perf_counter() - t:.0f}s", file=sys.stderr)
-        per_token, params = bytes_per_token(path)
+        per_token, params, expert_bytes = bytes_per_token(path)
+        for placement in args.placements.split(",") if shape in MOE_SHAPES else ():
+            if placement == "vram":
+                continue
+            t = time.perf_counter()
+            r = time_lumen(path, prompts[:1], args.decode, experts_block(placement))
+            placed[f"{name} {placement}"] = {"expert_bytes_per_token": expert_bytes, "lumen": r, "layers": layers}
+            print(f"{name} {placement}: {r['decode']:.1f} tok/s decode ({time.perf_counter() - t:.0f}s)",
+                  file=sys.stderr)
+            gc.collect()
+        if "vram" not in args.placements.split(",") and shape in MOE_SHAPES:
+            continue
         row = {"layers": layers, "bytes_per_token": per_token, "active_params": params,
                "lumen": time_lumen(path, prompts, args.decode)}
         print(f"{name}: lumen {row['lumen']['decode']:.1f} tok/s decode", file=sys.stderr)
@@ -235,7 +296,8 @@ def main(argv=None):
             torch.cuda.empty_cache()
         results[name] = row
         if args.json:  # after every row: a run cut short keeps what it measured
-            Path(args.json).write_text(json.dumps({"args": vars(args), "bandwidth": bw, "results": results},
+            Path(args.json).write_text(json.dumps({"args": vars(args), "bandwidth": bw, "pcie": pcie,
+                                                   "results": results, "placements": placed},
                                                   indent=2, default=str))
         print(f"{name}: {json.dumps({k: v for k, v in row.items()}, default=str)[:600]}", file=sys.stderr)
     print(f"\nread bandwidth measured: {bw / 1e9:.0f} GB/s; bf16 tensor-core peak {BF16_PEAK / 1e12:.0f} TFLOP/s\n")
@@ -254,9 +316,24 @@ def main(argv=None):
             hp = H["prefill"][n] if H else float("nan")
             line += f" {lp:.0f} | {tc:.1%} | {hp:.0f} | {lp / hp:.2f}x |"
         print(line)
+    if placed:
+        print(f"\nplacements (MoE rows; pinned host-to-device bandwidth measured: {pcie / 1e9:.1f} GB/s; PCIe "
+              "bound = that / the routed experts' bytes a token reads, before any caching)\n")
+        print(f"| model | placement | decode tok/s | PCIe bound tok/s | % of it | H2D GB/token | achieved GB/s | "
+              f"prefill {prompts[0]} tok/s |")
+        print("|---|---|---:|---:|---:|---:|---:|---:|")
+        for key, r in placed.items():
+            L = r["lumen"]
+            name, placement = key.rsplit(" ", 1)
+            h2d = L.get("h2d_bytes_per_token", 0)
+            bound = pcie / r["expert_bytes_per_token"] if r["expert_bytes_per_token"] else float("nan")
+            stream = placement.startswith("stream")
+            print(f"| {name} | {placement} | {L['decode']:.1f} | {bound:.1f} | "
+                  f"{(L['decode'] / bound if stream else float('nan')):.1%} | {h2d / 1e9:.3f} | "
+                  f"{h2d * L['decode'] / 1e9:.1f} | {L['prefill'][prompts[0]]:.0f} |")
     if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "bandwidth": bw, "results": results}, indent=2,
-                                              default=str))
+        Path(args.json).write_text(json.dumps({"args": vars(args), "bandwidth": bw, "pcie": pcie, "results": results,
+                                               "placements": placed}, indent=2, default=str))
 
 
 if __name__ == "__main__":

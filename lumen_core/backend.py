@@ -61,6 +61,7 @@ class Backend(ABC):
 
     name: str = ""
     stores: tuple[str, ...] = ()  # the weight stores this backend can compute from
+    expert_stores: tuple[str, ...] = ()  # further stores it can compute routed experts from (streamed)
     kv_types: tuple[str, ...] = ("f32",)  # KV-cache element types it can keep
     kv_stores: tuple[str, ...] = ("ram",)  # memories it can keep a layer's KV cache in (kv-cache.store)
 
@@ -80,6 +81,11 @@ class Backend(ABC):
 
         ``shape`` is the logical (rows, cols) shape, which differs from ``array.shape`` for block-quantized
         formats (raw bytes per row)."""
+
+    def configure_expert_cache(self, slots: int | None) -> None:
+        """Called before loading when routed experts compute here from one of ``expert_stores``: how many experts
+        to keep resident (None: the backend's default). Backends with no ``expert_stores`` are never called."""
+        raise NotImplementedError(f"backend {self.name!r} does not stream routed experts")
 
     @abstractmethod
     def tensor(self, array) -> Any:

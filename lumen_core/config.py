@@ -410,6 +410,10 @@ class Config:
                                   f"layers (0-{num_layers - 1})",
                                   f"set end to at most {num_layers - 1}")
 
+    def expert_cache(self) -> int | None:
+        """model.hidden-layers.experts.cache: experts kept in VRAM per GPU for streamed experts (None: default)."""
+        return self.raw["model"].get("hidden-layers", {}).get("experts", {}).get("cache")
+
     def kv_cache(self) -> KVCacheConfig:
         kv = self.raw["model"].get("hidden-layers", {}).get("kv-cache", {})
         return KVCacheConfig(kv.get("context-size"), kv.get("store"),

@@ -59,6 +59,9 @@ class Engine:
             print(f"lumen: note: {note}", file=sys.stderr)
         registry = get_registry()
         backends = _backends(resolved["placements"], registry)
+        for comp, p in resolved["placements"].items():  # routed experts streamed from a host store to a GPU
+            if comp[0] == "experts" and p.store in registry.backend_class(p.backend).expert_stores:
+                backends[comp].configure_expert_cache(config.expert_cache())
         report = resolved["report"]
         weights = load_weights(ckpt, arch, resolved["layout"], resolved["placements"], backends, report,
                                progress)

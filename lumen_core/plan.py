@@ -121,10 +121,13 @@ def check_placement(config, arch: Architecture, registry, components: list[Compo
             _check_device(registry, p, path)
             checked.add(p.compute)
         cls = registry.backend_class(p.backend)
-        if p.store not in cls.stores:
+        allowed = cls.stores + (cls.expert_stores if comp[0] == "experts" else ())
+        if p.store not in allowed:
+            extra = (f" (and {', '.join(cls.expert_stores)} for the routed experts)"
+                     if cls.expert_stores and comp[0] != "experts" else "")
             raise ConfigError(
-                path, f"backend {p.backend!r} cannot compute from store {p.store!r}",
-                f"use one of: {', '.join(cls.stores)}",
+                path, f"backend {p.backend!r} cannot compute from store {p.store!r}{extra}",
+                f"use one of: {', '.join(allowed)}",
             )
         missing = arch.required_ops(comp) - registry.ops_of(p.backend)
         if missing:
@@ -206,9 +209,39 @@ def make_plan(config, arch: Architecture, ckpt, registry) -> tuple[Plan, dict]:
                 PlanEntry(f"cache.layers.{comp[1]}", p.backend, p.device, kv.store or ("ram" if p.store == "mmap"
                           else p.store), kv_fmt, cache, kind="cache")
             )
-    plan.notes = _no_effect_notes(config, components)
+    plan.notes = _no_effect_notes(config, components) + _expert_cache(config, arch, registry, placements, plan)
     _fit(plan, registry, placements)
     return plan, {"placements": placements, "layout": layout, "kv": kv, "report": report}
+
+
+DEFAULT_EXPERT_CACHE = 32  # experts kept in VRAM per GPU when streamed (lumen_cuda.stream.DEFAULT_SLOTS)
+
+
+def _expert_cache(config, arch: Architecture, registry, placements: dict, plan: Plan) -> list[str]:
+    """The VRAM expert cache of each GPU that computes routed experts from a host store (a plan entry of its
+    bytes: slots x the largest expert), and notes where the configured cache has no effect."""
+    for i, r in enumerate(config.ranges()):
+        if "cache" in r.get("experts", {}):
+            raise ConfigError(f"model.hidden-layers.ranges[{i}].experts.cache",
+                              "the expert cache is per GPU, not per range",
+                              "set it once, in model.hidden-layers.experts.cache")
+    slots = config.expert_cache() or DEFAULT_EXPERT_CACHE
+    n_experts = getattr(getattr(arch, "args", None), "num_experts", None) or 0
+    per_device: dict[tuple[str, str], tuple[int, str]] = {}
+    for comp, p in placements.items():
+        if comp[0] != "experts" or p.store not in registry.backend_class(p.backend).expert_stores:
+            continue
+        entry = next(e for e in plan.entries if e.component == component_label(comp))
+        one = entry.nbytes // max(n_experts, 1)
+        size, fmt = per_device.get((p.backend, p.device), (0, entry.format))
+        per_device[(p.backend, p.device)] = (max(size, one), fmt)
+    for (backend, device), (one, fmt) in sorted(per_device.items()):
+        plan.entries.append(PlanEntry(f"expert cache ({slots} experts)", backend, device, "vram", fmt, slots * one,
+                                      kind="cache"))
+    if config.expert_cache() is not None and not per_device:
+        return ["config model.hidden-layers.experts.cache: no routed experts are streamed from host memory to a "
+                "GPU (experts.store ram with a GPU compute), so the cache has no effect"]
+    return []
 
 
 def _no_effect_notes(config, components: list[Component]) -> list[str]:

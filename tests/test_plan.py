@@ -142,3 +142,21 @@ def test_kv_cache_store_is_checked_against_each_layers_backend(tiny_checkpoint):
     with pytest.raises(ConfigError, match=r"layers\.0 computes on backend 'cpu'.*'vram' there is not supported") as err:
         lumen.load({"model": {"path": path, "hidden-layers": {"kv-cache": {"store": "vram"}}}}, progress=False)
     assert "kv-cache.store" in str(err.value)
+
+
+def test_expert_cache_setting_is_checked_and_never_silently_ignored(tiny_checkpoint):
+    """experts.cache is per GPU (refused inside a range) and, where no experts stream to a GPU, reported as having
+    no effect; the schema refuses a cache below 1."""
+    path = str(tiny_checkpoint("qwen3_5_moe"))
+    with pytest.raises(ConfigError) as info:
+        lumen.load({"model": {"path": path, "hidden-layers": {
+            "ranges": [{"start": 0, "end": 0, "experts": {"cache": 4}}]}}}, progress=False)
+    assert info.value.path == "model.hidden-layers.ranges[0].experts.cache"
+    assert "model.hidden-layers.experts.cache" in str(info.value)
+    cpu = lumen.load({"model": {"path": path, "hidden-layers": {"experts": {"cache": 4}}}}, progress=False)
+    assert cpu.plan.notes == ["config model.hidden-layers.experts.cache: no routed experts are streamed from host "
+                              "memory to a GPU (experts.store ram with a GPU compute), so the cache has no effect"]
+    assert not any(e.component.startswith("expert cache") for e in cpu.plan.entries)
+    with pytest.raises(ConfigError) as info:
+        lumen.load({"model": {"path": path, "hidden-layers": {"experts": {"cache": 0}}}}, progress=False)
+    assert "cache" in info.value.path

@@ -41,7 +41,8 @@ def _cupy():
 
 class CUDABackend(Backend):
     name = "cuda"
-    stores = ("vram",)  # streaming weights from host RAM ("ram") comes with the hand-written kernels
+    stores = ("vram",)
+    expert_stores = ("ram",)  # routed experts only: pinned host memory, staged into a VRAM cache (stream.py)
     kv_types = ("f32", "f16", "bf16")
     kv_stores = ("vram",)  # a KV cache in host RAM for a GPU layer comes with issue 5
 
@@ -72,9 +73,18 @@ class CUDABackend(Backend):
         self.index = int(device.split(":", 1)[1]) if ":" in device else 0
         self.dev = cp.cuda.Device(self.index)
 
+    def configure_expert_cache(self, slots: int | None) -> None:
+        """Experts kept in this device's VRAM expert cache (routed experts streamed from store 'ram')."""
+        from . import stream
+
+        stream.SLOTS[self.index] = slots or stream.DEFAULT_SLOTS
+
     def weight(self, array, fmt: str, store: str, scale=None, shape=None) -> Weight:
+        if store == "ram":
+            return self._host_weight(array, fmt, scale, shape)
         if store != "vram":
-            raise ValueError(f"the cuda backend computes only from store 'vram', not {store!r}")
+            raise ValueError(f"the cuda backend computes from store 'vram' (and 'ram' for routed experts), "
+                             f"not {store!r}")
         if fmt == "fp8":
             return self._fp8(array, scale, shape)
         if fmt == "nvfp4":
@@ -87,6 +97,25 @@ class CUDABackend(Backend):
             data = self.cp.asarray(host)
         return Weight(data, fmt, tuple(shape or host.shape))
 
+    def _host_weight(self, array, fmt: str, scale, shape) -> Weight:
+        """A routed expert's matrix in pinned host memory, laid out as its VRAM upload would be (stream.py stages
+        it into the device's expert cache when a token routes to it)."""
+        from .stream import pinned
+
+        if fmt == "fp8":
+            host = np.ascontiguousarray(array)
+            shape = tuple(shape or host.shape)
+            s = np.ones(1, np.float32) if scale is None else np.ascontiguousarray(scale, dtype=np.float32)
+            return Weight(pinned(host.view(np.uint8)), "fp8", shape, pinned(s), scale_block(shape, s.shape))
+        if fmt == "nvfp4":
+            host, bhost, shape, gs = self._nvfp4_parts(array, scale, shape)
+            return Weight(pinned(host), "nvfp4", shape, NVFP4Scale(pinned(bhost), gs), (1, NVFP4_GROUP))
+        if scale is not None or fmt not in UPLOAD:
+            raise NotImplementedError(
+                f"weight format {fmt!r} is not yet supported on cuda (f32, f16, bf16, fp8, nvfp4 are)")
+        host = np.ascontiguousarray(array).view(UPLOAD[fmt]) if fmt == "bf16" else np.asarray(array, UPLOAD[fmt])
+        return Weight(pinned(host), fmt, tuple(shape or host.shape))
+
     def _fp8(self, array, scale, shape) -> Weight:
         """e4m3 bytes (uint8) and the f32 scale (its checkpoint shape) in VRAM; the block as the CPU infers it."""
         host = np.ascontiguousarray(array)
@@ -98,8 +127,9 @@ class CUDABackend(Backend):
             data, s_dev = self.cp.asarray(host.view(np.uint8)), self.cp.asarray(s)
         return Weight(data, "fp8", shape, s_dev, scale_block(shape, s.shape))
 
-    def _nvfp4(self, array, scale, shape) -> Weight:
-        """Packed E2M1 bytes (N, K/2), low nibble first; scale = (e4m3 block scales (N, K/16), f32 global)."""
+    @staticmethod
+    def _nvfp4_parts(array, scale, shape):
+        """(packed codes (N, K/2) uint8, e4m3 block scales (N, K/16) uint8, shape, f32 global scale), checked."""
         if scale is None:
             raise ValueError("an nvfp4 weight needs its (block scales, global scale)")
         block, global_scale = scale
@@ -110,9 +140,13 @@ class CUDABackend(Backend):
         if host.dtype != np.uint8 or host.shape != (n, k // 2) or bhost.dtype.itemsize != 1 or \
                 bhost.shape != (n, k // NVFP4_GROUP) or k % NVFP4_GROUP:
             raise ValueError(f"nvfp4 weight {host.dtype} {host.shape} with scales {bhost.shape} does not make {shape}")
+        return host, bhost.view(np.uint8), shape, np.float32(np.asarray(global_scale, np.float32).reshape(()))
+
+    def _nvfp4(self, array, scale, shape) -> Weight:
+        """Packed E2M1 bytes (N, K/2), low nibble first; scale = (e4m3 block scales (N, K/16), f32 global)."""
+        host, bhost, shape, gs = self._nvfp4_parts(array, scale, shape)
         with self.dev:
-            data, bdev = self.cp.asarray(host), self.cp.asarray(bhost.view(np.uint8))
-        gs = np.float32(np.asarray(global_scale, np.float32).reshape(()))
+            data, bdev = self.cp.asarray(host), self.cp.asarray(bhost)
         return Weight(data, "nvfp4", shape, NVFP4Scale(bdev, gs), (1, NVFP4_GROUP))
 
     def decode_runner(self, model, context_size: int):

@@ -306,6 +306,10 @@ def experts(x, ids, weights, gate_up, down, act: str = "silu", out=None):
     (T, k) f32 on the device; gate_up per expert (gate, up) Weights (I, H); down per expert (H, I). -> (T, H)
     f32 (``out`` (T, H) f32 C-contiguous to write into). Falls back to ``ops.moe_experts_grouped`` (which syncs
     on the ids) where the kernels do not apply."""
+    if len(gate_up) and isinstance(gate_up[0][0].data, np.ndarray):  # store "ram": streamed (stream.py)
+        from . import stream
+
+        return stream.experts(x, ids, weights, gate_up, down, act, out)
     tg = _table(gate_up, True) if act in ACTS else None
     td = _table(down, False) if tg is not None else None
     ok = tg is not None and td is not None and len(gate_up) == len(down)
@@ -335,6 +339,10 @@ def experts_packed(x, ids, weights, gate_up, down, act: str = "gelu_tanh", out=N
     """``ops.moe_experts_packed`` for any T: gate_up Weight (E, 2I, H) (each expert's gate rows then its up
     rows), down Weight (E, H, I), bf16 / f16 / f32. Falls back to ``ops.moe_experts_packed_grouped`` (a host
     sync)."""
+    if isinstance(gate_up.data, np.ndarray):  # store "ram": streamed (stream.py)
+        from . import stream
+
+        return stream.experts(x, ids, weights, gate_up, down, act, out, packed=True)
     ok = act in ACTS and getattr(gate_up.data, "ndim", 0) == 3 and getattr(down.data, "ndim", 0) == 3
     if ok:
         E, I2, H = gate_up.data.shape
@@ -353,6 +361,23 @@ def experts_packed(x, ids, weights, gate_up, down, act: str = "gelu_tanh", out=N
     one = (1, 1, 1)
     return _launch((gate_up.data, f"packed_{gate_up.format}"), (down.data, f"packed_{down.format}"),
                    gate_up.format, down.format, one, one, inputs, E, H, I, act, out)
+
+
+def experts_staged(x, ids, weights, gate_up, down, act: str):
+    """The device kernels over expert lists whose Weights point into VRAM staging (stream.py): tables built per
+    call (not cached: the slots change). ids of experts not staged must be -1."""
+    tg = _build([[g for g, _ in gate_up], [u for _, u in gate_up]]) if act in ACTS else None
+    td = _build([list(down)]) if tg is not None else None
+    if tg is None or td is None or td.shape != (tg.shape[1], tg.shape[0]):
+        raise ValueError("streamed experts need a format and shape the device MoE kernels take (bf16, f16, f32, "
+                         "fp8 or nvfp4; K a multiple of the format's 16-byte load)")
+    I, H = tg.shape
+    inputs = _inputs(x, ids, weights, H)
+    if inputs is None:
+        raise ValueError(f"streamed experts: x {getattr(x, 'shape', None)} / ids {getattr(ids, 'shape', None)} "
+                         "do not fit the expert matrices")
+    return _launch((tg.ptrs, tg.fmt), (td.ptrs, td.fmt), tg.fmt, td.fmt, tg.block, td.block, inputs, len(gate_up),
+                   H, I, act, None)
 
 
 experts_decode = experts  # the T = 1 names ops.py calls

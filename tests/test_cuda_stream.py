@@ -1,0 +1,140 @@
+"""Routed experts streamed from host RAM to the GPU (``experts: {compute: cuda:0, store: ram}``, lumen_cuda.stream):
+the same logits and greedy tokens as the all-VRAM run of the same checkpoint, the plan's expert cache entry, the
+work moving with the config (host-to-device copies, cache hits), and the errors.
+
+Tolerance: the streamed run uses the same device kernels; a prefill that needs more experts than the cache holds
+runs in passes whose outputs are added, so sums differ in order: <= 1e-4 x max(1, max |logit|), tokens equal.
+GPU tests carry the ``gpu`` marker and skip without CuPy or a CUDA device.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gpu_util import close
+
+import lumen_core as lumen
+from lumen_core.errors import ConfigError
+
+pytest.importorskip("lumen_cuda")
+
+CONTEXT = 128
+STEPS = 8
+MOE_GEMMA = {"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 32}
+KINDS = {"qwen3_5_moe": ("qwen3_5_moe", {}), "gemma4-moe": ("gemma4", MOE_GEMMA)}
+
+
+def load(path, **experts):
+    hidden = {"kv-cache": {"context-size": CONTEXT}}
+    if experts:
+        hidden["experts"] = experts
+    return lumen.load({"model": {"path": str(path), "compute": "cuda:0", "store": "vram", "hidden-layers": hidden}},
+                      progress=False)
+
+
+def run(model, ids):
+    cache = model.new_cache(CONTEXT)
+    prefill = model.forward(ids, cache, all_logits=True)
+    logits, tokens, steps = prefill[-1:], [], []
+    for _ in range(STEPS):
+        tokens.append(int(np.argmax(logits[-1])))
+        logits = model.forward([tokens[-1]], cache)
+        steps.append(logits[-1])
+    return prefill, tokens, np.stack(steps)
+
+
+def quantize(tiny_checkpoint, tmp_path_factory, fmt):
+    from lumen_core.cli import main
+
+    out = tmp_path_factory.mktemp(f"moe-{fmt}") / "q"
+    try:
+        rc = main(["quantize", "--input", str(tiny_checkpoint("qwen3_5_moe")), "--output", str(out), "--format",
+                   fmt, "--block", "32"])
+    except SystemExit as exc:
+        rc = exc.code
+    assert not rc
+    return out
+
+
+@pytest.fixture(scope="module", params=["qwen3_5_moe", "gemma4-moe", "qwen3_5_moe-fp8", "qwen3_5_moe-nvfp4"])
+def checkpoint(request, tiny_checkpoint, tmp_path_factory, cp):
+    name = request.param
+    if name.endswith(("-fp8", "-nvfp4")):
+        return name, quantize(tiny_checkpoint, tmp_path_factory, name.rsplit("-", 1)[1])
+    kind, overrides = KINDS[name]
+    return name, tiny_checkpoint(kind, **overrides)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cache", [2, 64])  # 2: the minimum (top-k), every prefill in passes; 64: all resident
+def test_streamed_experts_equal_the_vram_run(checkpoint, cache):
+    from lumen_cuda import stream
+
+    name, path = checkpoint
+    ref = load(path)
+    ids = np.random.RandomState(0).randint(3, ref.model.vocab_size, 40).tolist()
+    want = run(ref.model, ids)
+    stream._CACHES.clear()
+    streamed = load(path, compute="cuda:0", store="ram", cache=cache)
+    stores = {e.component: e.store for e in streamed.plan.entries}
+    experts = [c for c in stores if c.endswith(".experts")]
+    assert experts and all(stores[c] == "ram" for c in experts)
+    entry = next(e for e in streamed.plan.entries if e.component == f"expert cache ({cache} experts)")
+    assert entry.device == "cuda:0" and entry.store == "vram" and entry.nbytes > 0
+    got = run(streamed.model, ids)
+    errs = close(got[0], want[0], 1e-4), close(got[2], want[2], 1e-4)
+    assert got[1] == want[1]
+    st = stream.stats()[0]
+    assert st["copied_bytes"] > 0 and st["misses"] > 0
+    if cache == 64:  # everything fits: each expert crosses once, later calls hit
+        assert st["hits"] > 0
+    print(f"{name} cache {cache}: max |dlogit| prefill {errs[0]:.2e} decode {errs[1]:.2e}; {st}")
+
+
+@pytest.mark.gpu
+def test_streamed_experts_decode_op_by_op_and_generate_the_same_text(checkpoint):
+    """The engine's CUDA graph needs no host sync, streamed experts need one: the engine says why it decodes op
+    by op and generates the same tokens as the all-VRAM engine (which decodes through the graph)."""
+    _, path = checkpoint
+    ref = load(path)
+    streamed = load(path, compute="cuda:0", store="ram")
+    prompt = list(range(5, 30))
+    assert list(streamed.generate_tokens(prompt, 12)) == list(ref.generate_tokens(prompt, 12))
+    assert ref.decode_runner() and not streamed.decode_runner()
+
+
+@pytest.mark.gpu
+def test_a_cache_smaller_than_top_k_is_refused(tiny_checkpoint, cp):
+    from lumen_cuda import stream
+
+    stream._CACHES.clear()
+    engine = load(tiny_checkpoint("qwen3_5_moe"), compute="cuda:0", store="ram", cache=1)
+    with pytest.raises(ValueError, match="experts.cache to at least 2"):
+        engine.model.forward([5, 6, 7], engine.model.new_cache(CONTEXT))
+
+
+@pytest.mark.gpu
+def test_store_ram_on_cuda_is_for_routed_experts_only(tiny_checkpoint, cp):
+    path = tiny_checkpoint("qwen3_5_moe")
+    with pytest.raises(ConfigError) as info:
+        lumen.load({"model": {"path": str(path), "compute": "cuda:0", "store": "ram"}}, progress=False)
+    assert "store 'ram'" in str(info.value) and "routed experts" in str(info.value)
+
+
+@pytest.mark.gpu
+def test_experts_on_the_cpu_with_the_rest_on_the_gpu_equal_the_cpu(checkpoint):
+    """experts: {compute: cpu, store: ram} under a cuda:0 model: the hidden states cross to the CPU backend and
+    back each MoE layer; logits as the all-CPU run of the same checkpoint (<= 1e-3, the cuda-vs-cpu tolerance of
+    test_cuda.py), the same greedy tokens."""
+    name, path = checkpoint
+    cpu = lumen.load({"model": {"path": str(path), "compute": "cpu", "store": "ram",
+                                "hidden-layers": {"kv-cache": {"context-size": CONTEXT}}}}, progress=False)
+    mixed = load(path, compute="cpu", store="ram")
+    backends = {e.component: e.backend for e in mixed.plan.entries if e.kind == "weights"}
+    assert {b for c, b in backends.items() if c.endswith(".experts")} == {"cpu"}
+    assert {b for c, b in backends.items() if not c.endswith(".experts")} == {"cuda"}
+    ids = np.random.RandomState(2).randint(3, cpu.model.vocab_size, 40).tolist()
+    want, got = run(cpu.model, ids), run(mixed.model, ids)
+    errs = close(got[0], want[0], 1e-3), close(got[2], want[2], 1e-3)
+    assert got[1] == want[1]
+    print(f"{name}: max |dlogit| prefill {errs[0]:.2e} decode {errs[1]:.2e}")
