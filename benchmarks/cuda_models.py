@@ -143,7 +143,7 @@ def bytes_per_token(path: Path) -> tuple[int, int]:
             for d in info.shape:
                 n *= d
             params += n * f * (2 if info.dtype in ("U8",) else 1)  # nvfp4 packs two values a byte
-    return int(total), int(params)
+    return int(total), int(params), int(experts)
 
 
 def experts_block(placement: str) -> dict | None:

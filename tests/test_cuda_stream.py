@@ -99,8 +99,15 @@ def test_streamed_experts_decode_op_by_op_and_generate_the_same_text(checkpoint)
     ref = load(path)
     streamed = load(path, compute="cuda:0", store="ram")
     prompt = list(range(5, 30))
-    assert list(streamed.generate_tokens(prompt, 12)) == list(ref.generate_tokens(prompt, 12))
+    got, want = list(streamed.generate_tokens(prompt, 12)), list(ref.generate_tokens(prompt, 12))
     assert ref.decode_runner() and not streamed.decode_runner()
+    if got != want:  # allowed only where the reference's two best logits tie to within the tolerance
+        i = next(j for j, (a, b) in enumerate(zip(got, want, strict=False)) if a != b)
+        logits = np.asarray(ref.model.forward(prompt + want[:i], ref.model.new_cache(CONTEXT))[-1], np.float64)
+        top = np.argsort(logits)[-2:]
+        gap = logits[top[1]] - logits[top[0]]
+        assert got[i] in top.tolist() and gap <= 1e-4 * max(1.0, np.abs(logits).max()), (
+            f"token {i} differs ({got[i]} vs {want[i]}) with a margin of {gap:.3g} between the two best logits")
 
 
 @pytest.mark.gpu
