@@ -145,3 +145,22 @@ def test_experts_on_the_cpu_with_the_rest_on_the_gpu_equal_the_cpu(checkpoint):
     errs = close(got[0], want[0], 1e-3), close(got[2], want[2], 1e-3)
     assert got[1] == want[1]
     print(f"{name}: max |dlogit| prefill {errs[0]:.2e} decode {errs[1]:.2e}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["qwen3.5-35b-a3b-gpu-streamed-experts.json", "qwen3.5-35b-a3b-gpu-cpu-experts.json"])
+def test_gpu_placement_examples_run(name, tiny_checkpoint, write_config, cp):
+    """The examples/ recipes for a big MoE on one GPU, pointed at the tiny MoE checkpoint: they plan, load and
+    generate, and place the experts as they say."""
+    import json
+    from pathlib import Path
+
+    raw = json.loads((Path(__file__).resolve().parents[1] / "examples" / name).read_text())
+    raw["model"]["path"] = str(tiny_checkpoint("qwen3_5_moe"))
+    raw["model"]["hidden-layers"]["kv-cache"]["context-size"] = 256
+    engine = lumen.load(str(write_config(raw)), progress=False)
+    experts = raw["model"]["hidden-layers"]["experts"]
+    placed = {(e.backend, e.store) for e in engine.plan.entries if e.component.endswith(".experts")}
+    assert placed == {(experts["compute"].split(":")[0], experts["store"])}
+    ids = list(engine.generate_tokens(engine.encode("Hello"), max_tokens=4))
+    assert len(ids) <= 4 and engine.stats.generated_tokens >= 1
