@@ -62,3 +62,47 @@ def test_fused_kernels_are_registered_above_the_reference():
     for fmt in ("q8_0", "q4_k", "q6_k"):
         entries = reg.ops[("linear", "cpu", fmt)]
         assert entries[0].value.__name__ == "fused_linear" and entries[0].priority > 0
+
+
+# -- fp8 e4m3 (HF weight_scale_inv layouts) -----------------------------------------------------------------
+def fp8_weight(N, K, layout, seed=0):
+    import ml_dtypes
+
+    from lumen_core.backend import scale_block
+
+    rng = np.random.default_rng(seed)
+    data = (rng.normal(size=(N, K)) * 0.5).astype(ml_dtypes.float8_e4m3fn)
+    shape = {"block128": (-(-N // 128), -(-K // 128)), "block32": (-(-N // 32), -(-K // 32)),
+             "per-channel": (N, 1), "per-tensor": (1,)}[layout]
+    scale = rng.uniform(0.5, 2.0, size=shape).astype(np.float32) * 0.01
+    return Weight(data, "fp8", (N, K), scale, scale_block((N, K), scale.shape))
+
+
+@pytest.mark.parametrize("layout", ["block128", "block32", "per-channel", "per-tensor"])
+@pytest.mark.parametrize("N,K", [(300, 272), (129, 1040), (1024, 2048), (7, 16)])
+def test_fp8_linear_equals_dequantize_then_matmul(layout, N, K):
+    """lumen_cpu.fp8: the decoded matrix equals ops.dequantize exactly; linear (GEMV for T <= 8, tiles + BLAS
+    above) equals x @ dequantize(w).T to f32 summation order (<= 1e-5 x max |y|)."""
+    from lumen_cpu import fp8, ops
+
+    w = fp8_weight(N, K, layout)
+    ref_w = ops.dequantize(w)
+    np.testing.assert_array_equal(fp8.dequantize_rows(w), ref_w)
+    np.testing.assert_array_equal(fp8.dequantize_rows(w, 3, 5), ref_w[3:5])
+    rng = np.random.default_rng(1)
+    for T in (1, 3, 8, 9, 40):
+        x = rng.normal(size=(T, K)).astype(np.float32)
+        want = x.astype(np.float64) @ ref_w.astype(np.float64).T
+        got = fp8.linear(x, w)
+        assert got.shape == (T, N) and got.dtype == np.float32
+        assert np.abs(got - want).max() <= 1e-5 * max(1.0, np.abs(want).max())
+
+
+def test_fp8_linear_is_the_registered_cpu_op():
+    from lumen_core.plugins import get_registry
+
+    w = fp8_weight(64, 256, "block32")
+    x = np.random.default_rng(2).normal(size=(2, 256)).astype(np.float32)
+    from lumen_cpu import fp8
+
+    np.testing.assert_array_equal(get_registry().op("linear", "cpu", "fp8")(x, w), fp8.linear(x, w))

@@ -21,15 +21,16 @@ def register_ops(register):
     for fmt in FUSED_FORMATS:
         for op in ("linear", "embedding"):
             register(op, "cpu", _lazy_fused(op), variant=fmt, priority=FUSED_PRIORITY)
+    register("linear", "cpu", _lazy_fused("linear", "fp8"), variant="fp8", priority=FUSED_PRIORITY)
 
 
-def _lazy_fused(op: str):
+def _lazy_fused(op: str, module: str = "fused"):
     """Importing numba costs ~0.5 s: only a plan that uses a quantized weight pays it."""
 
     def call(*args, **kwargs):
-        from . import fused
+        from importlib import import_module
 
-        return getattr(fused, op)(*args, **kwargs)
+        return getattr(import_module(f"lumen_cpu.{module}"), op)(*args, **kwargs)
 
-    call.__name__ = f"fused_{op}"
+    call.__name__ = f"{module}_{op}"
     return call
