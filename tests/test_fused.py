@@ -106,3 +106,27 @@ def test_fp8_linear_is_the_registered_cpu_op():
     from lumen_cpu import fp8
 
     np.testing.assert_array_equal(get_registry().op("linear", "cpu", "fp8")(x, w), fp8.linear(x, w))
+
+
+# -- NVFP4 -------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("N,K", [(300, 272), (129, 1040), (512, 2048), (3, 16)])
+def test_nvfp4_kernels_equal_dequantize_then_matmul(N, K):
+    """lumen_cpu.nvfp4_fused: tiles equal nvfp4.dequantize exactly; linear (one-token GEMV, tiles + BLAS above)
+    equals x @ dequantize(w).T to f32 summation order (<= 1e-5 x max |y|), for 1-D to 3-D x."""
+    from lumen_cpu import nvfp4, nvfp4_fused
+
+    from lumen_core.plugins import get_registry
+    from lumen_core.quantize import quantize_nvfp4
+
+    rng = np.random.default_rng(N + K)
+    packed, bs, gs = quantize_nvfp4(rng.normal(size=(N, K)).astype(np.float32))
+    w = nvfp4.weight(packed, (bs, gs), (N, K), "ram")
+    ref = nvfp4.dequantize(w)
+    np.testing.assert_array_equal(nvfp4_fused.dequantize_rows(w, 0, N), ref)
+    np.testing.assert_array_equal(nvfp4_fused.dequantize_rows(w, 1, min(N, 3)), ref[1:3])
+    for shape in ((1, K), (5, K), (40, K), (2, 3, K)):
+        x = rng.normal(size=shape).astype(np.float32)
+        want = x.astype(np.float64) @ ref.astype(np.float64).T
+        got = get_registry().op("linear", "cpu", "nvfp4")(x, w)
+        assert got.shape == (*shape[:-1], N) and got.dtype == np.float32
+        assert np.abs(got - want).max() <= 1e-5 * max(1.0, np.abs(want).max())
