@@ -214,7 +214,7 @@ def make_plan(config, arch: Architecture, ckpt, registry) -> tuple[Plan, dict]:
     return plan, {"placements": placements, "layout": layout, "kv": kv, "report": report}
 
 
-DEFAULT_EXPERT_CACHE = 32  # experts kept in VRAM per GPU when streamed (lumen_cuda.stream.DEFAULT_SLOTS)
+DEFAULT_EXPERT_CACHE = 32  # experts kept in VRAM per GPU when streamed (lumen_cuda.stream uses it too)
 
 
 def _expert_cache(config, arch: Architecture, registry, placements: dict, plan: Plan) -> list[str]:
