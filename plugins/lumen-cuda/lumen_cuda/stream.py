@@ -28,6 +28,7 @@ import numpy as np
 
 from lumen_core.backend import Weight
 from lumen_core.plan import DEFAULT_EXPERT_CACHE as DEFAULT_SLOTS  # the plan counts the same default
+
 ARENA_BLOCK = 256 << 20  # pinned host memory is allocated in blocks of at least this many bytes
 ALIGN = 256  # byte alignment of every matrix inside a slot and inside the arena
 
