@@ -93,13 +93,10 @@ def _device_weight(w: Weight, data, scale_dev, shape) -> Weight:
     return Weight(data, w.format, shape)
 
 
-class _View:
-    """A device array over ``nbytes`` at ``ptr`` (inside a slot) with a host array's dtype and shape."""
-
-    @staticmethod
-    def of(base, offset: int, like: np.ndarray):
-        mem = cp.cuda.MemoryPointer(base.data.mem, base.data.ptr - base.data.mem.ptr + offset)
-        return cp.ndarray(like.shape, dtype=like.dtype, memptr=mem)
+def _view(base, offset: int, like: np.ndarray):
+    """A device array at byte ``offset`` of ``base`` (inside a slot) with a host array's dtype and shape."""
+    mem = cp.cuda.MemoryPointer(base.data.mem, base.data.ptr - base.data.mem.ptr + offset)
+    return cp.ndarray(like.shape, dtype=like.dtype, memptr=mem)
 
 
 # -- the cache --------------------------------------------------------------------------------------------------
@@ -145,7 +142,7 @@ class ExpertCache:
     def views(self, slot: int, pieces: list[np.ndarray]) -> list:
         out, off = [], slot * self.slot_bytes
         for h in pieces:
-            out.append(_View.of(self.buf, off, h))
+            out.append(_view(self.buf, off, h))
             off += _round(h.nbytes)
         return out
 
