@@ -61,7 +61,8 @@ def parse_args(argv=None):
     p.add_argument("--no-hf", action="store_true", help="skip transformers")
     p.add_argument("--placements", default="vram",
                    help="for MoE rows, comma-separated: vram (all on cuda:0), stream (routed experts in pinned host "
-                        "RAM, staged into the VRAM expert cache), stream-cacheN (a cache of N experts; default 32), "
+                        "RAM, read over PCIe or from the VRAM expert cache), stream-cacheN (a cache of N experts; "
+                        "default 32), "
                         "cpu-experts (routed experts computed by the CPU backend); rows other than vram prefill "
                         "only the first --prompts length")
     p.add_argument("--workdir", default="/tmp/lumen-bench")
@@ -175,12 +176,16 @@ def pinned_bandwidth() -> float:
 
 
 def time_lumen(path: Path, prompts, steps: int, experts: dict | None = None) -> dict:
+    import cupy as cp
     import numpy as np
 
     import lumen_core as lumen
     from lumen_core.sampling import SamplingParams
 
     ctx = max(prompts) + steps + 8
+    gc.collect()
+    cp.get_default_memory_pool().free_all_blocks()
+    free0 = cp.cuda.runtime.memGetInfo()[0]
     hidden = {"kv-cache": {"context-size": ctx, "type-k": "bf16", "type-v": "bf16"}}
     if experts:
         hidden["experts"] = experts
@@ -206,17 +211,19 @@ def time_lumen(path: Path, prompts, steps: int, experts: dict | None = None) -> 
     out["h2d_bytes_per_token"] = max(0, (_copied_bytes() - c1) - (c1 - c0)) / max(1, engine.stats.generated_tokens - 1)
     out["graph"] = bool(engine.decode_runner())
     out["tokens"] = toks
+    out["vram_bytes"] = free0 - cp.cuda.runtime.memGetInfo()[0]  # this engine's VRAM, CuPy's cached blocks included
     del engine
     gc.collect()
     return out
 
 
 def _copied_bytes() -> int:
-    """Bytes the streamed-expert caches have copied host -> device so far (0 when nothing streams)."""
+    """Bytes that crossed PCIe host -> device for streamed experts so far: copies into the expert cache plus the
+    decode kernels' reads of host memory (0 when nothing streams)."""
     import sys as _sys
 
     mod = _sys.modules.get("lumen_cuda.stream")
-    return sum(v["copied_bytes"] for v in mod.stats().values()) if mod else 0
+    return sum(v["copied_bytes"] + v["host_read_bytes"] for v in mod.stats().values()) if mod else 0
 
 
 def time_hf(path: Path, prompts, steps: int) -> dict:
@@ -286,6 +293,8 @@ def main(argv=None):
         row = {"layers": layers, "bytes_per_token": per_token, "active_params": params,
                "lumen": time_lumen(path, prompts, args.decode)}
         print(f"{name}: lumen {row['lumen']['decode']:.1f} tok/s decode", file=sys.stderr)
+        if shape in MOE_SHAPES and "vram" in args.placements.split(","):
+            placed[f"{name} vram"] = {"expert_bytes_per_token": expert_bytes, "lumen": row["lumen"], "layers": layers}
         if not args.no_hf:
             if src not in hf_cache:
                 hf_cache[src] = time_hf(src, prompts, args.decode)
@@ -320,17 +329,20 @@ def main(argv=None):
         print(f"\nplacements (MoE rows; pinned host-to-device bandwidth measured: {pcie / 1e9:.1f} GB/s; PCIe "
               "bound = that / the routed experts' bytes a token reads, before any caching)\n")
         print(f"| model | placement | decode tok/s | PCIe bound tok/s | % of it | H2D GB/token | achieved GB/s | "
-              f"prefill {prompts[0]} tok/s |")
-        print("|---|---|---:|---:|---:|---:|---:|---:|")
-        for key, r in placed.items():
+              f"prefill {prompts[0]} tok/s | VRAM GB | graph |")
+        print("|---|---|---:|---:|---:|---:|---:|---:|---:|---|")
+        order = [f"{m} {pl}" for m in args.models.split(",") for pl in args.placements.split(",")]
+        for key in [k for k in order if k in placed]:
+            r = placed[key]
             L = r["lumen"]
             name, placement = key.rsplit(" ", 1)
             h2d = L.get("h2d_bytes_per_token", 0)
             bound = pcie / r["expert_bytes_per_token"] if r["expert_bytes_per_token"] else float("nan")
             stream = placement.startswith("stream")
-            print(f"| {name} | {placement} | {L['decode']:.1f} | {bound:.1f} | "
-                  f"{(L['decode'] / bound if stream else float('nan')):.1%} | {h2d / 1e9:.3f} | "
-                  f"{h2d * L['decode'] / 1e9:.1f} | {L['prefill'][prompts[0]]:.0f} |")
+            pcie_cols = (f"{L['decode'] / bound:.1%} | {h2d / 1e9:.3f} | {h2d * L['decode'] / 1e9:.1f}" if stream
+                         else "- | - | -")
+            print(f"| {name} | {placement} | {L['decode']:.1f} | {bound:.1f} | {pcie_cols} | "
+                  f"{L['prefill'][prompts[0]]:.0f} | {L['vram_bytes'] / 1e9:.2f} | {'yes' if L['graph'] else 'no'} |")
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "bandwidth": bw, "pcie": pcie, "results": results,
                                                "placements": placed}, indent=2, default=str))

@@ -2,8 +2,9 @@
 the same logits and greedy tokens as the all-VRAM run of the same checkpoint, the plan's expert cache entry, the
 work moving with the config (host-to-device copies, cache hits), and the errors.
 
-Tolerance: the streamed run uses the same device kernels; a prefill that needs more experts than the cache holds
-runs in passes whose outputs are added, so sums differ in order: <= 1e-4 x max(1, max |logit|), tokens equal.
+Tolerance: the streamed run uses the same device kernels (reading experts from VRAM slots or host memory); a prefill
+that needs more experts than the cache holds runs in passes whose outputs are added, so sums differ in order:
+<= 1e-4 x max(1, max |logit|), tokens equal.
 GPU tests carry the ``gpu`` marker and skip without CuPy or a CUDA device.
 """
 
@@ -66,7 +67,7 @@ def checkpoint(request, tiny_checkpoint, tmp_path_factory, cp):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cache", [2, 64])  # 2: the minimum (top-k), every prefill in passes; 64: all resident
+@pytest.mark.parametrize("cache", [1, 64])  # 1: every prefill in passes, decode reads from host; 64: all resident
 def test_streamed_experts_equal_the_vram_run(checkpoint, cache):
     from lumen_cuda import stream
 
@@ -86,21 +87,37 @@ def test_streamed_experts_equal_the_vram_run(checkpoint, cache):
     assert got[1] == want[1]
     st = stream.stats()[0]
     assert st["copied_bytes"] > 0 and st["misses"] > 0
-    if cache == 64:  # everything fits: each expert crosses once, later calls hit
-        assert st["hits"] > 0
+    if cache == 1:  # at most one expert resident: decode reads the others from host memory
+        assert st["host_read_bytes"] > 0
+    else:  # everything fits: a second run of the same prompt copies nothing and hits
+        assert run(streamed.model, ids)[1] == want[1]
+        st2 = stream.stats()[0]
+        assert st2["copied_bytes"] == st["copied_bytes"] and st2["hits"] > st["hits"]
     print(f"{name} cache {cache}: max |dlogit| prefill {errs[0]:.2e} decode {errs[1]:.2e}; {st}")
 
 
 @pytest.mark.gpu
-def test_streamed_experts_decode_op_by_op_and_generate_the_same_text(checkpoint):
-    """The engine's CUDA graph needs no host sync, streamed experts need one: the engine says why it decodes op
-    by op and generates the same tokens as the all-VRAM engine (which decodes through the graph)."""
+@pytest.mark.parametrize("cache", [2, 64])
+def test_streamed_experts_decode_through_the_graph_and_generate_the_same_text(checkpoint, cache, monkeypatch):
+    """Decode reads non-resident experts from host memory, so the step is captured as a CUDA graph as the all-VRAM
+    one is; with the cache refreshed every step (REFRESH = 1) experts are swapped in while generating, and the
+    tokens stay those of the all-VRAM engine."""
+    from lumen_cuda import stream
+
     _, path = checkpoint
+    monkeypatch.setattr(stream, "REFRESH", 1)
     ref = load(path)
-    streamed = load(path, compute="cuda:0", store="ram")
+    stream._CACHES.clear()
+    streamed = load(path, compute="cuda:0", store="ram", cache=cache)
     prompt = list(range(5, 30))
-    got, want = list(streamed.generate_tokens(prompt, 12)), list(ref.generate_tokens(prompt, 12))
-    assert ref.decode_runner() and not streamed.decode_runner()
+    got, want = list(streamed.generate_tokens(prompt, 24)), list(ref.generate_tokens(prompt, 24))
+    # the tiny NVFP4 checkpoint has matrices too narrow for the NVFP4 GEMV, whose cuBLAS fallback is not
+    # capturable: then neither engine has a graph
+    assert bool(streamed.decode_runner()) == bool(ref.decode_runner())
+    if "nvfp4" not in str(path):
+        assert streamed.decode_runner()
+    if cache == 2 and streamed.decode_runner():
+        assert stream.stats()[0]["swaps"] > 0
     if got != want:  # allowed only where the reference's two best logits tie to within the tolerance
         i = next(j for j, (a, b) in enumerate(zip(got, want, strict=False)) if a != b)
         logits = np.asarray(ref.model.forward(prompt + want[:i], ref.model.new_cache(CONTEXT))[-1], np.float64)
@@ -108,16 +125,6 @@ def test_streamed_experts_decode_op_by_op_and_generate_the_same_text(checkpoint)
         gap = logits[top[1]] - logits[top[0]]
         assert got[i] in top.tolist() and gap <= 1e-4 * max(1.0, np.abs(logits).max()), (
             f"token {i} differs ({got[i]} vs {want[i]}) with a margin of {gap:.3g} between the two best logits")
-
-
-@pytest.mark.gpu
-def test_a_cache_smaller_than_top_k_is_refused(tiny_checkpoint, cp):
-    from lumen_cuda import stream
-
-    stream._CACHES.clear()
-    engine = load(tiny_checkpoint("qwen3_5_moe"), compute="cuda:0", store="ram", cache=1)
-    with pytest.raises(ValueError, match="experts.cache to at least 2"):
-        engine.model.forward([5, 6, 7], engine.model.new_cache(CONTEXT))
 
 
 @pytest.mark.gpu

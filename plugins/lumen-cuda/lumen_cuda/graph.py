@@ -36,6 +36,7 @@ class NotCapturable(RuntimeError):
 class StepInputs:
     ids: cp.ndarray  # (1,) int64: the token of this step (already through model.input_id)
     pos: cp.ndarray  # (1,) int32: its position (tokens before it)
+    streams: bool = False  # set by an op of the step that reads experts streamed from host RAM (stream.py)
 
 
 STEP: StepInputs | None = None  # set while a decode step is prepared (warm-up and capture)
@@ -79,6 +80,7 @@ class GraphRunner(DecodeRunner):
         self.graph = None
         self.logits = None  # the graph's output buffer (1, vocab) f32, in the private pool
         self._greedy = None  # greedy_tokens' kernel, scratch, remap table, pinned slots and events
+        self._between = None  # called before each replay: the streamed-expert cache's upkeep (stream.maintain)
 
     def prepare(self) -> str | None:
         """Warm up and capture; None when the graph is ready, else why the step cannot be captured."""
@@ -107,6 +109,10 @@ class GraphRunner(DecodeRunner):
                 finally:
                     STEP = None
             self.graph = graph
+            if self.inputs.streams:
+                from . import stream
+
+                self._between = stream.maintain
             self.graph.upload(self.stream) if hasattr(self.graph, "upload") else None
         except Exception as exc:  # NotCapturable, or CUDA refusing an operation while capturing
             self.graph, self.logits = None, None
@@ -127,6 +133,8 @@ class GraphRunner(DecodeRunner):
         with self.dev, self.stream:
             self.inputs.ids.fill(self.model.input_id(int(token)))
             self.inputs.pos.fill(self.cache.pos)
+            if self._between is not None:
+                self._between()
             self.graph.launch(self.stream)
         self.cache.pos += 1
         return self.logits
@@ -166,6 +174,8 @@ class GraphRunner(DecodeRunner):
                 return
             slot = launches[0] % 2
             launches[0] += 1
+            if self._between is not None:
+                self._between()
             self.graph.launch(self.stream)
             self.cache.pos += 1
             fn((GREEDY_BLOCKS,), (GREEDY_THREADS,), (logits, np.int32(n), part_v, part_i, counter, self.inputs.ids,

@@ -1,27 +1,37 @@
 """Routed experts streamed from host RAM (``experts: {compute: cuda:N, store: ram}``).
 
 Weights: ``CUDABackend.weight(..., store="ram")`` copies each expert matrix (and its fp8 scales / NVFP4 block
-scales) into page-locked host memory (``PinnedArena``: a few large ``cudaHostAlloc`` blocks, sub-allocated), so
-host-to-device copies are asynchronous DMA.
+scales) into page-locked host memory (``PinnedArena``: a few large ``cudaHostAlloc`` blocks, sub-allocated). Such
+memory is mapped into the GPU's address space (unified addressing), so a kernel can read it straight over PCIe.
 
-Compute: ``experts(...)`` / ``experts_packed(...)`` (called by ``moe.experts`` when the expert weights are on the
-host). Per call: the (T, k) expert ids come to the host (one sync), the distinct experts needed are staged into
-the device's **expert cache** — ``slots`` expert-sized areas in VRAM, least recently used first out, shared by every
-streamed layer on that device (``model.hidden-layers.experts.cache``; default ``DEFAULT_SLOTS``) — with
-``cudaMemcpyAsync`` on the compute stream, and the device MoE kernels (``moe.py``) run over pointer tables that point
-into the slots. An expert already resident is not copied again. When a call needs more experts than there are
-slots (prefill), it runs in passes of at most ``slots`` experts: the ids of the other experts are masked to -1
-(the kernels skip them) and the passes' outputs are added.
+Each streamed layer gets a ``HostExperts``: the device MoE kernels' pointer tables (``moe._Table``), in which the
+entry of expert e points at its slot in the device's **expert cache** when e is resident there, and otherwise at
+its pinned host copy. The cache is ``slots`` expert-sized areas of VRAM shared by every streamed layer on the
+device (``model.hidden-layers.experts.cache``; default ``DEFAULT_SLOTS``).
 
-Not yet: overlapping the copies with compute (a copy stream and double-buffered staging), prefetching the next
-layer's experts, and CUDA-graph capture (the ids must reach the host, so a model with streamed experts decodes op by
-op: ``graph.require_host`` says so).
+- **Decode** (fewer than ``moe.GROUPED_MIN_T`` tokens): the kernels run over the tables as they are. A routed
+  expert that is not resident is read from host memory by the GEMV kernels themselves (each byte crosses PCIe
+  once, while the kernel computes): no host sync, no staging copy to wait for, so the decode step is captured as
+  a CUDA graph like an all-VRAM one. A ``moe_count`` kernel (kernels/stream.cu) counts each expert's uses.
+- **The cache policy** (``ExpertCache.maintain``, called once per decode step by the graph runner, or per layer
+  call when decoding op by op): every ``REFRESH`` steps the counts are copied to pinned memory (asynchronously;
+  read at the next refresh), folded into a decayed score per expert, and up to ``MAX_SWAPS`` experts whose score
+  beats the weakest resident one by ``HYSTERESIS`` are brought in: the victim's table entries are pointed back at
+  host memory (on the compute stream), the new expert is copied into the freed slot on a separate copy stream
+  (after an event, so no kernel still reading the slot is overtaken), and its entries are pointed at the slot once
+  that copy has finished (checked without blocking at the next step). Decoding never waits for a copy.
+- **Prefill** (``moe.GROUPED_MIN_T`` tokens or more): the ids come to the host (one sync), and the distinct
+  experts needed are staged into slots with ``cudaMemcpyAsync`` before the grouped kernels run, so each expert
+  crosses PCIe once however many tokens route to it. When a call needs more experts than there are slots, it
+  runs in passes: the ids of the experts outside the pass are masked to -1 and the passes' outputs are added.
+  Victims are the resident experts with the lowest scores that the pass does not need.
+
+Correctness never depends on residency: every table entry always points at a valid copy of its expert.
 """
 
 from __future__ import annotations
 
 import weakref
-from collections import OrderedDict
 
 import cupy as cp
 import numpy as np
@@ -30,6 +40,7 @@ from lumen_core.backend import Weight
 from lumen_core.plan import DEFAULT_EXPERT_CACHE as DEFAULT_SLOTS  # the plan counts the same default
 
 ARENA_BLOCK = 256 << 20  # pinned host memory is allocated in blocks of at least this many bytes
+MEMORY_TYPE_HOST = 1  # cudaMemoryTypeHost
 ALIGN = 256  # byte alignment of every matrix inside a slot and inside the arena
 
 
@@ -38,27 +49,38 @@ def _round(n: int) -> int:
 
 
 class PinnedArena:
-    """Page-locked host memory handed out as numpy arrays; blocks are never freed before the process ends."""
+    """Page-locked host memory handed out as numpy arrays, sub-allocated from blocks of at least ARENA_BLOCK bytes.
+    Each array keeps its block alive; a block goes back to CuPy's pinned-memory pool (for the next load) when the
+    arrays cut from it are gone and it is no longer the block being filled."""
 
     def __init__(self):
-        self.blocks: list = []
-        self.free = 0  # bytes left in the last block
+        self.block = None  # the block being filled
+        self.free = 0  # bytes left in it
         self.used = 0
 
     def copy(self, array: np.ndarray) -> np.ndarray:
         a = np.ascontiguousarray(array)
         n = _round(max(a.nbytes, 1))
         if n > self.free:
-            mem = cp.cuda.alloc_pinned_memory(max(n, ARENA_BLOCK))
-            self.blocks.append(mem)
-            self.free = mem.size()
+            self.block = cp.cuda.alloc_pinned_memory(max(n, ARENA_BLOCK))
+            self.free = self.block.size()
             self.used = 0
-        mem = self.blocks[-1]
-        out = np.frombuffer(mem, dtype=np.uint8, count=a.nbytes, offset=self.used).view(a.dtype).reshape(a.shape)
+        out = np.frombuffer(self.block, dtype=np.uint8, count=a.nbytes, offset=self.used)
+        out = out.view(a.dtype).reshape(a.shape)
         out[...] = a
         self.used += n
         self.free -= n
         return out
+
+
+def _page_locked(a: np.ndarray) -> bool:
+    """Whether the GPU can read ``a`` through its host address (page-locked host memory, mapped at the same address:
+    unified addressing)."""
+    try:
+        attrs = cp.cuda.runtime.pointerGetAttributes(a.ctypes.data)
+    except cp.cuda.runtime.CUDARuntimeError:
+        return False
+    return attrs.type == MEMORY_TYPE_HOST and attrs.devicePointer == a.ctypes.data
 
 
 ARENA = PinnedArena()
@@ -83,157 +105,400 @@ def _weight_pieces(w: Weight) -> list[np.ndarray]:
     return parts
 
 
-def _device_weight(w: Weight, data, scale_dev, shape) -> Weight:
-    if w.format == "fp8":
-        return Weight(data, "fp8", shape, scale_dev, w.block)
-    if w.format == "nvfp4":
-        from .backend import NVFP4Scale
-
-        return Weight(data, "nvfp4", shape, NVFP4Scale(scale_dev, w.scale.global_scale), w.block)
-    return Weight(data, w.format, shape)
+REFRESH = 16  # decode steps between two looks at the routing counts
+DECAY = 0.5  # an expert's score: DECAY x its previous score + its uses since the last look
+MAX_SWAPS = 32  # experts brought into the cache per look, at most
+HYSTERESIS = 1.5  # a newcomer's score must exceed HYSTERESIS x the victim's + 1
+COUNT_THREADS = 256
 
 
-def _view(base, offset: int, like: np.ndarray):
-    """A device array at byte ``offset`` of ``base`` (inside a slot) with a host array's dtype and shape."""
-    mem = cp.cuda.MemoryPointer(base.data.mem, base.data.ptr - base.data.mem.ptr + offset)
-    return cp.ndarray(like.shape, dtype=like.dtype, memptr=mem)
+_FNS: dict = {}
+
+
+def _fn(name: str):
+    from . import kernels
+
+    key = (cp.cuda.runtime.getDevice(), name)
+    if key not in _FNS:
+        _FNS[key] = kernels.function("stream", name)
+    return _FNS[key]
+
+
+# -- one layer's experts ------------------------------------------------------------------------------------------
+def _expert_mats(gate_up, down, packed: bool, e: int) -> list[tuple[str, tuple, list[np.ndarray], float | None]]:
+    """Expert e's (gate, up, down) matrices: (format, logical shape, host pieces (data, then fp8 scale or NVFP4
+    block scales), NVFP4 global scale or None)."""
+    if packed:
+        g, d = gate_up.data[e], down.data[e]
+        I = g.shape[0] // 2
+        return [(gate_up.format, (I, g.shape[1]), [g[:I]], None), (gate_up.format, (I, g.shape[1]), [g[I:]], None),
+                (down.format, tuple(d.shape), [d], None)]
+    gw, uw = gate_up[e]
+    return [(w.format, tuple(w.shape), _weight_pieces(w),
+             float(np.asarray(w.scale.global_scale, np.float32).reshape(())) if w.format == "nvfp4" else None)
+            for w in (gw, uw, down[e])]
+
+
+def _f32_bits(v: float) -> int:
+    return int(np.asarray(v, dtype=np.float32).reshape(()).view(np.uint32))
+
+
+def _rows(mats: list, ptrs: list[list[int]]) -> list[int]:
+    """Table entries of some matrices (moe._Table layout): data pointers, then scale pointers (fp8 / nvfp4), then
+    global scales' bits (nvfp4); ``ptrs`` per matrix, per piece."""
+    fmt = mats[0][0]
+    out = [p[0] for p in ptrs]
+    if fmt in ("fp8", "nvfp4"):
+        out += [p[1] for p in ptrs]
+    if fmt == "nvfp4":
+        out += [_f32_bits(m[3]) for m in mats]
+    return out
+
+
+class HostExperts:
+    """One layer's routed experts in pinned host memory, as the device MoE kernels see them (module docstring)."""
+
+    def __init__(self, gate_up, down, packed: bool):
+        from . import gemv, moe
+
+        self.E = gate_up.data.shape[0] if packed else len(gate_up)
+        self.mats = [_expert_mats(gate_up, down, packed, e) for e in range(self.E)]
+        (fmt, (I, H), gparts, _), _, (dfmt, dshape, dparts, _) = self.mats[0]
+        ok = (fmt in moe.ALIGN and dfmt == fmt and dshape == (H, I) and I > 0 and H > 0
+              and H % moe.ALIGN[fmt] == 0 and I % moe.ALIGN[fmt] == 0
+              and all(tuple(m[1]) == tuple(r[1]) and m[0] == fmt for mats in self.mats
+                      for m, r in zip(mats, self.mats[0], strict=True)))
+        blocks = [(1, 1, 1)] * 2
+        if ok and fmt == "fp8":
+            src = [gate_up[0][0], down[0]] if not packed else []
+            blocks = [gemv.fp8_block(w.shape, w.scale, w.block) for w in src]
+            ok = all(b[1] % 16 == 0 for b in blocks)
+        elif ok and fmt == "nvfp4":
+            blocks = [(1, moe.NVFP4_GROUP, H // moe.NVFP4_GROUP), (1, moe.NVFP4_GROUP, I // moe.NVFP4_GROUP)]
+        if not ok:
+            raise ValueError("streamed experts need a format and shape the device MoE kernels take (bf16, f16, "
+                             "f32, fp8 or nvfp4; every expert alike; K a multiple of the format's 16-byte load)")
+        self.fmt, self.H, self.I, self.blocks = fmt, H, I, blocks
+        self.pieces = [[p for m in mats for p in m[2]] for mats in self.mats]
+        if not all(p.flags.c_contiguous and _page_locked(p) for pieces in self.pieces for p in pieces):
+            raise ValueError("streamed experts must be in the pinned arena (CUDABackend.weight with store 'ram')")
+        self.nbytes = sum(p.nbytes for p in self.pieces[0])
+        self.slot_bytes = sum(_round(p.nbytes) for p in self.pieces[0])
+        self.host_g = np.array([self._entries(e, None)[0] for e in range(self.E)], dtype=np.uint64).T.copy()
+        self.host_d = np.array([self._entries(e, None)[1] for e in range(self.E)], dtype=np.uint64).T.copy()
+        self.mirror_g, self.mirror_d = self.host_g.copy(), self.host_d.copy()
+        self.tg = moe._Table(fmt, (I, H), blocks[0], cp.asarray(self.host_g), [])
+        self.td = moe._Table(fmt, (H, I), blocks[1], cp.asarray(self.host_d), [])
+        self.counts = cp.zeros(self.E, dtype=cp.int32)
+        self.counts_host = np.frombuffer(cp.cuda.alloc_pinned_memory(4 * self.E), np.int32, self.E)
+        self.score = np.zeros(self.E)
+        self.slot: dict[int, int] = {}  # resident expert -> slot
+        self.dirty = False
+
+    def _entries(self, e: int, base: int | None) -> tuple[list[int], list[int]]:
+        """(gate/up table column, down table column) of expert e: pointing into its pinned host pieces (base None)
+        or into a cache slot at device address ``base``."""
+        ptrs, off = [], 0
+        for m in self.mats[e]:
+            row = []
+            for piece in m[2]:
+                row.append(piece.ctypes.data if base is None else base + off)
+                off += _round(piece.nbytes)
+            ptrs.append(row)
+        mats = self.mats[e]
+        return _rows(mats[:2], ptrs[:2]), _rows(mats[2:], ptrs[2:])
+
+    def map(self, e: int, slot: int, base: int) -> None:
+        g, d = self._entries(e, base)
+        self.mirror_g[:, e], self.mirror_d[:, e] = g, d
+        self.slot[e] = slot
+        self.dirty = True
+
+    def unmap(self, e: int) -> None:
+        self.mirror_g[:, e], self.mirror_d[:, e] = self.host_g[:, e], self.host_d[:, e]
+        self.slot.pop(e, None)
+        self.dirty = True
+
+    def flush(self, stream) -> None:
+        """Copy the table mirrors to the device, ordered on ``stream``."""
+        if self.dirty:
+            for dev, host in ((self.tg.ptrs, self.mirror_g), (self.td.ptrs, self.mirror_d)):
+                cp.cuda.runtime.memcpyAsync(dev.data.ptr, host.ctypes.data, host.nbytes,
+                                            cp.cuda.runtime.memcpyHostToDevice, stream.ptr)
+            self.dirty = False
+
+    def count(self, ids, ids64: int) -> None:
+        n = ids.size
+        _fn("moe_count")(((n + COUNT_THREADS - 1) // COUNT_THREADS,), (COUNT_THREADS,),
+                         (ids, np.int32(ids64), np.int32(n), np.int32(self.E), self.counts))
+
+
+_LAYERS: dict[int, HostExperts] = {}  # id(the first expert's Weight) -> its layer's HostExperts, while it lives
+
+
+def _layer(gate_up, down, packed: bool) -> HostExperts:
+    """The HostExperts of an expert list, made on first use and dropped with the model's Weights (it holds their
+    arrays, not the Weight objects, so it does not keep them alive)."""
+    key = gate_up if packed else gate_up[0][0]
+    hx = _LAYERS.get(id(key))
+    if hx is None:
+        hx = _LAYERS[id(key)] = HostExperts(gate_up, down, packed)
+        weakref.finalize(key, _LAYERS.pop, id(key), None)
+    return hx
 
 
 # -- the cache --------------------------------------------------------------------------------------------------
 class ExpertCache:
-    """``slots`` expert-sized areas of VRAM on one device; keys (id of the weight list, expert) -> slot."""
+    """``slots`` expert-sized areas of VRAM on one device, shared by its streamed layers (module docstring)."""
 
     def __init__(self, slots: int, slot_bytes: int):
         self.slots, self.slot_bytes = slots, slot_bytes
         self.buf = cp.empty(slots * slot_bytes, dtype=cp.uint8)
-        self.lru: OrderedDict = OrderedDict()  # key -> slot, least recently used first
-        self.copied = 0  # bytes copied host -> device (statistics)
-        self.hits = self.misses = 0
+        self.owner: list[tuple | None] = [None] * slots  # slot -> (weakref to HostExperts, expert)
+        self.members: list = []  # weakrefs to the HostExperts using this cache
+        self.copy_stream = cp.cuda.Stream(non_blocking=True)
+        self.pending: list[tuple] = []  # (slot, weakref to HostExperts, expert, event): copies not yet mapped
+        self.counting = None  # the event after which the counts in pinned memory are complete
+        self.steps = 0.0
+        self.copied = 0  # bytes copied host -> device (staging and swaps)
+        self.host_read = 0  # bytes the decode kernels read from host memory (from the routing counts)
+        self.hits = self.misses = self.swaps = 0
 
-    def stage(self, owner: np.ndarray, e: int, pieces: list[np.ndarray], keep: set) -> int:
-        """The slot holding expert ``e`` of the weights whose host array is ``owner`` (its pieces copied there if
-        it was not resident); never evicts a key in ``keep`` (the experts of the current pass). Keys hold a weak
-        reference to ``owner``, so an id reused by a later model's array is never taken for a hit."""
-        key = (id(owner), e)
-        hit = self.lru.get(key)
-        if hit is not None and hit[1]() is owner:
-            self.lru.move_to_end(key)
-            self.hits += 1
-            return hit[0]
-        self.misses += 1
-        if hit is not None:  # a stale key (its owner is gone): reuse its slot
-            slot = self.lru.pop(key)[0]
-        elif len(self.lru) < self.slots:
-            slot = len(self.lru)
-        else:
-            victim = next(k for k in self.lru if k not in keep)
-            slot = self.lru.pop(victim)[0]
-        self.lru[key] = (slot, weakref.ref(owner))
-        stream = cp.cuda.get_current_stream().ptr
-        base = self.buf.data.ptr + slot * self.slot_bytes
-        off = 0
-        for h in pieces:
+    def attach(self, hx: HostExperts) -> None:
+        """Start serving a layer (its tables pointing at host memory, whatever cache they used before)."""
+        for e in list(hx.slot):
+            hx.unmap(e)
+        hx.flush(cp.cuda.get_current_stream())
+        self.members.append(weakref.ref(hx))
+
+    def base(self, slot: int) -> int:
+        return self.buf.data.ptr + slot * self.slot_bytes
+
+    def _live(self) -> list[HostExperts]:
+        self.members = [r for r in self.members if r() is not None]
+        return [r() for r in self.members]
+
+    def _free_dead(self) -> None:
+        for s, o in enumerate(self.owner):
+            if o is not None and o[0]() is None:
+                self.owner[s] = None
+
+    def _copy(self, slot: int, hx: HostExperts, e: int, stream) -> None:
+        base, off = self.base(slot), 0
+        for h in hx.pieces[e]:
             cp.cuda.runtime.memcpyAsync(base + off, h.ctypes.data, h.nbytes, cp.cuda.runtime.memcpyHostToDevice,
-                                        stream)
-            self.copied += h.nbytes
+                                        stream.ptr)
             off += _round(h.nbytes)
-        return slot
+        self.copied += hx.nbytes
 
-    def views(self, slot: int, pieces: list[np.ndarray]) -> list:
-        out, off = [], slot * self.slot_bytes
-        for h in pieces:
-            out.append(_view(self.buf, off, h))
-            off += _round(h.nbytes)
-        return out
+    def _evict(self, slot: int) -> None:
+        o = self.owner[slot]
+        if o is not None and (hx := o[0]()) is not None:
+            hx.unmap(o[1])
+        self.owner[slot] = None
+
+    def _flush(self, stream) -> None:
+        for hx in self._live():
+            hx.flush(stream)
+
+    def _land(self, block: bool) -> None:
+        """Point the tables at the swapped-in experts whose copies have finished (all of them with ``block``)."""
+        stream = cp.cuda.get_current_stream()
+        keep = []
+        for slot, ref, e, ev in self.pending:
+            if not block and not ev.done:
+                keep.append((slot, ref, e, ev))
+                continue
+            ev.synchronize()
+            hx = ref()
+            if hx is not None and e not in hx.slot:
+                hx.map(e, slot, self.base(slot))
+                self.owner[slot] = (ref, e)
+        self.pending = keep
+        self._flush(stream)
+
+    # -- prefill ---------------------------------------------------------------------------------------------
+    def stage(self, hx: HostExperts, needed: list[int], uses: np.ndarray) -> None:
+        """Make the experts ``needed`` (at most ``slots``) resident, copying the missing ones on the current
+        stream; victims are the resident experts of lowest score outside ``needed``."""
+        stream = cp.cuda.get_current_stream()
+        self._land(block=True)
+        self._free_dead()
+        hx.score += uses
+        missing = [e for e in needed if e not in hx.slot]
+        self.hits += len(needed) - len(missing)
+        self.misses += len(missing)
+        if not missing:
+            return
+        busy = {hx.slot[e] for e in needed if e in hx.slot}
+        free = [s for s in range(self.slots) if self.owner[s] is None and s not in busy]
+        taken = [(self.owner[s][0]().score[self.owner[s][1]], s) for s in range(self.slots)
+                 if self.owner[s] is not None and s not in busy]
+        victims = [s for _, s in sorted(taken)]
+        slots = (free + victims)[:len(missing)]
+        for s in slots:
+            self._evict(s)
+        self._flush(stream)  # no kernel enqueued from here on reads a victim slot
+        for s, e in zip(slots, missing, strict=True):
+            self._copy(s, hx, e, stream)
+            hx.map(e, s, self.base(s))
+            self.owner[s] = (weakref.ref(hx), e)
+        hx.flush(stream)
+
+    # -- decode ----------------------------------------------------------------------------------------------
+    def maintain(self, steps: float = 1.0) -> None:
+        """Called once per decode step (or a fraction per layer call): every REFRESH steps, fold in the counts
+        read last time, start swaps, and start reading the counts again; land finished swaps on every call."""
+        if self.pending:
+            self._land(block=False)
+        self.steps += steps
+        if self.steps < REFRESH:
+            return
+        self.steps = 0.0
+        stream = cp.cuda.get_current_stream()
+        members = self._live()
+        if self.counting is not None and self.counting.done:
+            self._fold(members)
+            self._swap(members, stream)
+            self.counting = None
+        if self.counting is None:
+            for hx in members:
+                cp.cuda.runtime.memcpyAsync(hx.counts_host.ctypes.data, hx.counts.data.ptr, hx.counts.nbytes,
+                                            cp.cuda.runtime.memcpyDeviceToHost, stream.ptr)
+                hx.counts.fill(0)
+            self.counting = cp.cuda.Event(block=False, disable_timing=True)
+            self.counting.record(stream)
+
+    def _fold(self, members: list[HostExperts]) -> None:
+        for hx in members:
+            c = hx.counts_host.astype(np.float64)
+            host = np.ones(hx.E, dtype=bool)
+            host[list(hx.slot)] = False
+            self.host_read += int(c[host].sum()) * hx.nbytes
+            hx.score = DECAY * hx.score + c
+
+    def _swap(self, members: list[HostExperts], stream) -> None:
+        self._free_dead()
+        reserved = {p[0] for p in self.pending}
+        pending_keys = {(id(p[1]()), p[2]) for p in self.pending}
+        free = [s for s in range(self.slots) if self.owner[s] is None and s not in reserved]
+        resident = sorted((o[0]().score[o[1]], s) for s, o in enumerate(self.owner) if o is not None)
+        cands = sorted(((hx.score[e], i, e) for i, hx in enumerate(members) for e in np.flatnonzero(hx.score > 0)
+                        if e not in hx.slot and (id(hx), e) not in pending_keys), reverse=True)
+        plan = []
+        for sc, i, e in cands[:MAX_SWAPS]:
+            if free:
+                plan.append((free.pop(0), members[i], int(e)))
+            elif resident and sc > HYSTERESIS * resident[0][0] + 1:
+                s = resident.pop(0)[1]
+                self._evict(s)
+                plan.append((s, members[i], int(e)))
+            else:
+                break
+        if not plan:
+            return
+        self._flush(stream)  # victims' entries point at host memory before their slots are overwritten
+        ready = cp.cuda.Event(block=False, disable_timing=True)
+        ready.record(stream)
+        self.copy_stream.wait_event(ready)
+        for s, hx, e in plan:
+            self._copy(s, hx, e, self.copy_stream)
+            ev = cp.cuda.Event(block=False, disable_timing=True)
+            ev.record(self.copy_stream)
+            self.pending.append((s, weakref.ref(hx), e, ev))
+        self.swaps += len(plan)
+
+    def drain(self) -> None:
+        """Wait for outstanding swaps and counts and fold in every count so far (statistics are then complete)."""
+        self._land(block=True)
+        members = self._live()
+        if self.counting is not None:
+            self.counting.synchronize()
+            self._fold(members)
+            self.counting = None
+        for hx in members:
+            hx.counts_host[...] = cp.asnumpy(hx.counts)
+            hx.counts.fill(0)
+        self._fold(members)
 
 
 _CACHES: dict[int, ExpertCache] = {}
 SLOTS: dict[int, int] = {}  # device id -> configured slots (CUDABackend.configure_expert_cache)
 
 
-def _cache(slot_bytes: int, k: int) -> ExpertCache:
+def _cache(slot_bytes: int) -> ExpertCache:
     dev = cp.cuda.runtime.getDevice()
     slots = SLOTS.get(dev, DEFAULT_SLOTS)
-    if slots < k:
-        raise ValueError(f"the expert cache holds {slots} experts but a token routes to {k}: set "
-                         f"model.hidden-layers.experts.cache to at least {k}")
     c = _CACHES.get(dev)
     if c is None or c.slot_bytes < slot_bytes or c.slots != slots:
-        c = _CACHES[dev] = ExpertCache(slots, slot_bytes)
+        old = c
+        c = _CACHES[dev] = ExpertCache(slots, max(slot_bytes, old.slot_bytes if old else 0))
+        if old is not None:  # a new cache: the old one's layers move to it
+            old._land(block=True)
+            for hx in old._live():
+                c.attach(hx)
     return c
 
 
+def maintain() -> None:
+    """Once per decode step, on the step's stream (lumen_cuda.graph calls it before each replay)."""
+    c = _CACHES.get(cp.cuda.runtime.getDevice())
+    if c is not None:
+        c.maintain()
+
+
 def stats() -> dict:
-    """Per device: slots, bytes copied host -> device, hits, misses."""
-    return {d: {"slots": c.slots, "copied_bytes": c.copied, "hits": c.hits, "misses": c.misses}
-            for d, c in _CACHES.items()}
+    """Per device: slots, bytes copied host -> device, bytes the kernels read from host memory, prefill hits and
+    misses, decode swaps (outstanding work is waited for first)."""
+    out = {}
+    for d, c in _CACHES.items():
+        with cp.cuda.Device(d):
+            c.drain()
+        out[d] = {"slots": c.slots, "copied_bytes": c.copied, "host_read_bytes": c.host_read, "hits": c.hits,
+                  "misses": c.misses, "swaps": c.swaps}
+    return out
 
 
-# -- the ops ----------------------------------------------------------------------------------------------------
-def _expert_pieces(gate_up, down, packed: bool, e: int) -> tuple[list[np.ndarray], list[tuple]]:
-    """Host pieces of expert e (gate, up, down matrices and their scales) and, per matrix, (source Weight, number
-    of pieces, logical shape)."""
-    if packed:
-        g, d = gate_up.data[e], down.data[e]
-        I = g.shape[0] // 2
-        mats = [(gate_up, [g[:I]], (I, g.shape[1])), (gate_up, [g[I:]], (I, g.shape[1])),
-                (down, [d], tuple(d.shape))]
-    else:
-        gw, uw = gate_up[e]
-        dw = down[e]
-        mats = [(w, _weight_pieces(w), tuple(w.shape)) for w in (gw, uw, dw)]
-    pieces, layout = [], []
-    for w, parts, shape in mats:
-        pieces += [np.ascontiguousarray(p) for p in parts]
-        layout.append((w, len(parts), shape))
-    return pieces, layout
-
-
-def _slot_bytes(pieces: list[np.ndarray]) -> int:
-    return sum(_round(p.nbytes) for p in pieces)
-
-
+# -- the op -------------------------------------------------------------------------------------------------------
 def experts(x, ids, weights, gate_up, down, act: str = "silu", out=None, packed: bool = False):
-    """``moe.experts`` (or ``moe.experts_packed`` with ``packed``) for expert weights in host RAM: stage the
-    routed experts into the device's expert cache, then the device kernels; see the module docstring."""
+    """``moe.experts`` (or ``moe.experts_packed`` with ``packed``) for expert weights in host RAM; see the module
+    docstring."""
     from . import graph, moe
 
-    graph.require_host("experts streamed from host RAM")
-    T, k = ids.shape
-    E = gate_up.data.shape[0] if packed else len(gate_up)
+    hx = _layer(gate_up, down, packed)
+    cache = _cache(hx.slot_bytes)
+    if not any(r() is hx for r in cache.members):
+        cache.attach(hx)
+    inputs = moe._inputs(x, ids, weights, hx.H)
+    if inputs is None or act not in moe.ACTS:
+        raise ValueError(f"streamed experts: x {getattr(x, 'shape', None)} / ids {getattr(ids, 'shape', None)} / "
+                         f"act {act!r} do not fit the expert kernels")
+    x, ids, ids64, w = inputs
+    T = ids.shape[0]
+    if graph.STEP is not None:
+        graph.STEP.streams = True  # the runner calls maintain() before each replay
+    y = moe._out(out, T, hx.H)
+    args = ((hx.tg.ptrs, hx.fmt), (hx.td.ptrs, hx.fmt), hx.fmt, hx.fmt, hx.tg.block, hx.td.block)
+    if T < moe.GROUPED_MIN_T:  # decode: straight from the tables (resident slots or host memory)
+        if graph.STEP is None:
+            cache.maintain(1.0 / max(1, len(cache.members)))
+        hx.count(ids, ids64)
+        return moe._launch(*args, (x, ids, ids64, w), hx.E, hx.H, hx.I, act, y)
+    graph.require_host("a streamed-expert prefill")
     ids_host = cp.asnumpy(ids).astype(np.int64)
-    valid = (ids_host >= 0) & (ids_host < E)
-    needed = np.unique(ids_host[valid]).tolist()
-    first_pieces, _ = _expert_pieces(gate_up, down, packed, needed[0] if needed else 0)
-    cache = _cache(_slot_bytes(first_pieces), k)
-    y = out if out is not None else cp.empty((T, x.shape[1]), dtype=cp.float32)
-    if not needed:
-        y[...] = 0
-        return y
-    def owner(e):  # the host array whose identity names expert e's weights
-        return (gate_up.data, e) if packed else (gate_up[e][0].data, 0)
-
+    valid = (ids_host >= 0) & (ids_host < hx.E)
+    uses = np.bincount(ids_host[valid], minlength=hx.E).astype(np.float64)
+    needed = np.flatnonzero(uses).tolist()
+    step = max(1, cache.slots)
+    if len(needed) <= step:
+        cache.stage(hx, needed, uses)
+        return moe._launch(*args, (x, ids, ids64, w), hx.E, hx.H, hx.I, act, y)
     acc = None
-    for p0 in range(0, len(needed), cache.slots):
-        chunk = needed[p0:p0 + cache.slots]
-        keep = {(id(owner(e)[0]), owner(e)[1]) for e in chunk}
-        staged = {}
-        for e in chunk:
-            pieces, layout = _expert_pieces(gate_up, down, packed, e)
-            slot = cache.stage(*owner(e), pieces, keep)
-            views = cache.views(slot, pieces)
-            mats, i = [], 0
-            for w, n, shape in layout:
-                data, scale = views[i], views[i + 1] if n > 1 else None
-                mats.append(_device_weight(w if not packed else Weight(None, w.format, shape), data, scale,
-                                           shape))
-                i += n
-            staged[e] = mats
-        filler = staged[chunk[0]]
-        gu = [(staged.get(e, filler)[0], staged.get(e, filler)[1]) for e in range(E)]
-        dn = [staged.get(e, filler)[2] for e in range(E)]
-        masked = np.where(np.isin(ids_host, chunk), ids_host, -1)
-        part = moe.experts_staged(x, cp.asarray(masked), weights, gu, dn, act)
+    for p0 in range(0, len(needed), step):
+        chunk = needed[p0:p0 + step]
+        cache.stage(hx, chunk, np.where(np.isin(np.arange(hx.E), chunk), uses, 0.0))
+        masked = cp.asarray(np.where(np.isin(ids_host, chunk), ids_host, -1))
+        part = moe._launch(*args, (x, masked, 1, w), hx.E, hx.H, hx.I, act, None)
         if acc is None:
             acc = part
         else:
