@@ -171,3 +171,39 @@ def test_gpu_placement_examples_run(name, tiny_checkpoint, write_config, cp):
     assert placed == {(experts["compute"].split(":")[0], experts["store"])}
     ids = list(engine.generate_tokens(engine.encode("Hello"), max_tokens=4))
     assert len(ids) <= 4 and engine.stats.generated_tokens >= 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("placement", ["vram", "stream"])
+def test_memory_allocated_is_within_ten_percent_of_the_plan(placement, tiny_checkpoint, cp):
+    """The plan is the truth: after loading and generating, the VRAM Lumen holds (CuPy's default pool plus the
+    decode graph's private pool: weights, KV cache, expert cache, scratch) and the pinned host memory it took (the
+    streamed experts) are each within 10% of the plan's pools. A checkpoint big enough (~1.7 GB f32) that the
+    figures are not noise. CUDA's own context, cuBLAS workspaces and loaded kernels are not Lumen's allocations
+    and not in the plan."""
+    import gc
+
+    from lumen_cuda import stream
+
+    path = tiny_checkpoint("qwen3_5_moe", hidden_size=1024, num_experts=32, num_experts_per_tok=4,
+                           moe_intermediate_size=1024, shared_expert_intermediate_size=1024)
+    gc.collect()
+    pool = cp.get_default_memory_pool()
+    used0, pinned0 = pool.used_bytes(), stream.ARENA.allocated
+    experts = {"compute": "cuda:0", "store": "ram", "cache": 16} if placement == "stream" else {}
+    engine = lumen.load({"model": {"path": str(path), "compute": "cuda:0", "store": "vram", "hidden-layers": {
+        "kv-cache": {"context-size": 1024}, **({"experts": experts} if experts else {})}}}, progress=False)
+    list(engine.generate_tokens(list(range(5, 40)), 4))
+    runner = engine.decode_runner()
+    vram = pool.used_bytes() - used0 + (runner.pool.used_bytes() if runner else 0)
+    pinned = stream.ARENA.allocated - pinned0
+    pools = engine.plan.pools()
+    want_vram, want_ram = pools.get("cuda:0 VRAM", 0), pools.get("host RAM", 0)
+    print(f"{placement}: VRAM {vram / 1e6:.1f} MB (plan {want_vram / 1e6:.1f}), pinned {pinned / 1e6:.1f} MB "
+          f"(plan host RAM {want_ram / 1e6:.1f})")
+    assert abs(vram - want_vram) <= 0.1 * want_vram, (vram, want_vram)
+    if placement == "stream":
+        assert want_ram > 0.5 * (want_vram + want_ram)  # most of the model is in host memory, as configured
+        assert abs(pinned - want_ram) <= 0.1 * want_ram, (pinned, want_ram)
+    del engine, runner
+    gc.collect()

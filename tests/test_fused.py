@@ -130,3 +130,56 @@ def test_nvfp4_kernels_equal_dequantize_then_matmul(N, K):
         got = get_registry().op("linear", "cpu", "nvfp4")(x, w)
         assert got.shape == (*shape[:-1], N) and got.dtype == np.float32
         assert np.abs(got - want).max() <= 1e-5 * max(1.0, np.abs(want).max())
+
+
+# -- routed experts (lumen_cpu.moe_fused) ------------------------------------------------------------------------
+def expert_lists(fmt, E, H, I, seed=0):
+    from lumen_cpu import nvfp4
+
+    from lumen_core.quantize import quantize_nvfp4
+
+    rng = np.random.default_rng(seed)
+
+    def one(N, K, i):
+        if fmt == "fp8":
+            return fp8_weight(N, K, "block32", seed=seed * 1000 + i)
+        packed, bs, gs = quantize_nvfp4(rng.normal(size=(N, K)).astype(np.float32) * 0.1)
+        return nvfp4.weight(packed, (bs, gs), (N, K), "ram")
+
+    gate_up = [(one(I, H, 3 * e), one(I, H, 3 * e + 1)) for e in range(E)]
+    down = [one(H, I, 3 * e + 2) for e in range(E)]
+    return gate_up, down
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("T", [1, 3, 37])
+def test_fused_moe_experts_equal_the_per_expert_reference(fmt, act, T):
+    """moe_fused (two parallel kernels over every routed expert) equals ops.moe_experts_per_expert (one expert at
+    a time through linear) to f32 summation order: <= 1e-4 x max |y|. Some experts get no token, some several."""
+    from lumen_cpu import moe_fused, ops
+
+    E, H, I, k = 12, 96, 64, 4
+    gate_up, down = expert_lists(fmt, E, H, I)
+    rng = np.random.default_rng(T)
+    x = rng.normal(size=(T, H)).astype(np.float32)
+    ids = np.stack([rng.choice(E - 2, size=k, replace=False) for _ in range(T)])  # experts E-2, E-1 unused
+    w = rng.uniform(0.1, 1.0, size=(T, k)).astype(np.float32)
+    want = ops.moe_experts_per_expert(x, ids, w, gate_up, down, act)
+    got = moe_fused.experts(x, ids, w, gate_up, down, act)
+    assert got.shape == (T, H) and got.dtype == np.float32
+    assert np.abs(got - want).max() <= 1e-4 * max(1.0, np.abs(want).max())
+    np.testing.assert_array_equal(ops.moe_experts(x, ids, w, gate_up, down, act), got)  # the op uses it
+
+
+def test_fused_moe_declines_what_it_does_not_cover():
+    """Mixed formats (or shapes) go to the per-expert path: moe_fused returns None, the op still answers."""
+    from lumen_cpu import moe_fused, ops
+
+    gate_up, down = expert_lists("fp8", 4, 64, 32)
+    nv_gate_up, _ = expert_lists("nvfp4", 4, 64, 32)
+    gate_up[1] = nv_gate_up[1]
+    x = np.ones((1, 64), np.float32)
+    ids, w = np.array([[0, 1]]), np.array([[0.5, 0.5]], np.float32)
+    assert moe_fused.experts(x, ids, w, gate_up, down) is None
+    assert ops.moe_experts(x, ids, w, gate_up, down).shape == (1, 64)

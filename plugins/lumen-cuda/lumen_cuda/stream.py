@@ -39,7 +39,7 @@ import numpy as np
 from lumen_core.backend import Weight
 from lumen_core.plan import DEFAULT_EXPERT_CACHE as DEFAULT_SLOTS  # the plan counts the same default
 
-ARENA_BLOCK = 256 << 20  # pinned host memory is allocated in blocks of at least this many bytes
+ARENA_BLOCK = 32 << 20  # pinned host memory is allocated in blocks of at least this many bytes (the most wasted)
 MEMORY_TYPE_HOST = 1  # cudaMemoryTypeHost
 ALIGN = 256  # byte alignment of every matrix inside a slot and inside the arena
 
@@ -57,6 +57,7 @@ class PinnedArena:
         self.block = None  # the block being filled
         self.free = 0  # bytes left in it
         self.used = 0
+        self.allocated = 0  # bytes of every block ever allocated (statistics: pinned host memory taken)
 
     def copy(self, array: np.ndarray) -> np.ndarray:
         a = np.ascontiguousarray(array)
@@ -64,6 +65,7 @@ class PinnedArena:
         if n > self.free:
             self.block = cp.cuda.alloc_pinned_memory(max(n, ARENA_BLOCK))
             self.free = self.block.size()
+            self.allocated += self.free
             self.used = 0
         out = np.frombuffer(self.block, dtype=np.uint8, count=a.nbytes, offset=self.used)
         out = out.view(a.dtype).reshape(a.shape)

@@ -1,0 +1,290 @@
+"""Routed experts with fp8 or NVFP4 weights on the CPU (numba): a layer's routed experts in two parallel kernels,
+for any number of tokens, with no dequantized copy of any matrix.
+
+The (token, slot) pairs are sorted by expert. Kernel 1 runs tasks of (expert, CHUNK rows of gate/up) in parallel:
+each row of gate and up is decoded once into an f32 buffer (the values ``fp8.dequantize_rows`` /
+``nvfp4_fused.dequantize_rows`` give) and dotted with every token routed to that expert, giving
+h = act(gate . x) * (up . x) per slot. Kernel 2 does the same for (expert, CHUNK rows of down) into one output row
+per slot. The weighted sum over a token's slots is then taken in slot order (j = 0 .. k-1) by numpy.
+
+One token (decode) reads each routed expert's bytes once, spread over every core: what ``experts: {compute: cpu}``
+placements spend most of their time on. The per-expert path it replaces (``ops.moe_experts``: a parallel GEMV
+launch per matrix, ~24 launches a layer, or a serial tile dequantization per expert in prefill) stays the
+reference and the fallback (mixed formats or shapes, other formats).
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import numpy as np
+from numba import njit, prange
+from numba.typed import List
+
+from . import fp8
+from .nvfp4 import E2M1
+
+F32 = np.float32
+CHUNK = 16  # rows per parallel task
+MAX_SLOTS = 8192  # (token, expert) pairs per kernel call: bounds the (slots, H) f32 scratch (64 MiB at H = 2048)
+ACTS = {"silu": 0, "gelu_tanh": 1}
+E4M3 = fp8.E4M3  # NVFP4 block scales decode through this table
+
+
+@njit(inline="always", fastmath=True)
+def _act(a, kind):
+    if kind == 0:
+        return a / (F32(1.0) + np.exp(-a))
+    return F32(0.5) * a * (F32(1.0) + np.tanh(F32(0.7978845608028654) * (a + F32(0.044715) * (a * a * a))))
+
+
+@njit(inline="always", fastmath=True)
+def _row_fp8(row, bits, f, sexp, buf):  # e4m3 bytes row (K,) x per-column scales sexp (K,) -> buf (K,) f32
+    """The byte's exponent and mantissa go into an f32 with the exponent rebased (+120); subnormal codes
+    (exponent 0) are fixed up and the sign applied: the exact e4m3 value, without a table gather (which keeps
+    LLVM from vectorising: ~4x slower); x scale gives the same f32 as ``tab[b] * scale``. ``f`` is ``bits`` viewed
+    as f32. NaN codes, which no quantizer writes, decode to a finite value here."""
+    K = buf.shape[0]
+    for k in range(K):
+        bits[k] = ((np.uint32(row[k]) & np.uint32(0x7F)) << np.uint32(20)) + np.uint32(0x3C000000)
+    for k in range(K):
+        b = row[k]
+        v = (f[k] - F32(0.0078125)) * F32(2.0) if (b & 0x78) == 0 else f[k]
+        buf[k] = (-v if (b & 0x80) else v) * sexp[k]
+
+
+@njit(inline="always")
+def _expand(srow, bc, sexp):  # one row of block scales -> a scale per column
+    K = sexp.shape[0]
+    for b in range(srow.shape[0]):
+        sexp[b * bc:min(K, (b + 1) * bc)] = srow[b]
+
+
+@njit(inline="always", fastmath=True)
+def _row_nvfp4(row, nib, bits, f, sexp, gs, buf):  # packed E2M1 codes row (K/2,) -> buf (K,) f32
+    """As ``_row_fp8`` for E2M1 (exponent rebased by +126, the subnormal code fixed up), low nibble first, through
+    a (K,) buffer of nibbles; the value is (e2m1 x block scale) x global scale, the same f32 as
+    ``nvfp4.dequantize``; ``sexp`` holds each column's decoded e4m3 block scale."""
+    for i in range(row.shape[0]):
+        b = row[i]
+        nib[2 * i] = b & 15
+        nib[2 * i + 1] = b >> 4
+    K = buf.shape[0]
+    for k in range(K):
+        bits[k] = ((np.uint32(nib[k]) & np.uint32(7)) << np.uint32(22)) + np.uint32(0x3F000000)
+    for k in range(K):
+        n = nib[k]
+        v = (f[k] - F32(0.5)) * F32(2.0) if (n & 6) == 0 else f[k]
+        buf[k] = ((-v if (n & 8) else v) * sexp[k]) * gs
+
+
+@njit(inline="always")
+def _expand_nvfp4(brow, e4m3, sexp):  # one row of e4m3 block-scale bytes (K/16,) -> a scale per column
+    for b in range(brow.shape[0]):
+        s = e4m3[brow[b]]
+        for j in range(16):
+            sexp[b * 16 + j] = s
+
+
+@njit(inline="always", fastmath=True)
+def _dot_nvfp4(row, brow, gs, x, e2m1, e4m3):  # one row of an NVFP4 matrix . x, decoded on the fly
+    acc = np.zeros(16, F32)
+    for g in range(brow.shape[0]):
+        sc = e4m3[brow[g]]
+        for j in range(8):
+            b = row[g * 8 + j]
+            acc[2 * j] += ((e2m1[b & 15] * sc) * gs) * x[g * 16 + 2 * j]
+            acc[2 * j + 1] += ((e2m1[b >> 4] * sc) * gs) * x[g * 16 + 2 * j + 1]
+    return acc.sum()
+
+
+@njit(inline="always", fastmath=True)
+def _dot(a, b):
+    acc = F32(0.0)
+    for k in range(a.shape[0]):
+        acc += a[k] * b[k]
+    return acc
+
+
+@njit(cache=True, parallel=True, fastmath=True)
+def _gate_up_fp8(G, U, SG, SU, br, bc, x, experts, offs, toks, h, act):
+    n, I, K = experts.shape[0], h.shape[1], x.shape[1]
+    nch = (I + CHUNK - 1) // CHUNK
+    for task in prange(n * nch):
+        j, r0 = task // nch, (task % nch) * CHUNK
+        e = experts[j]
+        g, u, sg, su = G[e], U[e], SG[e], SU[e]
+        bg, bu, bits = np.empty(K, F32), np.empty(K, F32), np.empty(K, np.uint32)
+        f, eg, eu, last = bits.view(np.float32), np.empty(K, F32), np.empty(K, F32), -1
+        for r in range(r0, min(r0 + CHUNK, I)):
+            if r // br != last:
+                last = r // br
+                _expand(sg[last], bc, eg)
+                _expand(su[last], bc, eu)
+            _row_fp8(g[r], bits, f, eg, bg)
+            _row_fp8(u[r], bits, f, eu, bu)
+            for i in range(offs[j], offs[j + 1]):
+                xt = x[toks[i]]
+                h[i, r] = _act(_dot(bg, xt), act) * _dot(bu, xt)
+
+
+@njit(cache=True, parallel=True, fastmath=True)
+def _down_fp8(D, SD, br, bc, h, experts, offs, ys):
+    n, H, I = experts.shape[0], ys.shape[1], h.shape[1]
+    nch = (H + CHUNK - 1) // CHUNK
+    for task in prange(n * nch):
+        j, r0 = task // nch, (task % nch) * CHUNK
+        e = experts[j]
+        d, sd = D[e], SD[e]
+        buf, bits, ed, last = np.empty(I, F32), np.empty(I, np.uint32), np.empty(I, F32), -1
+        f = bits.view(np.float32)
+        for r in range(r0, min(r0 + CHUNK, H)):
+            if r // br != last:
+                last = r // br
+                _expand(sd[last], bc, ed)
+            _row_fp8(d[r], bits, f, ed, buf)
+            for i in range(offs[j], offs[j + 1]):
+                ys[i, r] = _dot(buf, h[i])
+
+
+@njit(cache=True, parallel=True, fastmath=True)
+def _gate_up_nvfp4(G, U, BG, BU, gsg, gsu, e2m1, e4m3, x, experts, offs, toks, h, act):
+    n, I, K = experts.shape[0], h.shape[1], x.shape[1]
+    nch = (I + CHUNK - 1) // CHUNK
+    for task in prange(n * nch):
+        j, r0 = task // nch, (task % nch) * CHUNK
+        e = experts[j]
+        g, u, bgs, bus = G[e], U[e], BG[e], BU[e]
+        bg, bu, bits, eg, eu = np.empty(K, F32), np.empty(K, F32), np.empty(K, np.uint32), np.empty(K, F32), \
+            np.empty(K, F32)
+        f, nib = bits.view(np.float32), np.empty(K, np.uint8)
+        if offs[j + 1] - offs[j] == 1:  # one token: decode and dot in one pass (as nvfp4_fused's GEMV)
+            xt = x[toks[offs[j]]]
+            for r in range(r0, min(r0 + CHUNK, I)):
+                a = _dot_nvfp4(g[r], bgs[r], gsg[e], xt, e2m1, e4m3)
+                h[offs[j], r] = _act(a, act) * _dot_nvfp4(u[r], bus[r], gsu[e], xt, e2m1, e4m3)
+            continue
+        for r in range(r0, min(r0 + CHUNK, I)):
+            _expand_nvfp4(bgs[r], e4m3, eg)
+            _expand_nvfp4(bus[r], e4m3, eu)
+            _row_nvfp4(g[r], nib, bits, f, eg, gsg[e], bg)
+            _row_nvfp4(u[r], nib, bits, f, eu, gsu[e], bu)
+            for i in range(offs[j], offs[j + 1]):
+                xt = x[toks[i]]
+                h[i, r] = _act(_dot(bg, xt), act) * _dot(bu, xt)
+
+
+@njit(cache=True, parallel=True, fastmath=True)
+def _down_nvfp4(D, BD, gsd, e2m1, e4m3, h, experts, offs, ys):
+    n, H, I = experts.shape[0], ys.shape[1], h.shape[1]
+    nch = (H + CHUNK - 1) // CHUNK
+    for task in prange(n * nch):
+        j, r0 = task // nch, (task % nch) * CHUNK
+        e = experts[j]
+        d, bd = D[e], BD[e]
+        buf, bits, ed = np.empty(I, F32), np.empty(I, np.uint32), np.empty(I, F32)
+        f, nib = bits.view(np.float32), np.empty(I, np.uint8)
+        if offs[j + 1] - offs[j] == 1:
+            hi = h[offs[j]]
+            for r in range(r0, min(r0 + CHUNK, H)):
+                ys[offs[j], r] = _dot_nvfp4(d[r], bd[r], gsd[e], hi, e2m1, e4m3)
+            continue
+        for r in range(r0, min(r0 + CHUNK, H)):
+            _expand_nvfp4(bd[r], e4m3, ed)
+            _row_nvfp4(d[r], nib, bits, f, ed, gsd[e], buf)
+            for i in range(offs[j], offs[j + 1]):
+                ys[i, r] = _dot(buf, h[i])
+
+
+# -- per layer: the expert matrices as numba lists, made once -----------------------------------------------------
+def _typed(arrays) -> List:
+    out = List()
+    for a in arrays:
+        out.append(a)
+    return out
+
+
+def _u8(w) -> np.ndarray:
+    return np.asarray(w.data).view(np.uint8)
+
+
+class _Layer:
+    """A layer's expert matrices as numba lists (views of the Weights' arrays, no copies)."""
+
+    def __init__(self, gate_up, down):
+        first = gate_up[0][0]
+        self.fmt, (self.I, self.H) = first.format, tuple(first.shape)
+        mats = [[g for g, _ in gate_up], [u for _, u in gate_up], list(down)]
+        shapes = [(self.I, self.H), (self.I, self.H), (self.H, self.I)]
+        ok = len(gate_up) == len(down) and all(
+            w.format == self.fmt and tuple(w.shape) == shape and np.asarray(w.data).flags.c_contiguous
+            for role, shape in zip(mats, shapes, strict=True) for w in role)
+        if ok and self.fmt == "fp8":
+            sc = [[fp8.scales(w) for w in role] for role in mats]
+            self.blocks = [(role[0][1], role[0][2]) for role in sc]
+            ok = all((s[1], s[2]) == b for role, b in zip(sc, self.blocks, strict=True) for s in role)
+            if ok:
+                self.data = [_typed(_u8(w) for w in role) for role in mats]
+                self.scales = [_typed(s[0] for s in role) for role in sc]
+        elif ok and self.fmt == "nvfp4":
+            ok = self.H % 16 == 0 and self.I % 16 == 0
+            if ok:
+                self.data = [_typed(_u8(w) for w in role) for role in mats]
+                self.scales = [_typed(np.asarray(w.scale.block).view(np.uint8) for w in role) for role in mats]
+                self.gs = [np.array([np.float32(w.scale.global_scale) for w in role], F32) for role in mats]
+        self.ok = ok and self.fmt in ("fp8", "nvfp4")
+
+
+_LAYERS: dict[int, _Layer] = {}
+
+
+def _layer(gate_up, down) -> _Layer:
+    key = gate_up[0][0]
+    hit = _LAYERS.get(id(key))
+    if hit is None:
+        hit = _LAYERS[id(key)] = _Layer(gate_up, down)
+        weakref.finalize(key, _LAYERS.pop, id(key), None)
+    return hit
+
+
+def experts(x, ids, weights, gate_up, down, act: str = "silu"):
+    """``ops.moe_experts`` for lists of fp8 or NVFP4 experts; None where this path does not apply."""
+    if act not in ACTS or not len(gate_up) or gate_up[0][0].format not in ("fp8", "nvfp4"):
+        return None
+    L = _layer(gate_up, down)
+    if not L.ok:
+        return None
+    x = np.ascontiguousarray(x, dtype=F32)
+    ids = np.asarray(ids, dtype=np.int64)
+    T, k = ids.shape
+    out = np.zeros((T, L.H), F32)
+    step = max(1, MAX_SLOTS // max(k, 1))
+    for t0 in range(0, T, step):
+        _run(L, x, ids[t0:t0 + step], np.asarray(weights[t0:t0 + step], F32), out[t0:t0 + step], t0, ACTS[act])
+    return out
+
+
+def _run(L: _Layer, x, ids, weights, out, t0: int, act: int) -> None:
+    T, k = ids.shape
+    E = len(L.data[0])
+    flat = ids.reshape(-1)
+    valid = np.flatnonzero((flat >= 0) & (flat < E))
+    order = valid[np.argsort(flat[valid], kind="stable")]  # slots sorted by expert, in slot order within one
+    experts, counts = np.unique(flat[order], return_counts=True)
+    offs = np.zeros(len(experts) + 1, np.int64)
+    np.cumsum(counts, out=offs[1:])
+    toks = (order // k + t0).astype(np.int64)
+    S = len(order)
+    h = np.empty((S, L.I), F32)
+    ys = np.empty((S, L.H), F32)
+    if L.fmt == "fp8":
+        (bg, cg), _, (bd, cd) = L.blocks
+        _gate_up_fp8(L.data[0], L.data[1], L.scales[0], L.scales[1], bg, cg, x, experts, offs, toks, h, act)
+        _down_fp8(L.data[2], L.scales[2], bd, cd, h, experts, offs, ys)
+    else:
+        _gate_up_nvfp4(L.data[0], L.data[1], L.scales[0], L.scales[1], L.gs[0], L.gs[1], E2M1, E4M3, x, experts,
+                       offs, toks, h, act)
+        _down_nvfp4(L.data[2], L.scales[2], L.gs[2], E2M1, E4M3, h, experts, offs, ys)
+    full = np.zeros((T * k, L.H), F32)
+    full[order] = ys * weights.reshape(-1)[order, None]
+    out += full.reshape(T, k, L.H).sum(axis=1)
