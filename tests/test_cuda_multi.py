@@ -73,3 +73,19 @@ def test_layers_split_across_devices_equal_one_gpu(kind, second, tiny_checkpoint
     gen_ref = list(ref.generate_tokens(ids, 8))
     assert list(split.generate_tokens(ids, 8)) == gen_ref
     print(f"{kind} on cuda:0 + {second}: max |dlogit| prefill {errs[0]:.2e} decode {errs[1]:.2e}; devices {devices}")
+
+
+@pytest.mark.gpu
+def test_two_gpu_example_runs(tiny_checkpoint, write_config, two_gpus):
+    """examples/qwen3.5-35b-a3b-two-gpus.json pointed at the tiny MoE (its range moved to the tiny model's last
+    two layers): it plans both GPUs and generates."""
+    import json
+    from pathlib import Path
+
+    raw = json.loads((Path(__file__).resolve().parents[1] / "examples" / "qwen3.5-35b-a3b-two-gpus.json").read_text())
+    raw["model"]["path"] = str(tiny_checkpoint("qwen3_5_moe"))
+    raw["model"]["hidden-layers"]["ranges"][0].update(start=2, end=3)
+    raw["model"]["hidden-layers"]["kv-cache"]["context-size"] = 256
+    engine = lumen.load(str(write_config(raw)), progress=False)
+    assert {e.device for e in engine.plan.entries if e.kind == "weights"} == {"cuda:0", "cuda:1"}
+    assert len(list(engine.generate_tokens(engine.encode("Hello"), max_tokens=4))) >= 1
