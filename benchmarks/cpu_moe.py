@@ -28,6 +28,8 @@ def experts(fmt: str, E: int, H: int, I: int):
     rng = np.random.default_rng(0)
 
     def one(N, K):
+        if fmt == "bf16":
+            return Weight((rng.normal(size=(N, K)) * 0.1).astype(ml_dtypes.bfloat16), "bf16", (N, K))
         if fmt == "fp8":
             data = (rng.normal(size=(N, K)) * 0.5).astype(ml_dtypes.float8_e4m3fn)
             scale = rng.uniform(0.5, 2.0, size=(-(-N // 128), -(-K // 128))).astype(np.float32) * 0.01
@@ -52,7 +54,7 @@ def timed(fn, args, min_s: float = 1.0) -> float:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="35b-a3b", choices=sorted(SHAPES))
-    p.add_argument("--formats", default="fp8,nvfp4")
+    p.add_argument("--formats", default="fp8,nvfp4,bf16")
     p.add_argument("--tokens", default="1,16,512")
     p.add_argument("--experts", type=int, default=64)
     p.add_argument("--threads", type=int, help="numba threads (default: numba's, the core count)")

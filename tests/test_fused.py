@@ -143,6 +143,10 @@ def expert_lists(fmt, E, H, I, seed=0):
     def one(N, K, i):
         if fmt == "fp8":
             return fp8_weight(N, K, "block32", seed=seed * 1000 + i)
+        if fmt == "bf16":
+            import ml_dtypes
+
+            return Weight((rng.normal(size=(N, K)) * 0.1).astype(ml_dtypes.bfloat16), "bf16", (N, K))
         packed, bs, gs = quantize_nvfp4(rng.normal(size=(N, K)).astype(np.float32) * 0.1)
         return nvfp4.weight(packed, (bs, gs), (N, K), "ram")
 
@@ -151,7 +155,7 @@ def expert_lists(fmt, E, H, I, seed=0):
     return gate_up, down
 
 
-@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4", "bf16"])
 @pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
 @pytest.mark.parametrize("T", [1, 3, 37])
 def test_fused_moe_experts_equal_the_per_expert_reference(fmt, act, T):
@@ -183,3 +187,23 @@ def test_fused_moe_declines_what_it_does_not_cover():
     ids, w = np.array([[0, 1]]), np.array([[0.5, 0.5]], np.float32)
     assert moe_fused.experts(x, ids, w, gate_up, down) is None
     assert ops.moe_experts(x, ids, w, gate_up, down).shape == (1, 64)
+
+
+@pytest.mark.parametrize("T", [1, 5])
+def test_fused_packed_bf16_experts_equal_the_per_expert_reference(T):
+    """Gemma 4's packed bf16 experts (gate_up (E, 2I, H), down (E, H, I)) through moe_fused equal the per-expert
+    BLAS reference (<= 1e-4 x max |y|), and the registered op uses them."""
+    import ml_dtypes
+    from lumen_cpu import gemma_ops, moe_fused
+
+    E, H, I, k = 6, 64, 32, 2
+    rng = np.random.default_rng(T)
+    gate_up = Weight((rng.normal(size=(E, 2 * I, H)) * 0.1).astype(ml_dtypes.bfloat16), "bf16", (E, 2 * I, H))
+    down = Weight((rng.normal(size=(E, H, I)) * 0.1).astype(ml_dtypes.bfloat16), "bf16", (E, H, I))
+    x = rng.normal(size=(T, H)).astype(np.float32)
+    ids = np.stack([rng.choice(E, size=k, replace=False) for _ in range(T)])
+    w = rng.uniform(0.1, 1.0, size=(T, k)).astype(np.float32)
+    want = gemma_ops.moe_experts_packed_per_expert(x, ids, w, gate_up, down)
+    got = moe_fused.experts_packed(x, ids, w, gate_up, down)
+    assert np.abs(got - want).max() <= 1e-4 * max(1.0, np.abs(want).max())
+    np.testing.assert_array_equal(gemma_ops.moe_experts_packed(x, ids, w, gate_up, down), got)

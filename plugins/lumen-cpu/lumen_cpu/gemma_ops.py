@@ -21,7 +21,20 @@ def moe_experts_packed(x, ids, weights, gate_up: Weight, down: Weight, act: str 
     """Like ``moe_experts`` with every expert in one tensor, as Gemma 4 checkpoints store them.
 
     x (T, H); ids, weights (T, k); gate_up (E, 2I, H): each expert's gate rows then up rows; down (E, H, I).
+    bf16 experts run in lumen_cpu.moe_fused; the rest (and the reference: ``moe_experts_packed_per_expert``), one
+    expert at a time through BLAS.
     """
+    if gate_up.format == "bf16":
+        from . import moe_fused
+
+        y = moe_fused.experts_packed(x, ids, weights, gate_up, down, act)
+        if y is not None:
+            return y
+    return moe_experts_packed_per_expert(x, ids, weights, gate_up, down, act)
+
+
+def moe_experts_packed_per_expert(x, ids, weights, gate_up: Weight, down: Weight, act: str = "gelu_tanh"):
+    """``moe_experts_packed`` one expert at a time (the matrix widened to f32, then BLAS)."""
     out = np.zeros_like(x)
     mul = silu_mul if act == "silu" else gelu_tanh_mul
     for e in np.unique(ids):

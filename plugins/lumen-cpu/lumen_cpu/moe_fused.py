@@ -53,6 +53,17 @@ def _row_fp8(row, bits, f, sexp, buf):  # e4m3 bytes row (K,) x per-column scale
         buf[k] = (-v if (b & 0x80) else v) * sexp[k]
 
 
+@njit(inline="always", fastmath=True)
+def _row(row, kind, bits, f, sexp, buf):  # kind 0: e4m3 bytes (_row_fp8); 1: bf16 (uint16) - exact widening
+    if kind == 0:
+        _row_fp8(row, bits, f, sexp, buf)
+    else:
+        for k in range(buf.shape[0]):
+            bits[k] = np.uint32(row[k]) << np.uint32(16)
+        for k in range(buf.shape[0]):
+            buf[k] = f[k] * sexp[k]
+
+
 @njit(inline="always")
 def _expand(srow, bc, sexp):  # one row of block scales -> a scale per column
     K = sexp.shape[0]
@@ -107,7 +118,7 @@ def _dot(a, b):
 
 
 @njit(cache=True, parallel=True, fastmath=True)
-def _gate_up_fp8(G, U, SG, SU, br, bc, x, experts, offs, toks, h, act):
+def _gate_up_scaled(G, U, SG, SU, br, bc, kind, x, experts, offs, toks, h, act):
     n, I, K = experts.shape[0], h.shape[1], x.shape[1]
     nch = (I + CHUNK - 1) // CHUNK
     for task in prange(n * nch):
@@ -121,15 +132,15 @@ def _gate_up_fp8(G, U, SG, SU, br, bc, x, experts, offs, toks, h, act):
                 last = r // br
                 _expand(sg[last], bc, eg)
                 _expand(su[last], bc, eu)
-            _row_fp8(g[r], bits, f, eg, bg)
-            _row_fp8(u[r], bits, f, eu, bu)
+            _row(g[r], kind, bits, f, eg, bg)
+            _row(u[r], kind, bits, f, eu, bu)
             for i in range(offs[j], offs[j + 1]):
                 xt = x[toks[i]]
                 h[i, r] = _act(_dot(bg, xt), act) * _dot(bu, xt)
 
 
 @njit(cache=True, parallel=True, fastmath=True)
-def _down_fp8(D, SD, br, bc, h, experts, offs, ys):
+def _down_scaled(D, SD, br, bc, kind, h, experts, offs, ys):
     n, H, I = experts.shape[0], ys.shape[1], h.shape[1]
     nch = (H + CHUNK - 1) // CHUNK
     for task in prange(n * nch):
@@ -142,7 +153,7 @@ def _down_fp8(D, SD, br, bc, h, experts, offs, ys):
             if r // br != last:
                 last = r // br
                 _expand(sd[last], bc, ed)
-            _row_fp8(d[r], bits, f, ed, buf)
+            _row(d[r], kind, bits, f, ed, buf)
             for i in range(offs[j], offs[j + 1]):
                 ys[i, r] = _dot(buf, h[i])
 
@@ -204,54 +215,87 @@ def _typed(arrays) -> List:
     return out
 
 
-def _u8(w) -> np.ndarray:
-    return np.asarray(w.data).view(np.uint8)
+def _raw(w) -> np.ndarray:
+    """The stored bits: e4m3 / packed E2M1 as uint8, bf16 as uint16."""
+    return np.asarray(w.data).view(np.uint16 if w.format == "bf16" else np.uint8)
+
+
+FORMATS = ("fp8", "nvfp4", "bf16")
+KIND = {"fp8": 0, "bf16": 1}  # _row's decoder for the scaled kernels
 
 
 class _Layer:
-    """A layer's expert matrices as numba lists (views of the Weights' arrays, no copies)."""
+    """A layer's expert matrices as numba lists (views of the Weights' arrays, no copies); ``mats``: per role
+    (gate, up, down) the E Weights."""
 
-    def __init__(self, gate_up, down):
-        first = gate_up[0][0]
+    def __init__(self, mats: list[list]):
+        first = mats[0][0]
         self.fmt, (self.I, self.H) = first.format, tuple(first.shape)
-        mats = [[g for g, _ in gate_up], [u for _, u in gate_up], list(down)]
         shapes = [(self.I, self.H), (self.I, self.H), (self.H, self.I)]
-        ok = len(gate_up) == len(down) and all(
+        ok = self.fmt in FORMATS and len(mats[0]) == len(mats[2]) and all(
             w.format == self.fmt and tuple(w.shape) == shape and np.asarray(w.data).flags.c_contiguous
             for role, shape in zip(mats, shapes, strict=True) for w in role)
-        if ok and self.fmt == "fp8":
-            sc = [[fp8.scales(w) for w in role] for role in mats]
+        if ok and self.fmt in KIND:
+            if self.fmt == "fp8":
+                sc = [[fp8.scales(w) for w in role] for role in mats]
+            else:  # bf16: unscaled (a scale of 1 covering the matrix: x 1 is exact)
+                one = np.ones((1, 1), F32)
+                sc = [[(one, max(shape[0], 1), max(shape[1], 1)) for _ in role]
+                      for role, shape in zip(mats, shapes, strict=True)]
             self.blocks = [(role[0][1], role[0][2]) for role in sc]
             ok = all((s[1], s[2]) == b for role, b in zip(sc, self.blocks, strict=True) for s in role)
             if ok:
-                self.data = [_typed(_u8(w) for w in role) for role in mats]
+                self.data = [_typed(_raw(w) for w in role) for role in mats]
                 self.scales = [_typed(s[0] for s in role) for role in sc]
-        elif ok and self.fmt == "nvfp4":
+        elif ok:  # nvfp4
             ok = self.H % 16 == 0 and self.I % 16 == 0
             if ok:
-                self.data = [_typed(_u8(w) for w in role) for role in mats]
+                self.data = [_typed(_raw(w) for w in role) for role in mats]
                 self.scales = [_typed(np.asarray(w.scale.block).view(np.uint8) for w in role) for role in mats]
                 self.gs = [np.array([np.float32(w.scale.global_scale) for w in role], F32) for role in mats]
-        self.ok = ok and self.fmt in ("fp8", "nvfp4")
+        self.ok = ok
 
 
 _LAYERS: dict[int, _Layer] = {}
 
 
-def _layer(gate_up, down) -> _Layer:
-    key = gate_up[0][0]
+def _layer(key, mats) -> _Layer:
+    """The _Layer of the experts whose first Weight is ``key``; ``mats()`` gives the role lists on first use."""
     hit = _LAYERS.get(id(key))
     if hit is None:
-        hit = _LAYERS[id(key)] = _Layer(gate_up, down)
+        hit = _LAYERS[id(key)] = _Layer(mats())
         weakref.finalize(key, _LAYERS.pop, id(key), None)
     return hit
 
 
 def experts(x, ids, weights, gate_up, down, act: str = "silu"):
-    """``ops.moe_experts`` for lists of fp8 or NVFP4 experts; None where this path does not apply."""
-    if act not in ACTS or not len(gate_up) or gate_up[0][0].format not in ("fp8", "nvfp4"):
+    """``ops.moe_experts`` for lists of fp8, NVFP4 or bf16 experts; None where this path does not apply."""
+    if act not in ACTS or not len(gate_up) or gate_up[0][0].format not in FORMATS:
         return None
-    L = _layer(gate_up, down)
+    L = _layer(gate_up[0][0], lambda: [[g for g, _ in gate_up], [u for _, u in gate_up], list(down)])
+    return _call(L, x, ids, weights, act)
+
+
+def experts_packed(x, ids, weights, gate_up, down, act: str = "gelu_tanh"):
+    """``moe_experts_packed`` (gate_up (E, 2I, H): gate rows then up rows; down (E, H, I)) for bf16 experts; None
+    where this path does not apply."""
+    if act not in ACTS or gate_up.format != "bf16" or down.format != "bf16" or gate_up.scale is not None \
+            or getattr(gate_up.data, "ndim", 0) != 3 or getattr(down.data, "ndim", 0) != 3:
+        return None
+    E, I2, H = gate_up.data.shape
+    I = I2 // 2
+
+    def mats():
+        from lumen_core.backend import Weight
+
+        g, d = gate_up.data, down.data
+        return [[Weight(g[e, :I], "bf16", (I, H)) for e in range(E)], [Weight(g[e, I:], "bf16", (I, H))
+                for e in range(E)], [Weight(d[e], "bf16", tuple(d.shape[1:])) for e in range(E)]]
+
+    return _call(_layer(gate_up, mats), x, ids, weights, act)
+
+
+def _call(L: _Layer, x, ids, weights, act: str):
     if not L.ok:
         return None
     x = np.ascontiguousarray(x, dtype=F32)
@@ -277,10 +321,12 @@ def _run(L: _Layer, x, ids, weights, out, t0: int, act: int) -> None:
     S = len(order)
     h = np.empty((S, L.I), F32)
     ys = np.empty((S, L.H), F32)
-    if L.fmt == "fp8":
+    if L.fmt in KIND:
         (bg, cg), _, (bd, cd) = L.blocks
-        _gate_up_fp8(L.data[0], L.data[1], L.scales[0], L.scales[1], bg, cg, x, experts, offs, toks, h, act)
-        _down_fp8(L.data[2], L.scales[2], bd, cd, h, experts, offs, ys)
+        kind = KIND[L.fmt]
+        _gate_up_scaled(L.data[0], L.data[1], L.scales[0], L.scales[1], bg, cg, kind, x, experts, offs, toks, h,
+                        act)
+        _down_scaled(L.data[2], L.scales[2], bd, cd, kind, h, experts, offs, ys)
     else:
         _gate_up_nvfp4(L.data[0], L.data[1], L.scales[0], L.scales[1], L.gs[0], L.gs[1], E2M1, E4M3, x, experts,
                        offs, toks, h, act)

@@ -142,10 +142,10 @@ def moe_experts(x, ids, weights, gate_up, down, act: str = "silu"):
     """Sum over each token's routed experts of weight × down(act(gate) × up).
 
     x (T, H); ids, weights (T, k); gate_up: per expert a (gate, up) pair of Weights (I, H);
-    down: per expert a Weight (H, I). Tokens are grouped by expert so each expert runs once. fp8 and NVFP4
+    down: per expert a Weight (H, I). Tokens are grouped by expert so each expert runs once. fp8, NVFP4 and bf16
     experts run in lumen_cpu.moe_fused (two parallel numba kernels a layer); the rest, one expert at a time.
     """
-    if len(gate_up) and gate_up[0][0].format in ("fp8", "nvfp4"):
+    if len(gate_up) and gate_up[0][0].format in ("fp8", "nvfp4", "bf16"):
         from . import moe_fused
 
         y = moe_fused.experts(x, ids, weights, gate_up, down, act)

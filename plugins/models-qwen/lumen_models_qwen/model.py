@@ -104,8 +104,10 @@ class MoEMLP:
         ops, take = self.ops, self.ebackend.take
         router, shared_gate = ops.linear_group(h, [self.router, self.shared_gate])
         weights, ids = ops.moe_route(router, self.a.num_experts_per_tok, True)
-        routed = self.eops.moe_experts(take(h), take(ids), take(weights), self.gate_up, self.down)
+        xh, xids, xw = take(h), take(ids), take(weights)  # to the experts' device (from a GPU to the host: a sync)
+        # queued before the routed experts: when those run on the CPU, the GPU computes the shared expert meanwhile
         shared = self.shared(h) * ops.sigmoid(shared_gate)
+        routed = self.eops.moe_experts(xh, xids, xw, self.gate_up, self.down)
         return self.backend.take(routed) + shared
 
 
