@@ -273,9 +273,26 @@ def _fit(plan: Plan, registry, placements) -> None:
             names = ", ".join(f"{e.component} ({gib(e.nbytes)})" for e in biggest)
             raise PlanError(
                 f"the plan does not fit: {pool} needs {gib(need)} but {gib(have)} is available. "
-                f"Largest there: {names}. Move components elsewhere (e.g. store: mmap), "
-                "or lower hidden-layers.kv-cache.context-size"
+                f"Largest there: {names}. {fit_advice(pool, plan.entries)}"
             )
+
+
+def fit_advice(pool: str, entries: list[PlanEntry]) -> str:
+    """What to move out of an overfull memory pool, in the config's words."""
+    mine = [e for e in entries if memory_pool(e.device, e.store) == pool]
+    experts = sum(e.nbytes for e in mine if e.component.endswith(".experts"))
+    if pool.endswith(" VRAM"):
+        device = pool.removesuffix(" VRAM")
+        tips = []
+        if experts:
+            tips.append(f"the routed experts ({gib(experts)} here) can stay in host RAM: stream them with "
+                        f"hidden-layers.experts: {{compute: {device}, store: ram}} or compute them on the CPU with "
+                        "hidden-layers.experts: {compute: cpu, store: mmap}")
+        tips.append("a range of layers can go to another GPU or the CPU (hidden-layers.ranges)")
+        tips.append("or lower hidden-layers.kv-cache.context-size")
+        return "Fixes: " + "; ".join(tips)
+    return ("Fixes: store: mmap keeps weights in the file's page cache instead of private RAM; "
+            "or lower hidden-layers.kv-cache.context-size")
 
 
 def gib(n: int) -> str:

@@ -160,3 +160,18 @@ def test_expert_cache_setting_is_checked_and_never_silently_ignored(tiny_checkpo
     with pytest.raises(ConfigError) as info:
         lumen.load({"model": {"path": path, "hidden-layers": {"experts": {"cache": 0}}}}, progress=False)
     assert "cache" in info.value.path
+
+
+def test_fit_advice_names_what_to_move():
+    """A VRAM pool that holds routed experts is told to stream them or compute them on the CPU; any VRAM pool
+    about ranges and the context; host RAM about mmap."""
+    from lumen_core.plan import PlanEntry, fit_advice
+
+    entries = [PlanEntry("model.layers.0.mlp.experts", "cuda", "cuda:0", "vram", "fp8", 3 << 30),
+               PlanEntry("model.layers.0.attn", "cuda", "cuda:0", "vram", "bf16", 1 << 30)]
+    vram = fit_advice("cuda:0 VRAM", entries)
+    assert "experts: {compute: cuda:0, store: ram}" in vram and "3.00 GiB" in vram and "ranges" in vram
+    assert "compute: cpu" in vram and "context-size" in vram
+    dense = fit_advice("cuda:0 VRAM", entries[1:])
+    assert "experts" not in dense and "ranges" in dense
+    assert "store: mmap" in fit_advice("host RAM", entries)
