@@ -77,3 +77,31 @@ def test_linear_in_half_formats_computes_in_f32(fmt):
     stored = w.astype(dt)
     out = cpu("linear", fmt)(x, Weight(stored, fmt, stored.shape))
     assert np.allclose(out, x @ stored.astype(np.float32).T, atol=1e-6)
+
+
+@pytest.mark.parametrize("ring", [False, True])
+def test_fp8_kv_cache_rounds_and_saturates_like_e4m3(ring):
+    """An fp8 KV cache keeps E4M3 values: attention over it equals attention over the f32 keys/values rounded to
+    E4M3 (ml_dtypes, nearest-even) after saturating at ±448 (a plain cast would make them NaN); the cache is 1
+    byte an element."""
+    import ml_dtypes
+    from lumen_cpu import attention as att
+
+    rng = np.random.default_rng(5)
+    T, Hq, Hkv, D = 6, 4, 2, 8
+    q, k, v = (rng.normal(size=(T, h, D)).astype(np.float32) for h in (Hq, Hkv, Hkv))
+    k[0, 0, 0], v[1, 1, 2] = 1000.0, -2000.0  # beyond E4M3's range
+    make = (lambda t: att.sliding_kv_cache(4, Hkv, D, t)) if ring else (lambda t: att.kv_cache(16, Hkv, D, t))
+    window = 4 if ring else None
+    fp8, ref = make("fp8"), make("f32")
+    assert fp8.k.dtype.itemsize == 1
+    got = att.attention(q, k, v, fp8, 0, 0.3, window)
+
+    def rounded(x):
+        return np.clip(x, -448, 448).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
+
+    want = att.attention(q, rounded(k), rounded(v), ref, 0, 0.3, window)
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    if not ring:
+        assert fp8.k[0, 0, 0].astype(np.float32) == 448.0 and fp8.v[1, 1, 2].astype(np.float32) == -448.0

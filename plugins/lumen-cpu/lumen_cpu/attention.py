@@ -3,6 +3,10 @@
 Two caches: ``KVCache`` holds every position of the context; ``RingKVCache`` holds only the last ``window``
 positions of a sliding-window layer (position p in slot p % window), so its size does not grow with the
 context. ``attention_shared`` lets a KV-sharing layer attend over a cache another layer wrote this call.
+
+Element types: f32, f16, bf16, and fp8 (E4M3, no scale: values round to nearest-even and saturate at ±448, the
+format's largest finite value, instead of becoming NaN as a plain cast would). Entries are rounded through the
+cache type when written; attention reads them widened to f32.
 """
 
 from __future__ import annotations
@@ -13,7 +17,15 @@ import ml_dtypes
 import numpy as np
 
 F32 = np.float32
-KV_DTYPES = {"f32": np.float32, "f16": np.float16, "bf16": ml_dtypes.bfloat16}
+KV_DTYPES = {"f32": np.float32, "f16": np.float16, "bf16": ml_dtypes.bfloat16, "fp8": ml_dtypes.float8_e4m3fn}
+FP8_MAX = F32(448.0)
+
+
+def store(x, dtype):
+    """x (f32) in the cache's element type; fp8 saturates at ±448."""
+    if dtype == ml_dtypes.float8_e4m3fn:
+        x = np.clip(x, -FP8_MAX, FP8_MAX)
+    return x.astype(dtype)
 
 
 @dataclass
@@ -63,8 +75,8 @@ def attention(q, k, v, cache, start: int, scale: float, window: int | None = Non
         lo, keys, vals = _ring_update(cache, k, v, start, window)
     else:
         end = start + q.shape[0]
-        cache.k[:, start:end] = k.transpose(1, 0, 2)
-        cache.v[:, start:end] = v.transpose(1, 0, 2)
+        cache.k[:, start:end] = store(k.transpose(1, 0, 2), cache.k.dtype)
+        cache.v[:, start:end] = store(v.transpose(1, 0, 2), cache.v.dtype)
         lo = 0 if window is None else max(0, start - window + 1)
         keys = cache.k[:, lo:end].astype(F32, copy=False)  # (Hkv, S, D); f16/bf16 caches widen here
         vals = cache.v[:, lo:end].astype(F32, copy=False)
@@ -95,8 +107,8 @@ def _ring_update(cache: RingKVCache, k, v, start: int, window: int | None):
     lo = max(0, start - window + 1)
     past = np.arange(lo, start) % cap
     # Round the new entries through the cache type, as the full cache does when it reads them back.
-    new_k = k.transpose(1, 0, 2).astype(cache.k.dtype)  # (Hkv, T, D)
-    new_v = v.transpose(1, 0, 2).astype(cache.v.dtype)
+    new_k = store(k.transpose(1, 0, 2), cache.k.dtype)  # (Hkv, T, D)
+    new_v = store(v.transpose(1, 0, 2), cache.v.dtype)
     keys = np.concatenate([cache.k[:, past], new_k], axis=1).astype(F32, copy=False)  # (Hkv, start-lo+T, D)
     vals = np.concatenate([cache.v[:, past], new_v], axis=1).astype(F32, copy=False)
     n = min(T, cap)

@@ -13,7 +13,7 @@ from lumen_core.plan import host_available_bytes
 class CPUBackend(Backend):
     name = "cpu"
     stores = ("ram", "mmap")
-    kv_types = ("f32", "f16", "bf16")
+    kv_types = ("f32", "f16", "bf16", "fp8")
 
     @classmethod
     def devices(cls) -> list[DeviceInfo]:
