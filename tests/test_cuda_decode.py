@@ -49,7 +49,7 @@ def same_cache(cp, a, b):
 @pytest.mark.parametrize("window", [None, 16])
 @pytest.mark.parametrize("heads", [(8, 2), (4, 4)])
 @pytest.mark.parametrize("dims", [(64, 64), (256, 256), (512, 512), (512, 128)])
-@pytest.mark.parametrize("kv", ["f32", "f16", "bf16"])
+@pytest.mark.parametrize("kv", ["f32", "f16", "bf16", "fp8"])
 def test_attention_decode_against_the_cupy_op(cp, mods, kv, dims, heads, window, softcap, ctx, prefill):
     attention, decode, _ = mods
     (D, Dv), (Hq, Hkv) = dims, heads
@@ -163,7 +163,7 @@ def test_attention_decode_refuses_what_it_does_not_support(cp, mods):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kv", ["f32", "bf16"])
+@pytest.mark.parametrize("kv", ["f32", "bf16", "fp8"])
 @pytest.mark.parametrize("prefill", [5, 16, 37])
 def test_attention_decode_over_a_ring_cache(cp, mods, kv, prefill):
     """A sliding-window ring (capacity = window = 16): before, at and after it wraps; the ring's slots end up
@@ -252,3 +252,28 @@ def test_causal_conv1d_step_against_the_cupy_op(cp, mods, C, K):
         want = delta.causal_conv1d(x, w, ref)
         close(got, want, tol=1e-6)
         assert cp.array_equal(mine.x, ref.x)
+
+
+@pytest.mark.gpu
+def test_fp8_kv_encoding_equals_the_cpu_reference(cp, mods):
+    """The fp8 KV cache's encode (kernels/decode_attention.cu, integer arithmetic) gives the bytes the CPU backend
+    stores (ml_dtypes E4M3, round-to-nearest-even, saturating at ±448) for values across every binade, subnormals,
+    the rounding ties and beyond the range; its decode gives back exactly ml_dtypes' values (NaN codes NaN)."""
+    import ml_dtypes
+    from lumen_cpu import attention as cpu_attention
+
+    attention, _, _ = mods
+    rng = np.random.default_rng(11)
+    x = np.concatenate([rng.normal(size=4096).astype(np.float32) * s for s in (1e-4, 1e-2, 1, 30, 600)])
+    ties = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    ties = ties[np.isfinite(ties)]
+    mids = ((np.sort(ties)[1:] + np.sort(ties)[:-1]) / 2).astype(np.float32)  # exactly halfway: ties to even
+    x = np.concatenate([x, mids, -mids, np.float32([0.0, -0.0, 448, 449, 1e30, -1e30, 2 ** -10, 2 ** -9])])
+    want = cpu_attention.store(x, ml_dtypes.float8_e4m3fn).view(np.uint8)
+    got = host(attention.encode(cp.asarray(x), cp.uint8))
+    np.testing.assert_array_equal(got, want)
+    codes = np.arange(256, dtype=np.uint8)
+    back = host(attention.decode(cp.asarray(codes)))
+    ref = codes.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    np.testing.assert_array_equal(np.isnan(back), np.isnan(ref))
+    np.testing.assert_array_equal(back[~np.isnan(ref)], ref[~np.isnan(ref)])

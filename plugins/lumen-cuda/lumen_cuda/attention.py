@@ -2,7 +2,8 @@
 
 Mirrors lumen_cpu.attention: the same two caches and the same ``recent`` record that lets a KV-sharing layer
 read what a ring-cache layer attended over. A bf16 cache holds uint16 bits (CuPy has no bfloat16), rounded to
-nearest-even on write as ml_dtypes rounds on the CPU.
+nearest-even on write as ml_dtypes rounds on the CPU. An fp8 cache holds E4M3 bytes (uint8), written
+round-to-nearest-even saturating at ±448 as ``lumen_cpu.attention.store`` (kernels in decode_attention.cu).
 """
 
 from __future__ import annotations
@@ -14,7 +15,20 @@ import cupy as cp
 from . import flash
 
 F32 = cp.float32
-KV_DTYPES = {"f32": cp.float32, "f16": cp.float16, "bf16": cp.uint16}
+KV_DTYPES = {"f32": cp.float32, "f16": cp.float16, "bf16": cp.uint16, "fp8": cp.uint8}
+FP8_THREADS = 256
+
+
+def _fp8(kernel: str, x, out_dtype):
+    from . import kernels
+
+    x = cp.ascontiguousarray(x)
+    y = cp.empty(x.shape, dtype=out_dtype)
+    n = x.size
+    if n:
+        kernels.function("decode_attention", kernel)(((n + FP8_THREADS - 1) // FP8_THREADS,), (FP8_THREADS,),
+                                                     (x, y, cp.int64(n)))
+    return y
 
 
 def encode(x, dtype):
@@ -22,6 +36,8 @@ def encode(x, dtype):
     if dtype == cp.uint16:  # bf16, round to nearest even: add 0x7FFF plus the lowest kept bit, keep the top half
         u = cp.ascontiguousarray(x, dtype=F32).view(cp.uint32)
         return ((u + (((u >> 16) & 1) + 0x7FFF)) >> 16).astype(cp.uint16)
+    if dtype == cp.uint8:  # fp8 E4M3
+        return _fp8("kv_fp8_encode", cp.asarray(x, dtype=F32), cp.uint8)
     return x.astype(dtype, copy=False)
 
 
@@ -29,6 +45,8 @@ def decode(x):
     """The cache's element type -> f32."""
     if x.dtype == cp.uint16:
         return (x.astype(cp.uint32) << 16).view(F32)
+    if x.dtype == cp.uint8:
+        return _fp8("kv_fp8_decode", x, F32)
     return x.astype(F32, copy=False)
 
 

@@ -36,7 +36,8 @@ MAX_SPLITS = 8192  # combine keeps one weight per split in shared memory (32 KB)
 GDN_THREADS = 256  # GDN_WARPS * 32
 GDN_RPT = (4, 8, 16, 32)  # key rows per thread: Dk <= 8 * RPT
 CONV_THREADS = 128
-_KV_NAMES = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16", np.dtype(np.uint16): "bf16"}
+_KV_NAMES = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16", np.dtype(np.uint16): "bf16",
+             np.dtype(np.uint8): "fp8"}
 
 _FNS: dict[tuple[int, str, str], cp.RawKernel] = {}
 
@@ -100,7 +101,8 @@ def attention_decode(q, k, v, cache, pos, scale: float, window: int | None = Non
             raise ValueError(f"{name} {d} unsupported (a multiple of 4, at most {MAX_HEAD_DIM})")
     for name, a in (("k", kc), ("v", vc)):
         if a.dtype not in _KV_NAMES:
-            raise ValueError(f"cache {name} dtype {a.dtype} unsupported (f32, f16, bf16 bits as uint16)")
+            raise ValueError(f"cache {name} dtype {a.dtype} unsupported (f32, f16, bf16 bits as uint16, fp8 as "
+                             "uint8)")
         if not a.flags.c_contiguous or a.data.ptr % 16:
             raise ValueError(f"cache {name} must be C-contiguous with a 16-byte aligned base")
     if window is not None and window < 1:

@@ -1,7 +1,8 @@
 // Batch-1 decode attention over a KV cache, split-K ("flash-decoding"), graph-capturable: the token position is
 // read from device memory (pos[0]); nothing about the launch depends on it.
 //
-// Cache: K (Hkv, ctx, D), V (Hkv, ctx, Dv), C-contiguous, each f32, f16 or bf16 bits (the high half of an f32).
+// Cache: K (Hkv, ctx, D), V (Hkv, ctx, Dv), C-contiguous, each f32, f16, bf16 bits (the high half of an f32) or
+// fp8 E4M3 bytes (no scale; written round-to-nearest-even, saturating at +-448, as lumen_cpu.attention.store).
 // q (Hq, D), k_new (Hkv, D), v_new (Hkv, Dv): f32 contiguous. D, Dv multiples of 4, <= 512 (the launcher checks).
 //
 // attn_split_k<KT>_v<VT>: grid (nsplit, Hkv, ceil(G / ATTN_GM)), ATTN_NT threads, where G = Hq / Hkv and
@@ -36,6 +37,7 @@
 #define KV_F32 0
 #define KV_F16 1
 #define KV_BF16 2
+#define KV_FP8 3
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
 
@@ -55,11 +57,32 @@ __device__ __forceinline__ unsigned short f2bf(float f) {  // round to nearest e
   return (unsigned short)((u + (((u >> 16) & 1u) + 0x7fffu)) >> 16);
 }
 
+// f32 -> E4M3 byte, round to nearest even, saturating at +-448 (NaN stays NaN): integer arithmetic only, so it
+// builds for every architecture (the cvt.satfinite.e4m3x2 instruction needs sm_89).
+__device__ __forceinline__ unsigned char f2e4m3(float f) {
+  const unsigned int u = __float_as_uint(f);
+  const unsigned int sign = (u >> 24) & 0x80u;
+  if (f != f) return (unsigned char)(0x7fu | sign);
+  const float a = fminf(fabsf(f), 448.f);
+  if (a < 0.015625f) return (unsigned char)(__float2int_rn(a * 512.f) | sign);  // subnormals (and 2^-6)
+  const unsigned int ua = __float_as_uint(a);
+  const unsigned int r = (ua + 0x7ffffu + ((ua >> 20) & 1u)) >> 20;  // f32 exponent and 3 mantissa bits, rounded
+  return (unsigned char)((r - (120u << 3)) | sign);
+}
+// E4M3 byte -> f32, exact: exponent and mantissa moved into an f32 with the exponent rebased, subnormals fixed up.
+__device__ __forceinline__ float e4m32f(unsigned int b) {
+  if ((b & 0x7fu) == 0x7fu) return __int_as_float(0x7fc00000);  // NaN codes
+  float v = __uint_as_float(((b & 0x7fu) << 20) + 0x3c000000u);
+  if ((b & 0x78u) == 0) v = (v - 0.0078125f) * 2.f;
+  return (b & 0x80u) ? -v : v;
+}
+
 // Store one f32 as element i of a cache row of type T.
 template <int T>
 __device__ __forceinline__ void store_enc(void* base, long long i, float f) {
   if (T == KV_F32) static_cast<float*>(base)[i] = f;
   else if (T == KV_F16) static_cast<unsigned short*>(base)[i] = f2h(f);
+  else if (T == KV_FP8) static_cast<unsigned char*>(base)[i] = f2e4m3(f);
   else static_cast<unsigned short*>(base)[i] = f2bf(f);
 }
 
@@ -69,6 +92,10 @@ __device__ __forceinline__ void load4(const void* base, long long i, float* o) {
   if (T == KV_F32) {
     const float4 v = *reinterpret_cast<const float4*>(static_cast<const float*>(base) + i);
     o[0] = v.x; o[1] = v.y; o[2] = v.z; o[3] = v.w;
+  } else if (T == KV_FP8) {
+    const unsigned int v = *reinterpret_cast<const unsigned int*>(static_cast<const unsigned char*>(base) + i);
+    o[0] = e4m32f(v & 0xffu); o[1] = e4m32f((v >> 8) & 0xffu);
+    o[2] = e4m32f((v >> 16) & 0xffu); o[3] = e4m32f(v >> 24);
   } else {
     const uint2 v = *reinterpret_cast<const uint2*>(static_cast<const unsigned short*>(base) + i);
     if (T == KV_F16) {
@@ -288,11 +315,23 @@ __device__ __forceinline__ void attn_split(const float* __restrict__ q,     // (
 #define ATTN_SPLIT_V(KNAME, KT)          \
   ATTN_SPLIT(KNAME, KT, f32, KV_F32)     \
   ATTN_SPLIT(KNAME, KT, f16, KV_F16)     \
-  ATTN_SPLIT(KNAME, KT, bf16, KV_BF16)
+  ATTN_SPLIT(KNAME, KT, bf16, KV_BF16)   \
+  ATTN_SPLIT(KNAME, KT, fp8, KV_FP8)
 
 ATTN_SPLIT_V(f32, KV_F32)
 ATTN_SPLIT_V(f16, KV_F16)
 ATTN_SPLIT_V(bf16, KV_BF16)
+ATTN_SPLIT_V(fp8, KV_FP8)
+
+// fp8 caches outside the decode step (prefill writes, reads for the prefill attention): n elements each way.
+extern "C" __global__ void kv_fp8_encode(const float* __restrict__ x, unsigned char* __restrict__ y, long long n) {
+  const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) y[i] = f2e4m3(x[i]);
+}
+extern "C" __global__ void kv_fp8_decode(const unsigned char* __restrict__ x, float* __restrict__ y, long long n) {
+  const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) y[i] = e4m32f(x[i]);
+}
 
 // Combine the splits of one query head (blockIdx.x): only those that intersect [lo, pos].
 extern "C" __global__ void __launch_bounds__(ATTN_NT)
