@@ -70,6 +70,7 @@ def test_layers_split_across_devices_equal_one_gpu(kind, second, tiny_checkpoint
     tol = 1e-3 if second == "cpu" else 1e-4  # the CPU backend: the cuda-vs-cpu tolerance of test_cuda.py
     errs = close(got[0], want[0], tol), close(got[2], want[2], tol)
     assert got[1] == want[1]
+    assert np.isclose(split.perplexity(ids)["nll"], ref.perplexity(ids)["nll"], rtol=tol)
     gen_ref = list(ref.generate_tokens(ids, 8))
     assert list(split.generate_tokens(ids, 8)) == gen_ref
     print(f"{kind} on cuda:0 + {second}: max |dlogit| prefill {errs[0]:.2e} decode {errs[1]:.2e}; devices {devices}")

@@ -85,6 +85,7 @@ def test_streamed_experts_equal_the_vram_run(checkpoint, cache):
     got = run(streamed.model, ids)
     errs = close(got[0], want[0], 1e-4), close(got[2], want[2], 1e-4)
     assert got[1] == want[1]
+    assert np.isclose(streamed.perplexity(ids)["nll"], ref.perplexity(ids)["nll"], rtol=1e-4)
     st = stream.stats()[0]
     assert st["copied_bytes"] > 0 and st["misses"] > 0
     if cache == 1:  # at most one expert resident: decode reads the others from host memory
@@ -151,6 +152,7 @@ def test_experts_on_the_cpu_with_the_rest_on_the_gpu_equal_the_cpu(checkpoint):
     want, got = run(cpu.model, ids), run(mixed.model, ids)
     errs = close(got[0], want[0], 1e-3), close(got[2], want[2], 1e-3)
     assert got[1] == want[1]
+    assert np.isclose(mixed.perplexity(ids)["nll"], cpu.perplexity(ids)["nll"], rtol=1e-3)
     print(f"{name}: max |dlogit| prefill {errs[0]:.2e} decode {errs[1]:.2e}")
 
 

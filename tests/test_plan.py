@@ -68,6 +68,7 @@ def test_changing_only_the_config_moves_the_weights(tiny_checkpoint):
     a = ram.model.forward(ids, ram.model.new_cache(64), all_logits=True)
     b = mm.model.forward(ids, mm.model.new_cache(64), all_logits=True)
     assert np.array_equal(a, b)
+    assert ram.perplexity(ids) == mm.perplexity(ids)
 
 
 def test_plan_that_does_not_fit_is_refused_before_loading(tiny_checkpoint, monkeypatch):
