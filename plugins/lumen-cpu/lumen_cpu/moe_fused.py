@@ -22,6 +22,7 @@ from numba import njit, prange
 from numba.typed import List
 
 from . import fp8
+from .fp8 import decode_row, dot, expand_scales
 from .nvfp4 import E2M1
 
 F32 = np.float32
@@ -39,24 +40,9 @@ def _act(a, kind):
 
 
 @njit(inline="always", fastmath=True)
-def _row_fp8(row, bits, f, sexp, buf):  # e4m3 bytes row (K,) x per-column scales sexp (K,) -> buf (K,) f32
-    """The byte's exponent and mantissa go into an f32 with the exponent rebased (+120); subnormal codes
-    (exponent 0) are fixed up and the sign applied: the exact e4m3 value, without a table gather (which keeps
-    LLVM from vectorising: ~4x slower); x scale gives the same f32 as ``tab[b] * scale``. ``f`` is ``bits`` viewed
-    as f32. NaN codes, which no quantizer writes, decode to a finite value here."""
-    K = buf.shape[0]
-    for k in range(K):
-        bits[k] = ((np.uint32(row[k]) & np.uint32(0x7F)) << np.uint32(20)) + np.uint32(0x3C000000)
-    for k in range(K):
-        b = row[k]
-        v = (f[k] - F32(0.0078125)) * F32(2.0) if (b & 0x78) == 0 else f[k]
-        buf[k] = (-v if (b & 0x80) else v) * sexp[k]
-
-
-@njit(inline="always", fastmath=True)
-def _row(row, kind, bits, f, sexp, buf):  # kind 0: e4m3 bytes (_row_fp8); 1: bf16 (uint16) - exact widening
+def _row(row, kind, bits, f, sexp, buf):  # kind 0: e4m3 bytes (decode_row); 1: bf16 (uint16) - exact widening
     if kind == 0:
-        _row_fp8(row, bits, f, sexp, buf)
+        decode_row(row, bits, f, sexp, buf)
     else:
         for k in range(buf.shape[0]):
             bits[k] = np.uint32(row[k]) << np.uint32(16)
@@ -64,16 +50,9 @@ def _row(row, kind, bits, f, sexp, buf):  # kind 0: e4m3 bytes (_row_fp8); 1: bf
             buf[k] = f[k] * sexp[k]
 
 
-@njit(inline="always")
-def _expand(srow, bc, sexp):  # one row of block scales -> a scale per column
-    K = sexp.shape[0]
-    for b in range(srow.shape[0]):
-        sexp[b * bc:min(K, (b + 1) * bc)] = srow[b]
-
-
 @njit(inline="always", fastmath=True)
 def _row_nvfp4(row, nib, bits, f, sexp, gs, buf):  # packed E2M1 codes row (K/2,) -> buf (K,) f32
-    """As ``_row_fp8`` for E2M1 (exponent rebased by +126, the subnormal code fixed up), low nibble first, through
+    """As ``decode_row`` for E2M1 (exponent rebased by +126, the subnormal code fixed up), low nibble first, through
     a (K,) buffer of nibbles; the value is (e2m1 x block scale) x global scale, the same f32 as
     ``nvfp4.dequantize``; ``sexp`` holds each column's decoded e4m3 block scale."""
     for i in range(row.shape[0]):
@@ -109,14 +88,6 @@ def _dot_nvfp4(row, brow, gs, x, e2m1, e4m3):  # one row of an NVFP4 matrix . x,
     return acc.sum()
 
 
-@njit(inline="always", fastmath=True)
-def _dot(a, b):
-    acc = F32(0.0)
-    for k in range(a.shape[0]):
-        acc += a[k] * b[k]
-    return acc
-
-
 @njit(cache=True, parallel=True, fastmath=True)
 def _gate_up_scaled(G, U, SG, SU, br, bc, kind, x, experts, offs, toks, h, act):
     n, I, K = experts.shape[0], h.shape[1], x.shape[1]
@@ -130,13 +101,13 @@ def _gate_up_scaled(G, U, SG, SU, br, bc, kind, x, experts, offs, toks, h, act):
         for r in range(r0, min(r0 + CHUNK, I)):
             if r // br != last:
                 last = r // br
-                _expand(sg[last], bc, eg)
-                _expand(su[last], bc, eu)
+                expand_scales(sg[last], bc, eg)
+                expand_scales(su[last], bc, eu)
             _row(g[r], kind, bits, f, eg, bg)
             _row(u[r], kind, bits, f, eu, bu)
             for i in range(offs[j], offs[j + 1]):
                 xt = x[toks[i]]
-                h[i, r] = _act(_dot(bg, xt), act) * _dot(bu, xt)
+                h[i, r] = _act(dot(bg, xt), act) * dot(bu, xt)
 
 
 @njit(cache=True, parallel=True, fastmath=True)
@@ -152,10 +123,10 @@ def _down_scaled(D, SD, br, bc, kind, h, experts, offs, ys):
         for r in range(r0, min(r0 + CHUNK, H)):
             if r // br != last:
                 last = r // br
-                _expand(sd[last], bc, ed)
+                expand_scales(sd[last], bc, ed)
             _row(d[r], kind, bits, f, ed, buf)
             for i in range(offs[j], offs[j + 1]):
-                ys[i, r] = _dot(buf, h[i])
+                ys[i, r] = dot(buf, h[i])
 
 
 @njit(cache=True, parallel=True, fastmath=True)
@@ -182,7 +153,7 @@ def _gate_up_nvfp4(G, U, BG, BU, gsg, gsu, e2m1, e4m3, x, experts, offs, toks, h
             _row_nvfp4(u[r], nib, bits, f, eu, gsu[e], bu)
             for i in range(offs[j], offs[j + 1]):
                 xt = x[toks[i]]
-                h[i, r] = _act(_dot(bg, xt), act) * _dot(bu, xt)
+                h[i, r] = _act(dot(bg, xt), act) * dot(bu, xt)
 
 
 @njit(cache=True, parallel=True, fastmath=True)
@@ -204,7 +175,7 @@ def _down_nvfp4(D, BD, gsd, e2m1, e4m3, h, experts, offs, ys):
             _expand_nvfp4(bd[r], e4m3, ed)
             _row_nvfp4(d[r], nib, bits, f, ed, gsd[e], buf)
             for i in range(offs[j], offs[j + 1]):
-                ys[i, r] = _dot(buf, h[i])
+                ys[i, r] = dot(buf, h[i])
 
 
 # -- per layer: the expert matrices as numba lists, made once -----------------------------------------------------
