@@ -50,12 +50,17 @@ class Plan:
             out[pool] = out.get(pool, 0) + e.nbytes
         return out
 
+    def pinned(self) -> int:
+        """Bytes of the host-RAM pool that a GPU keeps page-locked (its routed experts with store 'ram')."""
+        return sum(e.nbytes for e in self.entries if e.store == "ram" and e.device != "cpu")
+
     def to_json(self) -> str:
         return json.dumps(
             {
                 "context_size": self.context_size,
                 "entries": [asdict(e) for e in self.entries],
                 "pools": self.pools(),
+                "pinned": self.pinned(),
                 "capacity": self.capacity,
                 "notes": self.notes,
             },
@@ -315,5 +320,7 @@ def format_plan(plan: Plan) -> str:
     for pool, need in sorted(plan.pools().items()):
         have = plan.capacity.get(pool)
         avail = f" of {gib(have)} available" if have is not None else " (file-backed, not reserved)"
-        lines.append(f"total {pool}: {gib(need)}{avail}")
+        pinned = plan.pinned() if pool == "host RAM" else 0
+        lines.append(f"total {pool}: {gib(need)}{avail}"
+                     + (f" (of which {gib(pinned)} page-locked for GPU streaming)" if pinned else ""))
     return "\n".join(lines)

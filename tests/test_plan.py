@@ -184,3 +184,17 @@ def test_fit_advice_names_what_to_move():
     dense = fit_advice("cuda:0 VRAM", entries[1:])
     assert "experts" not in dense and "ranges" in dense
     assert "store: mmap" in fit_advice("host RAM", entries)
+
+
+def test_show_plan_names_the_page_locked_part_of_host_ram():
+    """Streamed experts (a GPU's, store ram) are page-locked host memory: the host-RAM total says how much of it."""
+    from lumen_core.plan import Plan, PlanEntry, format_plan
+
+    plan = Plan([PlanEntry("model.layers.0.mlp.experts", "cuda", "cuda:0", "ram", "fp8", 3 << 30),
+                 PlanEntry("model.embed_tokens", "cpu", "cpu", "ram", "bf16", 1 << 30),
+                 PlanEntry("expert cache (32 experts)", "cuda", "cuda:0", "vram", "fp8", 100 << 20)],
+                capacity={"host RAM": 8 << 30, "cuda:0 VRAM": 16 << 30})
+    assert plan.pinned() == 3 << 30
+    text = format_plan(plan)
+    assert "total host RAM: 4.00 GiB of 8.00 GiB available (of which 3.00 GiB page-locked for GPU streaming)" in text
+    assert "total cuda:0 VRAM: 100.0 MiB" in text
