@@ -279,17 +279,28 @@ def _shard(jobs: list[_Job], max_bytes: int) -> list[list[_Job]]:
     return shards
 
 
-def _write_shard(path: Path, jobs: list[_Job], ckpt, fmt: str, block: int, bar) -> None:
-    """Header first (every output's size is known from the source shapes), then each tensor's bytes."""
+def layout(ckpt, fmt: str, block: int = 128) -> tuple[list[tuple[str, str, tuple, int]], dict]:
+    """What ``quantize_checkpoint`` writes for ``ckpt``, without reading a tensor: the output tensors as (name,
+    safetensors dtype, shape, bytes), in file order, and the ``quantization_config``."""
+    jobs, result = _plan_jobs(ckpt, fmt, block, None)
+    return [(o.name, o.dtype, o.shape, o.nbytes) for j in jobs for o in j.outs], _quant_config(fmt, block, result)
+
+
+def shard_header(tensors) -> bytes:
+    """A safetensors file's length prefix and header for ``tensors`` (name, dtype, shape, bytes), in order."""
     header, offset = {"__metadata__": {"format": "pt", "quantized_by": "lumen"}}, 0
-    for job in jobs:
-        for o in job.outs:
-            header[o.name] = {"dtype": o.dtype, "shape": list(o.shape), "data_offsets": [offset, offset + o.nbytes]}
-            offset += o.nbytes
+    for name, dtype, shape, nbytes in tensors:
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
     head = json.dumps(header).encode()
     head += b" " * (-len(head) % 8)
+    return struct.pack("<Q", len(head)) + head
+
+
+def _write_shard(path: Path, jobs: list[_Job], ckpt, fmt: str, block: int, bar) -> None:
+    """Header first (every output's size is known from the source shapes), then each tensor's bytes."""
     with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(head)) + head)
+        f.write(shard_header((o.name, o.dtype, o.shape, o.nbytes) for j in jobs for o in j.outs))
         for job in jobs:
             bar.set_postfix_str(job.name, refresh=False)
             for out, arr in zip(job.outs, _run(job, ckpt, fmt, block), strict=True):

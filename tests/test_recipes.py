@@ -1,0 +1,89 @@
+"""The GPU recipes of examples/ planned against the real Qwen3.5-35B-A3B-FP8 layout (every tensor's name, shape
+and dtype as ``lumen quantize`` writes them; the data a sparse hole: scripts/shape_checkpoint.py) on stand-in GPUs
+of a given size: the plan is computed before any weight is read, so this checks what each recipe promises — the
+35B MoE with streamed or CPU experts fits a 16 GB card, all in VRAM it does not (and the refusal says to stream
+the experts), split over two GPUs it fits two 24 GB cards. Host RAM is set to 64 GiB (such a machine)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from lumen_core import plan as plan_mod
+from lumen_core.backend import DeviceInfo
+from lumen_core.errors import ConfigError, PlanError
+
+ROOT = Path(__file__).resolve().parents[1]
+GIB = 1 << 30
+
+
+@pytest.fixture(scope="module")
+def fp8_35b(tmp_path_factory):
+    pytest.importorskip("transformers")
+    spec = importlib.util.spec_from_file_location("shape_checkpoint", ROOT / "scripts" / "shape_checkpoint.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.write(tmp_path_factory.mktemp("shape35"), "qwen3.5-35b-a3b", None, "fp8")
+
+
+@pytest.fixture
+def gpus(monkeypatch):
+    """gpus(n, gib): n stand-in CUDA devices of that size (a little of it in use), 64 GiB of host RAM."""
+    cuda_backend = pytest.importorskip("lumen_cuda.backend")
+
+    def make(n: int, gib: int):
+        devices = [DeviceInfo(f"cuda:{i}", gib * GIB, gib * GIB - GIB // 2, f"stand-in {gib} GB") for i in range(n)]
+        monkeypatch.setattr(cuda_backend.CUDABackend, "devices", classmethod(lambda cls: devices))
+        monkeypatch.setattr(plan_mod, "host_available_bytes", lambda: 64 * GIB)
+
+    return make
+
+
+def plan_of(name: str, path: Path, **hidden):
+    from lumen_core.engine import prepare
+
+    raw = json.loads((ROOT / "examples" / name).read_text())
+    raw["model"]["path"] = str(path)
+    for key, value in hidden.items():
+        if value is None:
+            raw["model"]["hidden-layers"].pop(key, None)
+        else:
+            raw["model"]["hidden-layers"][key] = value
+    return prepare(raw)[3]
+
+
+def test_the_checkpoint_is_the_real_size(fp8_35b):
+    size = (fp8_35b / "model.safetensors").stat().st_size
+    assert 33 * GIB < size < 34 * GIB  # Qwen3.5-35B-A3B-FP8 without its MTP head: ~33.3 GiB
+    assert json.loads((fp8_35b / "config.json").read_text())["quantization_config"]["quant_method"] == "fp8"
+
+
+@pytest.mark.parametrize("name", ["qwen3.5-35b-a3b-gpu-streamed-experts.json",
+                                  "qwen3.5-35b-a3b-gpu-cpu-experts.json"])
+def test_the_35b_moe_fits_a_16_gb_card_with_its_experts_in_host_memory(name, fp8_35b, gpus):
+    gpus(1, 16)
+    plan = plan_of(name, fp8_35b)
+    pools = plan.pools()
+    experts = sum(e.nbytes for e in plan.entries if e.component.endswith(".experts"))
+    assert experts > 25 * GIB  # the routed experts are most of the model...
+    assert pools["cuda:0 VRAM"] < 15.5 * GIB  # ...and off the card
+    print(f"{name}: VRAM {pools['cuda:0 VRAM'] / GIB:.2f} GiB, experts {experts / GIB:.2f} GiB, {pools}")
+
+
+def test_all_in_vram_it_does_not_fit_and_the_refusal_says_to_stream_the_experts(fp8_35b, gpus):
+    gpus(1, 16)
+    with pytest.raises(PlanError, match=r"cuda:0 VRAM needs .* stream them with hidden-layers.experts"):
+        plan_of("qwen3.5-35b-a3b-gpu-streamed-experts.json", fp8_35b, experts=None)
+
+
+def test_split_over_two_gpus_it_fits_two_24_gb_cards(fp8_35b, gpus):
+    gpus(2, 24)
+    pools = plan_of("qwen3.5-35b-a3b-two-gpus.json", fp8_35b).pools()
+    assert 0 < pools["cuda:0 VRAM"] < 23.5 * GIB and 0 < pools["cuda:1 VRAM"] < 23.5 * GIB
+    print(f"two GPUs: {pools}")
+    gpus(1, 24)  # on a one-GPU machine the second range is refused, naming it
+    with pytest.raises(ConfigError, match=r"ranges\[0\].*device 'cuda:1' does not exist"):
+        plan_of("qwen3.5-35b-a3b-two-gpus.json", fp8_35b)
