@@ -20,13 +20,17 @@ ROOT = Path(__file__).resolve().parents[1]
 GIB = 1 << 30
 
 
-@pytest.fixture(scope="module")
-def fp8_35b(tmp_path_factory):
+def _shape_checkpoint(tmp_path_factory, fmt: str) -> Path:
     pytest.importorskip("transformers")
     spec = importlib.util.spec_from_file_location("shape_checkpoint", ROOT / "scripts" / "shape_checkpoint.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.write(tmp_path_factory.mktemp("shape35"), "qwen3.5-35b-a3b", None, "fp8")
+    return module.write(tmp_path_factory.mktemp(f"shape35-{fmt}"), "qwen3.5-35b-a3b", None, fmt)
+
+
+@pytest.fixture(scope="module")
+def fp8_35b(tmp_path_factory):
+    return _shape_checkpoint(tmp_path_factory, "fp8")
 
 
 @pytest.fixture
@@ -87,3 +91,14 @@ def test_split_over_two_gpus_it_fits_two_24_gb_cards(fp8_35b, gpus):
     gpus(1, 24)  # on a one-GPU machine the second range is refused, naming it
     with pytest.raises(ConfigError, match=r"ranges\[0\].*device 'cuda:1' does not exist"):
         plan_of("qwen3.5-35b-a3b-two-gpus.json", fp8_35b)
+
+
+def test_the_nvfp4_35b_with_streamed_experts_fits_a_16_gb_card(tmp_path_factory, gpus):
+    """The same recipe on the NVFP4 layout (as ``lumen quantize --format nvfp4`` writes it): half the expert bytes
+    in host RAM, less VRAM still."""
+    path = _shape_checkpoint(tmp_path_factory, "nvfp4")
+    gpus(1, 16)
+    plan = plan_of("qwen3.5-35b-a3b-gpu-streamed-experts.json", path)
+    pools = plan.pools()
+    assert pools["cuda:0 VRAM"] < 15.5 * GIB and 14 * GIB < pools["host RAM"] < 18 * GIB
+    print(f"nvfp4 streamed: {pools}")
