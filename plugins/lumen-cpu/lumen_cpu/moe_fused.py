@@ -279,16 +279,60 @@ def _call(L: _Layer, x, ids, weights, act: str):
     return out
 
 
+@njit(cache=True)
+def _sort_slots(flat, E, k, t0):
+    """Slots (t k + j) with a valid expert, sorted by expert (a counting sort: slot order kept within one):
+    (order, the experts used, offsets into order per used expert, each slot's token index + t0)."""
+    counts = np.zeros(E + 1, np.int64)
+    for e in flat:
+        if 0 <= e < E:
+            counts[e + 1] += 1
+    for e in range(E):
+        counts[e + 1] += counts[e]
+    S = counts[E]
+    order = np.empty(S, np.int64)
+    fill = counts[:E].copy()
+    for s in range(flat.shape[0]):
+        e = flat[s]
+        if 0 <= e < E:
+            order[fill[e]] = s
+            fill[e] += 1
+    n = 0
+    for e in range(E):
+        n += counts[e + 1] > counts[e]
+    experts, offs = np.empty(n, np.int64), np.zeros(n + 1, np.int64)
+    i = 0
+    for e in range(E):
+        if counts[e + 1] > counts[e]:
+            experts[i] = e
+            offs[i + 1] = counts[e + 1]
+            i += 1
+    toks = order // k + t0
+    return order, experts, offs, toks
+
+
+@njit(cache=True, fastmath=False)
+def _combine(ys, order, weights, k, out):
+    """out[t] += sum over j = 0 .. k-1 (in that order) of weights[t, j] * the output row of slot t k + j."""
+    row = np.full(weights.size, -1, np.int64)
+    for i in range(order.shape[0]):
+        row[order[i]] = i
+    T, H = out.shape
+    for t in range(T):
+        acc = np.zeros(H, np.float32)
+        for j in range(k):
+            i = row[t * k + j]
+            if i >= 0:
+                w = weights[t, j]
+                for c in range(H):
+                    acc[c] += ys[i, c] * w
+        for c in range(H):
+            out[t, c] += acc[c]
+
+
 def _run(L: _Layer, x, ids, weights, out, t0: int, act: int) -> None:
     T, k = ids.shape
-    E = len(L.data[0])
-    flat = ids.reshape(-1)
-    valid = np.flatnonzero((flat >= 0) & (flat < E))
-    order = valid[np.argsort(flat[valid], kind="stable")]  # slots sorted by expert, in slot order within one
-    experts, counts = np.unique(flat[order], return_counts=True)
-    offs = np.zeros(len(experts) + 1, np.int64)
-    np.cumsum(counts, out=offs[1:])
-    toks = (order // k + t0).astype(np.int64)
+    order, experts, offs, toks = _sort_slots(np.ascontiguousarray(ids).reshape(-1), len(L.data[0]), k, t0)
     S = len(order)
     h = np.empty((S, L.I), F32)
     ys = np.empty((S, L.H), F32)
@@ -302,6 +346,4 @@ def _run(L: _Layer, x, ids, weights, out, t0: int, act: int) -> None:
         _gate_up_nvfp4(L.data[0], L.data[1], L.scales[0], L.scales[1], L.gs[0], L.gs[1], E2M1, E4M3, x, experts,
                        offs, toks, h, act)
         _down_nvfp4(L.data[2], L.scales[2], L.gs[2], E2M1, E4M3, h, experts, offs, ys)
-    full = np.zeros((T * k, L.H), F32)
-    full[order] = ys * weights.reshape(-1)[order, None]
-    out += full.reshape(T, k, L.H).sum(axis=1)
+    _combine(ys, order, np.ascontiguousarray(weights, dtype=F32), k, out)
