@@ -22,7 +22,7 @@ from numba import njit, prange
 from numba.typed import List
 
 from . import fp8
-from .fp8 import decode_row, dot, expand_scales
+from .fp8 import decode_dot, decode_row, dot, expand_scales
 from .nvfp4 import E2M1
 
 F32 = np.float32
@@ -68,6 +68,18 @@ def _row_nvfp4(row, nib, bits, f, sexp, gs, buf):  # packed E2M1 codes row (K/2,
         buf[k] = ((-v if (n & 8) else v) * sexp[k]) * gs
 
 
+@njit(inline="always", fastmath=True)
+def _row_dot(row, kind, bits, f, sexp, x):  # _row(row) . x in one pass (one token: nothing to reuse the row for)
+    if kind == 0:
+        return decode_dot(row, bits, f, sexp, x)
+    for k in range(x.shape[0]):
+        bits[k] = np.uint32(row[k]) << np.uint32(16)
+    acc = F32(0.0)
+    for k in range(x.shape[0]):
+        acc += (f[k] * sexp[k]) * x[k]
+    return acc
+
+
 @njit(inline="always")
 def _expand_nvfp4(brow, e4m3, sexp):  # one row of e4m3 block-scale bytes (K/16,) -> a scale per column
     for b in range(brow.shape[0]):
@@ -103,6 +115,11 @@ def _gate_up_scaled(G, U, SG, SU, br, bc, kind, x, experts, offs, toks, h, act):
                 last = r // br
                 expand_scales(sg[last], bc, eg)
                 expand_scales(su[last], bc, eu)
+            if offs[j + 1] - offs[j] == 1:  # one token: decode and dot in one pass
+                xt = x[toks[offs[j]]]
+                a = _row_dot(g[r], kind, bits, f, eg, xt)
+                h[offs[j], r] = _act(a, act) * _row_dot(u[r], kind, bits, f, eu, xt)
+                continue
             _row(g[r], kind, bits, f, eg, bg)
             _row(u[r], kind, bits, f, eu, bu)
             for i in range(offs[j], offs[j + 1]):
@@ -124,6 +141,9 @@ def _down_scaled(D, SD, br, bc, kind, h, experts, offs, ys):
             if r // br != last:
                 last = r // br
                 expand_scales(sd[last], bc, ed)
+            if offs[j + 1] - offs[j] == 1:
+                ys[offs[j], r] = _row_dot(d[r], kind, bits, f, ed, h[offs[j]])
+                continue
             _row(d[r], kind, bits, f, ed, buf)
             for i in range(offs[j], offs[j + 1]):
                 ys[i, r] = dot(buf, h[i])
