@@ -92,10 +92,6 @@ def pinned(array) -> np.ndarray:
     return ARENA.copy(np.asarray(array))
 
 
-def is_host(w: Weight) -> bool:
-    return isinstance(w.data, np.ndarray)
-
-
 # -- one expert's matrices as host pieces -----------------------------------------------------------------------
 def _weight_pieces(w: Weight) -> list[np.ndarray]:
     """The host arrays one matrix is made of: data, then its fp8 scale or NVFP4 block scales."""
