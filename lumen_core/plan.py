@@ -286,6 +286,10 @@ def fit_advice(pool: str, entries: list[PlanEntry]) -> str:
     """What to move out of an overfull memory pool, in the config's words."""
     mine = [e for e in entries if memory_pool(e.device, e.store) == pool]
     experts = sum(e.nbytes for e in mine if e.component.endswith(".experts"))
+    wide_kv = sum(e.nbytes for e in mine if e.component.startswith("cache.") and e.format != "fp8")
+    kv_tip = ("or lower hidden-layers.kv-cache.context-size" if not wide_kv else
+              f"or lower hidden-layers.kv-cache.context-size, or make the KV cache ({gib(wide_kv)} here) fp8 with "
+              "hidden-layers.kv-cache: {type-k: fp8, type-v: fp8} (1 byte an element: half of bf16)")
     if pool.endswith(" VRAM"):
         device = pool.removesuffix(" VRAM")
         tips = []
@@ -294,10 +298,9 @@ def fit_advice(pool: str, entries: list[PlanEntry]) -> str:
                         f"hidden-layers.experts: {{compute: {device}, store: ram}} or compute them on the CPU with "
                         "hidden-layers.experts: {compute: cpu, store: mmap}")
         tips.append("a range of layers can go to another GPU or the CPU (hidden-layers.ranges)")
-        tips.append("or lower hidden-layers.kv-cache.context-size")
+        tips.append(kv_tip)
         return "Fixes: " + "; ".join(tips)
-    return ("Fixes: store: mmap keeps weights in the file's page cache instead of private RAM; "
-            "or lower hidden-layers.kv-cache.context-size")
+    return "Fixes: store: mmap keeps weights in the file's page cache instead of private RAM; " + kv_tip
 
 
 def gib(n: int) -> str:

@@ -435,16 +435,11 @@ def test_mixed_placement_equals_cpu(model_pair):
 
 
 @pytest.mark.gpu
-def test_fp8_kv_cache_model_on_cuda_equals_cpu(model_pair, monkeypatch):
+def test_fp8_kv_cache_model_on_cuda_equals_cpu(model_pair):
     """An fp8 (E4M3) KV cache: the model on cuda:0 (its decode through the CUDA graph, the fused decode attention
     reading E4M3 bytes) against the CPU with the same fp8 cache. Keys and values are rounded to E4M3 on both from
     f32 values that differ by the backends' rounding, so a value at a rounding boundary can land one E4M3 step apart:
-    the tolerance is 1e-2 x max(1, max |logit|), the greedy tokens equal. The cuda backend declares fp8 in its
-    kv_types once this has passed on a GPU; until then the test adds it."""
-    from lumen_cuda.backend import CUDABackend
-
-    if "fp8" not in CUDABackend.kv_types:
-        monkeypatch.setattr(CUDABackend, "kv_types", (*CUDABackend.kv_types, "fp8"))
+    the tolerance is 1e-2 x max(1, max |logit|), the greedy tokens equal."""
     _, path, ids, _ = model_pair
     kv = {"context-size": CONTEXT, "type-k": "fp8", "type-v": "fp8"}
 

@@ -95,7 +95,7 @@ def test_range_past_the_last_layer(tiny_checkpoint):
 
 def test_kv_type_the_backend_cannot_keep(tiny_checkpoint):
     """A KV type outside the layer's backend's ``kv_types`` is refused with the types it can keep (the CPU keeps all
-    four, so a backend class that keeps fewer stands in; the cuda backend does not keep fp8 yet)."""
+    four, and so does cuda, so a backend class that keeps fewer stands in)."""
     from lumen_core.config import load_config
 
     class Narrow:

@@ -102,3 +102,24 @@ def test_the_nvfp4_35b_with_streamed_experts_fits_a_16_gb_card(tmp_path_factory,
     pools = plan.pools()
     assert pools["cuda:0 VRAM"] < 15.5 * GIB and 14 * GIB < pools["host RAM"] < 18 * GIB
     print(f"nvfp4 streamed: {pools}")
+
+
+def test_the_full_262k_context_fits_an_8_gb_card_with_an_fp8_kv_cache(fp8_35b, gpus):
+    """examples/qwen3.5-35b-a3b-gpu-long-context-fp8-kv.json: streamed experts and the model's whole 262144-token
+    context. With an fp8 KV cache (1 byte an element) it fits an 8 GB card; with bf16 the same plan is refused, and
+    the refusal names the fp8 cache as a fix."""
+    name = "qwen3.5-35b-a3b-gpu-long-context-fp8-kv.json"
+    gpus(1, 8)
+    plan = plan_of(name, fp8_35b)
+    kv = sum(e.nbytes for e in plan.entries if e.component.startswith("cache."))
+    assert plan.context_size == 262144 and plan.pools()["cuda:0 VRAM"] < 7.5 * GIB
+    bf16 = {"context-size": 262144, "type-k": "bf16", "type-v": "bf16"}
+    with pytest.raises(PlanError, match=r"cuda:0 VRAM needs .*make the KV cache \(.* here\) fp8"):
+        plan_of(name, fp8_35b, **{"kv-cache": bf16})
+    gpus(1, 16)
+    wide = sum(e.nbytes for e in plan_of(name, fp8_35b, **{"kv-cache": bf16}).entries
+               if e.component.startswith("cache."))
+    full_attention = 10 * 2 * 2 * 256 * 262144  # 10 full-attention layers, K and V, 2 KV heads of 256, 1 byte each
+    assert kv - full_attention == (wide - 2 * full_attention)  # only the attention caches shrink (not DeltaNet's)
+    print(f"262k context: VRAM {plan.pools()['cuda:0 VRAM'] / GIB:.2f} GiB, KV fp8 {kv / GIB:.2f} GiB, "
+          f"bf16 {wide / GIB:.2f} GiB")

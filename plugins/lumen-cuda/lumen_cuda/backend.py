@@ -43,9 +43,9 @@ class CUDABackend(Backend):
     name = "cuda"
     stores = ("vram",)
     expert_stores = ("ram",)  # routed experts only: pinned host memory, staged into a VRAM cache (stream.py)
-    # fp8 (E4M3) caches are implemented (attention.py, kernels/decode_attention.cu) but not yet run on a GPU: the
-    # plan refuses them until tests/test_cuda*.py's fp8 KV tests have passed there (docs/cuda.md, Step 5)
-    kv_types = ("f32", "f16", "bf16")
+    # fp8 = E4M3 bytes without a scale, encoded on store and decoded in the attention kernels (attention.py,
+    # kernels/decode_attention.cu); bit-equal to the CPU backend's encoding (tests/test_cuda_decode.py)
+    kv_types = ("f32", "f16", "bf16", "fp8")
     kv_stores = ("vram",)  # a KV cache in host RAM for a GPU layer comes with issue 5
 
     @classmethod
