@@ -64,6 +64,9 @@ class Backend(ABC):
     expert_stores: tuple[str, ...] = ()  # further stores it can compute routed experts from (streamed)
     kv_types: tuple[str, ...] = ("f32",)  # KV-cache element types it can keep
     kv_stores: tuple[str, ...] = ("ram",)  # memories it can keep a layer's KV cache in (kv-cache.store)
+    # backends (by name) whose routed experts this one's decode runner can keep inside its replayed step, through
+    # ``call`` (the CUDA backend: the CPU's, as host nodes of its CUDA graph)
+    graph_guests: tuple[str, ...] = ()
 
     def __init__(self, device: str, registry):
         self.device = device
@@ -108,6 +111,15 @@ class Backend(ABC):
 
     def owns(self, x) -> bool:
         return _is_numpy(x)
+
+    def call(self, target: Backend, fn, *args):
+        """``fn(*args)`` computed on ``target`` (each argument brought there with ``target.take``), its result
+        brought back here. ``fn`` returns an array of ``args[0]``'s shape (an architecture calls its routed
+        experts on their own backend this way). A backend whose decode runner replays a captured step overrides
+        this to keep the crossing inside the step (lumen_cuda.hostcall); the values are the same."""
+        if target is self:
+            return fn(*args)
+        return self.take(fn(*(target.take(a) for a in args)))
 
     @classmethod
     def device_info(cls, device: str) -> DeviceInfo:

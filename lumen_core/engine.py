@@ -142,12 +142,15 @@ class Engine:
 
     def decode_runner(self):
         """The backend's replayable decode step (a CUDA graph), when every component sits on one backend that
-        has one; prepared once. A backend that declines says why (stderr note) and decoding runs op by op."""
+        has one, or every other component is a layer's routed experts on a backend it names in ``graph_guests``
+        (their calls become part of the step); prepared once. A backend that declines says why (stderr note)
+        and decoding runs op by op."""
         if self._runner is None:
             self._runner = False
-            devices = {id(b): b for b in self.backends.values()}
-            if len(devices) == 1:
-                backend = next(iter(devices.values()))
+            backend = self.backends.get(("output-layer", None))
+            guests = [(comp, b) for comp, b in self.backends.items() if b is not backend]
+            if backend is not None and all(comp[0] == "experts" and b.name in backend.graph_guests
+                                           for comp, b in guests):
                 try:
                     self._runner = backend.decode_runner(self.model, self.context_size) or False
                 except NotImplementedError as exc:

@@ -16,6 +16,7 @@ from gpu_util import close
 
 import lumen_core as lumen
 from lumen_core.errors import ConfigError
+from lumen_core.sampling import SamplingParams
 
 pytest.importorskip("lumen_cuda")
 
@@ -153,7 +154,29 @@ def test_experts_on_the_cpu_with_the_rest_on_the_gpu_equal_the_cpu(checkpoint):
     errs = close(got[0], want[0], 1e-3), close(got[2], want[2], 1e-3)
     assert got[1] == want[1]
     assert np.isclose(mixed.perplexity(ids)["nll"], cpu.perplexity(ids)["nll"], rtol=1e-3)
+    # decode through the engine: one CUDA graph, the CPU experts as its host nodes (lumen_cuda.hostcall)
+    runner = mixed.decode_runner()
+    assert runner and len(runner.inputs.host_calls) == sum(c.endswith(".experts") for c in backends)
+    assert list(mixed.generate_tokens(ids, STEPS)) == list(cpu.generate_tokens(ids, STEPS))  # pipelined greedy
+    sampled = {"temperature": 0.8, "top_k": 5, "seed": 3}  # runner.step per token, sampled on the device
+    assert 1 <= len(list(mixed.generate_tokens(ids, STEPS, SamplingParams(**sampled)))) <= STEPS
     print(f"{name}: max |dlogit| prefill {errs[0]:.2e} decode {errs[1]:.2e}")
+
+
+@pytest.mark.gpu
+def test_an_error_in_a_cpu_expert_host_node_is_raised_not_swallowed(checkpoint):
+    """A host node cannot stop the graph; what it raised comes out of the next step the engine waits for."""
+    _, path = checkpoint
+    mixed = load(path, compute="cpu", store="ram")
+    runner = mixed.decode_runner()
+    assert runner
+
+    def broken(*args):
+        raise ValueError("expert kernel failed")
+
+    runner.inputs.host_calls[0].fn = broken
+    with pytest.raises(RuntimeError, match="expert kernel failed"):
+        list(mixed.generate_tokens([5, 6, 7], 4))
 
 
 @pytest.mark.gpu

@@ -199,3 +199,64 @@ def test_pipelined_greedy_runner_gives_the_same_tokens(engine, monkeypatch, max_
     monkeypatch.setattr(engine, "_eos", lambda: {want[0][min(3, len(want[0]) - 1)]})
     stopped = list(engine.generate_tokens(prompts[0], max_tokens=max_tokens))
     assert stopped == want[0][:min(3, len(want[0]) - 1)]
+
+
+def test_the_decode_runner_is_asked_only_when_the_other_backends_host_experts_it_can_embed():
+    """Engine.decode_runner asks the output layer's backend for a replayable step when every component is on it,
+    or when the only others are routed experts on a backend it names in ``graph_guests`` (CPU experts under a GPU
+    model: host nodes of the CUDA graph); a layer on another backend means op by op."""
+    from lumen_core.engine import Engine
+
+    class Main:
+        name, device, graph_guests = "gpu", "gpu:0", ("cpu",)
+
+        def decode_runner(self, model, context_size):
+            return "runner"
+
+    class Guest:
+        name = "cpu"
+
+    main, guest = Main(), Guest()
+
+    def runner(backends):
+        engine = Engine.__new__(Engine)
+        engine.model, engine.context_size, engine._runner, engine.backends = None, 8, None, backends
+        return engine.decode_runner()
+
+    alone = {("output-layer", None): main, ("layer", 0): main, ("experts", 0): main}
+    assert runner(alone) == "runner"
+    assert runner({**alone, ("experts", 0): guest}) == "runner"
+    assert runner({**alone, ("experts", 0): guest, ("layer", 1): guest}) is False
+    Main.graph_guests = ()
+    assert runner({**alone, ("experts", 0): guest}) is False
+
+
+def test_backend_call_brings_the_arguments_over_and_the_result_back():
+    """Backend.call(target, fn, *args): fn runs on target's arrays and its result comes back (the default every
+    backend without a captured step keeps); on the same backend it is a plain call."""
+    import numpy as np
+
+    from lumen_core.backend import Backend
+
+    class Boxed:  # another device's array
+        def __init__(self, a):
+            self.a = a
+
+    class Other:
+        def take(self, x):
+            return x if isinstance(x, Boxed) else Boxed(np.asarray(x))
+
+    class Here:
+        def take(self, x):
+            return x.a * 1 if isinstance(x, Boxed) else x
+
+    here, other = Here(), Other()
+    seen = []
+
+    def fn(x, y):
+        seen.append((type(x), type(y)))
+        return Boxed(x.a + y.a)
+
+    out = Backend.call(here, other, fn, np.ones(3), np.arange(3.0))
+    assert isinstance(out, np.ndarray) and out.tolist() == [1.0, 2.0, 3.0] and seen == [(Boxed, Boxed)]
+    assert Backend.call(here, here, lambda x: x * 2, np.ones(2)).tolist() == [2.0, 2.0]

@@ -47,6 +47,7 @@ class CUDABackend(Backend):
     # kernels/decode_attention.cu); bit-equal to the CPU backend's encoding (tests/test_cuda_decode.py)
     kv_types = ("f32", "f16", "bf16", "fp8")
     kv_stores = ("vram",)  # a KV cache in host RAM for a GPU layer comes with issue 5
+    graph_guests = ("cpu",)  # CPU experts under a GPU model stay inside the decode graph (hostcall.py)
 
     @classmethod
     def devices(cls) -> list[DeviceInfo]:
@@ -177,6 +178,16 @@ class CUDABackend(Backend):
 
     def owns(self, x) -> bool:
         return isinstance(x, self.cp.ndarray) and x.device.id == self.index
+
+    def call(self, target, fn, *args):
+        from . import graph
+
+        if graph.STEP is None or target is self or target.name not in self.graph_guests:
+            return super().call(target, fn, *args)
+        from . import hostcall  # a decode step being prepared: the crossing becomes nodes of the graph
+
+        self.dev.use()
+        return hostcall.call(fn, list(args), graph.STEP)
 
     def take(self, x):
         # Each component's first call on this device: make it current, so the tensor arithmetic the

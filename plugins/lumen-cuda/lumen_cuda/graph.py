@@ -37,6 +37,8 @@ class StepInputs:
     ids: cp.ndarray  # (1,) int64: the token of this step (already through model.input_id)
     pos: cp.ndarray  # (1,) int32: its position (tokens before it)
     streams: bool = False  # set by an op of the step that reads experts streamed from host RAM (stream.py)
+    host_calls: list = dataclasses.field(default_factory=list)  # the step's CPU crossings (hostcall.py)
+    host_errors: list = dataclasses.field(default_factory=list)  # what their host nodes raised, not yet reported
 
 
 STEP: StepInputs | None = None  # set while a decode step is prepared (warm-up and capture)
@@ -99,7 +101,8 @@ class GraphRunner(DecodeRunner):
                 try:
                     self.model.forward([0], self.cache, host=False)  # warm-up 2: the pool caches its blocks
                     self.cache.pos = pos0
-                    self.stream.synchronize()
+                    self.stream.synchronize()  # the warm-ups' host calls have run; only the capture's are kept
+                    del self.inputs.host_calls[:]
                     self.stream.begin_capture()
                     try:
                         self.logits = self.model.forward([0], self.cache, host=False)
@@ -122,6 +125,8 @@ class GraphRunner(DecodeRunner):
         return None
 
     def reset(self) -> None:
+        self.stream.synchronize()  # steps still queued (greedy_tokens runs ahead) finish, host calls included
+        self._check()
         with self.dev:
             _zero(self.cache.layers)
         self.cache.pos = 0
@@ -130,6 +135,7 @@ class GraphRunner(DecodeRunner):
         """Replay the step for ``token`` at ``cache.pos``; the (1, vocab) logits buffer (overwritten next step)."""
         if self.cache.pos >= self.cache.capacity:
             raise ValueError(f"the cache holds {self.cache.capacity} tokens; position {self.cache.pos} is past it")
+        self._check()
         with self.dev, self.stream:
             self.inputs.ids.fill(self.model.input_id(int(token)))
             self.inputs.pos.fill(self.cache.pos)
@@ -138,6 +144,13 @@ class GraphRunner(DecodeRunner):
             self.graph.launch(self.stream)
         self.cache.pos += 1
         return self.logits
+
+    def _check(self) -> None:
+        """Raise what a host node of an earlier replay met (hostcall.py), if the step has any."""
+        if self.inputs.host_errors:
+            from . import hostcall
+
+            hostcall.raise_pending(self.inputs.host_errors)
 
     def sampler(self, params):
         from .sampler import DeviceSampler
@@ -196,6 +209,7 @@ class GraphRunner(DecodeRunner):
             while pending:
                 slot = pending.pop(0)
                 events[slot].synchronize()
+                self._check()
                 tok = int(host[slot])
                 launch()  # queued before the consumer looks at tok
                 yield tok

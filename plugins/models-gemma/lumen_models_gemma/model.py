@@ -83,14 +83,16 @@ class MoE:
 
     def __call__(self, x, dense):
         """x (T, H) the residual stream; dense (T, H) the dense MLP's output -> (T, H)."""
-        a, ops, take, eps = self.a, self.ops, self.ebackend.take, self.a.rms_norm_eps
+        a, ops, eps = self.a, self.ops, self.a.rms_norm_eps
         r = ops.rms_norm(x, None, eps) * self.scale * a.hidden_size ** -0.5
         weights, ids = ops.moe_route(ops.linear(r, self.proj), a.top_k_experts, True)  # (T, k)
         weights = weights * ops.gather(self.expert_scale, ids)
-        h = take(ops.rms_norm(x, self.pre2, eps))
-        routed = self.ebackend.ops.moe_experts_packed(h, take(ids), take(weights), self.gate_up, self.down)
-        routed = ops.rms_norm(self.backend.take(routed), self.post2, eps)
-        return ops.rms_norm(dense, self.post1, eps) + routed
+        h = ops.rms_norm(x, self.pre2, eps)
+        routed = self.backend.call(self.ebackend, self._routed, h, ids, weights)  # on the experts' backend
+        return ops.rms_norm(dense, self.post1, eps) + ops.rms_norm(routed, self.post2, eps)
+
+    def _routed(self, h, ids, weights):
+        return self.ebackend.ops.moe_experts_packed(h, ids, weights, self.gate_up, self.down)
 
 
 class DecoderLayer:

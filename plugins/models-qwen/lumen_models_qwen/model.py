@@ -101,14 +101,15 @@ class MoEMLP:
         self.down = [ew[f"{p}{e}.down_proj.weight"] for e in range(E)]
 
     def __call__(self, h):
-        ops, take = self.ops, self.ebackend.take
+        ops = self.ops
         router, shared_gate = ops.linear_group(h, [self.router, self.shared_gate])
         weights, ids = ops.moe_route(router, self.a.num_experts_per_tok, True)
-        xh, xids, xw = take(h), take(ids), take(weights)  # to the experts' device (from a GPU to the host: a sync)
-        # queued before the routed experts: when those run on the CPU, the GPU computes the shared expert meanwhile
         shared = self.shared(h) * ops.sigmoid(shared_gate)
-        routed = self.eops.moe_experts(xh, xids, xw, self.gate_up, self.down)
-        return self.backend.take(routed) + shared
+        # on the experts' backend (from a GPU to the CPU and back: Backend.call, a host node of a captured step)
+        return self.backend.call(self.ebackend, self._routed, h, ids, weights) + shared
+
+    def _routed(self, h, ids, weights):
+        return self.eops.moe_experts(h, ids, weights, self.gate_up, self.down)
 
 
 class DecoderLayer:
