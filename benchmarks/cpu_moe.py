@@ -2,10 +2,12 @@
 (``ops.moe_experts_per_expert``: one registered ``linear`` per matrix), on one MoE layer of a real model's shape
 with random fp8 / NVFP4 experts. Prints time per call, the experts' bytes read per second and the ratio.
 
-    python benchmarks/cpu_moe.py [--shape 35b-a3b] [--tokens 1,16,512] [--threads N]
+    python benchmarks/cpu_moe.py [--shape 35b-a3b] [--tokens 1,16,512] [--threads N] [--cold N]
 
 Shapes: 35b-a3b (Qwen3.5-35B-A3B: top 8 of 256 experts, H 2048, I 512), g4-26b-a4b (Gemma 4 26B-A4B).
 The expert count is cut to --experts (default 64) to keep memory small: the work per token depends only on top-k.
+"hot" repeats one call (the same experts: from the CPU caches when they fit); "cold" cycles through --cold copies of
+the layer (default 8, each a different set of bytes) with new expert ids per call, as decode meets them: from DRAM.
 """
 
 from __future__ import annotations
@@ -42,6 +44,32 @@ def experts(fmt: str, E: int, H: int, I: int):
     return [(one(I, H), one(I, H)) for _ in range(E)], [one(H, I) for _ in range(E)]
 
 
+def derived(ws, i: int):
+    """A copy of the Weights with other bytes (xor), the same format and scales: another layer's experts."""
+    from lumen_core.backend import Weight
+
+    def one(w):
+        if w.format == "nvfp4":
+            import copy
+
+            c = copy.copy(w)
+            c.data = np.asarray(w.data) ^ np.uint8(i % 7 + 1)
+            return c
+        raw = np.asarray(w.data)
+        return Weight((raw.view(np.uint8) ^ np.uint8(i % 7 + 1)).view(raw.dtype), w.format, w.shape, w.scale, w.block)
+
+    return [(one(g), one(u)) for g, u in ws[0]], [one(d) for d in ws[1]]
+
+
+def cold_calls(layers, rng, E: int, k: int, T: int, w):
+    """(ids, weights, gate_up, down) for the layers in turn, new random ids each call."""
+    n = 0
+    while True:
+        g, d = layers[n % len(layers)]
+        n += 1
+        yield np.stack([rng.choice(E, size=k, replace=False) for _ in range(T)]), w, g, d
+
+
 def timed(fn, args, min_s: float = 1.0) -> float:
     fn(*args)  # compile / warm
     n, t0 = 0, time.perf_counter()
@@ -58,6 +86,7 @@ def main() -> None:
     p.add_argument("--tokens", default="1,16,512")
     p.add_argument("--experts", type=int, default=64)
     p.add_argument("--threads", type=int, help="numba threads (default: numba's, the core count)")
+    p.add_argument("--cold", type=int, default=8, help="copies of the layer cycled for the cold figure")
     args = p.parse_args()
     if args.threads:
         os.environ["NUMBA_NUM_THREADS"] = str(args.threads)
@@ -67,22 +96,28 @@ def main() -> None:
     H, I, k = SHAPES[args.shape]
     print(f"{args.shape}: H {H}, I {I}, top-{k}, {args.experts} experts; numba {numba.get_num_threads()} threads, "
           f"threading layer {numba.config.THREADING_LAYER}")
-    print("| format | tokens | per-expert ms | fused ms | ratio | fused GB/s of expert weights |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print("| format | tokens | per-expert ms (hot) | fused ms (hot) | ratio | fused GB/s hot | fused ms (cold) | "
+          "fused GB/s cold |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for fmt in args.formats.split(","):
         gate_up, down = experts(fmt, args.experts, H, I)
         per_expert_bytes = sum(np.asarray(a).nbytes for a in (gate_up[0][0].data, gate_up[0][1].data, down[0].data))
+        layers = [(gate_up, down)] + [derived((gate_up, down), i) for i in range(1, args.cold)]
         rng = np.random.default_rng(1)
         for T in (int(t) for t in args.tokens.split(",")):
             x = rng.normal(size=(T, H)).astype(np.float32)
             ids = np.stack([rng.choice(args.experts, size=k, replace=False) for _ in range(T)])
             w = rng.uniform(size=(T, k)).astype(np.float32)
             a = (x, ids, w, gate_up, down)
+
+            cycle = cold_calls(layers, rng, args.experts, k, T, w)
             ref = timed(ops.moe_experts_per_expert, a)
             got = timed(moe_fused.experts, a)
             used = len(np.unique(ids))
+            cold = timed(lambda x, cycle: moe_fused.experts(x, *next(cycle)), (x, cycle))
             print(f"| {fmt} | {T} | {ref * 1e3:.2f} | {got * 1e3:.2f} | {ref / got:.1f}x | "
-                  f"{used * per_expert_bytes / got / 1e9:.1f} |")
+                  f"{used * per_expert_bytes / got / 1e9:.1f} | {cold * 1e3:.2f} | "
+                  f"{used * per_expert_bytes / cold / 1e9:.1f} |")
 
 
 if __name__ == "__main__":
