@@ -83,6 +83,7 @@ class GraphRunner(DecodeRunner):
         self.logits = None  # the graph's output buffer (1, vocab) f32, in the private pool
         self._greedy = None  # greedy_tokens' kernel, scratch, remap table, pinned slots and events
         self._between = None  # called before each replay: the streamed-expert cache's upkeep (stream.maintain)
+        self._done = None  # step's blocking event (steps with host calls)
 
     def prepare(self) -> str | None:
         """Warm up and capture; None when the graph is ready, else why the step cannot be captured."""
@@ -142,8 +143,19 @@ class GraphRunner(DecodeRunner):
             if self._between is not None:
                 self._between()
             self.graph.launch(self.stream)
+            if self.inputs.host_calls:  # the sampler's read would spin on a core the host nodes need: sleep here
+                if self._done is None:
+                    self._done = self._event()
+                self._done.record(self.stream)
+                self._done.synchronize()
         self.cache.pos += 1
         return self.logits
+
+    def _event(self):
+        """An event the host waits on. With host calls in the step, a blocking one: the waiting thread sleeps
+        instead of spinning on a core, which the CPU experts' threads need (a spinning waiter slowed every host
+        node's parallel kernels); without, CUDA's default (spinning: the lowest latency)."""
+        return cp.cuda.Event(block=bool(self.inputs.host_calls), disable_timing=True)
 
     def _check(self) -> None:
         """Raise what a host node of an earlier replay met (hostcall.py), if the step has any."""
@@ -176,7 +188,7 @@ class GraphRunner(DecodeRunner):
                     cp.empty(GREEDY_BLOCKS, cp.float32), cp.empty(GREEDY_BLOCKS, cp.int32),
                     cp.zeros(1, cp.uint32), cp.asarray(remap), np.int32(len(pairs)),
                     [cp.empty(1, cp.int64) for _ in range(2)],  # raw tokens per slot (device)
-                    cp.cuda.alloc_pinned_memory(16), [cp.cuda.Event(), cp.cuda.Event()])
+                    cp.cuda.alloc_pinned_memory(16), [self._event(), self._event()])
         fn, part_v, part_i, counter, remap, nremap, raw, pinned, events = self._greedy
         host = np.frombuffer(pinned, dtype=np.int64, count=2)
         logits = self.logits.reshape(-1)
