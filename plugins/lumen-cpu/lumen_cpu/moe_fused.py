@@ -25,6 +25,7 @@ from numba.typed import List
 
 from . import fp8
 from .fp8 import decode_dot, decode_row, dot, expand_scales
+from .nvfp4_fused import dot_bits, split
 
 F32 = np.float32
 CHUNK = 64  # rows per parallel task (a worker's range of tasks is contiguous: long sequential reads)
@@ -92,39 +93,6 @@ def _expand_nvfp4(brow, e4m3, sexp):  # one row of e4m3 block-scale bytes (K/16,
 @njit(inline="always")
 def _share(ntask, w, nw):  # worker w's contiguous range of tasks (consecutive row chunks: long sequential reads)
     return w * ntask // nw, (w + 1) * ntask // nw
-
-
-@njit(inline="always", fastmath=True)
-def _dot_nvfp4_bits(row, brow, gs, xe, xo, e4m3, blo, bhi, sb):
-    """One NVFP4 row . x without a table: each byte's two codes go into f32s as in ``_row_nvfp4`` (one integer
-    pass, then one float pass: both vectorise), the low codes dotted with x's even columns ``xe``, the high with
-    the odd ``xo``; sb holds the row's (e4m3 block scale x global scale) per byte. ~1.8x the table decode."""
-    for g in range(brow.shape[0]):
-        s = e4m3[brow[g]] * gs
-        for j in range(8):
-            sb[g * 8 + j] = s
-    n = row.shape[0]
-    for i in range(n):
-        b = np.uint32(row[i])
-        blo[i] = ((b & np.uint32(7)) << np.uint32(22)) + np.uint32(0x3F000000)
-        bhi[i] = (((b >> np.uint32(4)) & np.uint32(7)) << np.uint32(22)) + np.uint32(0x3F000000)
-    flo, fhi = blo.view(np.float32), bhi.view(np.float32)
-    acc = F32(0.0)
-    for i in range(n):
-        b = row[i]
-        lo = (flo[i] - F32(0.5)) * F32(2.0) if (b & 6) == 0 else flo[i]
-        hi = (fhi[i] - F32(0.5)) * F32(2.0) if (b & 0x60) == 0 else fhi[i]
-        lo = -lo if (b & 8) else lo
-        hi = -hi if (b & 0x80) else hi
-        acc += (lo * xe[i] + hi * xo[i]) * sb[i]
-    return acc
-
-
-@njit(inline="always")
-def _split(x, xe, xo):  # x's even and odd columns
-    for i in range(xe.shape[0]):
-        xe[i] = x[2 * i]
-        xo[i] = x[2 * i + 1]
 
 
 @njit(cache=True, parallel=True, fastmath=True)
@@ -217,12 +185,12 @@ def _gate_up_nvfp4(G, U, BG, BU, gsg, gsu, e4m3, x, experts, offs, toks, h, act,
             e = experts[j]
             g, u, bgs, bus = G[e], U[e], BG[e], BU[e]
             if offs[j + 1] - offs[j] == 1:  # one token: decode and dot in one pass, the gate rows, then the up
-                _split(x[toks[offs[j]]], xe, xo)  # rows
+                split(x[toks[offs[j]]], xe, xo)  # rows
                 r1 = min(r0 + CHUNK, I)
                 for r in range(r0, r1):
-                    gate[r - r0] = _dot_nvfp4_bits(g[r], bgs[r], gsg[e], xe, xo, e4m3, blo, bhi, sb)
+                    gate[r - r0] = dot_bits(g[r], bgs[r], gsg[e], xe, xo, e4m3, blo, bhi, sb)
                 for r in range(r0, r1):
-                    h[offs[j], r] = _act(gate[r - r0], act) * _dot_nvfp4_bits(u[r], bus[r], gsu[e], xe, xo, e4m3,
+                    h[offs[j], r] = _act(gate[r - r0], act) * dot_bits(u[r], bus[r], gsu[e], xe, xo, e4m3,
                                                                              blo, bhi, sb)
                 continue
             for r in range(r0, min(r0 + CHUNK, I)):
@@ -253,9 +221,9 @@ def _down_nvfp4(D, BD, gsd, e4m3, h, experts, offs, ys, threads):
             e = experts[j]
             d, bd = D[e], BD[e]
             if offs[j + 1] - offs[j] == 1:
-                _split(h[offs[j]], he, ho)
+                split(h[offs[j]], he, ho)
                 for r in range(r0, min(r0 + CHUNK, H)):
-                    ys[offs[j], r] = _dot_nvfp4_bits(d[r], bd[r], gsd[e], he, ho, e4m3, blo, bhi, sb)
+                    ys[offs[j], r] = dot_bits(d[r], bd[r], gsd[e], he, ho, e4m3, blo, bhi, sb)
                 continue
             for r in range(r0, min(r0 + CHUNK, H)):
                 _expand_nvfp4(bd[r], e4m3, ed)
