@@ -25,7 +25,7 @@ F32 = np.float32
 GEMV_MAX_T = 1  # measured (2 cores): from 2 tokens on, the tiled BLAS path is faster
 PARALLEL_MIN_BYTES = 1 << 16
 TILE_ROWS = 2048
-CHUNK = 16  # rows per parallel task of the GEMV
+CHUNK = 16, 64  # rows per parallel task of the GEMV: at least, at most (4 tasks a thread in between)
 E4M3 = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(F32)  # byte -> value (NaN codes too)
 
 
@@ -57,16 +57,25 @@ def decode_row(row, bits, f, sexp, buf):  # e4m3 bytes row (K,) x per-column sca
 
 
 @njit(inline="always", fastmath=True)
-def decode_dot(row, bits, f, sexp, x):  # (decode_row(row) . x) in one pass over the row, no buffer written back
-    K = x.shape[0]
+def decode_dot(row, bits, f, xs):  # decode_row(row) . x in one pass, xs = x x the scales (scale_x); no buffer written
+    K = xs.shape[0]
     for k in range(K):
         bits[k] = ((np.uint32(row[k]) & np.uint32(0x7F)) << np.uint32(20)) + np.uint32(0x3C000000)
     acc = F32(0.0)
     for k in range(K):
         b = row[k]
         v = (f[k] - F32(0.0078125)) * F32(2.0) if (b & 0x78) == 0 else f[k]
-        acc += ((-v if (b & 0x80) else v) * sexp[k]) * x[k]
+        acc += (-v if (b & 0x80) else v) * xs[k]
     return acc
+
+
+@njit(inline="always", fastmath=True)
+def scale_x(srow, bc, x, xs):  # x times one row of block scales, per column: the rows of a block share it
+    K = xs.shape[0]
+    for b in range(srow.shape[0]):
+        s = srow[b]
+        for k in range(b * bc, min(K, (b + 1) * bc)):
+            xs[k] = x[k] * s
 
 
 @njit(inline="always")
@@ -85,17 +94,17 @@ def dot(a, b):
 
 
 @njit(cache=True, parallel=True, fastmath=True)
-def _gemv(raw, x, out, s, br, bc):  # raw (N, K) u8, x (K,) f32, out (N,): one token, CHUNK rows a task
+def _gemv(raw, x, out, s, br, bc, rows):  # raw (N, K) u8, x (K,) f32, out (N,): one token, ``rows`` rows a task
     N, K = raw.shape
-    nch = (N + CHUNK - 1) // CHUNK
+    nch = (N + rows - 1) // rows
     for c in prange(nch):
-        bits, sexp, last = np.empty(K, np.uint32), np.empty(K, F32), -1
+        bits, xs, last = np.empty(K, np.uint32), np.empty(K, F32), -1
         f = bits.view(np.float32)
-        for r in range(c * CHUNK, min(N, (c + 1) * CHUNK)):
+        for r in range(c * rows, min(N, (c + 1) * rows)):
             if r // br != last:
                 last = r // br
-                expand_scales(s[last], bc, sexp)
-            out[r] = decode_dot(raw[r], bits, f, sexp, x)
+                scale_x(s[last], bc, x, xs)
+            out[r] = decode_dot(raw[r], bits, f, xs)
 
 
 @njit(cache=True)
@@ -127,11 +136,12 @@ def linear(x, w: Weight):  # x (T, K) f32, w (N, K) fp8 -> (T, N)
         raw = np.ascontiguousarray(w.data).view(np.uint8)
         s, br, bc = scales(w)
         threads = get_num_threads()
+        rows = min(CHUNK[1], max(CHUNK[0], N // (4 * threads)))  # long tasks (sequential reads), enough of them
         if raw.nbytes < PARALLEL_MIN_BYTES:
             set_num_threads(1)
         try:
             for t in range(T):
-                _gemv(raw, x[t], out[t], s, br, bc)
+                _gemv(raw, x[t], out[t], s, br, bc, rows)
         finally:
             set_num_threads(threads)
         return out

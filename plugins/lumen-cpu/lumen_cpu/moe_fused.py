@@ -24,7 +24,7 @@ from numba import get_num_threads, njit, prange
 from numba.typed import List
 
 from . import fp8
-from .fp8 import decode_dot, decode_row, dot, expand_scales
+from .fp8 import decode_dot, decode_row, dot, expand_scales, scale_x
 from .nvfp4_fused import dot_bits, split
 
 F32 = np.float32
@@ -71,14 +71,14 @@ def _row_nvfp4(row, nib, bits, f, sexp, gs, buf):  # packed E2M1 codes row (K/2,
 
 
 @njit(inline="always", fastmath=True)
-def _row_dot(row, kind, bits, f, sexp, x):  # _row(row) . x in one pass (one token: nothing to reuse the row for)
+def _row_dot(row, kind, bits, f, xs):  # _row(row) . x in one pass, xs = x x the row's scales (fp8.scale_x)
     if kind == 0:
-        return decode_dot(row, bits, f, sexp, x)
-    for k in range(x.shape[0]):
+        return decode_dot(row, bits, f, xs)
+    for k in range(xs.shape[0]):
         bits[k] = np.uint32(row[k]) << np.uint32(16)
     acc = F32(0.0)
-    for k in range(x.shape[0]):
-        acc += (f[k] * sexp[k]) * x[k]
+    for k in range(xs.shape[0]):
+        acc += f[k] * xs[k]
     return acc
 
 
@@ -117,14 +117,14 @@ def _gate_up_scaled(G, U, SG, SU, br, bc, kind, x, experts, offs, toks, h, act, 
                 for r in range(r0, r1):
                     if r // br != last:
                         last = r // br
-                        expand_scales(sg[last], bc, eg)
-                    gate[r - r0] = _row_dot(g[r], kind, bits, f, eg, xt)
+                        scale_x(sg[last], bc, xt, eg)
+                    gate[r - r0] = _row_dot(g[r], kind, bits, f, eg)
                 last = -1
                 for r in range(r0, r1):
                     if r // br != last:
                         last = r // br
-                        expand_scales(su[last], bc, eu)
-                    h[offs[j], r] = _act(gate[r - r0], act) * _row_dot(u[r], kind, bits, f, eu, xt)
+                        scale_x(su[last], bc, xt, eu)
+                    h[offs[j], r] = _act(gate[r - r0], act) * _row_dot(u[r], kind, bits, f, eu)
                 continue
             last = -1
             for r in range(r0, r1):
@@ -153,13 +153,16 @@ def _down_scaled(D, SD, br, bc, kind, h, experts, offs, ys, threads):
             j, r0 = task // nch, (task % nch) * CHUNK
             e = experts[j]
             d, sd = D[e], SD[e]
-            last = -1
+            single, last = offs[j + 1] - offs[j] == 1, -1
             for r in range(r0, min(r0 + CHUNK, H)):
                 if r // br != last:
                     last = r // br
-                    expand_scales(sd[last], bc, ed)
-                if offs[j + 1] - offs[j] == 1:
-                    ys[offs[j], r] = _row_dot(d[r], kind, bits, f, ed, h[offs[j]])
+                    if single:  # ed = the token's h x the scales
+                        scale_x(sd[last], bc, h[offs[j]], ed)
+                    else:
+                        expand_scales(sd[last], bc, ed)
+                if single:
+                    ys[offs[j], r] = _row_dot(d[r], kind, bits, f, ed)
                     continue
                 _row(d[r], kind, bits, f, ed, buf)
                 for i in range(offs[j], offs[j + 1]):
