@@ -223,6 +223,12 @@ def _down_scaled(D, SD, br, bc, kind, h, experts, offs, ys, threads, most):
                         ys[offs[j] + i, r] = cd[r - r0, i]
 
 
+@njit(inline="always")
+def _dot_bits_scratch(K):  # dot_bits' scratch for rows of K values: x's even and odd columns, codes' bits, scales
+    K2 = K // 2
+    return np.empty(K2, F32), np.empty(K2, F32), np.empty(K2, np.uint32), np.empty(K2, np.uint32), np.empty(K2, F32)
+
+
 @njit(cache=True, parallel=True, fastmath=True)
 def _gate_up_nvfp4(G, U, BG, BU, gsg, gsu, e4m3, x, experts, offs, toks, h, act, threads, most):
     n, I, K = experts.shape[0], h.shape[1], x.shape[1]
@@ -234,9 +240,7 @@ def _gate_up_nvfp4(G, U, BG, BU, gsg, gsu, e4m3, x, experts, offs, toks, h, act,
             np.empty(K, F32), np.empty(K, F32)
         f, nib, gate = bits.view(np.float32), np.empty(K, np.uint8), np.empty(CHUNK, F32)
         cg, cu = np.empty((CHUNK, most), F32), np.empty((CHUNK, most), F32)
-        K2 = K // 2
-        xe, xo, blo, bhi, sb = np.empty(K2, F32), np.empty(K2, F32), np.empty(K2, np.uint32), \
-            np.empty(K2, np.uint32), np.empty(K2, F32)
+        xe, xo, blo, bhi, sb = _dot_bits_scratch(K)
         t0, t1 = _share(ntask, w, nw)
         for task in range(t0, t1):
             j, r0 = task // nch, (task % nch) * CHUNK
@@ -274,9 +278,7 @@ def _down_nvfp4(D, BD, gsd, e4m3, h, experts, offs, ys, threads, most):
     for w in prange(nw):
         buf, bits, ed = np.empty((CHUNK, I), F32), np.empty(I, np.uint32), np.empty(I, F32)
         f, nib, cd = bits.view(np.float32), np.empty(I, np.uint8), np.empty((CHUNK, most), F32)
-        I2 = I // 2
-        he, ho, blo, bhi, sb = np.empty(I2, F32), np.empty(I2, F32), np.empty(I2, np.uint32), \
-            np.empty(I2, np.uint32), np.empty(I2, F32)
+        he, ho, blo, bhi, sb = _dot_bits_scratch(I)
         t0, t1 = _share(ntask, w, nw)
         for task in range(t0, t1):
             j, r0 = task // nch, (task % nch) * CHUNK
