@@ -65,6 +65,9 @@ def parse_args(argv=None):
                         "default 32), "
                         "cpu-experts (routed experts computed by the CPU backend); rows other than vram prefill "
                         "only the first --prompts length")
+    p.add_argument("--moe-rows", default="",
+                   help="rows per warp of the MoE expert kernels for this run, e.g. gate_up=4,down_t1=2 (keys gate_up, "
+                        "down (T > 1), down_t1; values 1, 2 or 4, the compiled ones): a tuning sweep, for every format")
     p.add_argument("--workdir", default="/tmp/lumen-bench")
     p.add_argument("--json")
     return p.parse_args(argv)
@@ -263,8 +266,29 @@ def time_hf(path: Path, prompts, steps: int) -> dict:
     return out  # the model is freed with this frame; main() empties the CUDA cache
 
 
+def set_moe_rows(spec: str) -> None:
+    """Apply --moe-rows to lumen_cuda.moe's tables (every format)."""
+    items = [item.partition("=") for item in filter(None, spec.split(","))]
+    for key, _, value in items:
+        if key not in ("gate_up", "down", "down_t1") or value not in ("1", "2", "4"):
+            raise SystemExit(f"--moe-rows: {key}={value} is not KEY=N with KEY gate_up, down or down_t1 and N 1, 2 "
+                             "or 4")
+    if not items:
+        return
+    from lumen_cuda import moe
+
+    for key, _, value in items:
+        if key == "down_t1":
+            moe.ROWS_DOWN_T1 = int(value)
+        else:
+            table = moe.ROWS_GATE_UP if key == "gate_up" else moe.ROWS_DOWN
+            table.update(dict.fromkeys(table, int(value)))
+    print(f"moe rows: gate_up {moe.ROWS_GATE_UP}, down {moe.ROWS_DOWN}, down_t1 {moe.ROWS_DOWN_T1}", file=sys.stderr)
+
+
 def main(argv=None):
     args = parse_args(argv)
+    set_moe_rows(args.moe_rows)
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     prompts = [int(p) for p in args.prompts.split(",")]
