@@ -211,12 +211,19 @@ def make_plan(config, arch: Architecture, ckpt, registry) -> tuple[Plan, dict]:
             cache = arch.cache_bytes(comp[1], context, kv_bytes)
             kv_fmt = kv.type_k if kv.type_k == kv.type_v else f"{kv.type_k}/{kv.type_v}"
             plan.entries.append(
-                PlanEntry(f"cache.layers.{comp[1]}", p.backend, p.device, kv.store or ("ram" if p.store == "mmap"
-                          else p.store), kv_fmt, cache, kind="cache")
+                PlanEntry(f"cache.layers.{comp[1]}", p.backend, p.device,
+                          kv.store or kv_home(registry.backend_class(p.backend), p.store), kv_fmt, cache, kind="cache")
             )
     plan.notes = _no_effect_notes(config, components) + _expert_cache(config, arch, registry, placements, plan)
     _fit(plan, registry, placements)
     return plan, {"placements": placements, "layout": layout, "kv": kv, "report": report}
+
+
+def kv_home(backend_cls, store: str) -> str:
+    """Where a layer's KV cache lives when kv-cache.store is omitted: the memory its weights are in (mmap: RAM), where
+    its backend keeps caches there, else the backend's own (a GPU layer whose weights stay in host RAM: VRAM)."""
+    store = "ram" if store == "mmap" else store
+    return store if store in backend_cls.kv_stores else backend_cls.kv_stores[0]
 
 
 DEFAULT_EXPERT_CACHE = 32  # experts kept in VRAM per GPU when streamed (lumen_cuda.stream uses it too)

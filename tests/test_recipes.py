@@ -123,3 +123,23 @@ def test_the_full_262k_context_fits_an_8_gb_card_with_an_fp8_kv_cache(fp8_35b, g
     assert kv - full_attention == (wide - 2 * full_attention)  # only the attention caches shrink (not DeltaNet's)
     print(f"262k context: VRAM {plan.pools()['cuda:0 VRAM'] / GIB:.2f} GiB, KV fp8 {kv / GIB:.2f} GiB, "
           f"bf16 {wide / GIB:.2f} GiB")
+
+
+def test_gpu_layers_whose_weights_stay_in_host_ram_keep_their_kv_caches_in_vram(fp8_35b, gpus, monkeypatch):
+    """``compute: cuda:0, store: ram`` for the whole model (lumen_cuda.hostweights; the cuda backend declares the
+    store once its GPU tests pass, so this adds it): every weight in host RAM, page-locked, and the caches, which
+    follow their layer's memory unless kv-cache.store says otherwise, in VRAM (where the backend keeps them)."""
+    from lumen_core.engine import prepare
+
+    cuda_backend = pytest.importorskip("lumen_cuda.backend")
+    gpus(1, 8)
+    monkeypatch.setattr(cuda_backend.CUDABackend, "stores", ("vram", "ram"))
+    raw = json.loads((ROOT / "examples" / "qwen3.5-35b-a3b-gpu-streamed-experts.json").read_text())
+    raw["model"].update(path=str(fp8_35b), store="ram")
+    plan = prepare(raw)[3]
+    caches = [e for e in plan.entries if e.component.startswith("cache.")]
+    weights = [e for e in plan.entries if e.kind == "weights"]
+    assert caches and {e.store for e in caches} == {"vram"} and {e.store for e in weights} == {"ram"}
+    pools = plan.pools()
+    assert pools["cuda:0 VRAM"] < 2 * GIB and plan.pinned() == pools["host RAM"] > 33 * GIB
+    print(f"all weights in host RAM: {pools}")

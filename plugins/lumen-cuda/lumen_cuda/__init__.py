@@ -1,6 +1,8 @@
 """Lumen's CUDA backend on CuPy. Importing this package must not import CuPy or initialise CUDA: the backend
 class is registered by name and every op is a thin wrapper that imports the implementation on first call."""
 
+import numpy as np
+
 from lumen_core import hookimpl
 from lumen_core.ops import CONTRACT
 
@@ -22,18 +24,40 @@ def register_backends(register):
     register("cuda", "lumen_cuda.backend:CUDABackend")
 
 
+# Ops that take a Weight, which may be kept in host RAM (store 'ram': lumen_cuda.hostweights)
+WEIGHT_OPS = ("linear", "embedding", "linear_group")
+
+
 @hookimpl
 def register_ops(register):
     for name in CONTRACT:
         if name != "linear":
-            register(name, "cuda", _lazy(name))
+            register(name, "cuda", _host_aware(name, _lazy(name)))
     for fmt in (*LINEAR_FORMATS, None):
-        register("linear", "cuda", _lazy("linear"), variant=fmt)
+        register("linear", "cuda", _host_aware("linear", _lazy("linear")), variant=fmt)
     for op, fn, variant in KERNEL_OPS:
-        register(op, "cuda", _lazy_kernel(fn), variant=variant, priority=KERNEL_PRIORITY)
+        register(op, "cuda", _host_aware(op, _lazy_kernel(fn)), variant=variant, priority=KERNEL_PRIORITY)
     # optional ops (lumen_core.ops.OPTIONAL): fused projections, and the Gated-DeltaNet gates in one kernel
-    register("linear_group", "cuda", _lazy_kernel("linear_group"))
+    register("linear_group", "cuda", _host_aware("linear_group", _lazy_kernel("linear_group")))
     register("gdn_gates", "cuda", _lazy("gdn_gates"))
+
+
+def _host_aware(op: str, call):
+    """``call``, with a Weight kept in page-locked host RAM replaced first by what the op reads (a zero-copy view,
+    or a VRAM copy for a prefill: lumen_cuda.hostweights). Other ops are returned as they are."""
+    if op not in WEIGHT_OPS:
+        return call
+
+    def wrapped(*args, **kwargs):
+        ws = args[1] if op == "linear_group" else args[1:2]
+        if any(isinstance(getattr(w, "data", None), np.ndarray) for w in ws):
+            from . import hostweights
+
+            return hostweights.dispatch(op, call, *args, **kwargs)
+        return call(*args, **kwargs)
+
+    wrapped.__name__ = wrapped.__qualname__ = call.__name__
+    return wrapped
 
 
 def _lazy(op: str):
