@@ -235,3 +235,27 @@ def test_memory_allocated_is_within_ten_percent_of_the_plan(placement, tiny_chec
         assert abs(pinned - want_ram) <= 0.1 * want_ram, (pinned, want_ram)
     del engine, runner
     gc.collect()
+
+
+@pytest.mark.gpu
+def test_a_dropped_engine_gives_its_vram_back(tiny_checkpoint, cp):
+    """Loading, generating (the decode graph, fused projections, MoE pointer tables) and dropping an engine leaves
+    CuPy's pool where it was: the module caches hold weak references, so a second model fits where the first was
+    (a notebook that reloads with another config must not run out of VRAM)."""
+    import gc
+
+    path = tiny_checkpoint("qwen3_5_moe", hidden_size=1024, num_experts=32, num_experts_per_tok=4,
+                           moe_intermediate_size=1024, shared_expert_intermediate_size=1024)
+    gc.collect()
+    pool = cp.get_default_memory_pool()
+    before = pool.used_bytes()
+    engine = lumen.load({"model": {"path": str(path), "compute": "cuda:0", "store": "vram",
+                                   "hidden-layers": {"kv-cache": {"context-size": 256}}}}, progress=False)
+    list(engine.generate_tokens(list(range(5, 40)), 4))
+    loaded = pool.used_bytes() - before
+    assert engine.decode_runner()
+    del engine
+    gc.collect()
+    left = pool.used_bytes() - before
+    print(f"VRAM held: {loaded / 1e6:.1f} MB loaded, {left / 1e6:.1f} MB after the engine is dropped")
+    assert left <= 0.02 * loaded, (left, loaded)

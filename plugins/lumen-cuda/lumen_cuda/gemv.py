@@ -17,6 +17,7 @@ versions in ``ops.py``; each falls back to those where the kernel does not apply
 from __future__ import annotations
 
 import os
+import weakref
 
 import cupy as cp
 import numpy as np
@@ -481,7 +482,7 @@ def rms_norm(x, w, eps: float, offset: float = 0.0):  # x (..., D) f32, w (D,) f
 
 
 # -- fused projections ------------------------------------------------------------------------------------------
-_GROUPS: dict[tuple[int, ...], tuple] = {}  # id of each Weight -> (fused Weight or None, row splits, the Weights)
+_GROUPS: dict[tuple[int, ...], tuple] = {}  # ids of the Weights -> (fused Weight or None, row splits, weak refs)
 
 
 def _linear_any(x, w: Weight):
@@ -541,9 +542,10 @@ def linear_group(x, ws):
     ``linear_group``: one read of x and one launch for q/k/v, gate/up, the Gated-DeltaNet input projections)."""
     key = tuple(id(w) for w in ws)
     entry = _GROUPS.get(key)
-    if entry is None:
+    if entry is None or any(r() is not w for r, w in zip(entry[2], ws, strict=True)):
         fused = _fuse(list(ws))
-        entry = _GROUPS[key] = (fused, [w.shape[0] for w in ws], tuple(ws))
+        entry = _GROUPS[key] = (fused, [w.shape[0] for w in ws], tuple(weakref.ref(w) for w in ws))
+        weakref.finalize(ws[0], _GROUPS.pop, key, None)  # a dropped model's fused weights are freed with it
     fused, rows, _ = entry
     if fused is None:
         return [_linear_any(x, w) for w in ws]

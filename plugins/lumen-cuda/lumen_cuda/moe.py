@@ -45,6 +45,7 @@ replacing the list's items afterwards is not noticed unless ``clear_cache()`` is
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -122,7 +123,7 @@ class _Table:
     keep: list  # arrays the table points into that the Weights do not hold (contiguous f32 copies of scales)
 
 
-_TABLES: dict[tuple[int, int], tuple[Any, Any, Any, _Table | None]] = {}
+_TABLES: dict[tuple[int, int], tuple[Any, Any, _Table | None]] = {}  # (device, id(list)) -> weak refs, table
 
 
 def clear_cache():
@@ -190,19 +191,25 @@ def _build(mats: list[list]) -> _Table | None:
 
 
 def _table(lst, pairs: bool) -> _Table | None:
-    """The cached table of a weight list (gate_up: pairs of (gate, up); down: Weights)."""
-    key = (cp.cuda.runtime.getDevice(), id(lst))
-    hit = _TABLES.get(key)
+    """The cached table of a weight list (gate_up: pairs of (gate, up); down: Weights). The cache holds weak
+    references only, and drops the entry with the list's first Weight: a dropped model's experts are freed."""
     if not len(lst):
         return None
-    if hit is not None and hit[0] is lst and hit[1] is lst[0] and hit[2] is lst[-1]:
-        return hit[3]
+    key = (cp.cuda.runtime.getDevice(), id(lst))
+    first, last = (lst[0][0], lst[-1][0]) if pairs else (lst[0], lst[-1])
+    hit = _TABLES.get(key)
+    if hit is not None and hit[0]() is first and hit[1]() is last:
+        return hit[2]
     try:
         mats = [[g for g, _ in lst], [u for _, u in lst]] if pairs else [list(lst)]
         tab = _build(mats)
     except (TypeError, ValueError, AttributeError, AssertionError):
         tab = None
-    _TABLES[key] = (lst, lst[0], lst[-1], tab)
+    try:
+        _TABLES[key] = (weakref.ref(first), weakref.ref(last), tab)
+        weakref.finalize(first, _TABLES.pop, key, None)
+    except TypeError:  # not a Weight (no weak references): not cached
+        pass
     return tab
 
 
