@@ -49,7 +49,7 @@ def _host_aware(op: str, call):
         return call
 
     def wrapped(*args, **kwargs):
-        ws = args[1] if op == "linear_group" else args[1:2]
+        ws = (args[1] if op == "linear_group" else args[1:2]) if len(args) == 2 and not kwargs else ()
         if any(isinstance(getattr(w, "data", None), np.ndarray) for w in ws):
             from . import hostweights
 
