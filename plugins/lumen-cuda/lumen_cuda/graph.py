@@ -15,6 +15,10 @@ inside it (the pool caches its blocks); then it is captured, and the cache is ze
 
 Streams: the graph runs on a blocking stream, which the legacy default stream (eager prefill, the sampler)
 orders itself against, so prefill → replay → sampling need no explicit events.
+
+Host calls: routed experts on the CPU (``CUDABackend.call`` while STEP is set) become nodes of the graph
+(hostcall.py); ``StepInputs.host_calls`` keeps them as long as the graph, ``host_errors`` collects what they
+raised (reported by the next ``step`` / token), and the host then waits on blocking events (``_event``).
 """
 
 from __future__ import annotations
