@@ -141,6 +141,25 @@ def _dots(B, R, X, idx, i0, n, C):
             C[rr, mm] = dot(B[rr], X[idx[i0 + mm]])
 
 
+@njit(inline="always", fastmath=True)
+def _gate_up_tokens(bg, bu, r0, r1, x, toks, i0, m, cg, cu, h, act):
+    """Rows r0..r1 of gate and up, decoded into bg / bu, against the m tokens of slots i0..: h = act(gate) * up."""
+    _dots(bg, r1 - r0, x, toks, i0, m, cg)
+    _dots(bu, r1 - r0, x, toks, i0, m, cu)
+    for r in range(r0, r1):
+        for i in range(m):
+            h[i0 + i, r] = _act(cg[r - r0, i], act) * cu[r - r0, i]
+
+
+@njit(inline="always", fastmath=True)
+def _down_tokens(buf, r0, r1, h, slots, i0, m, cd, ys):
+    """Rows r0..r1 of down, decoded into buf, against the h rows of slots i0..i0+m: their outputs."""
+    _dots(buf, r1 - r0, h, slots, i0, m, cd)
+    for r in range(r0, r1):
+        for i in range(m):
+            ys[i0 + i, r] = cd[r - r0, i]
+
+
 @njit(cache=True, parallel=True, fastmath=True)
 def _gate_up_scaled(G, U, SG, SU, br, bc, kind, x, experts, offs, toks, h, act, threads, most):
     n, I, K = experts.shape[0], h.shape[1], x.shape[1]
@@ -180,12 +199,7 @@ def _gate_up_scaled(G, U, SG, SU, br, bc, kind, x, experts, offs, toks, h, act, 
                     expand_scales(su[last], bc, eu)
                 _row(g[r], kind, bits, f, eg, bg[r - r0])
                 _row(u[r], kind, bits, f, eu, bu[r - r0])
-            m = offs[j + 1] - offs[j]
-            _dots(bg, r1 - r0, x, toks, offs[j], m, cg)
-            _dots(bu, r1 - r0, x, toks, offs[j], m, cu)
-            for r in range(r0, r1):
-                for i in range(m):
-                    h[offs[j] + i, r] = _act(cg[r - r0, i], act) * cu[r - r0, i]
+            _gate_up_tokens(bg, bu, r0, r1, x, toks, offs[j], offs[j + 1] - offs[j], cg, cu, h, act)
 
 
 @njit(cache=True, parallel=True, fastmath=True)
@@ -216,11 +230,7 @@ def _down_scaled(D, SD, br, bc, kind, h, experts, offs, ys, threads, most):
                     continue
                 _row(d[r], kind, bits, f, ed, buf[r - r0])
             if not single:
-                r1, m = min(r0 + CHUNK, H), offs[j + 1] - offs[j]
-                _dots(buf, r1 - r0, h, slots, offs[j], m, cd)
-                for r in range(r0, r1):
-                    for i in range(m):
-                        ys[offs[j] + i, r] = cd[r - r0, i]
+                _down_tokens(buf, r0, min(r0 + CHUNK, H), h, slots, offs[j], offs[j + 1] - offs[j], cd, ys)
 
 
 @njit(inline="always")
@@ -261,11 +271,7 @@ def _gate_up_nvfp4(G, U, BG, BU, gsg, gsu, e4m3, x, experts, offs, toks, h, act,
                 _expand_nvfp4(bus[r], e4m3, eu)
                 _row_nvfp4(g[r], nib, bits, f, eg, gsg[e], bg[r - r0])
                 _row_nvfp4(u[r], nib, bits, f, eu, gsu[e], bu[r - r0])
-            _dots(bg, r1 - r0, x, toks, offs[j], m, cg)
-            _dots(bu, r1 - r0, x, toks, offs[j], m, cu)
-            for r in range(r0, r1):
-                for i in range(m):
-                    h[offs[j] + i, r] = _act(cg[r - r0, i], act) * cu[r - r0, i]
+            _gate_up_tokens(bg, bu, r0, r1, x, toks, offs[j], m, cg, cu, h, act)
 
 
 @njit(cache=True, parallel=True, fastmath=True)
@@ -293,10 +299,7 @@ def _down_nvfp4(D, BD, gsd, e4m3, h, experts, offs, ys, threads, most):
             for r in range(r0, r1):
                 _expand_nvfp4(bd[r], e4m3, ed)
                 _row_nvfp4(d[r], nib, bits, f, ed, gsd[e], buf[r - r0])
-            _dots(buf, r1 - r0, h, slots, offs[j], m, cd)
-            for r in range(r0, r1):
-                for i in range(m):
-                    ys[offs[j] + i, r] = cd[r - r0, i]
+            _down_tokens(buf, r0, r1, h, slots, offs[j], m, cd, ys)
 
 
 # -- per layer: the expert matrices as numba lists, made once -----------------------------------------------------
