@@ -18,3 +18,15 @@ def close(got, want, tol=1e-5):
     err, scale = np.abs(got - want).max(initial=0.0), max(1.0, np.abs(want).max(initial=0.0))
     assert err <= tol * scale, f"max |Δ| {err:.3g} > {tol * scale:.3g}"
     return err
+
+
+def greedy_run(model, ids, context: int, steps: int):
+    """(prefill logits of every row, ``steps`` greedy tokens, their logits) from a fresh cache of ``context``."""
+    cache = model.new_cache(context)
+    prefill = model.forward(ids, cache, all_logits=True)
+    logits, tokens, out = prefill[-1:], [], []
+    for _ in range(steps):
+        tokens.append(int(np.argmax(logits[-1])))
+        logits = model.forward([tokens[-1]], cache)
+        out.append(logits[-1])
+    return prefill, tokens, np.stack(out)

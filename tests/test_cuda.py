@@ -14,6 +14,7 @@ import sys
 import ml_dtypes
 import numpy as np
 import pytest
+from gpu_util import greedy_run
 
 import lumen_core as lumen
 from lumen_core.errors import ConfigError
@@ -385,14 +386,7 @@ def engine(path, compute: str, store: str, **hidden):
 
 def run(model, ids):
     """Prefill logits (all rows), then DECODE_STEPS greedy tokens and their logits."""
-    cache = model.new_cache(CONTEXT)
-    prefill = model.forward(ids, cache, all_logits=True)
-    logits, tokens, steps = prefill[-1:], [], []
-    for _ in range(DECODE_STEPS):
-        tokens.append(int(np.argmax(logits[-1])))
-        logits = model.forward([tokens[-1]], cache)
-        steps.append(logits[-1])
-    return prefill, tokens, np.stack(steps)
+    return greedy_run(model, ids, CONTEXT, DECODE_STEPS)
 
 
 @pytest.fixture(scope="module", params=list(MODELS))

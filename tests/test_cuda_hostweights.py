@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from gpu_util import close
+from gpu_util import close, greedy_run
 
 import lumen_core as lumen
 
@@ -42,14 +42,7 @@ def load(path, store: str):
 
 
 def run(model, ids):
-    cache = model.new_cache(CONTEXT)
-    prefill = model.forward(ids, cache, all_logits=True)
-    logits, tokens, steps = prefill[-1:], [], []
-    for _ in range(STEPS):
-        tokens.append(int(np.argmax(logits[-1])))
-        logits = model.forward([tokens[-1]], cache)
-        steps.append(logits[-1])
-    return prefill, tokens, np.stack(steps)
+    return greedy_run(model, ids, CONTEXT, STEPS)
 
 
 @pytest.mark.gpu
