@@ -126,10 +126,11 @@ def check_placement(config, arch: Architecture, registry, components: list[Compo
             _check_device(registry, p, path)
             checked.add(p.compute)
         cls = registry.backend_class(p.backend)
-        allowed = cls.stores + (cls.expert_stores if comp[0] == "experts" else ())
+        only_experts = tuple(s for s in cls.expert_stores if s not in cls.stores)
+        allowed = cls.stores + (only_experts if comp[0] == "experts" else ())
         if p.store not in allowed:
-            extra = (f" (and {', '.join(cls.expert_stores)} for the routed experts)"
-                     if cls.expert_stores and comp[0] != "experts" else "")
+            extra = (f" (and {', '.join(only_experts)} for the routed experts)"
+                     if only_experts and comp[0] != "experts" else "")
             raise ConfigError(
                 path, f"backend {p.backend!r} cannot compute from store {p.store!r}{extra}",
                 f"use one of: {', '.join(allowed)}",

@@ -148,7 +148,7 @@ def test_weight_refuses_other_stores_and_formats(gpu):
     w = np.zeros((4, 4), np.float32)
     with pytest.raises(ValueError, match="vram"):
         gpu.weight(w, "f32", "mmap")
-    # store "ram" is for routed experts (the plan allows it for nothing else): a copy in pinned host memory
+    # store "ram": a copy in page-locked host memory (streamed experts, lumen_cuda.hostweights)
     host = gpu.weight(np.arange(16, dtype=np.float32).reshape(4, 4), "f32", "ram")
     assert isinstance(host.data, np.ndarray) and host.data.tolist() == np.arange(16).reshape(4, 4).tolist()
     with pytest.raises(NotImplementedError, match="not yet supported on cuda"):

@@ -6,8 +6,7 @@ the memory as planned (host RAM page-locked, VRAM holding only the caches).
 Tolerance: decode runs the same GEMV kernels on the same bytes (unfused: a fused projection would sit in VRAM),
 prefill the same GEMMs on VRAM copies: <= 1e-4 x max(1, max |logit|), tokens equal.
 
-The cuda backend declares ``stores = ("vram",)`` until these tests have passed on a GPU; until then they add
-"ram" themselves (monkeypatch), as the plan would once it is declared.
+They first passed on the H200 on 2026-11-30; the cuda backend has declared the store since.
 GPU tests carry the ``gpu`` marker and skip without CuPy or a CUDA device.
 """
 
@@ -28,14 +27,6 @@ KINDS = {"qwen3_5": ("qwen3_5", {}), "qwen3_5_moe": ("qwen3_5_moe", {}), "gemma4
          "gemma4-moe": ("gemma4", MOE_GEMMA)}
 
 
-@pytest.fixture
-def ram_store(monkeypatch):
-    from lumen_cuda.backend import CUDABackend
-
-    if "ram" not in CUDABackend.stores:
-        monkeypatch.setattr(CUDABackend, "stores", (*CUDABackend.stores, "ram"))
-
-
 def load(path, store: str):
     return lumen.load({"model": {"path": str(path), "compute": "cuda:0", "store": store,
                                  "hidden-layers": {"kv-cache": {"context-size": CONTEXT}}}}, progress=False)
@@ -47,7 +38,7 @@ def run(model, ids):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", sorted(KINDS))
-def test_weights_in_host_ram_equal_the_vram_run(name, tiny_checkpoint, cp, ram_store):
+def test_weights_in_host_ram_equal_the_vram_run(name, tiny_checkpoint, cp):
     kind, overrides = KINDS[name]
     path = tiny_checkpoint(kind, **overrides)
     ref, host = load(path, "vram"), load(path, "ram")
@@ -66,7 +57,7 @@ def test_weights_in_host_ram_equal_the_vram_run(name, tiny_checkpoint, cp, ram_s
 
 
 @pytest.mark.gpu
-def test_weights_in_host_ram_take_pinned_memory_not_vram_as_planned(tiny_checkpoint, cp, ram_store):
+def test_weights_in_host_ram_take_pinned_memory_not_vram_as_planned(tiny_checkpoint, cp):
     """The plan is the truth: a ~270 MB f32 Qwen 3.5 with every weight in host RAM takes page-locked memory within
     10% of the plan's host-RAM pool, and its VRAM (caches, decode scratch, transient prefill copies freed) stays far
     below the all-VRAM figure."""

@@ -125,15 +125,14 @@ def test_the_full_262k_context_fits_an_8_gb_card_with_an_fp8_kv_cache(fp8_35b, g
           f"bf16 {wide / GIB:.2f} GiB")
 
 
-def test_gpu_layers_whose_weights_stay_in_host_ram_keep_their_kv_caches_in_vram(fp8_35b, gpus, monkeypatch):
-    """``compute: cuda:0, store: ram`` for the whole model (lumen_cuda.hostweights; the cuda backend declares the
-    store once its GPU tests pass, so this adds it): every weight in host RAM, page-locked, and the caches, which
-    follow their layer's memory unless kv-cache.store says otherwise, in VRAM (where the backend keeps them)."""
+def test_gpu_layers_whose_weights_stay_in_host_ram_keep_their_kv_caches_in_vram(fp8_35b, gpus):
+    """``compute: cuda:0, store: ram`` for the whole model (lumen_cuda.hostweights): every weight in host RAM,
+    page-locked, and the caches, which follow their layer's memory unless kv-cache.store says otherwise, in VRAM
+    (where the backend keeps them)."""
     from lumen_core.engine import prepare
 
-    cuda_backend = pytest.importorskip("lumen_cuda.backend")
+    pytest.importorskip("lumen_cuda.backend")
     gpus(1, 8)
-    monkeypatch.setattr(cuda_backend.CUDABackend, "stores", ("vram", "ram"))
     raw = json.loads((ROOT / "examples" / "qwen3.5-35b-a3b-gpu-streamed-experts.json").read_text())
     raw["model"].update(path=str(fp8_35b), store="ram")
     plan = prepare(raw)[3]

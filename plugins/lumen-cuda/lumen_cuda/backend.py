@@ -41,8 +41,10 @@ def _cupy():
 
 class CUDABackend(Backend):
     name = "cuda"
-    stores = ("vram",)
-    expert_stores = ("ram",)  # routed experts only: pinned host memory, staged into a VRAM cache (stream.py)
+    # "ram": page-locked host memory. Routed experts stream from it through a VRAM expert cache (stream.py);
+    # other weights are read over PCIe by decode and copied to VRAM per matrix by prefill (hostweights.py)
+    stores = ("vram", "ram")
+    expert_stores = ("ram",)  # routed experts in "ram" get the VRAM expert cache (Backend.expert_cache_size)
     # fp8 = E4M3 bytes without a scale, encoded on store and decoded in the attention kernels (attention.py,
     # kernels/decode_attention.cu); bit-equal to the CPU backend's encoding (tests/test_cuda_decode.py)
     kv_types = ("f32", "f16", "bf16", "fp8")

@@ -129,6 +129,15 @@ class GraphRunner(DecodeRunner):
         self.reset()
         return None
 
+    def __del__(self) -> None:
+        """Steps still queued (greedy_tokens runs two ahead) finish before the graph, its pool and its host calls'
+        buffers are freed: a replay outliving them would run host nodes whose calls are gone and write memory
+        the next engine may own."""
+        try:
+            self.stream.synchronize()
+        except Exception:  # interpreter shutdown, or a failed __init__: nothing is left to wait for
+            pass
+
     def reset(self) -> None:
         self.stream.synchronize()  # steps still queued (greedy_tokens runs ahead) finish, host calls included
         self._check()
