@@ -8,6 +8,8 @@ Shapes: 35b-a3b (Qwen3.5-35B-A3B: top 8 of 256 experts, H 2048, I 512), g4-26b-a
 The expert count is cut to --experts (default 64) to keep memory small: the work per token depends only on top-k.
 "hot" repeats one call (the same experts: from the CPU caches when they fit); "cold" cycles through --cold copies of
 the layer (default 8, each a different set of bytes) with new expert ids per call, as decode meets them: from DRAM.
+The bound: the host's read bandwidth measured in the same run with the same threads (a parallel numba sum over
+1 GiB, best of 5); "% of bound" is the cold figure's bytes per second against it.
 """
 
 from __future__ import annotations
@@ -70,6 +72,34 @@ def cold_calls(layers, rng, E: int, k: int, T: int, w):
         yield np.stack([rng.choice(E, size=k, replace=False) for _ in range(T)]), w, g, d
 
 
+def read_bandwidth(nbytes: int = 1 << 30) -> float:
+    """Bytes per second a parallel numba loop reads from DRAM: 4096 rows of uint64 words summed, eight
+    independent sums a row (one sum per row would be bound by its add latency, not by memory)."""
+    from numba import njit, prange
+
+    @njit(parallel=True, cache=False)
+    def total(words):
+        out = np.empty(words.shape[0], np.uint64)
+        for r in prange(words.shape[0]):
+            row, s = words[r], np.zeros(8, np.uint64)
+            for i in range(0, row.shape[0], 8):
+                for j in range(8):
+                    s[j] += row[i + j]
+            out[r] = s.sum()
+        return out
+
+    words = np.ones((4096, nbytes // 8 // 4096), np.uint64)
+    total(words[:2])
+    best = min(timed_once(total, words) for _ in range(5))
+    return nbytes / best
+
+
+def timed_once(fn, *args) -> float:
+    t0 = time.perf_counter()
+    fn(*args)
+    return time.perf_counter() - t0
+
+
 def timed(fn, args, min_s: float = 1.0) -> float:
     fn(*args)  # compile / warm
     n, t0 = 0, time.perf_counter()
@@ -96,9 +126,11 @@ def main() -> None:
     H, I, k = SHAPES[args.shape]
     print(f"{args.shape}: H {H}, I {I}, top-{k}, {args.experts} experts; numba {numba.get_num_threads()} threads, "
           f"threading layer {numba.config.THREADING_LAYER}")
+    bound = read_bandwidth()
+    print(f"read bandwidth (bound): {bound / 1e9:.1f} GB/s")
     print("| format | tokens | per-expert ms (hot) | fused ms (hot) | ratio | fused GB/s hot | fused ms (cold) | "
-          "fused GB/s cold |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+          "fused GB/s cold | % of bound |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for fmt in args.formats.split(","):
         gate_up, down = experts(fmt, args.experts, H, I)
         per_expert_bytes = sum(np.asarray(a).nbytes for a in (gate_up[0][0].data, gate_up[0][1].data, down[0].data))
@@ -117,7 +149,7 @@ def main() -> None:
             cold = timed(lambda x, cycle: moe_fused.experts(x, *next(cycle)), (x, cycle))
             print(f"| {fmt} | {T} | {ref * 1e3:.2f} | {got * 1e3:.2f} | {ref / got:.1f}x | "
                   f"{used * per_expert_bytes / got / 1e9:.1f} | {cold * 1e3:.2f} | "
-                  f"{used * per_expert_bytes / cold / 1e9:.1f} |")
+                  f"{used * per_expert_bytes / cold / 1e9:.1f} | {100 * used * per_expert_bytes / cold / bound:.0f}% |")
 
 
 if __name__ == "__main__":
