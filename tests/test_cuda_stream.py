@@ -123,11 +123,12 @@ def test_streamed_experts_decode_through_the_graph_and_generate_the_same_text(ch
 
 
 @pytest.mark.gpu
-def test_store_ram_on_cuda_is_for_routed_experts_only(tiny_checkpoint, cp):
+def test_store_mmap_on_cuda_is_refused_naming_the_stores_it_can_use(tiny_checkpoint, cp):
+    """A GPU reads weights from VRAM or page-locked RAM; a file mapping is the CPU's: refused before loading."""
     path = tiny_checkpoint("qwen3_5_moe")
     with pytest.raises(ConfigError) as info:
-        lumen.load({"model": {"path": str(path), "compute": "cuda:0", "store": "ram"}}, progress=False)
-    assert "store 'ram'" in str(info.value) and "routed experts" in str(info.value)
+        lumen.load({"model": {"path": str(path), "compute": "cuda:0", "store": "mmap"}}, progress=False)
+    assert "store 'mmap'" in str(info.value) and "vram, ram" in str(info.value)
 
 
 @pytest.mark.gpu

@@ -142,3 +142,18 @@ def test_gpu_layers_whose_weights_stay_in_host_ram_keep_their_kv_caches_in_vram(
     pools = plan.pools()
     assert pools["cuda:0 VRAM"] < 2 * GIB and plan.pinned() == pools["host RAM"] > 33 * GIB
     print(f"all weights in host RAM: {pools}")
+
+
+def test_a_gpu_layer_mapped_from_the_file_is_refused_naming_the_stores_it_can_use(fp8_35b, gpus):
+    """``store: mmap`` is the CPU's (a file mapping the GPU cannot read): the refusal names the JSON path and the
+    stores a cuda layer can use, before any weight is read."""
+    from lumen_core.engine import prepare
+
+    gpus(1, 16)
+    raw = json.loads((ROOT / "examples" / "qwen3.5-35b-a3b-gpu-streamed-experts.json").read_text())
+    raw["model"].update(path=str(fp8_35b))
+    raw["model"]["hidden-layers"]["ranges"] = [{"start": 0, "end": 3, "store": "mmap"}]
+    with pytest.raises(ConfigError) as info:
+        prepare(raw)
+    message = str(info.value)
+    assert "store 'mmap'" in message and "use one of: vram, ram" in message and "ranges" in message

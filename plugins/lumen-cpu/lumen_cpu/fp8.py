@@ -21,6 +21,8 @@ from numba import get_num_threads, njit, prange, set_num_threads
 
 from lumen_core.backend import Weight
 
+from .bitcast import as_f32
+
 F32 = np.float32
 GEMV_MAX_T = 1  # measured (2 cores): from 2 tokens on, the tiled BLAS path is faster
 PARALLEL_MIN_BYTES = 1 << 16
@@ -42,30 +44,29 @@ def scales(w: Weight) -> tuple[np.ndarray, int, int]:
 
 
 @njit(inline="always", fastmath=True)
-def decode_row(row, bits, f, sexp, buf):  # e4m3 bytes row (K,) x per-column scales sexp (K,) -> buf (K,) f32
+def decode(b):  # one e4m3 byte (as uint32) -> its f32 value
     """The byte's exponent and mantissa go into an f32 with the exponent rebased (+120); subnormal codes
     (exponent 0) are fixed up and the sign applied: the exact e4m3 value, without a table gather (which keeps
-    LLVM from vectorising: ~4x slower); x scale gives the same f32 as ``tab[b] * scale``. ``f`` is ``bits`` viewed
-    as f32. NaN codes, which no quantizer writes, decode to a finite value here."""
-    K = buf.shape[0]
-    for k in range(K):
-        bits[k] = ((np.uint32(row[k]) & np.uint32(0x7F)) << np.uint32(20)) + np.uint32(0x3C000000)
-    for k in range(K):
-        b = row[k]
-        v = (f[k] - F32(0.0078125)) * F32(2.0) if (b & 0x78) == 0 else f[k]
-        buf[k] = (-v if (b & 0x80) else v) * sexp[k]
+    LLVM from vectorising: ~4x slower); x scale gives the same f32 as ``tab[b] * scale``. NaN codes, which no
+    quantizer writes, decode to a finite value here. (Multiplying the unbiased bits by 2^120 instead, with no
+    fix-up, measured 1.4x faster on the dot on an AMD core, but reads subnormal f32 inputs, which some x86 cores
+    slow down; not used.)"""
+    f = as_f32(((b & np.uint32(0x7F)) << np.uint32(20)) + np.uint32(0x3C000000))
+    v = (f - F32(0.0078125)) * F32(2.0) if (b & np.uint32(0x78)) == 0 else f
+    return -v if (b & np.uint32(0x80)) else v
 
 
 @njit(inline="always", fastmath=True)
-def decode_dot(row, bits, f, xs):  # decode_row(row) . x in one pass, xs = x x the scales (scale_x); no buffer written
-    K = xs.shape[0]
-    for k in range(K):
-        bits[k] = ((np.uint32(row[k]) & np.uint32(0x7F)) << np.uint32(20)) + np.uint32(0x3C000000)
+def decode_row(row, sexp, buf):  # e4m3 bytes row (K,) x per-column scales sexp (K,) -> buf (K,) f32
+    for k in range(buf.shape[0]):
+        buf[k] = decode(np.uint32(row[k])) * sexp[k]
+
+
+@njit(inline="always", fastmath=True)
+def decode_dot(row, xs):  # decode_row(row) . x in one pass, xs = x x the scales (scale_x); no buffer written
     acc = F32(0.0)
-    for k in range(K):
-        b = row[k]
-        v = (f[k] - F32(0.0078125)) * F32(2.0) if (b & 0x78) == 0 else f[k]
-        acc += (-v if (b & 0x80) else v) * xs[k]
+    for k in range(xs.shape[0]):
+        acc += decode(np.uint32(row[k])) * xs[k]
     return acc
 
 
@@ -98,25 +99,23 @@ def _gemv(raw, x, out, s, br, bc, rows):  # raw (N, K) u8, x (K,) f32, out (N,):
     N, K = raw.shape
     nch = (N + rows - 1) // rows
     for c in prange(nch):
-        bits, xs, last = np.empty(K, np.uint32), np.empty(K, F32), -1
-        f = bits.view(np.float32)
+        xs, last = np.empty(K, F32), -1
         for r in range(c * rows, min(N, (c + 1) * rows)):
             if r // br != last:
                 last = r // br
                 scale_x(s[last], bc, x, xs)
-            out[r] = decode_dot(raw[r], bits, f, xs)
+            out[r] = decode_dot(raw[r], xs)
 
 
 @njit(cache=True)
 def _dequant(raw, out, s, br, bc, r0):  # rows r0.. of raw (R, K) u8 -> out (R, K) f32
     K = raw.shape[1]
-    bits, sexp, last = np.empty(K, np.uint32), np.empty(K, F32), -1
-    f = bits.view(np.float32)
+    sexp, last = np.empty(K, F32), -1
     for i in range(raw.shape[0]):
         if (r0 + i) // br != last:
             last = (r0 + i) // br
             expand_scales(s[last], bc, sexp)
-        decode_row(raw[i], bits, f, sexp, out[i])
+        decode_row(raw[i], sexp, out[i])
 
 
 def dequantize_rows(w: Weight, start: int = 0, stop: int | None = None) -> np.ndarray:

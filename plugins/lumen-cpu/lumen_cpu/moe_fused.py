@@ -24,8 +24,9 @@ from numba import get_num_threads, njit, prange
 from numba.typed import List
 
 from . import fp8
+from .bitcast import as_f32
 from .fp8 import decode_dot, decode_row, dot, expand_scales, scale_x
-from .nvfp4_fused import dot_bits, split
+from .nvfp4_fused import dot_bits, e2m1, split
 
 F32 = np.float32
 CHUNK = 64  # rows per parallel task (a worker's range of tasks is contiguous: long sequential reads)
@@ -42,43 +43,31 @@ def _act(a, kind):
 
 
 @njit(inline="always", fastmath=True)
-def _row(row, kind, bits, f, sexp, buf):  # kind 0: e4m3 bytes (decode_row); 1: bf16 (uint16) - exact widening
+def _row(row, kind, sexp, buf):  # kind 0: e4m3 bytes (decode_row); 1: bf16 (uint16) - exact widening
     if kind == 0:
-        decode_row(row, bits, f, sexp, buf)
+        decode_row(row, sexp, buf)
     else:
         for k in range(buf.shape[0]):
-            bits[k] = np.uint32(row[k]) << np.uint32(16)
-        for k in range(buf.shape[0]):
-            buf[k] = f[k] * sexp[k]
+            buf[k] = as_f32(np.uint32(row[k]) << np.uint32(16)) * sexp[k]
 
 
 @njit(inline="always", fastmath=True)
-def _row_nvfp4(row, nib, bits, f, sexp, gs, buf):  # packed E2M1 codes row (K/2,) -> buf (K,) f32
-    """As ``decode_row`` for E2M1 (exponent rebased by +126, the subnormal code fixed up), low nibble first, through
-    a (K,) buffer of nibbles; the value is (e2m1 x block scale) x global scale, the same f32 as
-    ``nvfp4.dequantize``; ``sexp`` holds each column's decoded e4m3 block scale."""
+def _row_nvfp4(row, sexp, gs, buf):  # packed E2M1 codes row (K/2,) -> buf (K,) f32
+    """E2M1 codes (``nvfp4_fused.e2m1``), low nibble first; the value is (e2m1 x block scale) x global scale, the
+    same f32 as ``nvfp4.dequantize``; ``sexp`` holds each column's decoded e4m3 block scale."""
     for i in range(row.shape[0]):
-        b = row[i]
-        nib[2 * i] = b & 15
-        nib[2 * i + 1] = b >> 4
-    K = buf.shape[0]
-    for k in range(K):
-        bits[k] = ((np.uint32(nib[k]) & np.uint32(7)) << np.uint32(22)) + np.uint32(0x3F000000)
-    for k in range(K):
-        n = nib[k]
-        v = (f[k] - F32(0.5)) * F32(2.0) if (n & 6) == 0 else f[k]
-        buf[k] = ((-v if (n & 8) else v) * sexp[k]) * gs
+        b = np.uint32(row[i])
+        buf[2 * i] = (e2m1(b) * sexp[2 * i]) * gs
+        buf[2 * i + 1] = (e2m1(b >> np.uint32(4)) * sexp[2 * i + 1]) * gs
 
 
 @njit(inline="always", fastmath=True)
-def _row_dot(row, kind, bits, f, xs):  # _row(row) . x in one pass, xs = x x the row's scales (fp8.scale_x)
+def _row_dot(row, kind, xs):  # _row(row) . x in one pass, xs = x x the row's scales (fp8.scale_x)
     if kind == 0:
-        return decode_dot(row, bits, f, xs)
-    for k in range(xs.shape[0]):
-        bits[k] = np.uint32(row[k]) << np.uint32(16)
+        return decode_dot(row, xs)
     acc = F32(0.0)
     for k in range(xs.shape[0]):
-        acc += f[k] * xs[k]
+        acc += as_f32(np.uint32(row[k]) << np.uint32(16)) * xs[k]
     return acc
 
 
@@ -167,8 +156,7 @@ def _gate_up_scaled(G, U, SG, SU, br, bc, kind, x, experts, offs, toks, h, act, 
     ntask = n * nch
     nw = min(ntask, threads)  # numba.get_num_threads() inside would stop the compiled kernel being cached
     for w in prange(nw):  # one worker a thread: its scratch allocated once, not per task
-        bg, bu, bits = np.empty((CHUNK, K), F32), np.empty((CHUNK, K), F32), np.empty(K, np.uint32)
-        f, eg, eu = bits.view(np.float32), np.empty(K, F32), np.empty(K, F32)
+        bg, bu, eg, eu = np.empty((CHUNK, K), F32), np.empty((CHUNK, K), F32), np.empty(K, F32), np.empty(K, F32)
         gate, cg, cu = np.empty(CHUNK, F32), np.empty((CHUNK, most), F32), np.empty((CHUNK, most), F32)
         t0, t1 = _share(ntask, w, nw)
         for task in range(t0, t1):
@@ -183,13 +171,13 @@ def _gate_up_scaled(G, U, SG, SU, br, bc, kind, x, experts, offs, toks, h, act, 
                     if r // br != last:
                         last = r // br
                         scale_x(sg[last], bc, xt, eg)
-                    gate[r - r0] = _row_dot(g[r], kind, bits, f, eg)
+                    gate[r - r0] = _row_dot(g[r], kind, eg)
                 last = -1
                 for r in range(r0, r1):
                     if r // br != last:
                         last = r // br
                         scale_x(su[last], bc, xt, eu)
-                    h[offs[j], r] = _act(gate[r - r0], act) * _row_dot(u[r], kind, bits, f, eu)
+                    h[offs[j], r] = _act(gate[r - r0], act) * _row_dot(u[r], kind, eu)
                 continue
             last = -1  # several tokens: the chunk's rows decoded once, then (rows x tokens) in 4 x 4 blocks
             for r in range(r0, r1):
@@ -197,8 +185,8 @@ def _gate_up_scaled(G, U, SG, SU, br, bc, kind, x, experts, offs, toks, h, act, 
                     last = r // br
                     expand_scales(sg[last], bc, eg)
                     expand_scales(su[last], bc, eu)
-                _row(g[r], kind, bits, f, eg, bg[r - r0])
-                _row(u[r], kind, bits, f, eu, bu[r - r0])
+                _row(g[r], kind, eg, bg[r - r0])
+                _row(u[r], kind, eu, bu[r - r0])
             _gate_up_tokens(bg, bu, r0, r1, x, toks, offs[j], offs[j + 1] - offs[j], cg, cu, h, act)
 
 
@@ -210,8 +198,7 @@ def _down_scaled(D, SD, br, bc, kind, h, experts, offs, ys, threads, most):
     nw = min(ntask, threads)  # numba.get_num_threads() inside would stop the compiled kernel being cached
     slots = np.arange(h.shape[0])
     for w in prange(nw):
-        buf, bits, ed = np.empty((CHUNK, I), F32), np.empty(I, np.uint32), np.empty(I, F32)
-        f, cd = bits.view(np.float32), np.empty((CHUNK, most), F32)
+        buf, ed, cd = np.empty((CHUNK, I), F32), np.empty(I, F32), np.empty((CHUNK, most), F32)
         t0, t1 = _share(ntask, w, nw)
         for task in range(t0, t1):
             j, r0 = task // nch, (task % nch) * CHUNK
@@ -226,17 +213,17 @@ def _down_scaled(D, SD, br, bc, kind, h, experts, offs, ys, threads, most):
                     else:
                         expand_scales(sd[last], bc, ed)
                 if single:
-                    ys[offs[j], r] = _row_dot(d[r], kind, bits, f, ed)
+                    ys[offs[j], r] = _row_dot(d[r], kind, ed)
                     continue
-                _row(d[r], kind, bits, f, ed, buf[r - r0])
+                _row(d[r], kind, ed, buf[r - r0])
             if not single:
                 _down_tokens(buf, r0, min(r0 + CHUNK, H), h, slots, offs[j], offs[j + 1] - offs[j], cd, ys)
 
 
 @njit(inline="always")
-def _dot_bits_scratch(K):  # dot_bits' scratch for rows of K values: x's even and odd columns, codes' bits, scales
+def _dot_bits_scratch(K):  # dot_bits' scratch for rows of K values: x's even and odd columns, scales per byte
     K2 = K // 2
-    return np.empty(K2, F32), np.empty(K2, F32), np.empty(K2, np.uint32), np.empty(K2, np.uint32), np.empty(K2, F32)
+    return np.empty(K2, F32), np.empty(K2, F32), np.empty(K2, F32)
 
 
 @njit(cache=True, parallel=True, fastmath=True)
@@ -246,11 +233,10 @@ def _gate_up_nvfp4(G, U, BG, BU, gsg, gsu, e4m3, x, experts, offs, toks, h, act,
     ntask = n * nch
     nw = min(ntask, threads)  # numba.get_num_threads() inside would stop the compiled kernel being cached
     for w in prange(nw):
-        bg, bu, bits, eg, eu = np.empty((CHUNK, K), F32), np.empty((CHUNK, K), F32), np.empty(K, np.uint32), \
-            np.empty(K, F32), np.empty(K, F32)
-        f, nib, gate = bits.view(np.float32), np.empty(K, np.uint8), np.empty(CHUNK, F32)
+        bg, bu, eg, eu = np.empty((CHUNK, K), F32), np.empty((CHUNK, K), F32), np.empty(K, F32), np.empty(K, F32)
+        gate = np.empty(CHUNK, F32)
         cg, cu = np.empty((CHUNK, most), F32), np.empty((CHUNK, most), F32)
-        xe, xo, blo, bhi, sb = _dot_bits_scratch(K)
+        xe, xo, sb = _dot_bits_scratch(K)
         t0, t1 = _share(ntask, w, nw)
         for task in range(t0, t1):
             j, r0 = task // nch, (task % nch) * CHUNK
@@ -260,17 +246,16 @@ def _gate_up_nvfp4(G, U, BG, BU, gsg, gsu, e4m3, x, experts, offs, toks, h, act,
                 split(x[toks[offs[j]]], xe, xo)  # rows
                 r1 = min(r0 + CHUNK, I)
                 for r in range(r0, r1):
-                    gate[r - r0] = dot_bits(g[r], bgs[r], gsg[e], xe, xo, e4m3, blo, bhi, sb)
+                    gate[r - r0] = dot_bits(g[r], bgs[r], gsg[e], xe, xo, e4m3, sb)
                 for r in range(r0, r1):
-                    h[offs[j], r] = _act(gate[r - r0], act) * dot_bits(u[r], bus[r], gsu[e], xe, xo, e4m3,
-                                                                             blo, bhi, sb)
+                    h[offs[j], r] = _act(gate[r - r0], act) * dot_bits(u[r], bus[r], gsu[e], xe, xo, e4m3, sb)
                 continue
             r1, m = min(r0 + CHUNK, I), offs[j + 1] - offs[j]
             for r in range(r0, r1):
                 _expand_nvfp4(bgs[r], e4m3, eg)
                 _expand_nvfp4(bus[r], e4m3, eu)
-                _row_nvfp4(g[r], nib, bits, f, eg, gsg[e], bg[r - r0])
-                _row_nvfp4(u[r], nib, bits, f, eu, gsu[e], bu[r - r0])
+                _row_nvfp4(g[r], eg, gsg[e], bg[r - r0])
+                _row_nvfp4(u[r], eu, gsu[e], bu[r - r0])
             _gate_up_tokens(bg, bu, r0, r1, x, toks, offs[j], m, cg, cu, h, act)
 
 
@@ -282,9 +267,8 @@ def _down_nvfp4(D, BD, gsd, e4m3, h, experts, offs, ys, threads, most):
     nw = min(ntask, threads)  # numba.get_num_threads() inside would stop the compiled kernel being cached
     slots = np.arange(h.shape[0])
     for w in prange(nw):
-        buf, bits, ed = np.empty((CHUNK, I), F32), np.empty(I, np.uint32), np.empty(I, F32)
-        f, nib, cd = bits.view(np.float32), np.empty(I, np.uint8), np.empty((CHUNK, most), F32)
-        he, ho, blo, bhi, sb = _dot_bits_scratch(I)
+        buf, ed, cd = np.empty((CHUNK, I), F32), np.empty(I, F32), np.empty((CHUNK, most), F32)
+        he, ho, sb = _dot_bits_scratch(I)
         t0, t1 = _share(ntask, w, nw)
         for task in range(t0, t1):
             j, r0 = task // nch, (task % nch) * CHUNK
@@ -293,12 +277,12 @@ def _down_nvfp4(D, BD, gsd, e4m3, h, experts, offs, ys, threads, most):
             if offs[j + 1] - offs[j] == 1:
                 split(h[offs[j]], he, ho)
                 for r in range(r0, min(r0 + CHUNK, H)):
-                    ys[offs[j], r] = dot_bits(d[r], bd[r], gsd[e], he, ho, e4m3, blo, bhi, sb)
+                    ys[offs[j], r] = dot_bits(d[r], bd[r], gsd[e], he, ho, e4m3, sb)
                 continue
             r1, m = min(r0 + CHUNK, H), offs[j + 1] - offs[j]
             for r in range(r0, r1):
                 _expand_nvfp4(bd[r], e4m3, ed)
-                _row_nvfp4(d[r], nib, bits, f, ed, gsd[e], buf[r - r0])
+                _row_nvfp4(d[r], ed, gsd[e], buf[r - r0])
             _down_tokens(buf, r0, r1, h, slots, offs[j], m, cd, ys)
 
 

@@ -12,6 +12,7 @@ from numba import get_num_threads, njit, prange, set_num_threads
 
 from lumen_core.backend import Weight
 
+from .bitcast import as_f32
 from .nvfp4 import E2M1
 
 F32 = np.float32
@@ -22,28 +23,27 @@ E4M3 = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(F32)
 
 
 @njit(inline="always", fastmath=True)
-def dot_bits(row, brow, gs, xe, xo, e4m3, blo, bhi, sb):
-    """One NVFP4 row . x without a table: each byte's two codes go into f32s as in ``moe_fused._row_nvfp4`` (one integer
-    pass, then one float pass: both vectorise), the low codes dotted with x's even columns ``xe``, the high with
-    the odd ``xo``; sb holds the row's (e4m3 block scale x global scale) per byte. ~1.8x the table decode."""
+def e2m1(c):  # the low 4 bits of c (uint32), an E2M1 code -> its f32 value
+    """Exponent and mantissa go into an f32 with the exponent rebased (+126), the subnormal code (0.5) fixed up,
+    the sign applied: exact, no table (a gather keeps LLVM from vectorising)."""
+    f = as_f32(((c & np.uint32(7)) << np.uint32(22)) + np.uint32(0x3F000000))
+    v = (f - F32(0.5)) * F32(2.0) if (c & np.uint32(6)) == 0 else f
+    return -v if (c & np.uint32(8)) else v
+
+
+@njit(inline="always", fastmath=True)
+def dot_bits(row, brow, gs, xe, xo, e4m3, sb):
+    """One NVFP4 row . x without a table: each byte's two codes decoded by ``e2m1`` (one loop; vectorises), the low
+    codes dotted with x's even columns ``xe``, the high with the odd ``xo``; sb holds the row's (e4m3 block scale x
+    global scale) per byte."""
     for g in range(brow.shape[0]):
         s = e4m3[brow[g]] * gs
         for j in range(8):
             sb[g * 8 + j] = s
-    n = row.shape[0]
-    for i in range(n):
-        b = np.uint32(row[i])
-        blo[i] = ((b & np.uint32(7)) << np.uint32(22)) + np.uint32(0x3F000000)
-        bhi[i] = (((b >> np.uint32(4)) & np.uint32(7)) << np.uint32(22)) + np.uint32(0x3F000000)
-    flo, fhi = blo.view(np.float32), bhi.view(np.float32)
     acc = F32(0.0)
-    for i in range(n):
-        b = row[i]
-        lo = (flo[i] - F32(0.5)) * F32(2.0) if (b & 6) == 0 else flo[i]
-        hi = (fhi[i] - F32(0.5)) * F32(2.0) if (b & 0x60) == 0 else fhi[i]
-        lo = -lo if (b & 8) else lo
-        hi = -hi if (b & 0x80) else hi
-        acc += (lo * xe[i] + hi * xo[i]) * sb[i]
+    for i in range(row.shape[0]):
+        b = np.uint32(row[i])
+        acc += (e2m1(b) * xe[i] + e2m1(b >> np.uint32(4)) * xo[i]) * sb[i]
     return acc
 
 
@@ -60,20 +60,20 @@ def _gemv(packed, block, gs, x, out, e4m3):  # packed (N, K/2) u8, block (N, K/1
     xe, xo = np.empty(n, F32), np.empty(n, F32)
     split(x, xe, xo)
     for c in prange((N + CHUNK - 1) // CHUNK):
-        blo, bhi, sb = np.empty(n, np.uint32), np.empty(n, np.uint32), np.empty(n, F32)
+        sb = np.empty(n, F32)
         for r in range(c * CHUNK, min(N, (c + 1) * CHUNK)):
-            out[r] = dot_bits(packed[r], block[r], gs, xe, xo, e4m3, blo, bhi, sb)
+            out[r] = dot_bits(packed[r], block[r], gs, xe, xo, e4m3, sb)
 
 
 @njit(cache=True)
-def _dequant(packed, block, gs, out, e2m1, e4m3):  # serial: it runs between BLAS calls (see fused.py)
+def _dequant(packed, block, gs, out, tab, e4m3):  # serial: it runs between BLAS calls (see fused.py)
     for i in range(packed.shape[0]):
         for g in range(out.shape[1] // 16):
             sc = e4m3[block[i, g]]
             for j in range(8):
                 b = packed[i, g * 8 + j]
-                out[i, g * 16 + 2 * j] = (e2m1[b & 15] * sc) * gs
-                out[i, g * 16 + 2 * j + 1] = (e2m1[b >> 4] * sc) * gs
+                out[i, g * 16 + 2 * j] = (tab[b & 15] * sc) * gs
+                out[i, g * 16 + 2 * j + 1] = (tab[b >> 4] * sc) * gs
 
 
 def _parts(w: Weight):
