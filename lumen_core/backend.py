@@ -105,6 +105,13 @@ class Backend(ABC):
         asks when every component of a plan sits on this one backend instance."""
         return None
 
+    def use(self) -> None:
+        """Make this device the one that new arrays and kernels go to until another backend's ``use`` or
+        ``take``. Ops do not know their device (one registration serves every device of a backend): a GPU
+        backend's ops allocate on the current device. A GPU backend's ``take`` calls it; an architecture calls
+        it before it makes a layer's cache (``new_cache``) and at the start of a forward. Default: nothing."""
+        return None
+
     def take(self, x):
         """Bring an activation computed on another device here (identity when already here)."""
         return x if self.owns(x) else self.tensor(x if _is_numpy(x) else _host_of(x))

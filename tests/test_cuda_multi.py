@@ -36,6 +36,25 @@ def load(path, ranges=None, **model):
                                  "hidden-layers": hidden}}, progress=False)
 
 
+def arrays(obj):
+    """Every array reachable from a layer's cache state."""
+    if isinstance(obj, list | tuple):
+        return [a for o in obj for a in arrays(o)]
+    if hasattr(obj, "shape"):
+        return [obj]
+    return [a for o in vars(obj).values() for a in arrays(o)] if hasattr(obj, "__dict__") else []
+
+
+def caches_on_their_layers_devices(model, cp) -> None:
+    """Each layer's cache lives where the layer computes (not on whichever GPU was current: read across GPUs,
+    it would need peer access, which consumer cards lack, and the plan would count it on the wrong device)."""
+    cache = model.new_cache(CONTEXT)
+    for i, (layer, state) in enumerate(zip(model.layers, cache.layers, strict=True)):
+        want = getattr(layer.backend, "index", None)
+        got = {a.device.id if isinstance(a, cp.ndarray) else None for a in arrays(state)}
+        assert got <= {want}, f"layer {i} computes on {layer.backend.device}; its cache is on {got}"
+
+
 def run(model, ids):
     cache = model.new_cache(CONTEXT)
     prefill = np.asarray(model.forward(ids, cache, all_logits=True), np.float64)
@@ -65,6 +84,8 @@ def test_layers_split_across_devices_equal_one_gpu(kind, second, tiny_checkpoint
     split = load(path, ranges)
     devices = {e.device for e in split.plan.entries if e.kind == "weights"}
     assert {"cuda:0", second} <= devices
+    two_gpus.cuda.Device(1).use()  # whichever device is current, each cache goes to its layer's
+    caches_on_their_layers_devices(split.model, two_gpus)
     ids = np.random.RandomState(3).randint(3, ref.model.vocab_size, 30).tolist()
     want, got = run(ref.model, ids), run(split.model, ids)
     tol = 1e-3 if second == "cpu" else 1e-4  # the CPU backend: the cuda-vs-cpu tolerance of test_cuda.py

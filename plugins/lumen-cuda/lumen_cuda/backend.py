@@ -191,6 +191,9 @@ class CUDABackend(Backend):
         self.dev.use()
         return hostcall.call(fn, list(args), graph.STEP)
 
+    def use(self) -> None:
+        self.dev.use()
+
     def take(self, x):
         # Each component's first call on this device: make it current, so the tensor arithmetic the
         # architecture does between ops (x + y) runs here too when several GPUs are in one plan.

@@ -159,6 +159,7 @@ class GemmaModel(Model):
         states = []
         for layer in self.layers:
             s = layer.spec
+            layer.backend.use()  # the layer's cache on its own device (several GPUs in one plan)
             states.append(states[s.shared_from] if s.shared_from is not None
                           else layer.attn.new_state(context_size, self.kv))
         return Cache(context_size, states)
@@ -166,6 +167,7 @@ class GemmaModel(Model):
     def embed_inputs(self, ids):
         """(T, H) scaled embeddings, and Gemma 4's per-layer inputs (T, L, P) or None."""
         ops, a = self.in_backend.ops, self.args
+        self.in_backend.use()  # a forward starts on the input layer's device (several GPUs in one plan)
         ids = [self.input_id(t) for t in ids] if self.id_map else ids
         x = ops.embedding(ids, self.embed) * self.embed_scale
         if not self.per_layer_dim:

@@ -148,11 +148,15 @@ class QwenModel(Model):
         self.inv_freq = arch.args.inv_freq()
 
     def new_cache(self, context_size: int) -> Cache:
-        states = [layer.mixer.new_state(context_size, self.kv) for layer in self.layers]
+        states = []
+        for layer in self.layers:
+            layer.backend.use()  # the layer's cache on its own device (several GPUs in one plan)
+            states.append(layer.mixer.new_state(context_size, self.kv))
         return Cache(context_size, states)
 
     def forward(self, ids, cache: Cache, all_logits: bool = False, host: bool = True):
         start, T = cache.pos, len(ids)
+        self.in_backend.use()  # a forward starts on the input layer's device (several GPUs in one plan)
         x = self.in_backend.ops.embedding(ids, self.embed)  # (T, H)
         positions = list(range(start, start + T))
         ropes = {}
