@@ -99,6 +99,7 @@ class DecoderLayer:
     def __init__(self, arch, i: int, weights, backends):
         p = f"{arch.prefix}layers.{i}."
         self.backend = backends[("layer", i)]
+        self.backend.use()  # what the layer precomputes goes to its own device
         ops, w = self.backend.ops, _w(weights[("layer", i)], p)
         self.arch, self.ops, self.spec = arch, ops, arch.specs[i]
         self.attn = Attention(arch, self.spec, w, ops)
@@ -191,11 +192,12 @@ class GemmaModel(Model):
                 x, first, positions, ropes = x[T - 1:], start + T - 1, positions[T - 1:], {}
                 per_layer = None if per_layer is None else per_layer[T - 1:]
             b = layer.backend
+            x = b.take(x)  # first: it makes b's device current, where the rope tables go
             key = (b, layer.spec.type)
             if key not in ropes:
                 ropes[key] = b.ops.rope_tables(positions, self.arch.inv_freq[layer.spec.type])
             pl = None if per_layer is None else b.take(per_layer)[:, i]
-            x = layer(b.take(x), state, first, ropes[key], pl)
+            x = layer(x, state, first, ropes[key], pl)
         cache.pos += T
         ob = self.out_backend
         x = ob.take(x if all_logits else x[x.shape[0] - 1:])

@@ -116,6 +116,7 @@ class DecoderLayer:
     def __init__(self, arch, i: int, weights, backends):
         a, p = arch.args, f"{arch.prefix}layers.{i}."
         self.backend = backends[("layer", i)]
+        self.backend.use()  # what the layer precomputes (exp(A_log)) goes to its own device
         ops, w = self.backend.ops, _w(weights[("layer", i)], p)
         self.a, self.ops = a, ops
         mixer = GatedDeltaNet if a.layer_types[i] == "linear_attention" else FullAttention
@@ -162,9 +163,10 @@ class QwenModel(Model):
         ropes = {}
         for layer, state in zip(self.layers, cache.layers, strict=True):
             b = layer.backend
+            x = b.take(x)  # first: it makes b's device current, where the rope tables go
             if b not in ropes:
                 ropes[b] = b.ops.rope_tables(positions, self.inv_freq)
-            x = layer(b.take(x), state, start, ropes[b])
+            x = layer(x, state, start, ropes[b])
         cache.pos += T
         ob = self.out_backend
         x = ob.take(x if all_logits else x[T - 1:])
