@@ -109,7 +109,8 @@ class Backend(ABC):
         """Make this device the one that new arrays and kernels go to until another backend's ``use`` or
         ``take``. Ops do not know their device (one registration serves every device of a backend): a GPU
         backend's ops allocate on the current device. A GPU backend's ``take`` calls it; an architecture calls
-        it before it makes a layer's cache (``new_cache``) and at the start of a forward. Default: nothing."""
+        it when it builds a layer (what the layer precomputes), before it makes a layer's cache (``new_cache``)
+        and at the start of a forward. Default: nothing."""
         return None
 
     def take(self, x):

@@ -197,7 +197,7 @@ class CUDABackend(Backend):
     def take(self, x):
         # Each component's first call on this device: make it current, so the tensor arithmetic the
         # architecture does between ops (x + y) runs here too when several GPUs are in one plan.
-        self.dev.use()
+        self.use()
         if self.owns(x):
             return x
         if isinstance(x, self.cp.ndarray):  # another GPU: a peer copy
