@@ -53,11 +53,18 @@ GGUF_FORMATS = {
 }
 
 
+NVFP4_BYTES_PER_VALUE = 0.5 + 1 / 16  # 0.5625
+
+
 @hookimpl
 def register_quant_formats(register):
     register("f32", 4, "IEEE float32")
     register("f16", 2, "IEEE float16")
     register("bf16", 2, "bfloat16")
     register("fp8", 1, "FP8 E4M3 with per-tensor, per-channel or 128x128 block scales (HF weight_scale_inv)")
+    # 4-bit value + one 1-byte scale per 16 values = 4.5 bits; the 4-byte global scale per tensor is not counted
+    register("nvfp4", NVFP4_BYTES_PER_VALUE,
+             "NVFP4 (ModelOpt): E2M1 4-bit values, one FP8 E4M3 scale per 16 values and an FP32 global scale per "
+             "tensor (4.5 bits a value)")
     for name, (block, nbytes, description) in GGUF_FORMATS.items():
         register(name, nbytes / block, f"GGUF {name.upper()}: {description}")

@@ -32,6 +32,37 @@ KNOWN_ARCHITECTURE_PLUGINS = {
     "gemma3_text": "lumen-models-gemma",
 }
 KNOWN_BACKEND_PLUGINS = {"cpu": "lumen-cpu", "cuda": "lumen-cuda", "wgpu": "lumen-wgpu"}
+# The optional dependencies a backend's distribution needs to see a device: (the one to name, its alternative)
+BACKEND_EXTRAS = {"cuda": ("cuda13", "cuda12")}
+# This project's distributions and their folders in the Lumen source tree. None is on PyPI yet, so every install
+# hint (install_hint) names the editable install from a checkout first, then the distribution. lumen-wgpu (named
+# above) is not written yet: it has no folder.
+SOURCE_PATHS = {
+    "lumen-core": ".",
+    "lumen-cpu": "plugins/lumen-cpu",
+    "lumen-cuda": "plugins/lumen-cuda",
+    "lumen-models-qwen": "plugins/models-qwen",
+    "lumen-models-gemma": "plugins/models-gemma",
+}
+
+
+def install_hint(dist: str, extra: str | None = None, alternative: str | None = None) -> str:
+    """The command that installs ``dist`` (with the optional dependencies ``[extra]``, or ``[alternative]``):
+    ``pip install -e plugins/models-gemma`` from a source checkout, then the distribution's own name for when it is
+    published. A distribution outside this source tree gets ``pip install <dist>`` and says so."""
+    path = SOURCE_PATHS.get(dist)
+    if path is None:
+        return f"pip install {dist} (not part of the Lumen source tree; install it from where it is published)"
+    tail = f"[{extra}]" if extra else ""
+    local, published = _quoted(path + tail), _quoted(dist + tail)
+    alt = f" (or [{alternative}])" if alternative else ""
+    return (f"pip install -e {local}{alt} from the root of a Lumen source checkout ({dist} is not on PyPI yet; "
+            f"once it is: pip install {published})")
+
+
+def _quoted(target: str) -> str:
+    """``[extra]`` quoted, so that zsh does not glob it."""
+    return f"'{target}'" if "[" in target else target
 
 
 def import_object(spec: str) -> Any:
@@ -123,7 +154,10 @@ class Registry:
         if name not in self.backends:
             hint = KNOWN_BACKEND_PLUGINS.get(name)
             installed = ", ".join(sorted(self.backends)) or "none"
-            fix = f"pip install {hint}" if hint else "install a plugin that provides it"
+            if hint and hint not in SOURCE_PATHS:  # lumen-wgpu: named in configs, not written yet
+                fix = f"{hint} is not written yet (a planned backend); use cpu or cuda:N"
+            else:
+                fix = install_hint(hint, *BACKEND_EXTRAS.get(name, ())) if hint else "install a plugin that provides it"
             raise PluginError(f"backend {name!r} is not installed (installed: {installed}); fix: {fix}")
         return import_object(self.backends[name].value)
 
@@ -131,7 +165,7 @@ class Registry:
         if model_type not in self.architectures:
             installed = ", ".join(sorted(self.architectures)) or "none"
             hint = KNOWN_ARCHITECTURE_PLUGINS.get(model_type)
-            fix = f"pip install {hint}" if hint else "no known plugin provides it"
+            fix = install_hint(hint) if hint else "no known plugin provides it"
             raise PluginError(
                 f"unknown architecture (model_type) {model_type!r}; installed: {installed}; fix: {fix}"
             )
