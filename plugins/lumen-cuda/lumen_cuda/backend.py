@@ -1,17 +1,21 @@
 """The CUDA device: VRAM, CuPy arrays. Weights stay in their checkpoint format (f32, f16, bf16 as uint16 bits).
 
 CuPy is imported only where a device is asked for: on a machine without CuPy or a GPU, ``devices()`` is empty
-and the plan check refuses ``cuda:N`` as a device that does not exist.
+and the plan check refuses ``cuda:N`` naming why (``device_info``): CuPy not installed (and the command that
+installs it), CuPy that cannot load or finds no driver or GPU, or an index past the GPUs this machine has.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from lumen_core.backend import Backend, DeviceInfo, Weight, scale_block
+from lumen_core.errors import PlanError
+from lumen_core.plugins import install_hint
 
 UPLOAD = {"f32": np.float32, "f16": np.float16, "bf16": np.uint16}  # bf16: the raw bits (CuPy has no bfloat16)
 NVFP4_GROUP = 16  # values per e4m3 block scale
@@ -32,11 +36,44 @@ class NVFP4Scale:
 
 def _cupy():
     """CuPy, or None where it (or its CUDA runtime) cannot be loaded."""
+    return _load_cupy()[0]
+
+
+def _load_cupy():
+    """(cupy, None), or (None, why CuPy cannot be used: a sentence for the user, with the command that fixes it)."""
     try:
         import cupy
-    except Exception:  # ImportError, or a CuPy built for a CUDA this machine lacks
-        return None
-    return cupy
+    except ImportError as exc:
+        if exc.name in ("cupy", "cupy_backends"):
+            return None, _cupy_missing()
+        return None, _cupy_broken(exc)
+    except Exception as exc:  # a CuPy built for a CUDA this machine lacks
+        return None, _cupy_broken(exc)
+    return cupy, None
+
+
+def _cupy_missing() -> str:
+    return f"CuPy is not installed: {install_hint('lumen-cuda', 'cuda13', 'cuda12')}"
+
+
+def _cupy_broken(exc: Exception) -> str:
+    return (f"CuPy is installed but cannot be imported ({type(exc).__name__}: {exc}); install the CuPy wheel for "
+            f"this machine's CUDA: {install_hint('lumen-cuda', 'cuda13', 'cuda12')}")
+
+
+def _no_gpu_reason() -> str | None:
+    """Why lumen-cuda sees no GPU at all, where the cause is CuPy or the driver; None where CuPy works (it may then
+    count zero GPUs: the caller says how many there are)."""
+    cp, why = _load_cupy()
+    if cp is None:
+        return why
+    try:
+        cp.cuda.runtime.getDeviceCount()
+    except Exception as exc:  # CUDARuntimeError: no driver, no device, or a driver older than CuPy's CUDA
+        return (f"CuPy {getattr(cp, '__version__', '?')} is installed but finds no CUDA driver or GPU "
+                f"({type(exc).__name__}: {exc}); check that nvidia-smi lists a GPU and that the CuPy wheel matches "
+                f"the driver's CUDA version (extra [cuda13] or [cuda12] of lumen-cuda)")
+    return None
 
 
 class CUDABackend(Backend):
@@ -69,11 +106,32 @@ class CUDABackend(Backend):
             out.append(DeviceInfo(f"cuda:{i}", total, free, f"{name}, sm_{props['major']}{props['minor']}"))
         return out
 
+    @classmethod
+    def device_info(cls, device: str) -> DeviceInfo:
+        """``device``'s DeviceInfo, or a PlanError naming why it cannot be used (Backend.device_info says only
+        that it does not exist): CuPy missing, CuPy that cannot load or finds no driver or GPU, or an index
+        past the GPUs this machine has."""
+        devices = cls.devices()
+        for info in devices:
+            if info.name == device:
+                return info
+        if not devices:
+            why = _no_gpu_reason()
+            if why is not None:
+                # "does not exist for Lumen": the GPU may well be there; Lumen cannot see it until this is fixed
+                raise PlanError(f"{why}; until then device {device!r} does not exist for Lumen")
+        n = len(devices)
+        present = f" (cuda:0 to cuda:{n - 1})" if n > 1 else " (cuda:0)" if n == 1 else ""
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        shown = f", as CUDA_VISIBLE_DEVICES={visible!r} shows it" if visible is not None else ""
+        raise PlanError(f"device {device!r} does not exist; this machine has {n} GPU{'' if n == 1 else 's'}"
+                        f"{present}{shown}")
+
     def __init__(self, device: str, registry):
         super().__init__(device, registry)
-        cp = _cupy()
+        cp, why = _load_cupy()
         if cp is None:
-            raise RuntimeError("the cuda backend needs CuPy: pip install 'lumen-cuda[cuda13]' (or [cuda12])")
+            raise RuntimeError(f"the cuda backend needs CuPy. {why}")
         self.cp = cp
         self.index = int(device.split(":", 1)[1]) if ":" in device else 0
         self.dev = cp.cuda.Device(self.index)
@@ -103,9 +161,11 @@ class CUDABackend(Backend):
         return Weight(data, fmt, tuple(shape or host.shape))
 
     def _host_weight(self, array, fmt: str, scale, shape) -> Weight:
-        """A routed expert's matrix in pinned host memory, laid out as its VRAM upload would be (stream.py stages
-        it into the device's expert cache when a token routes to it)."""
-        from .stream import pinned
+        """A matrix in page-locked host memory (lumen_cuda.pinned: a large array gets an allocation of its own, so
+        the memory taken is what the plan counts), laid out as its VRAM upload would be: a routed expert's is staged
+        into the device's expert cache when a token routes to it (stream.py), other weights are read over PCIe
+        (hostweights.py)."""
+        from .pinned import pinned
 
         if fmt == "fp8":
             host = np.ascontiguousarray(array)
@@ -157,8 +217,6 @@ class CUDABackend(Backend):
     def decode_runner(self, model, context_size: int):
         """The model's decode step captured as a CUDA graph (lumen_cuda.graph). Raises NotImplementedError with the
         reason where the step cannot be captured (the engine then decodes op by op), or where LUMEN_CUDA_GRAPH=0."""
-        import os
-
         if os.environ.get("LUMEN_CUDA_GRAPH", "1") == "0":
             raise NotImplementedError("CUDA graphs are off (LUMEN_CUDA_GRAPH=0)")
         from .graph import decode_runner
