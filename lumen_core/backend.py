@@ -67,6 +67,8 @@ class Backend(ABC):
     # backends (by name) whose routed experts this one's decode runner can keep inside its replayed step, through
     # ``call`` (the CUDA backend: the CPU's, as host nodes of its CUDA graph)
     graph_guests: tuple[str, ...] = ()
+    # kernels compiled on first use (numba): the engine runs one short forward while loading (`Engine.warm_up`)
+    compiles_on_first_use: bool = False
 
     def __init__(self, device: str, registry):
         self.device = device

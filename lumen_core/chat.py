@@ -94,7 +94,8 @@ class ChatFormat:
 
     ``thinking_kwarg`` is the chat-template variable that switches thinking (``enable_thinking``), and
     ``thinking_default`` what the template does when it is not given. ``stop``: text that ends a reply besides
-    the end-of-turn token (Gemma 4 hands the turn to the tool with ``<|tool_response>``).
+    the end-of-turn token (Gemma 4 hands the turn to the tool with ``<|tool_response>``). ``template``: the
+    family's Jinja chat template, used for a checkpoint that carries none (`package_template` reads one).
     """
 
     name: str
@@ -103,6 +104,7 @@ class ChatFormat:
     thinking_kwarg: str | None = None
     thinking_default: bool = False
     stop: tuple[str, ...] = ()
+    template: str | None = field(default=None, repr=False)
 
     @property
     def plain(self) -> bool:
@@ -110,6 +112,13 @@ class ChatFormat:
 
 
 PLAIN = ChatFormat("plain")
+
+
+def package_template(package: str, name: str) -> str:
+    """The chat template file ``templates/<name>`` shipped inside the Python package ``package``."""
+    from importlib.resources import files
+
+    return files(package).joinpath("templates", name).read_text(encoding="utf-8")
 
 
 def format_for(registry, model_type: str | None) -> ChatFormat:

@@ -381,6 +381,12 @@ class Config:
         return f"Config(source={self.source!r}, model_path={str(self.model_path)!r})"
 
     @property
+    def chat_template_path(self) -> Path | None:
+        """model.chat-template: a Jinja file to chat with instead of the checkpoint's template (None: not set)."""
+        text = self.raw["model"].get("chat-template")
+        return _resolve_model_path(text, self.base_dir) if text else None
+
+    @property
     def draft_model_path(self) -> Path | None:
         draft = self.raw.get("draft")
         return _resolve_model_path(draft["model"]["path"], self.base_dir) if draft else None

@@ -4,6 +4,7 @@ the CLI and the server are thin faces over this."""
 from __future__ import annotations
 
 import math
+import os
 import sys
 import time
 from collections.abc import Iterator
@@ -12,17 +13,20 @@ from dataclasses import dataclass
 import numpy as np
 
 from .architecture import Architecture, Model
+from .chat import ChatFormat, format_for
 from .checkpoint import open_checkpoint
 from .config import Config, config_from_path_or_model
 from .errors import InputError
 from .loader import load_weights
 from .plan import Plan, make_plan
 from .plugins import get_registry
+from .progress import Progress
 from .sampling import SamplingParams, make_sampler
 from .tensors import LoadReport
 from .tokenizer import StopMatcher, StreamDecoder, Tokenizer
 
 PREFILL_CHUNK = 512  # tokens per forward call when scoring long texts (bounds activation memory)
+WARM_UP_CONTEXT = 16  # tokens of the throwaway cache `Engine.warm_up` runs on
 
 
 @dataclass
@@ -35,6 +39,8 @@ class Stats:
 
     def summary(self) -> str:
         pre = self.prompt_tokens / self.prefill_seconds if self.prefill_seconds else 0.0
+        if self.finish_reason == "scored":  # perplexity: one prefill pass, nothing generated
+            return f"scored {self.prompt_tokens} tok in {self.prefill_seconds:.2f} s, {pre:.1f} tok/s"
         dec = (self.generated_tokens - 1) / self.decode_seconds if self.decode_seconds else 0.0
         return (f"prompt {self.prompt_tokens} tok, {pre:.1f} tok/s; generated {self.generated_tokens} tok, "
                 f"{dec:.1f} tok/s; finish: {self.finish_reason}")
@@ -51,34 +57,61 @@ class Engine:
         self.stats = Stats()
         self.backends: dict = {}
         self._runner = None  # the backend's DecodeRunner, prepared on the first generation (False: none)
+        self._template_noted = False  # the stderr note about a template the checkpoint did not carry
 
     @classmethod
-    def load(cls, source, progress: bool = True) -> Engine:
+    def load(cls, source, progress: bool | Progress = True, chat_template: str | os.PathLike | None = None,
+             chat: bool = False, think: bool | None = None) -> Engine:
+        """See `load`. Everything that needs no weight (config, plan, tokenizer, chat template, ``chat`` checks)
+        is done before the first weight is read."""
+        progress = progress if isinstance(progress, Progress) else Progress(bool(progress))
         config, ckpt, arch, plan, resolved = prepare(source)
         for note in plan.notes:  # show-plan prints them in its table instead
             print(f"lumen: note: {note}", file=sys.stderr)
+        with progress.phase("tokenizer"):
+            tokenizer = ckpt.load_tokenizer()
+        fmt = format_for(get_registry(), arch.model_type or arch.config.get("model_type"))
+        set_chat_template(tokenizer, fmt, chat_template or config.chat_template_path, config.model_path)
+        if chat:
+            check_chat(tokenizer, fmt, think, config.model_path)
         registry = get_registry()
         backends = _backends(resolved["placements"], registry)
         for comp, p in resolved["placements"].items():  # routed experts streamed from a host store to a GPU
             if comp[0] == "experts" and p.store in registry.backend_class(p.backend).expert_stores:
                 backends[comp].configure_expert_cache(config.expert_cache())
         report = resolved["report"]
-        weights = load_weights(ckpt, arch, resolved["layout"], resolved["placements"], backends, report,
-                               progress)
+        with progress.phase("weights", live_line=False) as phase:
+            weights = load_weights(ckpt, arch, resolved["layout"], resolved["placements"], backends, report,
+                                   progress)
+            phase.note = _plan_bytes_note(plan)
         model = arch.build(weights, backends, resolved["kv"])
-        tokenizer = ckpt.load_tokenizer()
         engine = cls(config, arch, model, tokenizer, plan, report)
         engine.weights = weights  # what the loader put on each component's backend
         engine.backends = backends
+        if any(b.compiles_on_first_use for b in set(backends.values())):
+            with progress.phase("warm-up") as phase:
+                phase.note = "first forward: compiles the CPU kernels on a first run, cached after"
+                engine.warm_up()
         return engine
 
+    def warm_up(self) -> None:
+        """One short prefill and one decode step on a throwaway cache: kernels that compile on first use (numba)
+        do it now, while loading, instead of inside the first request's prefill."""
+        cache = self.model.new_cache(min(WARM_UP_CONTEXT, self.context_size))
+        first = self.tokenizer.bos_id if self.tokenizer and self.tokenizer.bos_id is not None else 0
+        self.model.forward([first, first], cache)
+        self.model.forward([first], cache)
+
     # -- tokens ------------------------------------------------------------------------------------------
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``; ``add_special_tokens=False`` for a rendered chat prompt, whose template already
+        wrote every special token (BOS included), as transformers tokenizes it."""
         if self.tokenizer is None:
-            raise InputError(f"{self.config.model_path} has no tokenizer.json: pass token ids instead of text")
-        return self.tokenizer.encode(text)
+            raise InputError(f"{self.config.model_path} has no tokenizer: pass token ids instead of text")
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def chat_prompt(self, messages: list[dict], **template_kwargs) -> str:
+        check_chat(self.tokenizer, self.chat_format(), None, self.config.model_path)
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **template_kwargs)
 
     def check_length(self, n: int) -> None:
@@ -181,8 +214,6 @@ class Engine:
     # -- chat --------------------------------------------------------------------------------------------
     def chat_format(self):
         """The model family's chat format (reasoning and tool-call syntax; plain when none is registered)."""
-        from .chat import format_for
-
         return format_for(get_registry(), self.arch.model_type or self.arch.config.get("model_type"))
 
     def chat(self, messages: list[dict], tools: list[dict] | None = None, think: bool | None = None,
@@ -201,7 +232,8 @@ class Engine:
         stops = list(defaults.get("stop", []) if stop is None else stop)
         decoder = StreamDecoder(self.tokenizer, skip_special_tokens=False)
         matcher = StopMatcher(stops + list(fmt.stop))
-        for tok in self.generate_tokens(self.encode(prompt), max_tokens, sampling_params(defaults, sampling)):
+        ids = self.encode(prompt, add_special_tokens=False)
+        for tok in self.generate_tokens(ids, max_tokens, sampling_params(defaults, sampling)):
             text, stopped = matcher.push(decoder.push(tok))
             yield from parser.push(text)
             if stopped:
@@ -219,11 +251,11 @@ class Engine:
         from .chat import ChatStreamParser, prompt_ends_in_reasoning
 
         fmt = self.chat_format()
-        kwargs = {}
-        if think is not None:
-            if not fmt.thinking_kwarg or fmt.thinking_kwarg not in str(self.tokenizer.chat_template or ""):
-                raise InputError("thinking on/off: this model's chat template has no thinking switch")
-            kwargs[fmt.thinking_kwarg] = think
+        check_chat(self.tokenizer, fmt, think, self.config.model_path, tools)
+        kwargs = {} if think is None else {fmt.thinking_kwarg: think}
+        if not self._template_noted and self.tokenizer.chat_template_origin != "checkpoint":
+            self._template_noted = True  # said once per engine, when the template is first used
+            print(f"lumen: note: chat template: {self.tokenizer.chat_template_origin}", file=sys.stderr)
         prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools, **kwargs)
         in_reasoning = prompt_ends_in_reasoning(prompt, fmt)
         parser = ChatStreamParser(fmt, tools, in_reasoning, call_ids)
@@ -246,13 +278,14 @@ class Engine:
             raise InputError(f"perplexity needs at least 2 tokens; the text has {len(ids)}")
         self.check_length(len(ids))
         cache = self.model.new_cache(self.context_size)
-        total = 0.0
+        t0, total = time.perf_counter(), 0.0
         for s in range(0, len(ids) - 1, PREFILL_CHUNK):
             chunk = ids[s:min(s + PREFILL_CHUNK, len(ids) - 1)]
             logits = np.asarray(self.model.forward(chunk, cache, all_logits=True), dtype=np.float64)
             targets = np.asarray(ids[s + 1:s + 1 + len(chunk)])
             total += float(np.sum(_logsumexp(logits) - logits[np.arange(len(chunk)), targets]))
         n = len(ids) - 1
+        self.stats = Stats(prompt_tokens=n, prefill_seconds=time.perf_counter() - t0, finish_reason="scored")
         return {"tokens": n, "nll": total / n, "perplexity": math.exp(total / n)}
 
     def _eos(self) -> set[int]:
@@ -295,8 +328,71 @@ def _backends(placements: dict, registry) -> dict:
     return out
 
 
-def load(source, progress: bool | None = None) -> Engine:
-    """Validate, plan and load a config (path, dict, or an HF checkpoint directory) into an Engine."""
+def load(source, progress: bool | Progress | None = None, chat_template: str | os.PathLike | None = None,
+         chat: bool = False, think: bool | None = None) -> Engine:
+    """Validate, plan and load a config (path, dict, an HF checkpoint directory or a .gguf file) into an Engine.
+
+    ``progress``: report the long phases on stderr (default: on a terminal only). ``chat_template``: a Jinja
+    file to chat with instead of the checkpoint's template (default: the config's ``model.chat-template``, else
+    the checkpoint's, else the model family's). ``chat=True`` refuses, before any weight is read, a model that
+    cannot chat, and a ``think`` its template cannot honour.
+    """
     if progress is None:
         progress = sys.stderr.isatty()
-    return Engine.load(source, progress=progress)
+    return Engine.load(source, progress=progress, chat_template=chat_template, chat=chat, think=think)
+
+
+# --- the chat template ---------------------------------------------------------------------------------------
+
+
+def set_chat_template(tokenizer: Tokenizer | None, fmt: ChatFormat, override, model_path) -> None:
+    """Give the tokenizer the template to chat with: ``override`` (a file), else the checkpoint's, else the model
+    family's (``fmt.template``), as llama.cpp does for a GGUF without one; ``chat_template_origin`` says which."""
+    if tokenizer is None:
+        return
+    if override is not None:
+        path = os.path.expanduser(os.fspath(override))
+        try:
+            tokenizer.chat_template = open(path, encoding="utf-8").read()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise InputError(f"cannot read the chat template file {path}: {getattr(exc, 'strerror', exc)}; "
+                             "name a UTF-8 Jinja file") from None
+        tokenizer.chat_template_origin = f"from the file {path}"
+        _compile_or_raise(tokenizer.chat_template, f"the chat template file {path}")
+    elif not tokenizer.chat_template and fmt.template:
+        tokenizer.chat_template = fmt.template
+        tokenizer.chat_template_origin = (f"{model_path} has none; using the {fmt.name} family's template "
+                                          "(set model.chat-template or --chat-template FILE to use another)")
+
+
+def check_chat(tokenizer: Tokenizer | None, fmt: ChatFormat, think: bool | None, model_path,
+               tools: list[dict] | None = None) -> None:
+    """Refuse a chat the model cannot have: no template at all, a ``think`` switch its template lacks, tools its
+    family has no syntax for (their calls could not be read back)."""
+    if tokenizer is None:
+        raise InputError(f"{model_path} has no tokenizer, so it cannot chat")
+    if not tokenizer.chat_template:
+        raise InputError(f"{model_path} has no chat template and its chat format ({fmt.name}) supplies none: "
+                         "name a Jinja template file (model.chat-template in the config)")
+    if think is not None and not (fmt.thinking_kwarg and fmt.thinking_kwarg in str(tokenizer.chat_template)):
+        raise InputError(f"thinking on/off: the chat template of {model_path} has no thinking switch "
+                         f"({fmt.thinking_kwarg or 'its chat format names none'}); leave thinking unset")
+    if tools and fmt.tool_calls is None:
+        raise InputError(f"tools: the {fmt.name} chat format has no tool-call syntax, so this model cannot "
+                         "call tools; send the request without tools")
+
+
+def _compile_or_raise(source: str, what: str) -> None:
+    import jinja2
+
+    from .tokenizer import compile_template
+
+    try:
+        compile_template(source)
+    except jinja2.TemplateError as exc:
+        raise InputError(f"{what} is not a valid Jinja template: {exc}") from None
+
+
+def _plan_bytes_note(plan: Plan) -> str:
+    total = sum(e.nbytes for e in plan.entries if e.kind == "weights")
+    return f"{total / 1e6:.0f} MB"

@@ -6,6 +6,7 @@ import sys
 
 from .architecture import Architecture, Component, TensorLayout, component_label
 from .plan import weight_format
+from .progress import Progress
 from .tensors import LoadReport, is_nvfp4, logical_shape, scale_name
 
 
@@ -33,10 +34,10 @@ def load_component(ckpt, arch: Architecture, backend, store: str, names: list[st
 
 
 def load_weights(ckpt, arch: Architecture, layout: TensorLayout, placements: dict, backends: dict,
-                 report: LoadReport, progress: bool = True) -> dict[Component, dict]:
+                 report: LoadReport, progress: Progress | None = None) -> dict[Component, dict]:
     weights: dict[Component, dict] = {}
     shared: dict = {}
-    bar = _progress(len(layout.needs), progress)
+    bar = (progress or Progress(False)).bar(len(layout.needs), "loading weights", "component")
     for comp, names in layout.needs.items():
         bar.set_postfix_str(component_label(comp), refresh=False)
         weights[comp] = load_component(ckpt, arch, backends[comp], placements[comp].store, names, shared)
@@ -47,9 +48,3 @@ def load_weights(ckpt, arch: Architecture, layout: TensorLayout, placements: dic
               file=sys.stderr)
     return weights
 
-
-def _progress(total: int, enabled: bool):
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc="loading", unit="component", file=sys.stderr,
-                disable=not enabled or total < 2, leave=False)

@@ -35,6 +35,8 @@ class Tokenizer:
         self._bos_id = bos_id
         self._eos_ids = set(eos_ids)
         self.chat_template = chat_template
+        # where chat_template came from, for notes: "checkpoint", or a sentence (`lumen_core.engine.set_chat_template`)
+        self.chat_template_origin = "checkpoint"
         self._post_processor_bos = self._post_processor_adds_bos()
         # transformers 5 lets tokenizer.json's post-processor alone decide. We also honour
         # `add_bos_token: true` when that post-processor adds no BOS (transformers 4 did, and checkpoints
@@ -126,7 +128,7 @@ class Tokenizer:
             key = "tool_use" if tools is not None and "tool_use" in template else "default"
             template = template.get(key)
         if not template:
-            raise InputError("this checkpoint has no chat template; omit --chat and pass a plain prompt")
+            raise InputError("the model has no chat template (it cannot chat); send a plain prompt instead")
         return template
 
 

@@ -115,10 +115,11 @@ def save_tokenizer(tok: Tokenizer, out: Path) -> None:
     fast.save_pretrained(out)
 
 
-def read_template(name: str) -> str | None:
-    # The shared dir sits beside the repo root: /work/main/scripts/x.py -> /work/shared/templates.
-    path = Path(__file__).resolve().parents[2] / "shared" / "templates" / name
-    return path.read_text(encoding="utf-8") if path.is_file() else None
+def read_template(name: str) -> str:
+    """A real chat template, as the model plugins ship it (their READMEs name the source)."""
+    from lumen_core.chat import package_template
+
+    return package_template("lumen_models_qwen" if name.startswith("qwen") else "lumen_models_gemma", name)
 
 
 def write_generation_config(out: Path, token_ids: dict[str, int]) -> None:
@@ -181,7 +182,7 @@ def build_config(kind: str, token_ids: dict[str, int], overrides: dict):
 
 GEMMA_BASE_TOKENS = ("<pad>", "<eos>", "<bos>", "<unk>")
 GEMMA3_TOKENS = ("<start_of_turn>", "<end_of_turn>", "<start_of_image>", "<end_of_image>", "<image_soft_token>")
-# What the Gemma 4 chat template (../shared/templates/gemma4.jinja) emits, plus the media delimiters.
+# What the Gemma 4 chat template (lumen_models_gemma/templates/gemma4.jinja) emits, plus the media delimiters.
 GEMMA4_TOKENS = (
     "<|turn>", "<turn|>", "<|channel>", "<channel|>", "<|think|>", "<|tool>", "<tool|>", "<|tool_call>",
     "<tool_call|>", "<|tool_response>", "<tool_response|>", '<|"|>', "<|image|>", "<|audio|>", "<|video|>",

@@ -109,6 +109,9 @@ def test_lumen_chat_keeps_a_conversation_and_runs_its_commands(capsys, monkeypat
     assert "Traceback" not in err
 
 
-def test_lumen_chat_refuses_a_model_without_a_chat_template(capsys, monkeypatch, tiny_checkpoint):
-    code, out, err = run(capsys, monkeypatch, "hi\n", "chat", "-c", str(tiny_checkpoint("gemma3")))
-    assert code == 2 and "no chat template" in err
+def test_lumen_chat_with_a_checkpoint_without_a_template_uses_its_family_template(capsys, monkeypatch,
+                                                                                  tiny_checkpoint):
+    """The tiny Gemma 3 carries no template, as the default Gemma 3 270M GGUF: it chats in Gemma's turn format."""
+    code, out, err = run(capsys, monkeypatch, "hi\n", "chat", "-c", str(tiny_checkpoint("gemma3")), "-n", "4")
+    assert code == 0, err
+    assert "gemma3 family's template" in err and err.count("finish:") == 1

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import random
-from pathlib import Path
 
 import pytest
 import tokenizers
-from lumen_models_gemma.chat import GEMMA4
+from chat_templates import real_template
+from lumen_models_gemma.chat import GEMMA3, GEMMA4
 from lumen_models_qwen.chat import QWEN3_5
 
 from lumen_core.chat import (
@@ -27,8 +27,6 @@ from lumen_core.chat import (
 )
 from lumen_core.plugins import build_registry, make_plugin_manager
 from lumen_core.tokenizer import Tokenizer
-
-TEMPLATES = Path(__file__).resolve().parents[2] / "shared" / "templates"
 
 TOOLS = [
     {"type": "function", "function": {
@@ -55,7 +53,7 @@ SEARCH_ARGS = {"query": "a < b {and} c: d", "limit": 10}
 def template(name: str) -> Tokenizer:
     backend = tokenizers.Tokenizer(tokenizers.models.WordLevel({"<unk>": 0}, unk_token="<unk>"))
     return Tokenizer(backend, special_tokens={"bos_token": "<bos>", "eos_token": "<eos>"}, bos_id=None,
-                     eos_ids=set(), chat_template=(TEMPLATES / name).read_text())
+                     eos_ids=set(), chat_template=real_template(name))
 
 
 def assistant_reply(tok: Tokenizer, messages: list[dict], ends: tuple[str, ...], **kwargs) -> tuple[str, str]:
@@ -299,7 +297,8 @@ def test_registry_maps_model_types_to_formats():
     for model_type in ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"):
         assert format_for(reg, model_type) is QWEN3_5
     assert format_for(reg, "gemma4") is GEMMA4 and format_for(reg, "gemma4_text") is GEMMA4
-    assert format_for(reg, "gemma3_text") is PLAIN and format_for(reg, "llama") is PLAIN
+    assert format_for(reg, "gemma3_text") is GEMMA3 and format_for(reg, "llama") is PLAIN
+    assert GEMMA3.plain and GEMMA3.template  # no reasoning or tool syntax; a template for GGUFs without one
     assert format_for(reg, None) is PLAIN
     assert QWEN3_5.thinking_kwarg == GEMMA4.thinking_kwarg == "enable_thinking"
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 import lumen_core as lumen
+from lumen_core.chat import collect
 
 PROMPTS = [
     "The capital of France is",
@@ -85,3 +86,55 @@ def test_real_model_through_the_openai_completions_api(engine):
         assert streamed == want
     finally:
         server.stop()
+
+
+def test_the_default_model_chats_in_gemmas_turn_format(engine):
+    """The GGUF carries no chat template: Gemma 3's turn format is used, and the reply is a real answer that
+    stops at the end of its turn (greedy, so the same every run)."""
+    assert engine.tokenizer.chat_template_origin != "checkpoint"
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    assert engine.chat_prompt(messages) == ("<bos><start_of_turn>user\nWhat is the capital of France?<end_of_turn>\n"
+                                            "<start_of_turn>model\n")
+    content, reasoning, calls = collect(engine.chat(messages, max_tokens=48, temperature=0))
+    assert content.strip() and not reasoning and not calls
+    assert "<start_of_turn>" not in content and "<end_of_turn>" not in content
+
+
+def test_the_default_model_through_the_chat_apis(engine):
+    """/v1/chat/completions (OpenAI SDK) and /v1/messages (Anthropic SDK) answer with the default model."""
+    import anthropic
+    import openai
+    from server_util import Server
+
+    want, _, _ = collect(engine.chat([{"role": "user", "content": "Name a color."}], max_tokens=16, temperature=0))
+    server = Server(engine, model_name="gemma-3-270m")
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        out = client.chat.completions.create(model="gemma-3-270m", max_tokens=16, temperature=0,
+                                             messages=[{"role": "user", "content": "Name a color."}])
+        assert out.choices[0].message.content == want
+        claude = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0, timeout=120)
+        msg = claude.messages.create(model="gemma-3-270m", max_tokens=16, extra_body={"temperature": 0},
+                                     messages=[{"role": "user", "content": "Name a color."}])
+        assert msg.content[0].text == want
+    finally:
+        server.stop()
+
+
+def test_lumen_chat_with_the_default_example_config(gguf_path, capsys, monkeypatch):
+    """The README's `lumen chat --config examples/gemma3-270m-cpu.json` answers."""
+    import io
+    from pathlib import Path
+
+    from lumen_core.cli import main
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "gemma3-270m-cpu.json"
+    monkeypatch.setattr("sys.stdin", io.StringIO("Name a color.\n"))
+    try:
+        main(["chat", "--config", str(example), "--max-tokens", "16"])
+        code = 0
+    except SystemExit as exc:
+        code = exc.code or 0
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert out.strip() and "finish:" in err and "Traceback" not in err

@@ -40,7 +40,10 @@ def open_checkpoint(path: str | Path, registry) -> Checkpoint:
 
     p = Path(path).expanduser()
     if not p.exists():
-        raise CheckpointError(f"checkpoint not found: {p} (model.path must be an HF checkpoint directory)")
+        if p.suffix.lower() == ".gguf":
+            raise CheckpointError(f"GGUF file not found: {p} (check model.path)")
+        raise CheckpointError(f"checkpoint not found: {p} (model.path names an HF checkpoint directory or a "
+                              ".gguf file)")
     for entry in registry.checkpoint_formats.values():
         if entry.extra["detect"](p):
             return import_object(entry.value)(p)

@@ -55,11 +55,17 @@ def main(argv: list[str] | None = None) -> None:
         typer.echo("lumen: interrupted", err=True)
         sys.exit(130)
     except Exception as exc:  # click's usage errors and aborts
-        import click
-
-        if isinstance(exc, click.ClickException):
-            exc.show()
-            sys.exit(exc.exit_code)
-        if isinstance(exc, click.exceptions.Abort):
-            sys.exit(1)
+        _exit_for_click(exc)
         raise
+
+
+def _exit_for_click(exc: Exception) -> None:
+    """Exit as click's standalone mode would for its own exceptions (a usage error: its message, status 2).
+    Typer may vendor click (``typer._click``), so they are known by shape, not by the ``click`` module."""
+    names = {cls.__name__ for cls in type(exc).__mro__}
+    if "ClickException" in names:
+        exc.show()
+        sys.exit(exc.exit_code)
+    if "Abort" in names:
+        typer.echo("Aborted!", err=True)
+        sys.exit(1)

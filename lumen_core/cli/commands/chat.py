@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from . import ConfigOpt
+from . import ChatTemplateOpt, ConfigOpt
 
 Opt = typer.Option
 HELP = "commands: /reset (forget the conversation), /think on|off (thinking, where the template has it), /exit"
@@ -26,22 +26,20 @@ def chat(
     top_p: Annotated[float | None, Opt("--top-p", help="Nucleus sampling mass (1 = off).")] = None,
     min_p: Annotated[float | None, Opt("--min-p", help="Drop tokens below min-p × top probability.")] = None,
     seed: Annotated[int | None, Opt(help="Random seed for sampling.")] = None,
+    chat_template: ChatTemplateOpt = None,
 ):
     """Chat with the model in the terminal: type a message, Enter; the reply streams back.
 
     Reasoning is shown apart from the answer (dimmed on a terminal), tool calls the model writes are printed
     as JSON (nothing is executed). Commands: /reset, /think on|off, /exit (or Ctrl-D). The conversation is
-    kept until /reset or the end of the context.
+    kept until /reset or the end of the context. A checkpoint without a chat template chats with its model
+    family's (a note says so) or --chat-template FILE; a model that cannot chat is refused before loading.
     """
     from ...engine import load
     from ...errors import InputError
 
-    engine = load(config)
-    if engine.tokenizer is None or not engine.tokenizer.chat_template:
-        raise InputError(f"{engine.config.model_path} has no chat template: use `lumen generate` for plain text")
+    engine = load(config, progress=True, chat_template=chat_template, chat=True, think=think)
     fmt = engine.chat_format()
-    if think is not None and not fmt.thinking_kwarg:
-        raise InputError("--think/--no-think: this model's chat format has no thinking switch; drop the flag")
     if temperature is None and "temperature" not in engine.config.sampling_defaults():
         temperature = 0.0
     sampling = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p, "seed": seed}
@@ -64,7 +62,7 @@ def chat(
             typer.echo("[conversation reset]", err=True)
             continue
         if text.startswith("/think"):
-            think = _toggle(text, think, fmt)
+            think = _toggle(text, think, fmt, str(engine.tokenizer.chat_template))
             continue
         if text.startswith("/"):
             typer.echo(f"[unknown command {text.split()[0]}; {HELP}]", err=True)
@@ -80,9 +78,9 @@ def chat(
         typer.echo(f"[{engine.stats.summary()}]", err=True)
 
 
-def _toggle(text: str, think: bool | None, fmt) -> bool | None:
-    if not fmt.thinking_kwarg:
-        typer.echo("[this model's chat format has no thinking switch]", err=True)
+def _toggle(text: str, think: bool | None, fmt, template: str) -> bool | None:
+    if not fmt.thinking_kwarg or fmt.thinking_kwarg not in template:
+        typer.echo("[this model's chat template has no thinking switch]", err=True)
         return think
     arg = text[len("/think"):].strip().lower()
     if arg not in ("", "on", "off"):

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from . import ConfigOpt
+from . import ChatTemplateOpt, ConfigOpt
 
 Opt = typer.Option
 
@@ -29,27 +29,28 @@ def generate(
     min_p: Annotated[float | None, Opt("--min-p", help="Drop tokens below min-p × top probability.")] = None,
     seed: Annotated[int | None, Opt(help="Random seed: the same seed gives the same text.")] = None,
     stop: Annotated[list[str] | None, Opt("--stop", help="Stop string (repeatable).")] = None,
-    quiet: Annotated[bool, Opt("--quiet", "-q", help="No timing summary on stderr.")] = False,
+    chat_template: ChatTemplateOpt = None,
+    quiet: Annotated[bool, Opt("--quiet", "-q", help="No progress lines or timing summary on stderr.")] = False,
 ):
     """Generate text from a prompt with the model and placement the config describes.
 
-    Only the new text goes to stdout, streamed as it is produced; the loading progress and a timing
-    summary go to stderr. Sampling options override the config's other-parameters.
+    Only the new text goes to stdout, streamed as it is produced; the loading progress (each phase and its
+    time) and a timing summary go to stderr. Sampling options override the config's other-parameters. With
+    --chat, a model that cannot chat (no template) or a --think its template lacks is refused before loading.
     """
     from ...engine import load
     from ...errors import InputError
 
     text = _read_prompt(prompt, prompt_file)
-    engine = load(config)
+    if (system is not None or think is not None) and not chat:
+        raise InputError(f"{'--system' if system is not None else '--think/--no-think'} needs --chat")
+    engine = load(config, progress=not quiet, chat_template=chat_template, chat=chat, think=think)
     if temperature is None and "temperature" not in engine.config.sampling_defaults():
         temperature = 0.0
     sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
     if chat:
         messages = ([{"role": "system", "content": system}] if system else []) + [
             {"role": "user", "content": text}]
-        if think is not None and "enable_thinking" not in str(engine.tokenizer.chat_template or ""):
-            raise InputError("--think/--no-think: this model's chat template has no thinking switch "
-                             "(enable_thinking); drop the flag")
         _chat(engine, messages, think, max_tokens, stop, sampling)
     else:
         for piece in engine.generate(text, max_tokens=max_tokens, stop=stop, **sampling):

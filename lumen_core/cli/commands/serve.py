@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from . import ConfigOpt
+from . import ChatTemplateOpt, ConfigOpt
 
 Opt = typer.Option
 
@@ -20,6 +20,7 @@ def serve(
                                              "server-parameters.api-keys; none = no authentication).")] = None,
     model_name: Annotated[str | None, Opt("--model-name", help="Model id the API reports (default: the "
                                           "checkpoint's directory or file name).")] = None,
+    chat_template: ChatTemplateOpt = None,
 ):
     """Serve the model over HTTP: OpenAI (/v1/chat/completions, /v1/completions, /v1/models) and Anthropic
     (/v1/messages, /v1/messages/count_tokens) APIs, /health and /metrics (Prometheus).
@@ -32,7 +33,7 @@ def serve(
     from ...engine import load
     from ...server.app import create_app
 
-    engine = load(config)
+    engine = load(config, progress=True, chat_template=chat_template)
     params = engine.config.server_parameters()
     keys = api_key if api_key else params.get("api_keys", [])
     host = host or params.get("host", "127.0.0.1")

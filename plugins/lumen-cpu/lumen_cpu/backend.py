@@ -14,6 +14,7 @@ class CPUBackend(Backend):
     name = "cpu"
     stores = ("ram", "mmap")
     kv_types = ("f32", "f16", "bf16", "fp8")
+    compiles_on_first_use = True  # numba kernels (cached on disk after the first run)
 
     @classmethod
     def devices(cls) -> list[DeviceInfo]:

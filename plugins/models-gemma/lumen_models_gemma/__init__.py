@@ -13,7 +13,9 @@ def register_architectures(register):
 
 @hookimpl
 def register_chat_formats(register):
-    from lumen_models_gemma.chat import GEMMA4
+    from lumen_models_gemma.chat import GEMMA3, GEMMA4
 
+    for model_type in ("gemma3", "gemma3_text"):
+        register(model_type, format=GEMMA3)
     for model_type in ("gemma4", "gemma4_text"):
         register(model_type, format=GEMMA4)

@@ -7,14 +7,14 @@ starts inside it. A tool call is::
     <|tool_call>call:NAME{key:<|"|>text<|"|>,num:42,flag:true,nested:{a:<|"|>x<|"|>},list:[1,2]}<tool_call|>
 
 bare keys, ``<|"|>`` around strings (nothing is escaped between them), values nest. Gemma 3 writes
-neither: it is a plain format and registers nothing.
+neither: its format is plain, with the family's turn-format template (`GEMMA3`).
 """
 
 from __future__ import annotations
 
 import json
 
-from lumen_core.chat import ChatFormat, ReasoningSyntax
+from lumen_core.chat import ChatFormat, ReasoningSyntax, package_template
 
 QUOTE = '<|"|>'
 
@@ -155,4 +155,10 @@ GEMMA4 = ChatFormat(
     thinking_kwarg="enable_thinking",
     thinking_default=False,
     stop=("<|tool_response>",),
+    template=package_template("lumen_models_gemma", "gemma4.jinja"),  # for checkpoints that carry none
 )
+
+# Gemma 3 writes no reasoning and no tool calls: a plain format, with the turn format for checkpoints that carry
+# no template (the GGUF of Gemma 3 270M).
+# A base checkpoint's EOS is <eos>, not the turn's end: the reply stops at <end_of_turn> too.
+GEMMA3 = ChatFormat("gemma3", stop=("<end_of_turn>",), template=package_template("lumen_models_gemma", "gemma3.jinja"))

@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import re
 
-from lumen_core.chat import ChatFormat, ReasoningSyntax, convert_value, tool_schema
+from lumen_core.chat import ChatFormat, ReasoningSyntax, convert_value, package_template, tool_schema
 
 _FUNCTION = re.compile(r"<function=([^>\n]*)>(.*?)(?:</function>|\Z)", re.S)
 # A parameter ends at its closing tag, or (when the model forgot it) at the next parameter / function end.
@@ -83,4 +83,5 @@ QWEN3_5 = ChatFormat(
     tool_calls=QwenToolCalls(),
     thinking_kwarg="enable_thinking",
     thinking_default=True,
+    template=package_template("lumen_models_qwen", "qwen3_5.jinja"),  # for checkpoints that carry none
 )
