@@ -135,6 +135,9 @@ class CUDABackend(Backend):
         self.cp = cp
         self.index = int(device.split(":", 1)[1]) if ":" in device else 0
         self.dev = cp.cuda.Device(self.index)
+        from .pinned import ARENA
+
+        ARENA.begin()  # a new load: its store-'ram' weights take page-locked blocks of their own (pinned.py)
 
     def configure_expert_cache(self, slots: int | None) -> None:
         """Experts kept in this device's VRAM expert cache (routed experts streamed from store 'ram')."""
@@ -161,10 +164,9 @@ class CUDABackend(Backend):
         return Weight(data, fmt, tuple(shape or host.shape))
 
     def _host_weight(self, array, fmt: str, scale, shape) -> Weight:
-        """A matrix in page-locked host memory (lumen_cuda.pinned: a large array gets an allocation of its own, so
-        the memory taken is what the plan counts), laid out as its VRAM upload would be: a routed expert's is staged
-        into the device's expert cache when a token routes to it (stream.py), other weights are read over PCIe
-        (hostweights.py)."""
+        """A matrix in page-locked host memory (lumen_cuda.pinned: what the plan counts, within the bound pinned.py
+        gives), laid out as its VRAM upload would be: a routed expert's is staged into the device's expert cache when
+        a token routes to it (stream.py), other weights are read over PCIe (hostweights.py)."""
         from .pinned import pinned
 
         if fmt == "fp8":

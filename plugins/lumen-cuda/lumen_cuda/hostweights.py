@@ -1,10 +1,11 @@
 """Weights of a GPU component kept in host RAM (``compute: cuda:N, store: ram`` for a layer, the input or the
 output layer): read over PCIe, never resident in VRAM.
 
-``CUDABackend.weight`` puts a ``store: ram`` matrix in page-locked host memory (``stream.pinned``, the same arena as
-streamed experts; 256-byte aligned). Under unified addressing the GPU reads page-locked memory at its host address,
-so each op that takes a Weight (``linear``, ``linear_group``, ``embedding``; registered through ``host_aware``)
-meets such a Weight as:
+``CUDABackend.weight`` puts a ``store: ram`` matrix in page-locked host memory (``pinned.pinned``, the same arena as
+streamed experts: large matrices in a ``cudaHostAlloc`` of their own, smaller ones packed into blocks that grow with
+the load, so the page-locked memory taken is the plan's host-RAM figure; pinned.py says why). Under unified
+addressing the GPU reads page-locked memory at its host address, so each op that takes a Weight (``linear``,
+``linear_group``, ``embedding``; registered through ``host_aware``) meets such a Weight as:
 
 - **a few tokens (decode, T < STAGE_MIN_T)**: zero-copy device views of the same memory (``device_view``), so the
   GEMV kernels read every byte once over PCIe, with no copy and no host sync: decode stays one CUDA graph. A token

@@ -1,8 +1,9 @@
 """Routed experts streamed from host RAM (``experts: {compute: cuda:N, store: ram}``).
 
 Weights: ``CUDABackend.weight(..., store="ram")`` copies each expert matrix (and its fp8 scales / NVFP4 block
-scales) into page-locked host memory (``PinnedArena``: a few large ``cudaHostAlloc`` blocks, sub-allocated). Such
-memory is mapped into the GPU's address space (unified addressing), so a kernel can read it straight over PCIe.
+scales) into page-locked host memory (``pinned.PinnedArena``: a ``cudaHostAlloc`` of its own for each large array,
+small ones packed into shared blocks, so that it takes what the plan counts; pinned.py says why). Such memory is
+mapped into the GPU's address space (unified addressing), so a kernel can read it straight over PCIe.
 
 Each streamed layer gets a ``HostExperts``: the device MoE kernels' pointer tables (``moe._Table``), in which the
 entry of expert e points at its slot in the device's **expert cache** when e is resident there, and otherwise at
@@ -39,40 +40,9 @@ import numpy as np
 from lumen_core.backend import Weight
 from lumen_core.plan import DEFAULT_EXPERT_CACHE as DEFAULT_SLOTS  # the plan counts the same default
 
-ARENA_BLOCK = 32 << 20  # pinned host memory is allocated in blocks of at least this many bytes (the most wasted)
+from .pinned import ARENA, _round, pinned  # noqa: F401  (ARENA and pinned re-exported: tests read stream.ARENA)
+
 MEMORY_TYPE_HOST = 1  # cudaMemoryTypeHost
-ALIGN = 256  # byte alignment of every matrix inside a slot and inside the arena
-
-
-def _round(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
-
-
-class PinnedArena:
-    """Page-locked host memory handed out as numpy arrays, sub-allocated from blocks of at least ARENA_BLOCK bytes.
-    Each array keeps its block alive; a block goes back to CuPy's pinned-memory pool (for the next load) when the
-    arrays cut from it are gone and it is no longer the block being filled."""
-
-    def __init__(self):
-        self.block = None  # the block being filled
-        self.free = 0  # bytes left in it
-        self.used = 0
-        self.allocated = 0  # bytes of every block ever allocated (statistics: pinned host memory taken)
-
-    def copy(self, array: np.ndarray) -> np.ndarray:
-        a = np.ascontiguousarray(array)
-        n = _round(max(a.nbytes, 1))
-        if n > self.free:
-            self.block = cp.cuda.alloc_pinned_memory(max(n, ARENA_BLOCK))
-            self.free = self.block.size()
-            self.allocated += self.free
-            self.used = 0
-        out = np.frombuffer(self.block, dtype=np.uint8, count=a.nbytes, offset=self.used)
-        out = out.view(a.dtype).reshape(a.shape)
-        out[...] = a
-        self.used += n
-        self.free -= n
-        return out
 
 
 def _page_locked(a: np.ndarray) -> bool:
@@ -83,13 +53,6 @@ def _page_locked(a: np.ndarray) -> bool:
     except cp.cuda.runtime.CUDARuntimeError:
         return False
     return attrs.type == MEMORY_TYPE_HOST and attrs.devicePointer == a.ctypes.data
-
-
-ARENA = PinnedArena()
-
-
-def pinned(array) -> np.ndarray:
-    return ARENA.copy(np.asarray(array))
 
 
 # -- one expert's matrices as host pieces -----------------------------------------------------------------------

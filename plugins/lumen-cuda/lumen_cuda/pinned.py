@@ -1,0 +1,107 @@
+"""Page-locked host memory for weights kept in host RAM by a GPU (``store: ram``: streamed routed experts,
+stream.py; layers and the input/output layers, hostweights.py).
+
+**The arena takes what the plan says.** The plan (``lumen show-plan``, and the check that the host-RAM pool fits
+``MemAvailable``) counts each tensor's own bytes, from the checkpoint header, before anything is loaded; the arena
+is built to take those bytes and little more, whatever the model:
+
+- An array gets a ``cudaHostAlloc`` of its own, of its size rounded up to the 4 KiB page (what the driver locks; a
+  real model's matrices are whole pages), when it is over 1/``SHARE`` of the current block size.
+- Smaller arrays are packed, 256-byte aligned, into shared blocks. A load's blocks grow with it: each new block is
+  the largest power of two at most 1/``SHARE`` of what the load has taken so far (``BLOCK_MIN`` to ``BLOCK_MAX``).
+  A block is left when the next array does not fit the rest of it (less than 1/``SHARE`` of a block stays unused
+  so), and the block being filled at the end is at most 1/``SHARE`` of the load, or ``BLOCK_MIN``.
+
+So a load takes at most about 1/16 more than its arrays' bytes, plus ``BLOCK_MIN``, and in practice under 2% (same-sized
+expert matrices pack with little left over). A few large blocks rather than one allocation per matrix:
+every ``cudaHostAlloc`` is a mapping of its own, and Linux allows a process 65530 of them (``vm.max_map_count``),
+fewer than the routed-expert matrices of the largest MoE models. Each load starts afresh (``begin``, called when a
+``CUDABackend`` is made), so what it takes depends on its own arrays only, and a reload asks for the same sizes,
+which CuPy's pinned pool hands back. Measured on the H200: docs/cuda.md (host weights).
+
+This replaced 32 MiB blocks cut into by a bump pointer, which took more than the plan by an amount the plan could
+not know: a new block whenever the next array did not fit the rest of the current one, and how much of the first
+block was free depended on what an earlier load in the same process had left there. The ~275 MB f32 Qwen 3.5 of
+tests/test_cuda_hostweights.py (matrices of up to 16 MiB) filled 10 blocks to 16 to 32 MiB each: 335.5 MB
+taken from a fresh arena, 302.0 MB after a load that had left 16 MiB free, for a plan of 274.9 MB. Counting that
+waste in the plan would have meant replaying the loader's order and the process's earlier loads in the plan, and the
+memory would still have been wasted; the arena above makes the waste vanish instead.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+ALIGN = 256  # byte alignment of every array in the arena (and of every matrix in an expert cache slot: stream.py)
+PAGE = 4096  # the granularity at which the driver page-locks host memory
+BLOCK_MIN = 1 << 20  # bytes of the first shared block of a load
+BLOCK_MAX = 2 << 30  # bytes of a shared block at most (arrays over 64 MiB always get their own)
+SHARE = 32  # a new block is about 1/SHARE of what the load has taken; arrays over 1/SHARE of it get their own
+
+
+def _round(n: int, to: int = ALIGN) -> int:
+    return -(-n // to) * to
+
+
+def _cupy_alloc(nbytes: int):
+    import cupy as cp
+
+    return cp.cuda.alloc_pinned_memory(nbytes)
+
+
+class PinnedArena:
+    """Page-locked host memory handed out as numpy arrays (module docstring). Each array keeps its allocation alive;
+    an allocation goes back to CuPy's pinned-memory pool (for the next load, which asks for the same sizes) when the
+    arrays in it are gone (and, for a shared block, once it is no longer the block being filled)."""
+
+    def __init__(self, alloc=None):
+        self.alloc = alloc or _cupy_alloc  # nbytes -> a buffer with .size() (CuPy's PinnedMemoryPointer)
+        self.allocated = 0  # bytes of every allocation ever made (statistics: pinned host memory taken)
+        self.begin()
+
+    def begin(self) -> None:
+        """Start a load (``CUDABackend.__init__``): its arrays go into blocks of its own, sized from its own bytes, so
+        what a load takes does not depend on what came before it in the process."""
+        self.block = None  # the shared block being filled
+        self.free = 0  # bytes left in it
+        self.used = 0
+        self.taken = 0  # bytes allocated since begin()
+
+    def block_size(self) -> int:
+        """The size of the next shared block: the largest power of two at most 1/SHARE of what this load has taken,
+        within [BLOCK_MIN, BLOCK_MAX]."""
+        b = BLOCK_MIN
+        while b < BLOCK_MAX and 2 * b * SHARE <= self.taken:
+            b *= 2
+        return b
+
+    def _take(self, nbytes: int):
+        mem = self.alloc(nbytes)
+        self.allocated += mem.size()
+        self.taken += mem.size()
+        return mem
+
+    def copy(self, array: np.ndarray) -> np.ndarray:
+        a = np.ascontiguousarray(array)
+        n = _round(max(a.nbytes, 1))
+        block = self.block_size()
+        if n > block // SHARE:  # its own allocation, rounded to the page
+            mem, offset = self._take(_round(n, PAGE)), 0
+        else:
+            if n > self.free:  # what is left of the current block (< n) stays unused
+                self.block = self._take(block)
+                self.free, self.used = block, 0
+            mem, offset = self.block, self.used
+            self.used += n
+            self.free -= n
+        out = np.frombuffer(mem, dtype=np.uint8, count=a.nbytes, offset=offset).view(a.dtype).reshape(a.shape)
+        out[...] = a
+        return out
+
+
+ARENA = PinnedArena()
+
+
+def pinned(array) -> np.ndarray:
+    """A copy of ``array`` in page-locked host memory (the process's arena)."""
+    return ARENA.copy(np.asarray(array))
