@@ -182,7 +182,8 @@ def _check_device(registry, p, path: str) -> None:
     try:
         cls.device_info(p.device)
     except PlanError as exc:
-        raise ConfigError(path, str(exc), "pick a device that exists, e.g. \"cpu\"") from None
+        # a backend that knows why (CuPy missing, no driver) puts its own fix on the error
+        raise ConfigError(path, str(exc), getattr(exc, "fix", 'pick a device that exists, e.g. "cpu"')) from None
 
 
 def make_plan(config, arch: Architecture, ckpt, registry) -> tuple[Plan, dict]:

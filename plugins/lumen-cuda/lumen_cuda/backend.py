@@ -118,8 +118,10 @@ class CUDABackend(Backend):
         if not devices:
             why = _no_gpu_reason()
             if why is not None:
-                # "does not exist for Lumen": the GPU may well be there; Lumen cannot see it until this is fixed
-                raise PlanError(f"{why}; until then device {device!r} does not exist for Lumen")
+                # the GPU may well be there: Lumen cannot use it until this is fixed (the message says how)
+                err = PlanError(f"{why}; {device!r} cannot be used until then")
+                err.fix = 'do what the message says, or compute on "cpu"'
+                raise err
         n = len(devices)
         present = f" (cuda:0 to cuda:{n - 1})" if n > 1 else " (cuda:0)" if n == 1 else ""
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
