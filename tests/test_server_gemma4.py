@@ -37,7 +37,7 @@ def test_openai_tool_call_and_reasoning_in_gemma4_syntax(server, engine, monkeyp
     script(engine, monkeypatch, CALL)
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
     messages = [{"role": "user", "content": "Weather in Paris?"}]
-    r = client.chat.completions.create(model="g", messages=messages, tools=WEATHER, reasoning_effort="high")
+    r = client.chat.completions.create(model="tiny", messages=messages, tools=WEATHER, reasoning_effort="high")
     msg = r.choices[0].message
     assert r.choices[0].finish_reason == "tool_calls"
     assert msg.reasoning_content == "The user wants the weather." and msg.content == "Let me look."
@@ -47,7 +47,7 @@ def test_openai_tool_call_and_reasoning_in_gemma4_syntax(server, engine, monkeyp
     script(engine, monkeypatch, "It is sunny in Paris.")
     history = messages + [msg.model_dump(exclude_none=True),
                           {"role": "tool", "tool_call_id": call.id, "content": '{"sky": "sunny"}'}]
-    r2 = client.chat.completions.create(model="g", messages=history, tools=WEATHER)
+    r2 = client.chat.completions.create(model="tiny", messages=history, tools=WEATHER)
     assert r2.choices[0].message.content == "It is sunny in Paris." and r2.choices[0].finish_reason == "stop"
 
 
@@ -56,7 +56,7 @@ def test_anthropic_tool_use_and_thinking_in_gemma4_syntax(server, engine, monkey
     client = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
     tools = [{"name": "get_weather", "description": "Weather for a city",
               "input_schema": WEATHER[0]["function"]["parameters"]}]
-    msg = client.messages.create(model="g", max_tokens=64, tools=tools,
+    msg = client.messages.create(model="tiny", max_tokens=64, tools=tools,
                                  thinking={"type": "enabled", "budget_tokens": 1024},
                                  messages=[{"role": "user", "content": "Weather in Paris?"}])
     kinds = [b.type for b in msg.content]

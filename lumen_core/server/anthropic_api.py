@@ -23,6 +23,11 @@ An Anthropic request is turned into the OpenAI-style conversation the chat templ
   with ``extra_body``); ``metadata``, ``service_tier``, ``cache_control`` are accepted and ignored (they change
   nothing here); any other unknown top-level field is a 400 naming it.
 
+* ``model``: the served id (``GET /v1/models``) or an alias of it (``server/app.py``: ``model_names``); any other
+  name is Anthropic's 404 ``not_found_error``. Replies report the served id.
+* A model without a chat template answers a 400 that points to ``/v1/completions``; errors name the request field
+  to change, never a CLI flag (``checks.py`` checks the engine's conditions first).
+
 Not supported: images and documents (400), server tools (400), a final assistant message as a prefill (400).
 """
 
@@ -40,7 +45,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from ..chat import Content, Reasoning, ToolCall
 from ..errors import InputError
 from ..tokenizer import StopMatcher
-from .app import APIError
+from . import checks
+from .app import APIError, check_model
 from .service import Usage
 
 # --- request models (wrong types -> RequestValidationError -> 400 in Anthropic's shape) ---------------------
@@ -220,11 +226,10 @@ def to_openai_tools(tools: list[ToolParam] | None, choice: ToolChoice | None) ->
     return out
 
 
-def _think(engine, thinking: ThinkingParam | None) -> bool | None:
+def _think(engine, thinking: ThinkingParam | None, template: str) -> bool | None:
     """Anthropic's semantics: no ``thinking`` field means no thinking (off where the template has a switch);
     adaptive / between_tools leave it to the template's default."""
-    fmt = engine.chat_format()
-    has_switch = bool(fmt.thinking_kwarg) and fmt.thinking_kwarg in str(engine.tokenizer.chat_template or "")
+    has_switch = checks.has_thinking_switch(engine, template)
     if thinking is not None and thinking.type in ("adaptive", "between_tools"):
         return None
     if thinking is None or thinking.type == "disabled":
@@ -238,19 +243,24 @@ class _Prepared:
     """A request rendered to its prompt: what generation and count_tokens need."""
 
     def __init__(self, app: FastAPI, req: CountTokensRequest):
+        check_model(app, req.model)
         engine = app.state.engine
-        if engine.tokenizer is None or not getattr(engine.tokenizer, "chat_template", None):
-            raise _bad("this model has no chat template: /v1/messages needs one")
         self.engine = engine
         self.messages = to_openai_messages(req.messages, req.system)
         self.tools = to_openai_tools(req.tools, req.tool_choice)
-        self.think = _think(engine, req.thinking)
+        template = checks.require_chat_template(engine, self.tools, "/v1/messages")
+        self.think = _think(engine, req.thinking, template)
         choice = req.tool_choice
         self.force = (choice.name if choice is not None and choice.type == "tool" else
                       bool(choice is not None and choice.type == "any" and self.tools))
+        if self.force and not checks.can_force_tool_call(engine):
+            raise _bad(f"tool_choice: this model's chat format has no tool-call syntax to start a call with, so "
+                       f"type {choice.type!r} cannot be honoured; use type 'auto'")
         try:
             prompt = engine.chat_prompt_and_parser(self.messages, self.tools, self.think, None, self.force)[0]
-            self.input_tokens = len(engine.encode(prompt))
+            self.input_tokens = len(checks.encode(engine, prompt))
+        except APIError:
+            raise
         except InputError as exc:
             raise _bad(str(exc)) from exc
         except Exception as exc:  # a template that refuses the conversation (raise_exception in jinja)
@@ -396,10 +406,7 @@ class _StreamBlocks:
 
 async def _create(app: FastAPI, req: MessagesRequest, model: str):
     prep = _Prepared(app, req)
-    try:
-        prep.engine.check_length(prep.input_tokens)
-    except InputError as exc:
-        raise _bad(str(exc)) from exc
+    checks.check_length(prep.engine, prep.input_tokens, "messages")
     usage, state = Usage(), {}
     stream = app.state.service.stream(_runner(prep, req, state), usage)
     msg_id = _message_id()
@@ -468,7 +475,7 @@ def mount(app: FastAPI) -> None:
 
     @app.post("/v1/messages")
     async def messages(req: MessagesRequest):
-        return await _create(app, req, req.model)
+        return await _create(app, req, app.state.model_name)
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(req: CountTokensRequest):

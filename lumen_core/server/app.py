@@ -1,5 +1,6 @@
-"""The FastAPI application: auth, errors in each API's own shape, health, metrics, models; the OpenAI routes
-(``openai_api.py``) and the Anthropic routes (``anthropic_api.py``) are mounted here."""
+"""The FastAPI application: auth, errors in each API's own shape, health, metrics, models and the names a request's
+``model`` may give (others are a 404); the OpenAI routes (``openai_api.py``) and the Anthropic routes
+(``anthropic_api.py``) are mounted here."""
 
 from __future__ import annotations
 
@@ -17,24 +18,50 @@ ANTHROPIC_PREFIX = "/v1/messages"
 
 
 class APIError(Exception):
-    """An error to return as JSON in the calling API's shape: ``status``, a message, an OpenAI/Anthropic type."""
+    """An error to return as JSON in the calling API's shape: ``status``, a message, an OpenAI/Anthropic type,
+    OpenAI's ``param`` and ``code``; ``anthropic_message`` replaces the message in Anthropic's shape."""
 
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, anthropic_message: str | None = None):
         super().__init__(message)
         self.status, self.message, self.kind, self.param = status, message, kind, param
+        self.code, self.anthropic_message = code, anthropic_message
 
 
 def error_response(request: Request, status: int, message: str, kind: str = "invalid_request_error",
-                   param: str | None = None) -> JSONResponse:
+                   param: str | None = None, code: str | None = None,
+                   anthropic_message: str | None = None) -> JSONResponse:
     """OpenAI: {"error": {message, type, param, code}}; Anthropic (its routes, or a request from its SDK, which
     sends ``anthropic-version``): {"type": "error", "error": {type, message}}."""
     if request.url.path.startswith(ANTHROPIC_PREFIX) or request.headers.get("anthropic-version"):
         anthropic_kind = {401: "authentication_error", 404: "not_found_error", 413: "request_too_large",
                           429: "rate_limit_error", 500: "api_error", 503: "overloaded_error"}.get(status, kind)
-        body = {"type": "error", "error": {"type": anthropic_kind, "message": message}}
+        body = {"type": "error", "error": {"type": anthropic_kind, "message": anthropic_message or message}}
     else:
-        body = {"error": {"message": message, "type": kind, "param": param, "code": None}}
+        body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
     return JSONResponse(body, status_code=status)
+
+
+def model_names(engine, model_name: str | None) -> tuple[str, ...]:
+    """The names a request's ``model`` may give, the served id first: ``model_name`` (``--model-name``, else the
+    checkpoint's directory or file name), the checkpoint's name, and the model path as the config writes it (a
+    Hugging Face id such as ``google/gemma-3-270m``, or a path)."""
+    path = str(engine.config.model_path).rstrip("/")
+    written = str(((getattr(engine.config, "raw", None) or {}).get("model") or {}).get("path") or "").rstrip("/")
+    checkpoint = path.split("/")[-1]
+    names = [model_name or checkpoint, checkpoint, written]
+    return tuple(dict.fromkeys(n for n in names if n))
+
+
+def check_model(app: FastAPI, name: str | None) -> None:
+    """A request's ``model``: left out (OpenAI routes) or one of ``app.state.model_names``; any other name is a
+    404 as OpenAI words it (``model_not_found``), or Anthropic's ``not_found_error``."""
+    if name is None or name in app.state.model_names:
+        return
+    raise APIError(404, f"The model `{name}` does not exist or you do not have access to it.",
+                   param="model", code="model_not_found",
+                   anthropic_message=f"model: {name} is not served here; this server serves "
+                                     f"{app.state.model_name}")
 
 
 def create_app(engine, api_keys: list[str] | None = None, model_name: str | None = None) -> FastAPI:
@@ -44,7 +71,8 @@ def create_app(engine, api_keys: list[str] | None = None, model_name: str | None
     service = Service(engine)
     app.state.service = service
     app.state.engine = engine
-    app.state.model_name = model_name or str(engine.config.model_path).rstrip("/").split("/")[-1]
+    app.state.model_names = model_names(engine, model_name)
+    app.state.model_name = app.state.model_names[0]  # the served id: what /v1/models lists and replies report
     keys = [k.encode() for k in (api_keys or [])]
 
     @app.middleware("http")
@@ -66,7 +94,8 @@ def create_app(engine, api_keys: list[str] | None = None, model_name: str | None
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError):
-        return error_response(request, exc.status, exc.message, exc.kind, exc.param)
+        return error_response(request, exc.status, exc.message, exc.kind, exc.param, exc.code,
+                              exc.anthropic_message)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError):
@@ -113,10 +142,7 @@ def create_app(engine, api_keys: list[str] | None = None, model_name: str | None
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str, request: Request):
-        if model_id != app.state.model_name:
-            raise APIError(404, f"model {model_id!r} not found; this server serves {app.state.model_name!r}",
-                           "not_found_error" if request.headers.get("anthropic-version") else
-                           "invalid_request_error")
+        check_model(app, model_id)  # the served id or an alias; the card names the served id
         return model_card(request)
 
     from . import anthropic_api, openai_api

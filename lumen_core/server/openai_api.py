@@ -10,14 +10,18 @@ nothing about the reply (``user``, ``metadata``, ``store``, ``service_tier``, ``
 
 Behaviour worth knowing:
 
-* ``model`` is accepted whatever it names: the server has one model, and the responses report its id.
+* ``model``: the served id (``GET /v1/models``), an alias of it (``server/app.py``: ``model_names``) or left out;
+  any other name is OpenAI's 404 ``model_not_found``. The responses report the served id.
 * Sampling options left out take the model config's defaults (then the engine's); ``max_tokens`` /
   ``max_completion_tokens`` likewise (both given: they must agree). Non-standard ``top_k``, ``min_p`` and
   ``repetition_penalty`` are accepted too.
 * Thinking: ``reasoning_effort`` ``none``/``minimal`` switches the template's thinking off, ``low``/``medium``/
   ``high`` on; the non-standard ``chat_template_kwargs: {"enable_thinking": bool}`` does the same (other keys
   are refused; the two disagreeing is a 400). Left out, the template's default applies. A model whose template
-  has no thinking switch refuses either with a 400. The reply's reasoning comes back as ``reasoning_content``.
+  has no thinking switch refuses either with a 400 naming the field. The reply's reasoning comes back as
+  ``reasoning_content``.
+* A model without a chat template answers chat with a 400 that points to ``/v1/completions``. Errors speak in
+  API terms (the field to change), never in the CLI's: the engine conditions are checked first (``checks.py``).
 * ``tool_choice``: ``auto`` (default) passes the tools; ``none`` renders the prompt without them; a named
   function passes only that tool and starts the reply with a call to it; ``required`` passes them all and starts
   the reply with a tool call (the format's call opener is written after the prompt, closing an open reasoning
@@ -47,7 +51,8 @@ from starlette.concurrency import run_in_threadpool
 from ..chat import Content, Reasoning, ToolCall, collect
 from ..engine import sampling_params
 from ..errors import InputError
-from .app import APIError
+from . import checks
+from .app import APIError, check_model
 from .service import Usage
 
 # --- request models ------------------------------------------------------------------------------------
@@ -316,7 +321,7 @@ def _tools(req: ChatRequest) -> list[dict] | None:
     return tools
 
 
-def _think(engine, req: ChatRequest) -> bool | None:
+def _think(engine, req: ChatRequest, template: str) -> bool | None:
     think = None
     if req.reasoning_effort is not None:
         effort = req.reasoning_effort.lower()
@@ -334,14 +339,21 @@ def _think(engine, req: ChatRequest) -> bool | None:
         _refuse(think is not None and think != value, "chat_template_kwargs",
                 "chat_template_kwargs.enable_thinking disagrees with reasoning_effort")
         think = value
+    if think is not None and not checks.has_thinking_switch(engine, template):
+        fields = [name for name, given in (("reasoning_effort", req.reasoning_effort is not None),
+                                           ("chat_template_kwargs.enable_thinking", "enable_thinking" in kwargs))
+                  if given]
+        raise APIError(400, f"{' and '.join(fields)}: this model's chat template has no thinking switch; leave "
+                       f"{'them' if len(fields) > 1 else 'it'} out", param=fields[0].split(".")[0])
     return think
 
 
 def _prompt_tokens(engine, messages, tools, think, force) -> int:
-    """Render and measure the prompt as Engine.chat will; InputError (too long, template refusal) → 400."""
+    """Render and measure the prompt as Engine.chat will; too long is a 400 (APIError), and so is an InputError
+    (a template refusal) at the caller."""
     prompt = engine.chat_prompt_and_parser(messages, tools, think, None, force)[0]
-    n = len(engine.encode(prompt))
-    engine.check_length(n)
+    n = len(checks.encode(engine, prompt))
+    checks.check_length(engine, n, "messages")
     return n
 
 
@@ -356,6 +368,7 @@ def _force(req: ChatRequest) -> bool | str:
 async def chat_completions(req: ChatRequest, request: Request):
     app = request.app
     engine, service, model = app.state.engine, app.state.service, app.state.model_name
+    check_model(app, req.model)
     _common_checks(req)
     _refuse(bool(req.logprobs) or bool(req.top_logprobs), "logprobs", "logprobs are not supported")
     if req.response_format is not None and req.response_format.type != "text":
@@ -369,7 +382,12 @@ async def chat_completions(req: ChatRequest, request: Request):
             "max_tokens and max_completion_tokens disagree; send one")
     sampling = _sampling(engine, req)
     stop = _stops(req.stop)
-    messages, tools, think, force = _messages(req.messages), _tools(req), _think(engine, req), _force(req)
+    messages, tools, force = _messages(req.messages), _tools(req), _force(req)
+    template = checks.require_chat_template(engine, tools, "/v1/chat/completions")
+    think = _think(engine, req, template)
+    _refuse(bool(force) and not checks.can_force_tool_call(engine), "tool_choice",
+            "tool_choice: this model's chat format has no tool-call syntax to start a call with, so a call cannot "
+            "be required; use tool_choice 'auto'")
     try:
         await run_in_threadpool(_prompt_tokens, engine, messages, tools, think, force)
     except InputError as exc:
@@ -441,6 +459,7 @@ async def chat_completions(req: ChatRequest, request: Request):
 async def completions(req: CompletionRequest, request: Request):
     app = request.app
     engine, service, model = app.state.engine, app.state.service, app.state.model_name
+    check_model(app, req.model)
     _common_checks(req)
     for name, bad in (("echo", bool(req.echo)), ("suffix", req.suffix is not None),
                       ("best_of", req.best_of not in (None, 1)), ("logprobs", req.logprobs is not None)):
@@ -454,8 +473,8 @@ async def completions(req: CompletionRequest, request: Request):
     stop = _stops(req.stop)
 
     def measure() -> list[int]:
-        ids = engine.encode(prompt)
-        engine.check_length(len(ids))
+        ids = checks.encode(engine, prompt)
+        checks.check_length(engine, len(ids), "prompt")
         return ids
 
     try:
