@@ -176,3 +176,24 @@ def test_chat_options_without_chat_are_refused(tiny_checkpoint, capsys, monkeypa
     for flag in (["--system", "Be brief."], ["--think"], ["--no-think"]):
         code, _, err = run(capsys, monkeypatch, "generate", "-c", path, "-p", "hi", *flag)
         assert code == 2 and "needs --chat" in err, flag
+
+
+def test_the_apis_count_the_chat_prompt_as_it_is_tokenized(tiny_checkpoint):
+    """usage.prompt_tokens (OpenAI) and count_tokens (Anthropic) count the one-BOS ids transformers gives."""
+    import anthropic
+    import openai
+    from server_util import Server
+
+    path = tiny_checkpoint("gemma4")
+    messages = [{"role": "user", "content": "What is red?"}]
+    hf = transformers.AutoTokenizer.from_pretrained(path)
+    want = len(hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+    server = Server(load(path))
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        out = client.chat.completions.create(model="tiny", messages=messages, max_tokens=1)
+        assert out.usage.prompt_tokens == want
+        claude = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
+        assert claude.messages.count_tokens(model="tiny", messages=messages).input_tokens == want
+    finally:
+        server.stop()

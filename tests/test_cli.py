@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -70,6 +71,66 @@ def test_perplexity_json(capsys, ckpt, tmp_path):
     code, out, _ = run(capsys, "perplexity", "-c", str(ckpt), "--text-file", str(f), "--json")
     result = json.loads(out)
     assert code == 0 and set(result) == {"tokens", "nll", "perplexity"} and result["tokens"] > 5
+
+
+def test_perplexity_prints_its_timing_line_like_generate(capsys, ckpt, tmp_path):
+    f = tmp_path / "essay.txt"
+    f.write_text("Light from the sun scatters off the molecules of the air.")
+    code, out, err = run(capsys, "perplexity", "-c", str(ckpt), "--text-file", str(f))
+    assert code == 0 and out.startswith("tokens ") and "tok/s" not in out
+    assert re.search(r"^\[scored \d+ tok in [\d.]+ s, [\d.]+ tok/s\]$", err, re.M), err
+    _, _, quiet = run(capsys, "perplexity", "-c", str(ckpt), "--text-file", str(f), "-q")
+    assert quiet == ""
+
+
+def test_each_load_phase_reports_one_line_with_its_time_when_not_a_terminal(capsys, ckpt):
+    """stderr is not a terminal here: no bars, one line per phase (tokenizer, weights, the CPU kernels' warm-up)
+    before the text's timing line; --quiet prints none of it."""
+    code, _, err = run(capsys, "generate", "-c", str(ckpt), "--prompt", "The sky is", "-n", "2")
+    assert code == 0
+    phases = re.findall(r"^lumen: (tokenizer|weights|warm-up): [\d.]+ s", err, re.M)
+    assert phases == ["tokenizer", "weights", "warm-up"], err
+    assert "\r" not in err and "\x1b" not in err
+    _, _, quiet = run(capsys, "generate", "-c", str(ckpt), "--prompt", "The sky is", "-n", "2", "-q")
+    assert quiet == ""
+
+
+def test_on_a_terminal_a_long_phase_shows_a_live_line_then_its_result():
+    import io
+    import time
+
+    from lumen_core.progress import Progress
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    term = Terminal()
+    with Progress(True, term).phase("tokenizer") as phase:
+        time.sleep(1.6)
+        phase.note = "cache built"
+    text = term.getvalue()
+    assert "\rlumen: tokenizer … 1 s" in text or "\x1b[2Klumen: tokenizer … 1 s" in text, repr(text)
+    assert text.endswith("\r\x1b[2Klumen: tokenizer: 1.6 s (cache built)\n"), repr(text)
+
+
+def test_unknown_flags_and_commands_are_usage_errors(capsys):
+    """click's usage errors: its message, exit 2, no traceback (typer vendors click: they are not `click`'s)."""
+    for argv, needle in ((["generate", "--bogus"], "No such option: --bogus"), (["bogus"], "No such command"),
+                         (["generate", "-c", "x.json", "-n", "0"], "Invalid value for '--max-tokens'")):
+        code, out, err = run(capsys, *argv)
+        assert code == 2 and needle in err and "Usage: lumen" in err and "Traceback" not in err, (argv, err)
+
+
+def test_console_script_usage_error_exits_2():
+    lumen = shutil.which("lumen") or str(Path(sys.executable).with_name("lumen"))
+    proc = subprocess.run([lumen, "generate", "--bogus"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "No such option" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_a_missing_gguf_file_is_reported_as_a_missing_file(capsys, tmp_path):
+    code, _, err = run(capsys, "generate", "-c", str(tmp_path / "model.gguf"), "-p", "hi")
+    assert code == 2 and "GGUF file not found" in err and "HF checkpoint directory" not in err
 
 
 def test_show_plan_table_and_json(capsys, ckpt):

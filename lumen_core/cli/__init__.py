@@ -45,7 +45,7 @@ def fail(message: str, code: int = 2) -> None:
 def main(argv: list[str] | None = None) -> None:
     try:
         _register_commands()
-        app(args=argv, standalone_mode=False)
+        app(args=argv, prog_name="lumen", standalone_mode=False)
     except LumenError as exc:
         typer.echo(f"lumen: error: {exc}", err=True)
         sys.exit(2)

@@ -258,7 +258,7 @@ class _Prepared:
                        f"type {choice.type!r} cannot be honoured; use type 'auto'")
         try:
             prompt = engine.chat_prompt_and_parser(self.messages, self.tools, self.think, None, self.force)[0]
-            self.input_tokens = len(checks.encode(engine, prompt))
+            self.input_tokens = len(checks.encode(engine, prompt, chat=True))
         except APIError:
             raise
         except InputError as exc:

@@ -50,10 +50,12 @@ def can_force_tool_call(engine) -> bool:
     return syntax is not None and hasattr(syntax, "opener")
 
 
-def encode(engine, text: str) -> list[int]:
+def encode(engine, text: str, chat: bool = False) -> list[int]:
+    """Token ids of a plain prompt, or (``chat``) of a rendered chat prompt, whose template wrote its own special
+    tokens: counted exactly as Engine.chat tokenizes it."""
     if engine.tokenizer is None:
         raise APIError(400, NO_TOKENIZER)
-    return engine.encode(text)
+    return engine.encode(text, add_special_tokens=not chat)
 
 
 def check_length(engine, n: int, param: str) -> None:

@@ -352,7 +352,7 @@ def _prompt_tokens(engine, messages, tools, think, force) -> int:
     """Render and measure the prompt as Engine.chat will; too long is a 400 (APIError), and so is an InputError
     (a template refusal) at the caller."""
     prompt = engine.chat_prompt_and_parser(messages, tools, think, None, force)[0]
-    n = len(checks.encode(engine, prompt))
+    n = len(checks.encode(engine, prompt, chat=True))
     checks.check_length(engine, n, "messages")
     return n
 
