@@ -68,12 +68,16 @@ class Engine:
         config, ckpt, arch, plan, resolved = prepare(source)
         for note in plan.notes:  # show-plan prints them in its table instead
             print(f"lumen: note: {note}", file=sys.stderr)
+        fmt = format_for(get_registry(), arch.model_type or arch.config.get("model_type"))
+        template, origin = choose_chat_template(ckpt, fmt, chat_template or config.chat_template_path)
+        if chat:  # from the checkpoint's metadata: a refusal comes before the tokenizer is built
+            check_chat(template, fmt, think, config.model_path)
         with progress.phase("tokenizer"):
             tokenizer = ckpt.load_tokenizer()
-        fmt = format_for(get_registry(), arch.model_type or arch.config.get("model_type"))
-        set_chat_template(tokenizer, fmt, chat_template or config.chat_template_path, config.model_path)
-        if chat:
-            check_chat(tokenizer, fmt, think, config.model_path)
+        if tokenizer is not None:
+            tokenizer.chat_template, tokenizer.chat_template_origin = template, origin
+        elif chat:
+            raise InputError(f"{config.model_path} has no tokenizer, so it cannot chat")
         registry = get_registry()
         backends = _backends(resolved["placements"], registry)
         for comp, p in resolved["placements"].items():  # routed experts streamed from a host store to a GPU
@@ -111,7 +115,7 @@ class Engine:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def chat_prompt(self, messages: list[dict], **template_kwargs) -> str:
-        check_chat(self.tokenizer, self.chat_format(), None, self.config.model_path)
+        check_chat(self._template(), self.chat_format(), None, self.config.model_path)
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **template_kwargs)
 
     def check_length(self, n: int) -> None:
@@ -244,6 +248,11 @@ class Engine:
             yield from parser.push(text + ("" if stopped else matcher.flush()))
         yield from parser.flush()
 
+    def _template(self):
+        if self.tokenizer is None:
+            raise InputError(f"{self.config.model_path} has no tokenizer, so it cannot chat")
+        return self.tokenizer.chat_template
+
     def chat_prompt_and_parser(self, messages: list[dict], tools: list[dict] | None = None,
                                think: bool | None = None, call_ids=None, force_tool: bool | str = False):
         """(prompt text, chat format, a parser primed for the reply, events already due): what ``chat`` generates
@@ -251,7 +260,7 @@ class Engine:
         from .chat import ChatStreamParser, prompt_ends_in_reasoning
 
         fmt = self.chat_format()
-        check_chat(self.tokenizer, fmt, think, self.config.model_path, tools)
+        check_chat(self._template(), fmt, think, self.config.model_path, tools)
         kwargs = {} if think is None else {fmt.thinking_kwarg: think}
         if not self._template_noted and self.tokenizer.chat_template_origin != "checkpoint":
             self._template_noted = True  # said once per engine, when the template is first used
@@ -345,36 +354,32 @@ def load(source, progress: bool | Progress | None = None, chat_template: str | o
 # --- the chat template ---------------------------------------------------------------------------------------
 
 
-def set_chat_template(tokenizer: Tokenizer | None, fmt: ChatFormat, override, model_path) -> None:
-    """Give the tokenizer the template to chat with: ``override`` (a file), else the checkpoint's, else the model
-    family's (``fmt.template``), as llama.cpp does for a GGUF without one; ``chat_template_origin`` says which."""
-    if tokenizer is None:
-        return
+def choose_chat_template(ckpt, fmt: ChatFormat, override) -> tuple[str | dict | None, str]:
+    """(template, where it came from): ``override`` (a file), else the checkpoint's, else the model family's
+    (``fmt.template``), as llama.cpp does for a GGUF without one. Reads no tensor and builds no tokenizer."""
     if override is not None:
         path = os.path.expanduser(os.fspath(override))
         try:
-            tokenizer.chat_template = open(path, encoding="utf-8").read()
+            template = open(path, encoding="utf-8").read()
         except (OSError, UnicodeDecodeError) as exc:
             raise InputError(f"cannot read the chat template file {path}: {getattr(exc, 'strerror', exc)}; "
                              "name a UTF-8 Jinja file") from None
-        tokenizer.chat_template_origin = f"from the file {path}"
-        _compile_or_raise(tokenizer.chat_template, f"the chat template file {path}")
-    elif not tokenizer.chat_template and fmt.template:
-        tokenizer.chat_template = fmt.template
-        tokenizer.chat_template_origin = (f"{model_path} has none; using the {fmt.name} family's template "
-                                          "(set model.chat-template or --chat-template FILE to use another)")
+        _compile_or_raise(template, f"the chat template file {path}")
+        return template, f"from the file {path}"
+    template = ckpt.chat_template()
+    if template or not fmt.template:
+        return template, "checkpoint"
+    return fmt.template, (f"{ckpt.path} has none; using the {fmt.name} family's template (set model.chat-template "
+                          "or --chat-template FILE to use another)")
 
 
-def check_chat(tokenizer: Tokenizer | None, fmt: ChatFormat, think: bool | None, model_path,
-               tools: list[dict] | None = None) -> None:
+def check_chat(template, fmt: ChatFormat, think: bool | None, model_path, tools: list[dict] | None = None) -> None:
     """Refuse a chat the model cannot have: no template at all, a ``think`` switch its template lacks, tools its
     family has no syntax for (their calls could not be read back)."""
-    if tokenizer is None:
-        raise InputError(f"{model_path} has no tokenizer, so it cannot chat")
-    if not tokenizer.chat_template:
+    if not template:
         raise InputError(f"{model_path} has no chat template and its chat format ({fmt.name}) supplies none: "
                          "name a Jinja template file (model.chat-template in the config)")
-    if think is not None and not (fmt.thinking_kwarg and fmt.thinking_kwarg in str(tokenizer.chat_template)):
+    if think is not None and not (fmt.thinking_kwarg and fmt.thinking_kwarg in str(template)):
         raise InputError(f"thinking on/off: the chat template of {model_path} has no thinking switch "
                          f"({fmt.thinking_kwarg or 'its chat format names none'}); leave thinking unset")
     if tools and fmt.tool_calls is None:

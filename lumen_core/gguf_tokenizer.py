@@ -193,7 +193,7 @@ def build(metadata: dict, path: str | Path | None = None) -> Built:
         i = metadata.get(key)
         if isinstance(i, int) and 0 <= i < len(tokens):
             eos_ids.add(i)
-    return Built(backend, special, bos_id, eos_ids, add_bos, add_eos, _chat_template(metadata))
+    return Built(backend, special, bos_id, eos_ids, add_bos, add_eos, chat_template_from_metadata(metadata))
 
 
 # --- vocabularies ----------------------------------------------------------------------------------------------
@@ -320,7 +320,7 @@ def _template(backend: tokenizers.Tokenizer, bos: str | None, eos: str | None):
     return processors.TemplateProcessing(single=single, pair=pair, special_tokens=specials)
 
 
-def _chat_template(metadata: dict) -> str | dict[str, str] | None:
+def chat_template_from_metadata(metadata: dict) -> str | dict[str, str] | None:
     """``tokenizer.chat_template``, plus llama.cpp's named ones (``tokenizer.chat_template.<name>``) as a dict."""
     default = metadata.get("tokenizer.chat_template")
     prefix = "tokenizer.chat_template."

@@ -231,6 +231,11 @@ def _resolve_eos(backend, special, gen_cfg, model_cfg, root: Path) -> set[int]:
     return eos
 
 
+def read_chat_template(root: Path) -> str | dict[str, str] | None:
+    """The chat template of an HF checkpoint directory (None: none), without loading its tokenizer."""
+    return _load_chat_template(Path(root), _read_json(Path(root) / "tokenizer_config.json"))
+
+
 def _load_chat_template(root: Path, tok_cfg: dict) -> str | dict[str, str] | None:
     """chat_template.jinja (and additional_chat_templates/*.jinja) win over tokenizer_config, as in HF."""
     templates = {}

@@ -56,12 +56,14 @@ def without_template(src, dst):
 
 @pytest.fixture
 def no_weights(monkeypatch):
-    """Fail the test if any weight is read."""
+    """Fail the test if any weight is read or the tokenizer is built (the checks read the template's text only)."""
 
     def refuse(*args, **kwargs):
-        raise AssertionError("weights were loaded before the check")
+        raise AssertionError("weights or the tokenizer were loaded before the check")
 
     monkeypatch.setattr("lumen_core.engine.load_weights", refuse)
+    monkeypatch.setattr("lumen_core.checkpoint.hf.HFCheckpoint.load_tokenizer", refuse)
+    monkeypatch.setattr("lumen_core.checkpoint.gguf.GGUFCheckpoint.load_tokenizer", refuse)
 
 
 # --- the family's template for a checkpoint without one ----------------------------------------------------

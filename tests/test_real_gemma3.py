@@ -138,3 +138,20 @@ def test_lumen_chat_with_the_default_example_config(gguf_path, capsys, monkeypat
     out, err = capsys.readouterr()
     assert code == 0, err
     assert out.strip() and "finish:" in err and "Traceback" not in err
+
+
+def test_think_on_the_default_model_is_refused_before_its_tokenizer_or_weights(gguf_path, capsys, monkeypatch):
+    from pathlib import Path
+
+    from lumen_core.cli import main
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("loaded before the check")
+
+    monkeypatch.setattr("lumen_core.engine.load_weights", refuse)
+    monkeypatch.setattr("lumen_core.checkpoint.gguf.GGUFCheckpoint.load_tokenizer", refuse)
+    example = Path(__file__).resolve().parents[1] / "examples" / "gemma3-270m-cpu.json"
+    with pytest.raises(SystemExit) as exc:
+        main(["generate", "--config", str(example), "-p", "hi", "--chat", "--think"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "has no thinking switch" in err and "Traceback" not in err

@@ -33,6 +33,9 @@ class Checkpoint(Protocol):
     def load_tokenizer(self):
         """The checkpoint's ``lumen_core.tokenizer.Tokenizer``, or None when it has none."""
 
+    def chat_template(self) -> str | dict[str, str] | None:
+        """The chat template the checkpoint carries (None: none), read without building the tokenizer."""
+
 
 def open_checkpoint(path: str | Path, registry) -> Checkpoint:
     """Open ``path`` with the first registered checkpoint format that recognises it."""

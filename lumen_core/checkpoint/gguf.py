@@ -338,6 +338,11 @@ class GGUFCheckpoint:
 
         return tokenizer_from_metadata(self.metadata, self.path)
 
+    def chat_template(self):
+        from ..gguf_tokenizer import chat_template_from_metadata
+
+        return chat_template_from_metadata(self.metadata)
+
 
 def _apply(transform: Callable, arr: np.ndarray, name: str, path: Path) -> np.ndarray:
     out = np.asarray(transform(arr), dtype=np.float32)

@@ -81,6 +81,11 @@ class HFCheckpoint:
 
         return Tokenizer.from_dir(self.path) if self.tokenizer_dir() else None
 
+    def chat_template(self):
+        from ..tokenizer import read_chat_template
+
+        return read_chat_template(self.path)
+
 
 def open_hf(path: Path) -> HFCheckpoint:
     return HFCheckpoint(path)
