@@ -72,8 +72,9 @@ class Engine:
         template, origin = choose_chat_template(ckpt, fmt, chat_template or config.chat_template_path)
         if chat:  # from the checkpoint's metadata: a refusal comes before the tokenizer is built
             check_chat(template, fmt, think, config.model_path)
-        with progress.phase("tokenizer"):
+        with progress.phase("tokenizer") as phase:
             tokenizer = ckpt.load_tokenizer()
+            phase.note = getattr(tokenizer, "load_note", "")
         if tokenizer is not None:
             tokenizer.chat_template, tokenizer.chat_template_origin = template, origin
         elif chat:

@@ -76,8 +76,8 @@ def tokenizer_from_metadata(metadata: dict, path: str | Path | None = None):
     """The ``lumen_core.tokenizer.Tokenizer`` a GGUF file's metadata describes (cached per file)."""
     from .tokenizer import Tokenizer
 
-    built = _cached_build(metadata, Path(path)) if path is not None else build(metadata, path)
-    return Tokenizer(
+    built, note = _cached_build(metadata, Path(path)) if path is not None else (build(metadata, path), "")
+    tok = Tokenizer(
         built.backend,
         special_tokens=built.special_tokens,
         bos_id=built.bos_id,
@@ -85,6 +85,8 @@ def tokenizer_from_metadata(metadata: dict, path: str | Path | None = None):
         add_bos_token=built.add_bos,
         chat_template=built.chat_template,
     )
+    tok.load_note = note  # for the load's progress line
+    return tok
 
 
 CACHE_VERSION = 1  # bump when build() changes what it produces
@@ -94,9 +96,10 @@ def cache_dir() -> Path:
     return Path(os.environ.get("LUMEN_CACHE", Path.home() / ".cache" / "lumen")) / "tokenizers"
 
 
-def _cached_build(metadata: dict, path: Path) -> Built:
+def _cached_build(metadata: dict, path: Path) -> tuple[Built, str]:
     """Rebuilding a 262k-entry vocabulary takes ~2 s on 2 cores; reading the built one back takes ~0.9 s.
-    The cache key is the file's path, size and mtime, so an edited or replaced file is rebuilt."""
+    The cache key is the file's path, size and mtime, so an edited or replaced file is rebuilt. Returns the
+    tokenizer and what happened ("from the cache", "built; cached in DIR")."""
     st = path.stat()
     key = hashlib.sha256(f"{CACHE_VERSION}|{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()
     cached = cache_dir() / f"{key[:32]}.json"
@@ -104,7 +107,7 @@ def _cached_build(metadata: dict, path: Path) -> Built:
         entry = json.loads(cached.read_text(encoding="utf-8"))
         backend = tokenizers.Tokenizer.from_str(entry.pop("backend"))
         return Built(backend, entry["special_tokens"], entry["bos_id"], set(entry["eos_ids"]), entry["add_bos"],
-                     entry["add_eos"], entry["chat_template"])
+                     entry["add_eos"], entry["chat_template"]), "from the cache"
     except Exception:  # no cache yet, or a corrupt one (tokenizers raises plain Exception): rebuild it
         pass
     built = build(metadata, path)
@@ -116,9 +119,9 @@ def _cached_build(metadata: dict, path: Path) -> Built:
         tmp = cached.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps(entry), encoding="utf-8")
         tmp.replace(cached)  # atomic: a concurrent reader never sees half a file
-    except OSError:
-        pass  # a read-only home only costs the rebuild next time
-    return built
+    except OSError:  # a read-only home only costs the rebuild next time
+        return built, f"built; could not cache it in {cache_dir()}"
+    return built, f"built from the GGUF vocabulary, cached in {cache_dir()} for the next run"
 
 
 class Built:

@@ -21,6 +21,7 @@ def test_cache_round_trip_and_corruption(gguf_path, tmp_path, monkeypatch):
     files = list((tmp_path / "tokenizers").glob("*.json"))
     assert len(files) == 1
     second = GGUFCheckpoint(gguf_path).load_tokenizer()
+    assert first.load_note.startswith("built") and second.load_note == "from the cache"  # the progress line's note
     assert second.encode(TEXT) == first.encode(TEXT)
     assert (second.bos_id, second.eos_ids, second.add_bos) == (first.bos_id, first.eos_ids, first.add_bos)
     files[0].write_text("{not json")

@@ -1,7 +1,8 @@
 #!/bin/bash
 # One device run: install the repo's packages (no deps, no network there), run every CUDA test file, then the
 # end-to-end benchmark; logs go to $OUT. Carried wheels (.whl, see docs/cuda.md) fill what the image lacks.
-#   T_TESTS (s, default 330), TESTS (default: every tests/test_cuda*.py), BENCH_ARGS (benchmarks/cuda_models.py
+#   T_TESTS (s, default 330), TESTS (default: every tests/test_cuda*.py), PYTEST_ARGS (e.g. "-n 8" with
+#   pytest-xdist among the carried wheels), BENCH_ARGS (benchmarks/cuda_models.py
 #   arguments; BENCH=0 skips it), T_BENCH (s, default 240).
 set -o pipefail
 export PYTHONUNBUFFERED=1
@@ -14,7 +15,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then python3 -m pip install -q --no-index --no
 python3 -m pip install -q --no-deps --no-build-isolation -e . -e plugins/lumen-cpu -e plugins/models-qwen \
   -e plugins/models-gemma -e plugins/lumen-cuda 2>&1 | tail -5 | tee "$OUT/install.log"
 TESTS=${TESTS:-$(ls tests/test_cuda*.py)}
-timeout ${T_TESTS:-330} python3 -m pytest $TESTS -q -rs -p no:cacheprovider --durations=10 2>&1 \
+timeout ${T_TESTS:-330} python3 -m pytest $TESTS ${PYTEST_ARGS:-} -q -rs -p no:cacheprovider --durations=10 2>&1 \
   | tee "$OUT/tests.log" | grep -v "^SKIPPED\|PASSED" | tail -60
 if [ "${BENCH:-1}" != 0 ]; then
   timeout ${T_BENCH:-240} python3 benchmarks/cuda_models.py ${BENCH_ARGS:---models 9b-bf16 --layers 8 --prompts 512} \
