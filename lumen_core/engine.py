@@ -68,7 +68,8 @@ class Engine:
         config, ckpt, arch, plan, resolved = prepare(source)
         for note in plan.notes:  # show-plan prints them in its table instead
             print(f"lumen: note: {note}", file=sys.stderr)
-        fmt = format_for(get_registry(), arch.model_type or arch.config.get("model_type"))
+        registry = get_registry()
+        fmt = format_for(registry, arch.model_type or arch.config.get("model_type"))
         template, origin = choose_chat_template(ckpt, fmt, chat_template or config.chat_template_path)
         if chat:  # from the checkpoint's metadata: a refusal comes before the tokenizer is built
             check_chat(template, fmt, think, config.model_path)
@@ -79,7 +80,6 @@ class Engine:
             tokenizer.chat_template, tokenizer.chat_template_origin = template, origin
         elif chat:
             raise InputError(f"{config.model_path} has no tokenizer, so it cannot chat")
-        registry = get_registry()
         backends = _backends(resolved["placements"], registry)
         for comp, p in resolved["placements"].items():  # routed experts streamed from a host store to a GPU
             if comp[0] == "experts" and p.store in registry.backend_class(p.backend).expert_stores:
@@ -102,10 +102,12 @@ class Engine:
     def warm_up(self) -> None:
         """One short prefill and one decode step on a throwaway cache: kernels that compile on first use (numba)
         do it now, while loading, instead of inside the first request's prefill."""
-        cache = self.model.new_cache(min(WARM_UP_CONTEXT, self.context_size))
+        n = min(WARM_UP_CONTEXT, self.context_size)
+        cache = self.model.new_cache(n)
         first = self.tokenizer.bos_id if self.tokenizer and self.tokenizer.bos_id is not None else 0
-        self.model.forward([first, first], cache)
-        self.model.forward([first], cache)
+        self.model.forward([first] * min(2, n), cache)
+        if n > 2:
+            self.model.forward([first], cache)
 
     # -- tokens ------------------------------------------------------------------------------------------
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:

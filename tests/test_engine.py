@@ -260,3 +260,16 @@ def test_backend_call_brings_the_arguments_over_and_the_result_back():
     out = Backend.call(here, other, fn, np.ones(3), np.arange(3.0))
     assert isinstance(out, np.ndarray) and out.tolist() == [1.0, 2.0, 3.0] and seen == [(Boxed, Boxed)]
     assert Backend.call(here, here, lambda x: x * 2, np.ones(2)).tolist() == [2.0, 2.0]
+
+
+@pytest.mark.parametrize("context", [1, 2, 3])
+def test_the_load_warm_up_fits_any_context(ckpt, context, monkeypatch):
+    """The CPU backend compiles its kernels on first use: the load runs one short forward on a throwaway cache of
+    at most 16 tokens, which must fit even a 1-token context; the engine's own cache starts empty."""
+    calls = []
+    real = lumen.Engine.warm_up
+    monkeypatch.setattr(lumen.Engine, "warm_up", lambda self: calls.append(1) or real(self))
+    small = lumen.load({"model": {"path": str(ckpt), "hidden-layers": {"kv-cache": {"context-size": context}}}},
+                       progress=False)
+    assert calls == [1]
+    assert len(list(small.generate_tokens([5], max_tokens=4))) <= context
