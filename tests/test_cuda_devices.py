@@ -1,11 +1,11 @@
 """Why a cuda:N device cannot be used, as the user is told it: CuPy not installed (with the command that installs
-it), CuPy installed but finding no driver or GPU, or an index past the GPUs there are. CPU only: CuPy is simulated
-(hidden from ``import``, or a stand-in module), so these run the same on a machine with or without a GPU."""
+it), CuPy installed but finding no driver or GPU, or an index past the GPUs there are. CPU only: the backend's one
+``import cupy`` (``lumen_cuda.backend._import_cupy``) is replaced by a failing import or a stand-in module, so these
+run the same on a machine with or without a GPU. Never through sys.modules or builtins.__import__: on the GPU
+machine the real CuPy and torch are loaded in the same process, and hiding them breaks later imports there."""
 
 from __future__ import annotations
 
-import builtins
-import sys
 import types
 
 import pytest
@@ -23,10 +23,24 @@ def cuda():
     return get_registry().backend_class("cuda")
 
 
+IMPORT = "lumen_cuda.backend._import_cupy"
+
+
+def importing(monkeypatch, result) -> None:
+    """The backend's ``import cupy`` returns ``result``, or raises it when it is an exception."""
+
+    def stand_in():
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    monkeypatch.setattr(IMPORT, stand_in)
+
+
 @pytest.fixture
 def no_cupy(monkeypatch):
     """``import cupy`` fails as on a machine where it is not installed."""
-    monkeypatch.setitem(sys.modules, "cupy", None)
+    importing(monkeypatch, ModuleNotFoundError("No module named 'cupy'", name="cupy"))
 
 
 def fake_cupy(count=None, error: Exception | None = None) -> types.ModuleType:
@@ -92,15 +106,8 @@ def test_a_cuda_config_without_cupy_is_refused_by_load(no_cupy, tiny_checkpoint)
 
 def test_cupy_that_cannot_load_says_so(cuda, monkeypatch):
     """CuPy is there but fails to import (a wheel for a CUDA this machine lacks): not 'not installed'."""
-    real_import = builtins.__import__
-
-    def failing_import(name, *args, **kwargs):
-        if name == "cupy":
-            raise ImportError("libnvrtc.so.13: cannot open shared object file", name="cupy_backends.cuda.libs.nvrtc")
-        return real_import(name, *args, **kwargs)
-
-    monkeypatch.delitem(sys.modules, "cupy", raising=False)
-    monkeypatch.setattr(builtins, "__import__", failing_import)
+    importing(monkeypatch, ImportError("libnvrtc.so.13: cannot open shared object file",
+                                       name="cupy_backends.cuda.libs.nvrtc"))
     with pytest.raises(PlanError) as info:
         cuda.device_info("cuda:0")
     message = str(info.value)
@@ -110,7 +117,7 @@ def test_cupy_that_cannot_load_says_so(cuda, monkeypatch):
 
 def test_cupy_without_a_driver_or_gpu_says_so(cuda, monkeypatch):
     error = RuntimeError("cudaErrorNoDevice: no CUDA-capable device is detected")
-    monkeypatch.setitem(sys.modules, "cupy", fake_cupy(error=error))
+    importing(monkeypatch, fake_cupy(error=error))
     assert cuda.devices() == []
     with pytest.raises(PlanError) as info:
         cuda.device_info("cuda:0")
@@ -121,14 +128,14 @@ def test_cupy_without_a_driver_or_gpu_says_so(cuda, monkeypatch):
 
 
 def test_a_device_index_past_the_gpus_names_how_many_there_are(cuda, monkeypatch):
-    monkeypatch.setitem(sys.modules, "cupy", fake_cupy(count=2))
+    importing(monkeypatch, fake_cupy(count=2))
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     assert cuda.device_info("cuda:1").description == "NVIDIA H200, sm_90"
     with pytest.raises(PlanError) as info:
         cuda.device_info("cuda:3")
     assert str(info.value) == "device 'cuda:3' does not exist; this machine has 2 GPUs (cuda:0 to cuda:1)"
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
-    monkeypatch.setitem(sys.modules, "cupy", fake_cupy(count=1))
+    importing(monkeypatch, fake_cupy(count=1))
     with pytest.raises(PlanError, match=r"has 1 GPU \(cuda:0\), as CUDA_VISIBLE_DEVICES='1' shows it"):
         cuda.device_info("cuda:1")
 
@@ -136,7 +143,7 @@ def test_a_device_index_past_the_gpus_names_how_many_there_are(cuda, monkeypatch
 def test_a_device_index_past_the_gpus_in_a_config(cuda, monkeypatch, tiny_checkpoint, write_config, capsys):
     from lumen_core.cli import main
 
-    monkeypatch.setitem(sys.modules, "cupy", fake_cupy(count=1))
+    importing(monkeypatch, fake_cupy(count=1))
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     config = write_config({"model": {"path": str(tiny_checkpoint("qwen3_5")), "compute": "cuda:3",
                                      "store": "vram"}})

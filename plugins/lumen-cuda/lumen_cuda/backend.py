@@ -39,10 +39,18 @@ def _cupy():
     return _load_cupy()[0]
 
 
+def _import_cupy():
+    """``import cupy`` (one place, so tests can stand in for a machine without it: they never touch sys.modules,
+    which would break a process that has the real CuPy or torch loaded)."""
+    import cupy
+
+    return cupy
+
+
 def _load_cupy():
     """(cupy, None), or (None, why CuPy cannot be used: a sentence for the user, with the command that fixes it)."""
     try:
-        import cupy
+        cupy = _import_cupy()
     except ImportError as exc:
         if exc.name in ("cupy", "cupy_backends"):
             return None, _cupy_missing()
