@@ -16,7 +16,7 @@ from .architecture import Architecture, Model
 from .chat import ChatFormat, format_for
 from .checkpoint import open_checkpoint
 from .config import Config, config_from_path_or_model
-from .errors import InputError
+from .errors import CheckpointError, InputError
 from .loader import load_weights
 from .plan import Plan, make_plan
 from .plugins import get_registry
@@ -149,10 +149,18 @@ class Engine:
         seen = list(prompt_ids)
 
         def next_token(logits) -> int:
-            return sample(logits[-1] if runner else np.asarray(logits[-1], dtype=np.float32), seen)
+            if runner:
+                return sample(logits[-1], seen)
+            row = np.asarray(logits[-1], dtype=np.float32)  # the row the sampler reads: checking it costs ~0.1 ms
+            check_logits(row, st.generated_tokens + 1, self.config.model_path)
+            return sample(row, seen)
 
         t0 = time.perf_counter()
-        tok = next_token(self.model.forward(list(prompt_ids), cache, host=host))  # waits for the device
+        logits = self.model.forward(list(prompt_ids), cache, host=host)
+        if runner:  # the device samples: bring the prefill's last row over once to check it (decode steps: not)
+            backend = self.backends[("output-layer", None)]
+            check_logits(np.asarray(backend.to_host(logits[-1]), dtype=np.float32), 1, self.config.model_path)
+        tok = next_token(logits)  # waits for the device
         st.prefill_seconds = time.perf_counter() - t0
         t1 = time.perf_counter()
         st.finish_reason = "length"
@@ -295,7 +303,13 @@ class Engine:
             chunk = ids[s:min(s + PREFILL_CHUNK, len(ids) - 1)]
             logits = np.asarray(self.model.forward(chunk, cache, all_logits=True), dtype=np.float64)
             targets = np.asarray(ids[s + 1:s + 1 + len(chunk)])
-            total += float(np.sum(_logsumexp(logits) - logits[np.arange(len(chunk)), targets]))
+            with np.errstate(invalid="ignore", over="ignore"):  # non-finite logits: reported just below
+                lse = _logsumexp(logits)
+            picked = logits[np.arange(len(chunk)), targets]
+            finite = np.isfinite(lse) & np.isfinite(picked)  # a NaN or +inf logit in a row makes its logsumexp so
+            first = int(np.argmin(finite)) if not finite.all() else len(chunk) - 1
+            check_logits(logits[first], s + first + 1, self.config.model_path, "scoring")
+            total += float(np.sum(lse - picked))
         n = len(ids) - 1
         self.stats = Stats(prompt_tokens=n, prefill_seconds=time.perf_counter() - t0, finish_reason="scored")
         return {"tokens": n, "nll": total / n, "perplexity": math.exp(total / n)}
@@ -312,6 +326,30 @@ def prepare(source):
     arch = registry.architecture_class(ckpt.config.get("model_type", "<missing>")).from_checkpoint(ckpt)
     plan, resolved = make_plan(config, arch, ckpt, registry)
     return config, ckpt, arch, plan, resolved
+
+
+def check_logits(row: np.ndarray, n: int, model_path, doing: str = "generating") -> None:
+    """Stop where a healthy model cannot be: a logit that is NaN or infinite (a corrupt weight poisons every logit)
+    or one value for every token (a zeroed output layer: the sampler would draw token 0 forever). ``row``: one
+    row of logits on the host; ``n``: which token it predicts (1 = the first after the prompt)."""
+    finite = np.isfinite(row)
+    if finite.all():
+        if row.size > 1 and row.min() == row.max():
+            raise CheckpointError(
+                f"the model produced the same logit ({float(row[0]):g}) for all {row.size} tokens at token {n} "
+                f"({doing}): the checkpoint looks corrupt (zeroed weights); {_check_hint(model_path)}"
+            )
+        return
+    bad = row.size - int(np.count_nonzero(finite))
+    raise CheckpointError(
+        f"the model produced non-finite logits at token {n} ({doing}; {bad} of {row.size} are NaN or infinite): the "
+        f"checkpoint looks corrupt; {_check_hint(model_path)}"
+    )
+
+
+def _check_hint(model_path) -> str:
+    files = f"{model_path}/*.safetensors" if os.path.isdir(os.path.expanduser(str(model_path))) else str(model_path)
+    return f"check it with `sha256sum {files}` against the published checksums, or download it again"
 
 
 def _logsumexp(x):

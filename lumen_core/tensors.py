@@ -4,8 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .architecture import TensorLayout
+import numpy as np
+
+from .architecture import LAYER_INDEX, TensorLayout, tensor_label
 from .errors import CheckpointError
+
+CORRUPT = "the checkpoint is corrupt (damaged on disk or in transfer): download it again"
 
 SCALE_SUFFIX = "_scale_inv"  # HF FP8: ``X.weight_scale_inv`` belongs to ``X.weight``
 # Every scale that may sit beside a weight: HF FP8 ``_scale_inv``; ModelOpt ``_scale`` (FP8: f32, NVFP4: e4m3
@@ -54,6 +58,42 @@ def check_tensors(ckpt, layout: TensorLayout) -> LoadReport:
     scales = {n + s for n in needed for s in SCALE_SUFFIXES}
     inputs = {n.removesuffix("weight") + INPUT_SCALE for n in needed if n.endswith(".weight")} & set(ckpt.tensors)
     unused = sorted(set(ckpt.tensors) - needed - scales - inputs - set(layout.skipped))
+    layers = {c[1] for c in layout.needs if c[0] == "layer"}
+    extra = [n for n in unused if (m := LAYER_INDEX.search(n)) and int(m.group(1)) not in layers]
+    if extra:  # whole layers the config does not have: its layer count disagrees with the weights
+        more = f" and {len(extra) - 3} more" if len(extra) > 3 else ""
+        raise CheckpointError(
+            f"{ckpt.path}: {len(extra)} tensor(s) belong to layers the config does not have (it has {len(layers)}): "
+            f"{', '.join(extra[:3])}{more}; the config's layer count does not match the weights"
+        )
     skipped = {n: r for n, r in layout.skipped.items() if n in ckpt.tensors}
     skipped.update((n, "activation scale: Lumen keeps activations unquantized") for n in sorted(inputs))
     return LoadReport(loaded=needed | (scales & set(ckpt.tensors)), skipped=skipped, unused=unused)
+
+
+def check_finite(ckpt, name: str, values, what: str = "") -> None:
+    """Refuse NaN or infinity in a tensor the loader reads whole (norms and other small tensors, quantization
+    scales): one corrupt byte there turns every logit into NaN. ``what`` says which part (e.g. " (its scale)")."""
+    values = np.asarray(values)
+    if np.issubdtype(values.dtype, np.integer) or values.dtype == np.bool_:
+        return
+    ok = np.isfinite(values)
+    if ok.all():
+        return
+    bad = np.flatnonzero(~ok.reshape(-1))
+    index = tuple(int(i) for i in np.unravel_index(int(bad[0]), values.shape))
+    raise CheckpointError(
+        f"{ckpt.path}: tensor {tensor_label(ckpt, name)}{what} holds {len(bad)} non-finite value(s) (the first, "
+        f"{values[index]}, at index {list(index)}): {CORRUPT}"
+    )
+
+
+def check_norm(ckpt, name: str, values, offset: float) -> None:
+    """Refuse a norm weight whose RMSNorm would multiply every channel by 0 (``values + offset`` all zero): no trained
+    model has one, a zeroed region of the file does (it silences the layer, or every logit at the output)."""
+    values = np.asarray(values, dtype=np.float32)
+    if values.size and not np.any(values + np.float32(offset)):
+        raise CheckpointError(
+            f"{ckpt.path}: norm weight {tensor_label(ckpt, name)} multiplies every channel by 0 (all {values.size} "
+            f"values read as {float(values.reshape(-1)[0]):g}): a zeroed region of the file; {CORRUPT}"
+        )

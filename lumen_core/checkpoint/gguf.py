@@ -46,6 +46,18 @@ PLAIN_DTYPES = {
     "I8": np.int8, "I16": np.int16, "I32": np.int32, "I64": np.int64,
 }
 
+# The f16 scale fields of each block type, as ``gguf.quants`` decodes them: {type: ((byte offset in the block,
+# field name), ...)}. IQ1_M spreads its scale over four bytes and MXFP4's e8m0 exponent cannot encode a NaN: not
+# listed. One corrupt scale makes a whole block NaN, and with it every logit.
+BLOCK_SCALES: dict[str, tuple[tuple[int, str], ...]] = {
+    "Q4_0": ((0, "d"),), "Q4_1": ((0, "d"), (2, "m")), "Q5_0": ((0, "d"),), "Q5_1": ((0, "d"), (2, "m")),
+    "Q8_0": ((0, "d"),), "Q2_K": ((80, "d"), (82, "dmin")), "Q3_K": ((108, "d"),),
+    "Q4_K": ((0, "d"), (2, "dmin")), "Q5_K": ((0, "d"), (2, "dmin")), "Q6_K": ((208, "d"),),
+    "IQ2_XXS": ((0, "d"),), "IQ2_XS": ((0, "d"),), "IQ3_XXS": ((0, "d"),), "IQ1_S": ((0, "d"),),
+    "IQ4_NL": ((0, "d"),), "IQ3_S": ((0, "d"),), "IQ2_S": ((0, "d"),), "IQ4_XS": ((0, "d"),),
+    "TQ1_0": ((52, "d"),), "TQ2_0": ((64, "d"),),
+}
+
 # metadata value types: id -> struct format of a scalar
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 _SCALAR_STRUCTS = {t: struct.Struct("<" + f) for t, f in _SCALARS.items()}
@@ -301,6 +313,29 @@ class GGUFCheckpoint:
 
             out = dequantize(arr, GGMLQuantizationType(TYPE_IDS[entry.type_name]))
         return out if entry.transform is None else _apply(entry.transform, out, name, self.path)
+
+    def check_scales(self, name: str) -> None:
+        """Refuse a block-quantized tensor with a NaN or infinite block scale (``BLOCK_SCALES``): a strided f16 view
+        of one field per block, ~15 ms for every block of the 253 MB Gemma 3 270M file. Plain types: nothing."""
+        entry = self._entries.get(name)
+        if entry is None or entry.type_name not in BLOCK_SCALES:
+            return
+        _, block, type_size = GGML_TYPES[TYPE_IDS[entry.type_name]]
+        n = entry.nbytes // type_size
+        for offset, field in BLOCK_SCALES[entry.type_name]:
+            scales = np.ndarray((n,), np.float16, self._map, entry.start + offset, (type_size,))
+            ok = np.isfinite(scales)
+            if ok.all():
+                continue
+            i = int(np.argmin(ok))
+            row = i // max(entry.shape[-1] // block, 1)
+            label = repr(name) if name == entry.gguf_name else f"{name!r} (GGUF {entry.gguf_name!r})"
+            raise CheckpointError(
+                f"{self.path}: tensor {label} ({entry.type_name}) has a non-finite block scale: {field} = "
+                f"{scales[i]} in block {i} (row {row}, byte {entry.start + i * type_size + offset} of the file); "
+                f"{int(np.count_nonzero(~ok))} block(s) are affected: the checkpoint is corrupt (damaged on disk or "
+                "in transfer): download it again"
+            )
 
     def rename(self, mapping: dict[str, tuple[str, Callable | None]]) -> None:
         """Key the tensors by ``mapping[gguf name][0]`` and apply ``mapping[gguf name][1]`` (if not None) on

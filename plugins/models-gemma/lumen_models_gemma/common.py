@@ -10,6 +10,7 @@ import struct
 from dataclasses import dataclass, fields
 
 from lumen_core.architecture import Architecture, TensorLayout
+from lumen_core.errors import CheckpointError
 
 NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
 MLP = ("gate_proj", "up_proj", "down_proj")
@@ -60,7 +61,7 @@ def rope_inv_freq(params: dict, head_dim: int) -> list[float]:
     if kind == "linear":
         dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
         return [1.0 / theta ** (i / dim) / factor for i in range(0, dim, 2)]
-    raise ValueError(f"rope_type {kind!r} is not supported for Gemma (supported: default, linear, proportional)")
+    raise CheckpointError(f"rope_type {kind!r} is not supported for Gemma (supported: default, linear, proportional)")
 
 
 def round_to_format(x: float, fmt: str) -> float:
@@ -81,6 +82,7 @@ class GemmaArchitecture(Architecture):
     norm_offset = 0.0  # RMSNorm multiplies by (w + offset): Gemma 3 stores w - 1, Gemma 4 stores w
     v_norm = False  # Gemma 4 RMS-normalises values without a weight
     layer_scalar = False  # Gemma 4 scales each layer's output by a saved scalar
+    int_keys = {**Architecture.int_keys, "sliding_window": 1}  # checked before the config is read
 
     def __init__(self, config: dict):
         super().__init__(config)
@@ -154,6 +156,43 @@ class GemmaArchitecture(Architecture):
         needed = {n for ns in needs.values() for n in ns}
         skipped = {n: r for n in names - needed if (r := self.skip_reason(n))}
         return TensorLayout(needs, skipped)
+
+    def mlp_rows(self, i: int) -> int | None:
+        """Rows of layer i's gate/up projections (None: whatever the weights say)."""
+        return self.args.intermediate_size
+
+    def expected_shapes(self) -> dict:
+        """The embedding, norms, attention and MLP projections as the config sizes them (the checkpoint header is
+        held against these before any weight is read)."""
+        a, p, hidden = self.args, self.prefix, self.args.hidden_size
+        H = a.num_attention_heads
+        hid = ("hidden_size",)
+        out = {p + "embed_tokens.weight": ((a.vocab_size, hidden), ("vocab_size", "hidden_size")),
+               p + "norm.weight": ((hidden,), hid)}
+        for i, s in enumerate(self.specs):
+            L = f"{p}layers.{i}."
+            q_keys = ("num_attention_heads", "head_dim", "hidden_size")
+            out[L + "self_attn.q_proj.weight"] = ((H * s.head_dim, hidden), q_keys)
+            out[L + "self_attn.o_proj.weight"] = ((hidden, H * s.head_dim), q_keys)
+            out[L + "self_attn.q_norm.weight"] = ((s.head_dim,), ("head_dim",))
+            if s.shared_from is None:
+                kv_keys = ("num_key_value_heads", "head_dim", "hidden_size")
+                out[L + "self_attn.k_proj.weight"] = ((s.kv_heads * s.head_dim, hidden), kv_keys)
+                out[L + "self_attn.k_norm.weight"] = ((s.head_dim,), ("head_dim",))
+                if not s.k_eq_v:
+                    out[L + "self_attn.v_proj.weight"] = ((s.kv_heads * s.head_dim, hidden), kv_keys)
+            for n in NORMS:
+                out[f"{L}{n}.weight"] = ((hidden,), hid)
+            rows, mlp_keys = self.mlp_rows(i), ("intermediate_size", "hidden_size")
+            out[L + "mlp.gate_proj.weight"] = ((rows, hidden), mlp_keys)
+            out[L + "mlp.up_proj.weight"] = ((rows, hidden), mlp_keys)
+            out[L + "mlp.down_proj.weight"] = ((hidden, rows), mlp_keys)
+        return out
+
+    def norm_weight_offset(self, name: str) -> float | None:
+        """Every Gemma norm weight multiplies by ``w + norm_offset`` (``rms_norm``'s offset)."""
+        module = name.removesuffix(".weight").rsplit(".", 1)[-1]
+        return self.norm_offset if "norm" in module else None
 
     def head_name(self, names) -> str:
         legacy = "language_model.lm_head.weight"  # Gemma 3's multimodal checkpoints keep the old layout

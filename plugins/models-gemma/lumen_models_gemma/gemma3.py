@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from lumen_core.architecture import ConfigValueError, gguf_float, gguf_int
 from lumen_core.errors import CheckpointError
 
 from .common import GemmaArchitecture, LayerSpec, args_from_dict
@@ -68,6 +69,17 @@ def check_supported(a) -> None:
 class Gemma3(GemmaArchitecture):
     model_type = "gemma3"
     norm_offset = 1.0
+    int_keys = {**GemmaArchitecture.int_keys, "sliding_window_pattern": 1}
+    float_keys = ("rms_norm_eps", "query_pre_attn_scalar", "rope_local_base_freq", "final_logit_softcapping")
+    # sliding_window: null is refused in read_args when a layer slides
+    nullable_keys = frozenset({"sliding_window", "rope_local_base_freq", "final_logit_softcapping"})
+    gguf_keys = {  # HF key -> llama.cpp's gemma3.* key, for errors about a GGUF file
+        "num_hidden_layers": "block_count", "hidden_size": "embedding_length", "intermediate_size":
+        "feed_forward_length", "num_attention_heads": "attention.head_count", "num_key_value_heads":
+        "attention.head_count_kv", "head_dim": "attention.key_length", "sliding_window": "attention.sliding_window",
+        "max_position_embeddings": "context_length", "rms_norm_eps": "attention.layer_norm_rms_epsilon",
+        "final_logit_softcapping": "final_logit_softcapping",
+    }
 
     def read_args(self, config: dict) -> Gemma3Args:
         a = args_from_dict(Gemma3Args, config)
@@ -75,6 +87,8 @@ class Gemma3(GemmaArchitecture):
             n = a.sliding_window_pattern
             a.layer_types = ["sliding_attention" if (i + 1) % n else "full_attention"
                              for i in range(a.num_hidden_layers)]
+        if a.sliding_window is None and "sliding_attention" in a.layer_types:
+            raise ConfigValueError("sliding_window", "is null, but the model has sliding-attention layers")
         check_supported(a)
         # transformers applies the final softcap in Gemma3ForCausalLM only, never in the multimodal model.
         self.softcap = None if "text_config" in config else a.final_logit_softcapping
@@ -117,37 +131,53 @@ class Gemma3(GemmaArchitecture):
     def config_from_gguf(cls, metadata: dict) -> dict:
         """HF-style config from llama.cpp's ``gemma3`` metadata, following llama.cpp where it knows more than
         transformers' GGUF reader: rope scaling and the attention scale of the 27B (both ignored there)."""
-        g = lambda key, default=None: metadata.get(f"gemma3.{key}", default)  # noqa: E731
-        layers, hidden, heads = g("block_count"), g("embedding_length"), g("attention.head_count")
-        head_dim = g("attention.key_length") or hidden // heads
-        full = {"rope_type": "default", "rope_theta": float(g("rope.freq_base", GLOBAL_THETA))}
-        if g("rope.scaling.type") == "linear" and g("rope.scaling.factor", 1.0) != 1.0:
-            full.update(rope_type="linear", factor=float(g("rope.scaling.factor")))
+        # Every key is read typed and checked (a positive integer, a positive number): the error names the key.
+        k = "gemma3."
+        layers, hidden = gguf_int(metadata, k + "block_count"), gguf_int(metadata, k + "embedding_length")
+        heads = gguf_int(metadata, k + "attention.head_count")
+        head_dim = gguf_int(metadata, k + "attention.key_length", default=None) or hidden // heads
+        full = {"rope_type": "default", "rope_theta": gguf_float(metadata, k + "rope.freq_base", GLOBAL_THETA)}
+        factor = gguf_float(metadata, k + "rope.scaling.factor", 1.0)
+        if metadata.get(k + "rope.scaling.type") == "linear" and factor != 1.0:
+            full.update(rope_type="linear", factor=factor)
         # llama.cpp's 27B (62 layers) scales queries by (hidden / heads)^-0.5, the others by head_dim^-0.5.
         scalar = hidden // heads if layers == 62 else head_dim
-        if g("attention.scale"):
-            scalar = g("attention.scale") ** -2
-        pattern = g("attention.sliding_window_pattern", 6)  # a period, or one flag per layer in newer files
-        sliding = [bool(f) for f in pattern] if hasattr(pattern, "__len__") else \
-            [(i + 1) % int(pattern) != 0 for i in range(layers)]
+        if metadata.get(k + "attention.scale"):
+            scalar = gguf_float(metadata, k + "attention.scale") ** -2
+        # a period, or one flag per layer in newer files
+        pattern = metadata.get(k + "attention.sliding_window_pattern", 6)
+        if isinstance(pattern, list):
+            if len(pattern) != layers or not all(isinstance(f, (bool, int)) for f in pattern):
+                raise ConfigValueError(k + "attention.sliding_window_pattern", f"must hold one flag per layer "
+                                       f"({layers}); it holds {len(pattern)} values", gguf=True)
+            sliding = [bool(f) for f in pattern]
+        else:
+            period = gguf_int(metadata, k + "attention.sliding_window_pattern", default=6)
+            sliding = [(i + 1) % period != 0 for i in range(layers)]
         tokens = metadata.get("tokenizer.ggml.tokens") or []
+        vocab = gguf_int(metadata, k + "vocab_size", default=None) or len(tokens)
+        if not vocab:
+            raise ConfigValueError(k + "vocab_size", "is missing, and there is no tokenizer.ggml.tokens to count",
+                                   gguf=True)
+        heads_kv = gguf_int(metadata, k + "attention.head_count_kv", default=heads)
         return {
             "model_type": "gemma3_text",
-            "vocab_size": int(g("vocab_size") or len(tokens)),
+            "vocab_size": vocab,
             "hidden_size": hidden,
-            "intermediate_size": g("feed_forward_length"),
+            "intermediate_size": gguf_int(metadata, k + "feed_forward_length"),
             "num_hidden_layers": layers,
             "num_attention_heads": heads,
-            "num_key_value_heads": g("attention.head_count_kv", heads),
+            "num_key_value_heads": heads_kv,
             "head_dim": head_dim,
-            "rms_norm_eps": float(g("attention.layer_norm_rms_epsilon", 1e-6)),
-            "sliding_window": g("attention.sliding_window"),
+            "rms_norm_eps": gguf_float(metadata, k + "attention.layer_norm_rms_epsilon", 1e-6),
+            # required, as llama.cpp requires it: without it the sliding layers would attend to everything
+            "sliding_window": gguf_int(metadata, k + "attention.sliding_window") if any(sliding) else None,
             "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
-            "max_position_embeddings": g("context_length", 131_072),
+            "max_position_embeddings": gguf_int(metadata, k + "context_length", default=131_072),
             "query_pre_attn_scalar": scalar,
             "rope_parameters": {"full_attention": full,
                                 "sliding_attention": {"rope_type": "default", "rope_theta": LOCAL_THETA}},
-            "final_logit_softcapping": g("final_logit_softcapping"),
+            "final_logit_softcapping": gguf_float(metadata, k + "final_logit_softcapping", None),
             "bos_token_id": metadata.get("tokenizer.ggml.bos_token_id"),
             "eos_token_id": metadata.get("tokenizer.ggml.eos_token_id"),
             "pad_token_id": metadata.get("tokenizer.ggml.padding_token_id"),

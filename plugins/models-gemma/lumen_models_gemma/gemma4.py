@@ -68,6 +68,12 @@ class Gemma4(GemmaArchitecture):
     model_type = "gemma4"
     v_norm = True
     layer_scalar = True
+    int_keys = {**GemmaArchitecture.int_keys, "num_kv_shared_layers": 0, "hidden_size_per_layer_input": 0,
+                "vocab_size_per_layer_input": 1, "global_head_dim": 1, "num_global_key_value_heads": 1,
+                "num_experts": 1, "top_k_experts": 1, "moe_intermediate_size": 1}
+    float_keys = ("rms_norm_eps", "final_logit_softcapping")
+    nullable_keys = frozenset({"num_global_key_value_heads", "num_experts", "top_k_experts", "moe_intermediate_size",
+                               "hidden_size_per_layer_input", "vocab_size_per_layer_input", "final_logit_softcapping"})
 
     def read_args(self, config: dict) -> Gemma4Args:
         a = args_from_dict(Gemma4Args, config)
@@ -138,6 +144,9 @@ class Gemma4(GemmaArchitecture):
 
     def expert_tensors(self, i: int) -> list[str]:
         return ["experts.gate_up_proj", "experts.down_proj"] if self.moe else []
+
+    def mlp_rows(self, i: int) -> int | None:
+        return None  # KV-shared layers may be twice as wide (use_double_wide_mlp): the weights say
 
     def skip_reason(self, name: str) -> str | None:
         parts = name.removeprefix(self.prefix).split(".")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
-from lumen_core.architecture import Architecture, TensorLayout
+from lumen_core.architecture import Architecture, ConfigValueError, TensorLayout
 
 LINEAR_TENSORS = ("in_proj_qkv.weight", "in_proj_z.weight", "in_proj_a.weight", "in_proj_b.weight",
                   "out_proj.weight", "conv1d.weight", "A_log", "dt_bias", "norm.weight")
@@ -74,10 +74,17 @@ class ModelArgs:
 
 class Qwen3_5(Architecture):
     model_type = "qwen3_5"
+    int_keys = {**Architecture.int_keys, "linear_conv_kernel_dim": 1, "linear_key_head_dim": 1,
+                "linear_value_head_dim": 1, "linear_num_key_heads": 1, "linear_num_value_heads": 1,
+                "full_attention_interval": 1}
 
     def __init__(self, config: dict):
         super().__init__(config)
         self.args = ModelArgs.from_dict(config)
+        for i, t in enumerate(self.args.layer_types):
+            if t not in ("linear_attention", "full_attention"):
+                raise ConfigValueError("layer_types", f"holds {t!r} (layer {i}); Qwen 3.5 layers are "
+                                       "'linear_attention' or 'full_attention'")
         self.num_layers = self.args.num_hidden_layers
         self.vocab_size = self.args.vocab_size
         self.max_context = self.args.max_position_embeddings
@@ -116,6 +123,57 @@ class Qwen3_5(Architecture):
 
     def is_matrix(self, name: str) -> bool:
         return name.endswith(".weight") and not name.endswith(NOT_MATRIX)
+
+    def norm_weight_offset(self, name: str) -> float | None:
+        """The layer and q/k norms multiply by ``1 + w``; the gated norm of the linear attention by ``w``."""
+        if name.endswith("linear_attn.norm.weight"):
+            return 0.0
+        return 1.0 if name.endswith(("layernorm.weight", "_norm.weight", ".norm.weight")) else None
+
+    def expected_shapes(self) -> dict:
+        """Embedding, head, norms, both token mixers and the MLP as the config sizes them."""
+        a, p, hidden = self.args, self.prefix, self.args.hidden_size
+        hid, vocab = ("hidden_size",), ("vocab_size", "hidden_size")
+        out = {p + "embed_tokens.weight": ((a.vocab_size, hidden), vocab), p + "norm.weight": ((hidden,), hid)}
+        if not a.tie_word_embeddings:
+            out["lm_head.weight"] = ((a.vocab_size, hidden), vocab)
+        H, Hkv, D = a.num_attention_heads, a.num_key_value_heads, a.head_dim
+        Hk, Dk = a.linear_num_key_heads, a.linear_key_head_dim
+        Hv, Dv = a.linear_num_value_heads, a.linear_value_head_dim
+        lin = ("linear_num_key_heads", "linear_key_head_dim", "linear_num_value_heads", "linear_value_head_dim")
+        for i in range(self.num_layers):
+            L = f"{p}layers.{i}."
+            if a.layer_types[i] == "linear_attention":
+                m = L + "linear_attn."
+                out.update({
+                    m + "in_proj_qkv.weight": ((2 * Hk * Dk + Hv * Dv, hidden), lin + hid),
+                    m + "in_proj_z.weight": ((Hv * Dv, hidden), lin[2:] + hid),
+                    m + "in_proj_a.weight": ((Hv, hidden), lin[2:3] + hid),
+                    m + "in_proj_b.weight": ((Hv, hidden), lin[2:3] + hid),
+                    m + "out_proj.weight": ((hidden, Hv * Dv), lin[2:] + hid),
+                    m + "conv1d.weight": ((self.conv_dim, 1, a.linear_conv_kernel_dim),
+                                          lin + ("linear_conv_kernel_dim",)),
+                    m + "A_log": ((Hv,), lin[2:3]), m + "dt_bias": ((Hv,), lin[2:3]),
+                    m + "norm.weight": ((Dv,), lin[3:]),
+                })
+            else:
+                m, heads = L + "self_attn.", ("num_attention_heads", "head_dim", "hidden_size")
+                kv = ("num_key_value_heads", "head_dim", "hidden_size")
+                out.update({
+                    m + "q_proj.weight": ((2 * H * D, hidden), heads),  # per head: query then output gate
+                    m + "k_proj.weight": ((Hkv * D, hidden), kv), m + "v_proj.weight": ((Hkv * D, hidden), kv),
+                    m + "o_proj.weight": ((hidden, H * D), heads),
+                    m + "q_norm.weight": ((D,), ("head_dim",)), m + "k_norm.weight": ((D,), ("head_dim",)),
+                })
+            out[L + "input_layernorm.weight"] = out[L + "post_attention_layernorm.weight"] = ((hidden,), hid)
+            out.update(self.mlp_shapes(L))
+        return out
+
+    def mlp_shapes(self, L: str) -> dict:
+        a, keys = self.args, ("intermediate_size", "hidden_size")
+        rows, hidden = a.intermediate_size, a.hidden_size
+        return {L + "mlp.gate_proj.weight": ((rows, hidden), keys), L + "mlp.up_proj.weight": ((rows, hidden), keys),
+                L + "mlp.down_proj.weight": ((hidden, rows), keys)}
 
     def components(self):
         comps = [("input-layer", None)]
