@@ -73,6 +73,19 @@ def test_garbage_safetensors_header(tmp_path):
         SafetensorsFile(f)
 
 
+def test_json_nested_too_deeply_is_a_checkpoint_error(tmp_path, tiny_checkpoint):
+    """json recurses once per level: 5000 levels in config.json or a safetensors header was a RecursionError."""
+    path = copy_ckpt(tiny_checkpoint("qwen3_5"), tmp_path / "c")
+    (path / "config.json").write_text('{"model_type": "qwen3_5", "x": ' + "[" * 5000 + "]" * 5000 + "}")
+    with pytest.raises(CheckpointError, match=r"corrupt JSON in .*config\.json: .*nested too deeply"):
+        lumen.load({"model": {"path": str(path)}})
+    header = b'{"x": ' + b"[" * 5000 + b"]" * 5000 + b"}"
+    f = tmp_path / "deep.safetensors"
+    f.write_bytes(struct.pack("<Q", len(header)) + header)
+    with pytest.raises(CheckpointError, match=r"deep\.safetensors: corrupt safetensors header \(JSON nested too "):
+        SafetensorsFile(f)
+
+
 def test_missing_tensor_is_named(tmp_path, tiny_checkpoint):
     path = copy_ckpt(tiny_checkpoint("qwen3_5"), tmp_path / "c")
     victim = "model.layers.3.self_attn.k_norm.weight"

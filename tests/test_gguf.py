@@ -274,6 +274,28 @@ def test_truncated_files(tmp_path):
         GGUFCheckpoint(bad)
 
 
+def test_nested_metadata_arrays_are_bounded(tmp_path):
+    """Arrays of arrays nest as deep as the file says: 5000 levels overflowed the parser's recursion (a
+    RecursionError traceback); past MAX_ARRAY_DEPTH the file is refused by key. Two levels still read."""
+    from lumen_core.checkpoint.gguf import MAX_ARRAY_DEPTH
+
+    def string(text: str) -> bytes:
+        return struct.pack("<Q", len(text)) + text.encode()
+
+    def gguf_with(levels: int) -> Path:
+        path = tmp_path / f"deep{levels}.gguf"
+        path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 2) + string("general.architecture")
+                         + struct.pack("<I", 8) + string("llama") + string("x.deep") + struct.pack("<I", 9)
+                         + struct.pack("<IQ", 9, 1) * (levels - 1) + struct.pack("<IQ", 4, 1) + struct.pack("<I", 7))
+        return path
+
+    assert GGUFCheckpoint(gguf_with(2)).metadata["x.deep"] == [[7]]
+    for levels in (MAX_ARRAY_DEPTH + 1, 5000):
+        with pytest.raises(CheckpointError, match=rf"deep{levels}\.gguf: metadata 'x\.deep' nests arrays more than "
+                                                  rf"{MAX_ARRAY_DEPTH} deep"):
+            GGUFCheckpoint(gguf_with(levels))
+
+
 def test_bad_magic_and_version(tmp_path):
     data = bytearray(_small(tmp_path).read_bytes())
     bad = tmp_path / "magic.gguf"

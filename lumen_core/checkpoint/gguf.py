@@ -65,6 +65,7 @@ _STRING, _ARRAY = 8, 9
 _U32, _U64, _U32U64 = struct.Struct("<I"), struct.Struct("<Q"), struct.Struct("<IQ")
 # Arrays of strings longer than this stay undecoded until first read (the vocabulary, the merges).
 LAZY_STRINGS = 64
+MAX_ARRAY_DEPTH = 16  # nested metadata arrays: allowed by the spec, never seen in practice beyond 2
 
 
 class _Entry(NamedTuple):
@@ -155,7 +156,7 @@ class _Header:
             return self.array(etype, count, key)
         raise CheckpointError(f"{self.path}: metadata {key!r} has unknown value type {vtype}")
 
-    def array(self, etype: int, count: int, key: str):
+    def array(self, etype: int, count: int, key: str, depth: int = 1):
         if etype in _SCALARS:
             dtype = np.dtype("<" + _SCALARS[etype])
             self.need(count * dtype.itemsize, f"array {key!r} ({count} values)")
@@ -168,10 +169,13 @@ class _Header:
                 return [self.string(f"element of {key!r}") for _ in range(count)]
             return self.string_array(count, key)
         if etype == _ARRAY:  # nested arrays: allowed by the spec, never seen in practice
+            if depth >= MAX_ARRAY_DEPTH:
+                raise CheckpointError(f"{self.path}: metadata {key!r} nests arrays more than {MAX_ARRAY_DEPTH} deep "
+                                      "(corrupt GGUF file)")
             out = []
             for _ in range(count):
                 sub, n = self.unpack(_U32U64, f"array header in {key!r}")
-                out.append(self.array(sub, n, key))
+                out.append(self.array(sub, n, key, depth + 1))
             return out
         raise CheckpointError(f"{self.path}: metadata {key!r} is an array of unknown type {etype}")
 

@@ -21,6 +21,8 @@ def read_json(path: Path) -> dict:
         raise CheckpointError(f"missing file: {path}") from exc
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"corrupt JSON in {path}: {exc}") from exc
+    except RecursionError:  # json recurses once per level of nesting
+        raise CheckpointError(f"corrupt JSON in {path}: arrays or objects nested too deeply to read") from None
     if not isinstance(data, dict):
         raise CheckpointError(f"corrupt JSON in {path}: expected an object")
     return data

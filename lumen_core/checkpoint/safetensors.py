@@ -61,6 +61,8 @@ class SafetensorsFile:
                 header = json.loads(f.read(n))
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise CheckpointError(f"{path}: corrupt safetensors file: {exc}") from exc
+        except RecursionError:
+            raise CheckpointError(f"{path}: corrupt safetensors header (JSON nested too deeply)") from None
         if not isinstance(header, dict):
             raise CheckpointError(f"{path}: corrupt safetensors header (not a JSON object)")
         return 8 + n, header
