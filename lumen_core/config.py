@@ -31,7 +31,9 @@ _JSON_TYPES = {bool: "boolean", int: "integer", float: "number", str: "string",
 _SAMPLING_NAMES = {"temperature": "temperature", "top-k": "top_k", "top-p": "top_p", "min-p": "min_p",
                    "seed": "seed", "max-tokens": "max_tokens", "stop": "stop",
                    "repetition-penalty": "repetition_penalty"}
-_SERVER_NAMES = {"host": "host", "port": "port", "api-keys": "api_keys"}
+_SERVER_NAMES = {"host": "host", "port": "port", "api-keys": "api_keys", "max-queue": "max_queue",
+                 "request-timeout": "request_timeout", "max-body-bytes": "max_body_bytes",
+                 "max-tokens-limit": "max_tokens"}
 
 
 # ---------------------------------------------------------------- schema
@@ -430,7 +432,16 @@ class Config:
         return {_SAMPLING_NAMES[k]: copy.deepcopy(v) for k, v in params.items()}
 
     def server_parameters(self) -> dict:
+        """server-parameters by their Python names; an API key that cannot work (empty, blank, whitespace around
+        it: the schema's minLength lets "  " through) is a ConfigError naming it, as `--api-key` is refused."""
+        from lumen_core.server.settings import api_key_problem  # no FastAPI: settings imports nothing else
+
         params = self.raw.get("server-parameters", {})
+        for i, key in enumerate(params.get("api-keys", [])):
+            problem = api_key_problem(key)
+            if problem:
+                raise ConfigError(f"server-parameters.api-keys[{i}]", problem,
+                                  "write the key itself, or remove it (no keys: no authentication)")
         return {_SERVER_NAMES[k]: copy.deepcopy(v) for k, v in params.items()}
 
     def requested_features(self) -> list[tuple[str, str]]:

@@ -8,6 +8,7 @@ Filters mask to -inf and never remove the most likely token.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -16,6 +17,22 @@ import numpy as np
 from lumen_core.errors import InputError
 
 Sampler = Callable[[np.ndarray, Iterable[int]], int]
+
+
+# Bounds that keep every step of the float64 chain finite for any finite float32 logits (|x| < 3.5e38): a
+# temperature >= MIN_TEMPERATURE and a repetition penalty within [1/MAX_PENALTY, MAX_PENALTY] scale a logit by at
+# most 1e10, so no logit overflows to inf and no softmax sees inf - inf (the CUDA sampler runs the same float64
+# chain). Below MIN_TEMPERATURE sampling is argmax in all but name: send 0 for greedy.
+MIN_TEMPERATURE = 1e-5
+MAX_PENALTY = 1e5
+
+
+class SamplingError(InputError):
+    """A sampling value out of range; ``field`` names the option (its Python/API name, e.g. ``top_k``)."""
+
+    def __init__(self, field: str, value, allowed: str):
+        self.field = field
+        super().__init__(f"{field} must be {allowed}, got {_show(value)}")
 
 
 @dataclass
@@ -28,16 +45,19 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # 1 = off
 
     def validate(self) -> SamplingParams:
-        """Raise InputError naming the first bad field and its allowed range; return self."""
-        t, k, p, m, r = self.temperature, self.top_k, self.top_p, self.min_p, self.repetition_penalty
-        _check(_is_number(t) and t >= 0, "temperature", t, "a number >= 0 (0 means greedy)")
+        """Raise SamplingError (an InputError) naming the first bad field, its allowed range and the value given;
+        return self. Every value it accepts samples without overflow (see MIN_TEMPERATURE)."""
+        t, k, p, m, r, seed = (self.temperature, self.top_k, self.top_p, self.min_p, self.repetition_penalty,
+                               self.seed)
+        _check(_is_finite(t) and (t == 0 or t >= MIN_TEMPERATURE), "temperature", t,
+               f"0 (greedy) or a finite number >= {MIN_TEMPERATURE:g}")
         _check(_is_int(k) and k >= 0, "top_k", k, "an integer >= 0 (0 means off)")
-        _check(_is_number(p) and 0 < p <= 1, "top_p", p, "a number in (0, 1] (1 means off)")
-        _check(_is_number(m) and 0 <= m <= 1, "min_p", m, "a number in [0, 1] (0 means off)")
-        _check(_is_number(r) and r > 0, "repetition_penalty", r, "a number > 0 (1 means off)")
-        seed = self.seed
+        _check(_is_finite(p) and 0 < p <= 1, "top_p", p, "a number in (0, 1] (1 means off)")
+        _check(_is_finite(m) and 0 <= m <= 1, "min_p", m, "a number in [0, 1] (0 means off)")
+        _check(_is_finite(r) and 1 / MAX_PENALTY <= r <= MAX_PENALTY, "repetition_penalty", r,
+               f"a number in [{1 / MAX_PENALTY:g}, {MAX_PENALTY:g}] (1 means off)")
         _check(seed is None or (_is_int(seed) and seed >= 0), "seed", seed,
-               "an integer >= 0, or omitted for a random seed")
+               "an integer >= 0 (left out: a random seed)")
         return self
 
 
@@ -45,15 +65,25 @@ def _is_int(value) -> bool:
     return isinstance(value, int | np.integer) and not isinstance(value, bool)
 
 
-def _is_number(value) -> bool:
-    # Checked first so a string fails with our message, not a TypeError from the comparison; NaN fails
-    # every comparison after it.
-    return isinstance(value, int | float | np.integer | np.floating) and not isinstance(value, bool)
+def _is_finite(value) -> bool:
+    # The type first, so a string fails with our message, not a TypeError from a comparison; NaN, inf and an int
+    # past the float range (which numpy cannot divide by) fail.
+    if not isinstance(value, int | float | np.integer | np.floating) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
+def _show(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _check(ok: bool, field: str, value, allowed: str) -> None:
     if not ok:
-        raise InputError(f"sampling {field}={value!r} is out of range: it must be {allowed}")
+        raise SamplingError(field, value, allowed)
 
 
 # --- filters: each returns new float64 logits with removed tokens at -inf ------------------------------

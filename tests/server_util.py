@@ -18,12 +18,12 @@ def load_tiny(path, context: int = 512):
 class Server:
     """``Server(engine, api_keys)`` starts; ``.url`` is ``http://127.0.0.1:PORT``; ``.stop()`` stops."""
 
-    def __init__(self, engine, api_keys=None, model_name: str = "tiny"):
+    def __init__(self, engine, api_keys=None, model_name: str = "tiny", limits=None):
         import uvicorn
 
         from lumen_core.server.app import create_app
 
-        self.app = create_app(engine, api_keys, model_name)
+        self.app = create_app(engine, api_keys, model_name, limits)
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
@@ -60,5 +60,24 @@ def script(engine, monkeypatch, reply: str, prompts: list | None = None):
         if len(ids) < max_tokens:
             st.generated_tokens += 1  # the end-of-turn token
             st.finish_reason = "stop"
+
+    monkeypatch.setattr(engine, "generate_tokens", fake)
+
+
+def slow(engine, monkeypatch, delay: float, produced: list, start: threading.Event | None = None):
+    """Make ``engine`` 'generate' the token of " word" every ``delay`` seconds until ``max_tokens`` (no end-of-turn
+    token), appending each to ``produced``: what the worker computed, whether or not anyone read it. ``start``:
+    wait for it before the first token (a generation that holds the worker until the test lets it go)."""
+    tok = engine.tokenizer.backend.encode(" word", add_special_tokens=False).ids[0]
+
+    def fake(prompt_ids, max_tokens=256, params=None):
+        engine.stats = st = Stats(prompt_tokens=len(prompt_ids), finish_reason="length")
+        if start is not None:
+            start.wait(30)
+        for _ in range(max_tokens):
+            time.sleep(delay)
+            st.generated_tokens += 1
+            produced.append(tok)
+            yield tok
 
     monkeypatch.setattr(engine, "generate_tokens", fake)

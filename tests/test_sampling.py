@@ -14,6 +14,9 @@ from transformers.generation.logits_process import (
 
 from lumen_core.errors import InputError
 from lumen_core.sampling import (
+    MAX_PENALTY,
+    MIN_TEMPERATURE,
+    SamplingError,
     SamplingParams,
     apply_min_p,
     apply_repetition_penalty,
@@ -35,18 +38,62 @@ def kept(logits: np.ndarray) -> set[int]:
 
 
 @pytest.mark.parametrize(("field", "value"), [
-    ("temperature", -0.1), ("temperature", "hot"), ("top_k", -1), ("top_k", 2.5), ("top_k", True),
-    ("top_p", 0.0), ("top_p", 1.5), ("min_p", -0.1), ("min_p", 1.1), ("min_p", float("nan")),
-    ("repetition_penalty", 0.0), ("seed", -3), ("seed", 1.5),
+    ("temperature", -0.1), ("temperature", "hot"), ("temperature", float("inf")), ("temperature", float("nan")),
+    ("temperature", 1e-310), ("temperature", 5e-6), ("temperature", 10**400), ("temperature", True),
+    ("top_k", -1), ("top_k", 2.5), ("top_k", True), ("top_k", "3"),
+    ("top_p", 0.0), ("top_p", 1.5), ("top_p", float("nan")), ("top_p", float("-inf")),
+    ("min_p", -0.1), ("min_p", 1.1), ("min_p", float("nan")), ("min_p", float("inf")),
+    ("repetition_penalty", 0.0), ("repetition_penalty", 1e-320), ("repetition_penalty", 1e6),
+    ("repetition_penalty", float("inf")), ("repetition_penalty", float("nan")),
+    ("seed", -3), ("seed", 1.5), ("seed", True),
 ])
-def test_validate_names_the_field_and_range(field, value):
-    with pytest.raises(InputError, match=rf"{field}=.*must be"):
+def test_validate_names_the_field_the_rule_and_the_value(field, value):
+    """The message names the option neutrally (its API name, no CLI flag or config key), the rule and the value:
+    `lumen validate` (config other-parameters), `generate` and the server all show it."""
+    with pytest.raises(SamplingError, match=rf"^{field} must be .*, got ") as info:
         SamplingParams(**{field: value}).validate()
+    assert info.value.field == field and isinstance(info.value, InputError)
+    assert "--" not in str(info.value) and "sampling" not in str(info.value)
 
 
 def test_defaults_are_valid():
     SamplingParams().validate()
     SamplingParams(temperature=0, top_k=5, top_p=1.0, min_p=1.0, seed=np.int64(3)).validate()
+    SamplingParams(top_k=10**30, seed=10**30).validate()  # huge but meaningful: top_k off, a big seed
+
+
+EXTREME = np.array([3.4e38, -3.4e38, 3.4e38, 1.0, -1.0, 0.0], dtype=np.float32)  # float32's own extremes
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=MIN_TEMPERATURE, seed=1),
+    SamplingParams(temperature=1e300, seed=1),
+    SamplingParams(temperature=MIN_TEMPERATURE, repetition_penalty=1 / MAX_PENALTY, seed=1),
+    SamplingParams(temperature=MIN_TEMPERATURE, repetition_penalty=MAX_PENALTY, top_p=5e-324, seed=1),
+    SamplingParams(temperature=1.0, repetition_penalty=MAX_PENALTY, min_p=1.0, seed=1),
+    SamplingParams(temperature=0, repetition_penalty=1 / MAX_PENALTY),
+])
+def test_every_accepted_value_samples_a_real_token_even_from_extreme_logits(params):
+    """The bounds of validate are what keeps the chain finite: at them, with float32's largest logits and every
+    token seen (the penalty applies to all), a draw is a real token, never an IndexError or NaN."""
+    sample = make_sampler(params)
+    for previous in ([], list(range(EXTREME.size))):
+        tok = sample(EXTREME, previous)
+        assert 0 <= tok < EXTREME.size
+    # the tokens at the top (0 and 2, tied) are the only ones a near-zero temperature can pick
+    if params.temperature == MIN_TEMPERATURE and params.repetition_penalty == 1.0:
+        assert {make_sampler(SamplingParams(temperature=MIN_TEMPERATURE, seed=s))(EXTREME, []) for s in range(20)} \
+            == {0, 2}
+
+
+def test_past_the_bounds_the_chain_would_break():
+    """Why the bounds: a temperature of 1e-310 (accepted before) overflows the scaled logits to inf, and the
+    softmax of inf - inf is NaN; validate now refuses it before the sampler is built."""
+    with np.errstate(all="ignore"):
+        probs = softmax(EXTREME.astype(np.float64) / 1e-310)
+    assert np.isnan(probs).any()
+    with pytest.raises(SamplingError, match="temperature"):
+        make_sampler(SamplingParams(temperature=1e-310))
 
 
 # --- filters, by hand ----------------------------------------------------------------------------------

@@ -28,6 +28,9 @@ An Anthropic request is turned into the OpenAI-style conversation the chat templ
 * A model without a chat template answers a 400 that points to ``/v1/completions``; errors name the request field
   to change, never a CLI flag (``checks.py`` checks the engine's conditions first).
 
+* ``max_tokens`` may not exceed the context left after the prompt (a 400 naming it, as OpenAI does); a client that
+  disconnects cancels its generation, streamed or not.
+
 Not supported: images and documents (400), server tools (400), a final assistant message as a prefill (400).
 """
 
@@ -38,22 +41,24 @@ import secrets
 from contextlib import aclosing
 from typing import Any, Literal
 
-from fastapi import FastAPI
-from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..chat import Content, Reasoning, ToolCall
+from ..engine import sampling_params
 from ..errors import InputError
+from ..sampling import SamplingError
 from ..tokenizer import StopMatcher
 from . import checks
-from .app import APIError, check_model
+from .app import APIError, JobStream, check_model, client_gone, submit
 from .service import Usage
 
 # --- request models (wrong types -> RequestValidationError -> 400 in Anthropic's shape) ---------------------
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)  # strict: true is no integer, "yes" no boolean
 
 
 class MessageParam(_Model):
@@ -82,13 +87,15 @@ class CountTokensRequest(BaseModel):
     """Top level: an unknown field is a 400 naming it (nothing silently ignored); per-block and per-tool extras
     such as ``cache_control`` are allowed (they change nothing here)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     model: str
     messages: list[MessageParam]
     system: str | list[dict[str, Any]] | None = None
     tools: list[ToolParam] | None = None
     tool_choice: ToolChoice | None = None
     thinking: ThinkingParam | None = None
+
+    _text_only = model_validator(mode="before")(checks.text_only)
 
 
 class MessagesRequest(CountTokensRequest):
@@ -288,11 +295,21 @@ def _tool_ids():
         yield "toolu_" + secrets.token_hex(12)
 
 
+def _sampling(engine, req: MessagesRequest) -> dict:
+    """The request's sampling options, checked here (a 400 naming the field) rather than on the worker."""
+    sampling = {k: v for k, v in (("temperature", req.temperature), ("top_p", req.top_p), ("top_k", req.top_k))
+                if v is not None}
+    try:
+        sampling_params(engine.config.sampling_defaults(), sampling).validate()
+    except SamplingError as exc:
+        raise _bad(str(exc)) from exc
+    return sampling
+
+
 def _runner(prep: _Prepared, req: MessagesRequest, state: dict):
     """The zero-arg generator function the Service runs on its worker: chat events, answer text cut at the
     first stop sequence (``state["stop"]`` then names it)."""
-    sampling = {k: v for k, v in (("temperature", req.temperature), ("top_p", req.top_p), ("top_k", req.top_k))
-                if v is not None}
+    sampling = _sampling(prep.engine, req)
     stops = [s for s in (req.stop_sequences or []) if s]
 
     def run():
@@ -404,29 +421,32 @@ class _StreamBlocks:
         return [_sse("content_block_stop", {"type": "content_block_stop", "index": self.index})]
 
 
-async def _create(app: FastAPI, req: MessagesRequest, model: str):
+async def _create(request: Request, req: MessagesRequest):
+    app, model = request.app, request.app.state.model_name
     prep = _Prepared(app, req)
     checks.check_length(prep.engine, prep.input_tokens, "messages")
+    checks.check_max_tokens(prep.engine, app.state.limits.max_tokens, prep.input_tokens, req.max_tokens,
+                            "max_tokens", "messages")
     usage, state = Usage(), {}
-    stream = app.state.service.stream(_runner(prep, req, state), usage)
+    service = app.state.service
+    job = submit(request, _runner(prep, req, state), usage)
     msg_id = _message_id()
 
     if not req.stream:
-        events = []
-        async with aclosing(stream) as it:
-            try:
-                async for event in it:
-                    events.append(event)
-            except InputError as exc:
-                raise _bad(str(exc)) from exc
+        try:
+            events = await service.collect(job, lambda: client_gone(request))
+        except InputError as exc:
+            raise _bad(str(exc)) from exc
         saw_tool = any(isinstance(e, ToolCall) for e in events)
         return JSONResponse({
             "id": msg_id, "type": "message", "role": "assistant", "model": model, "content": _blocks(events),
             "stop_reason": _stop_reason(usage, state, saw_tool), "stop_sequence": state.get("stop"),
             "usage": {"input_tokens": prep.input_tokens, "output_tokens": usage.completion_tokens}})
 
-    # Wait for the first event before answering, so that errors raised before any output (a bad sampling value)
-    # still come back as an HTTP error rather than inside a 200 stream.
+    # Wait for the first event before answering, so that errors raised before any output still come back as an
+    # HTTP error rather than inside a 200 stream; a client that leaves meanwhile cancels the generation.
+    stream = service.events(job)
+    watch = service.watch(job, lambda: client_gone(request))
     try:
         first = [await stream.__anext__()]
     except StopAsyncIteration:
@@ -437,6 +457,8 @@ async def _create(app: FastAPI, req: MessagesRequest, model: str):
     except BaseException:
         await stream.aclose()
         raise
+    finally:
+        watch.cancel()
 
     async def sse():
         yield _sse("message_start", {"type": "message_start", "message": {
@@ -466,16 +488,15 @@ async def _create(app: FastAPI, req: MessagesRequest, model: str):
                                                "output_tokens": usage.completion_tokens}})
         yield _sse("message_stop", {"type": "message_stop"})
 
-    return StreamingResponse(sse(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return JobStream(sse(), job)
 
 
 def mount(app: FastAPI) -> None:
     """Add the Anthropic routes to ``app`` (made by ``create_app``)."""
 
     @app.post("/v1/messages")
-    async def messages(req: MessagesRequest):
-        return await _create(app, req, app.state.model_name)
+    async def messages(req: MessagesRequest, request: Request):
+        return await _create(request, req)
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(req: CountTokensRequest):

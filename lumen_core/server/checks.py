@@ -9,9 +9,15 @@ line and the config file (a flag to drop, a config key to raise), which an HTTP 
 * A forced tool call where the chat format has no tool-call syntax: a 400 naming ``tool_choice``.
 * A prompt longer than the context: a 400 naming both sizes (OpenAI code ``context_length_exceeded``).
 * No tokenizer: a 400 saying that the model takes no text.
+* ``max_tokens`` more than the context left after the prompt (or the server's ``max-tokens-limit``): OpenAI's 400
+  "max_tokens is too large", naming the field.
+* Text the tokenizer cannot take (a lone UTF-16 surrogate, which JSON's ``\ud800`` escape can write): a 400 naming
+  the field, from the request models' validator.
 """
 
 from __future__ import annotations
+
+import re
 
 from .app import APIError
 
@@ -65,3 +71,54 @@ def check_length(engine, n: int, param: str) -> None:
                        f"tokens; shorten the {param}", param=param, code="context_length_exceeded")
     if n == 0:
         raise APIError(400, "the prompt is empty (0 tokens)", param=param)
+
+
+def check_max_tokens(engine, limit: int | None, prompt_tokens: int, max_tokens: int | None, param: str,
+                     prompt_param: str) -> None:
+    """A requested ``max_tokens`` (``param``: the field that holds it) within the server's ``limit`` and the
+    context left after the prompt (``prompt_param``: the field that holds that); left out, nothing to check (the
+    generation stops where the context ends)."""
+    if max_tokens is None:
+        return
+    if limit is not None and max_tokens > limit:
+        raise APIError(400, f"{param} is too large: {max_tokens}. This server generates at most {limit} tokens "
+                       "per request", param=param)
+    room = max(engine.context_size - prompt_tokens, 0)
+    if max_tokens > room:
+        raise APIError(400, f"{param} is too large: {max_tokens}. The prompt has {prompt_tokens} tokens and this "
+                       f"model's context size is {engine.context_size} tokens, so at most {room} can be "
+                       f"generated; lower {param} or shorten the {prompt_param}", param=param)
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")  # after JSON decoding a pair is one code point: what is left is lone
+
+
+def lone_surrogate(data) -> str | None:
+    """The path (``messages[0].content``) of a string or key in a parsed JSON body that holds a lone UTF-16
+    surrogate, or None. Walked without recursion, so any depth JSON allows is fine."""
+    stack = [(data, "")]
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, str):
+            if _SURROGATE.search(value):
+                return path or "body"
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                where = f"{path}.{key}" if path else str(key)
+                if isinstance(key, str) and _SURROGATE.search(key):
+                    return where
+                stack.append((item, where))
+        elif isinstance(value, list):
+            stack.extend((item, f"{path}[{i}]") for i, item in enumerate(value))
+    return None
+
+
+def text_only(data):
+    """A request model's before-validator: a ValueError (a 400) naming the field whose text holds a lone
+    surrogate, which no tokenizer can read and no reply could quote."""
+    path = lone_surrogate(data)
+    if path is not None:  # a key on the path may hold one too: escaped, as pydantic cannot carry it
+        path = path.encode("utf-8", "backslashreplace").decode("utf-8")
+        raise ValueError(f"{path} holds a lone UTF-16 surrogate (such as \\ud800 without its pair), which is not "
+                         "text; send the character itself or a whole surrogate pair")
+    return data

@@ -29,10 +29,12 @@ Behaviour worth knowing:
   malformed call gets it back as content. ``parallel_tool_calls: false`` keeps only the first call.
 * ``finish_reason`` is ``tool_calls`` when the reply made calls, else ``length`` when ``max_tokens`` or the
   context ran out, else ``stop``.
-* A prompt longer than the context (or a bad sampling value, or messages the chat template refuses) is a 400
-  before anything is queued, for streaming requests too, so a client never gets a broken stream for them.
-* Every generation runs through the shared `Service` queue; a streaming client that disconnects cancels its
-  generation (the next token is not computed).
+* A prompt longer than the context (or a bad sampling value, a ``max_tokens`` past the context left after it,
+  messages the chat template refuses) is a 400 before anything is queued, for streaming requests too, so a client
+  never gets a broken stream for them. Types are strict (``true`` is no integer) and a lone surrogate in any
+  string is a 400 naming the field.
+* Every generation runs through the shared `Service` queue (a full queue: 429 with Retry-After); a client that
+  disconnects cancels its generation, streamed or not (the next token is not computed).
 """
 
 from __future__ import annotations
@@ -40,32 +42,34 @@ from __future__ import annotations
 import json
 import secrets
 import time
-from collections.abc import AsyncIterator
 from typing import Any, Literal
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from starlette.concurrency import run_in_threadpool
 
 from ..chat import Content, Reasoning, ToolCall, collect
 from ..engine import sampling_params
 from ..errors import InputError
+from ..sampling import SamplingError
 from . import checks
-from .app import APIError, check_model
-from .service import Usage
+from .app import APIError, JobStream, check_model, client_gone, submit
+from .service import Job, Usage
 
 # --- request models ------------------------------------------------------------------------------------
 
 
+# strict: a JSON value of the wrong type is a 400, never converted (true is not the integer 1, "yes" not a bool,
+# 2.0 not an integer); an integer is still a number.
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class _Loose(BaseModel):
     # Parts of messages: clients echo back assistant messages as the SDK returned them (refusal, annotations,
     # audio: null, ...), so unknown keys inside a message are ignored.
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class ContentPart(_Loose):
@@ -148,6 +152,8 @@ class _Common(_Strict):
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
 
+    _text_only = model_validator(mode="before")(checks.text_only)
+
 
 class ChatRequest(_Common):
     messages: list[Message] = Field(min_length=1)
@@ -203,6 +209,8 @@ def _sampling(engine, req: _Common) -> dict:
     sampling = {k: getattr(req, k) for k in names if getattr(req, k) is not None}
     try:  # the worker would raise the same later; here it is a clean 400 before the queue (and the stream)
         sampling_params(engine.config.sampling_defaults(), sampling).validate()
+    except SamplingError as exc:
+        raise APIError(400, str(exc), param=exc.field) from exc
     except InputError as exc:
         raise APIError(400, str(exc)) from exc
     return sampling
@@ -234,25 +242,16 @@ def _sse_error(exc: BaseException) -> str:
     return _sse({"error": {"message": message, "type": kind, "param": None, "code": None}})
 
 
-async def _consume(request: Request, service, run, usage: Usage) -> list:
-    """All events of a non-streamed generation; a client that went away cancels it."""
-    events = []
-    stream = service.stream(run, usage)
+async def _consume(request: Request, job: Job) -> list:
+    """All events of a non-streamed generation; a client that disconnects meanwhile cancels it."""
     try:
-        async for event in stream:
-            events.append(event)
-            if len(events) % 16 == 0 and await request.is_disconnected():
-                break
+        return await request.app.state.service.collect(job, lambda: client_gone(request))
     except InputError as exc:
         raise APIError(400, str(exc)) from exc
-    finally:
-        await stream.aclose()
-    return events
 
 
-def _streaming(body: AsyncIterator[str]) -> StreamingResponse:
-    return StreamingResponse(body, media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+def _max_tokens_param(req: _Common) -> str:
+    return "max_completion_tokens" if getattr(req, "max_completion_tokens", None) is not None else "max_tokens"
 
 
 # --- chat ----------------------------------------------------------------------------------------------
@@ -389,9 +388,10 @@ async def chat_completions(req: ChatRequest, request: Request):
             "tool_choice: this model's chat format has no tool-call syntax to start a call with, so a call cannot "
             "be required; use tool_choice 'auto'")
     try:
-        await run_in_threadpool(_prompt_tokens, engine, messages, tools, think, force)
+        n = await run_in_threadpool(_prompt_tokens, engine, messages, tools, think, force)
     except InputError as exc:
         raise APIError(400, str(exc)) from exc
+    checks.check_max_tokens(engine, app.state.limits.max_tokens, n, max_tokens, _max_tokens_param(req), "messages")
     single_call = req.parallel_tool_calls is False
 
     def run():
@@ -399,9 +399,10 @@ async def chat_completions(req: ChatRequest, request: Request):
                            **sampling)
 
     usage = Usage()
+    job = submit(request, run, usage)
     cid, created = "chatcmpl-" + secrets.token_hex(12), int(time.time())
     if not req.stream:
-        events = await _consume(request, service, run, usage)
+        events = await _consume(request, job)
         content, reasoning, calls = collect(events)
         calls = calls[:1 if single_call else None]
         message: dict[str, Any] = {"role": "assistant", "content": content if content or not calls else None,
@@ -423,7 +424,7 @@ async def chat_completions(req: ChatRequest, request: Request):
                      "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]})
 
     async def body():
-        stream = service.stream(run, usage)
+        stream = service.events(job)
         n_calls = 0
         try:
             yield chunk({"role": "assistant", "content": ""})
@@ -450,7 +451,7 @@ async def chat_completions(req: ChatRequest, request: Request):
         finally:
             await stream.aclose()  # a disconnected client: cancels the generation
 
-    return _streaming(body())
+    return JobStream(body(), job)
 
 
 # --- completions ---------------------------------------------------------------------------------------
@@ -481,11 +482,13 @@ async def completions(req: CompletionRequest, request: Request):
         ids = await run_in_threadpool(measure)
     except InputError as exc:
         raise APIError(400, str(exc)) from exc
+    checks.check_max_tokens(engine, app.state.limits.max_tokens, len(ids), req.max_tokens, "max_tokens", "prompt")
 
     def run():
         return engine.generate(ids, max_tokens=req.max_tokens, stop=stop, **sampling)
 
     usage = Usage()
+    job = submit(request, run, usage)
     cid, created = "cmpl-" + secrets.token_hex(12), int(time.time())
 
     def obj(text: str, finish: str | None) -> dict:
@@ -493,13 +496,13 @@ async def completions(req: CompletionRequest, request: Request):
                 "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}
 
     if not req.stream:
-        pieces = await _consume(request, service, run, usage)
+        pieces = await _consume(request, job)
         return JSONResponse({**obj("".join(pieces), _finish(usage, False)), "usage": _usage(usage)})
 
     include_usage = _include_usage(req)
 
     async def body():
-        stream = service.stream(run, usage)
+        stream = service.events(job)
         try:
             try:
                 async for piece in stream:
@@ -516,7 +519,7 @@ async def completions(req: CompletionRequest, request: Request):
         finally:
             await stream.aclose()
 
-    return _streaming(body())
+    return JobStream(body(), job)
 
 
 def mount(app: FastAPI) -> None:

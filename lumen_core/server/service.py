@@ -3,25 +3,36 @@
 The engine (its weights, its decode graph) is not re-entrant, so requests run one at a time in arrival order;
 each gets its own cache (the engine makes one per generation), so a request's output never depends on the
 others: N concurrent greedy clients get exactly what each would get alone. Events travel from the worker to the
-request's asyncio task through ``loop.call_soon_threadsafe``. A request whose client went away is cancelled: the
-worker checks between tokens and closes the generation.
+request's asyncio task through ``loop.call_soon_threadsafe``.
+
+A route ``submit``s its generation (refused with ``QueueFull`` when ``Limits.max_queue`` generations already wait:
+before any response has started) and then reads it with ``events`` (a streamed reply) or ``collect`` (a whole
+one). A generation is cancelled when the request is done with it: a streamed reply's client went away, or a whole
+reply's client disconnected while it waited (``collect`` watches for that). The worker checks between events
+and closes the generation; one cancelled while still queued is skipped. A generation that runs past
+``Limits.request_timeout`` is stopped the same way and reported as cut short (``finish_reason`` "length").
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import math
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
+
+from .settings import Limits
 
 
 @dataclass
 class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
-    finish_reason: str = "stop"  # stop | length | tool_calls (set by the API layer) | cancelled
+    finish_reason: str = "stop"  # stop | length | cancelled (the API layer adds tool_calls)
+    timed_out: bool = False  # stopped by the request timeout (finish_reason is then "length")
 
 
 @dataclass
@@ -31,6 +42,24 @@ class Job:
     out: asyncio.Queue
     cancelled: threading.Event = field(default_factory=threading.Event)
     usage: Usage = field(default_factory=Usage)
+    queued_at: float = field(default_factory=time.perf_counter)
+
+    def cancel(self) -> None:
+        """Stop the generation before its next event (a no-op once it finished)."""
+        self.cancelled.set()
+
+
+class QueueFull(Exception):
+    """``max_queue`` generations wait already; ``retry_after``: whole seconds a client should wait."""
+
+    def __init__(self, waiting: int, retry_after: int):
+        super().__init__(f"the server is busy: {waiting} requests are waiting for the model; retry in "
+                         f"{retry_after} s")
+        self.retry_after = retry_after
+
+
+class ClientGone(Exception):
+    """The client of a whole reply disconnected before it was ready (the app answers 499, which no one reads)."""
 
 
 _DONE = object()
@@ -43,6 +72,7 @@ class Metrics:
     completion_tokens: int = 0
     latency_sum: float = 0.0
     latency_count: int = 0
+    timeouts: int = 0
 
     def prometheus(self, queue_depth: int) -> str:
         lines = ["# HELP lumen_requests_total HTTP requests by route and status.",
@@ -58,14 +88,17 @@ class Metrics:
                   "# TYPE lumen_request_latency_seconds summary",
                   f"lumen_request_latency_seconds_sum {self.latency_sum:.6f}",
                   f"lumen_request_latency_seconds_count {self.latency_count}",
+                  "# HELP lumen_request_timeouts_total Generations stopped by the request timeout.",
+                  "# TYPE lumen_request_timeouts_total counter", f"lumen_request_timeouts_total {self.timeouts}",
                   "# HELP lumen_queue_depth Generations waiting or running.", "# TYPE lumen_queue_depth gauge",
                   f"lumen_queue_depth {queue_depth}"]
         return "\n".join(lines) + "\n"
 
 
 class Service:
-    def __init__(self, engine):
+    def __init__(self, engine, limits: Limits | None = None):
         self.engine = engine
+        self.limits = limits or Limits()
         self.metrics = Metrics()
         self.routes: set[str] = set()  # the app's route paths (metrics label values)
         self._jobs: queue.Queue[Job | None] = queue.Queue()
@@ -81,15 +114,27 @@ class Service:
     def close(self) -> None:
         self._jobs.put(None)
 
-    async def stream(self, run: Callable[[], Iterator], usage: Usage | None = None) -> AsyncIterator:
-        """Queue ``run`` (a generator function of the engine) and yield its events here as they come. Leaving the
-        iteration early (a disconnected client) cancels the generation. Errors raised by ``run`` re-raise here."""
-        loop = asyncio.get_running_loop()
-        job = Job(run, loop, asyncio.Queue(), usage=usage or Usage())
+    def submit(self, run: Callable[[], Iterator], usage: Usage | None = None) -> Job:
+        """Queue ``run`` (a generator function of the engine); QueueFull when ``max_queue`` jobs wait behind the
+        running one. Call it before the response starts, so a refusal is a 429, and read the job with ``events``
+        or ``collect``."""
         with self._lock:
+            waiting = max(self._depth - 1, 0)  # the one at the front runs
+            if self._depth > 0 and waiting >= self.limits.max_queue:
+                raise QueueFull(waiting, self.retry_after())
             self._depth += 1
+        job = Job(run, asyncio.get_running_loop(), asyncio.Queue(), usage=usage or Usage())
         self._jobs.put(job)
-        t0 = time.perf_counter()
+        return job
+
+    def retry_after(self) -> int:
+        """Seconds until a place is likely free: the mean time of a generation so far (at least 1)."""
+        m = self.metrics
+        return max(1, math.ceil(m.latency_sum / m.latency_count)) if m.latency_count else 1
+
+    async def events(self, job: Job) -> AsyncIterator:
+        """The job's events as they come. Leaving the iteration early (a disconnected client) cancels the
+        generation. Errors raised by ``run`` re-raise here."""
         try:
             while True:
                 item = await job.out.get()
@@ -99,9 +144,31 @@ class Service:
                     raise item
                 yield item
         finally:
-            job.cancelled.set()  # no-op when it finished; stops the worker when the client left early
-            self.metrics.latency_sum += time.perf_counter() - t0
+            job.cancel()  # no-op when it finished; stops the worker when the client left early
+            self.metrics.latency_sum += time.perf_counter() - job.queued_at
             self.metrics.latency_count += 1
+
+    async def collect(self, job: Job, gone: Callable[[], Awaitable]) -> list:
+        """All events of ``job`` (a whole reply). ``gone()`` returns when the client has disconnected: the
+        generation is then cancelled and ClientGone raised (there is no one to answer)."""
+        watch = self.watch(job, gone)
+        try:
+            events = [event async for event in self.events(job)]
+        finally:
+            watch.cancel()
+        if watch.done() and not watch.cancelled():
+            raise ClientGone()
+        return events
+
+    @staticmethod
+    def watch(job: Job, gone: Callable[[], Awaitable]) -> asyncio.Task:
+        """A task that cancels ``job`` when ``gone()`` returns; cancel the task once the job is done with."""
+        async def cancel_when_gone():
+            with contextlib.suppress(Exception):  # a failed receive: no client is left to answer either
+                await gone()
+            job.cancel()
+
+        return asyncio.ensure_future(cancel_when_gone())
 
     def _serve(self) -> None:
         while True:
@@ -119,6 +186,8 @@ class Service:
                 job.loop.call_soon_threadsafe(job.out.put_nowait, _DONE)
 
     def _run(self, job: Job) -> None:
+        timeout = self.limits.request_timeout
+        deadline = time.monotonic() + timeout if timeout else math.inf
         gen = job.run()
         try:
             for event in gen:
@@ -126,12 +195,21 @@ class Service:
                     job.usage.finish_reason = "cancelled"
                     break
                 job.loop.call_soon_threadsafe(job.out.put_nowait, event)
+                if time.monotonic() > deadline:
+                    job.usage.timed_out = True
+                    self.metrics.timeouts += 1
+                    break
         finally:
             gen.close()
-            stats = self.engine.stats
-            job.usage.prompt_tokens = stats.prompt_tokens
-            job.usage.completion_tokens = stats.generated_tokens
-            if job.usage.finish_reason != "cancelled":
-                job.usage.finish_reason = "length" if stats.finish_reason == "length" else "stop"
-            self.metrics.prompt_tokens += stats.prompt_tokens
-            self.metrics.completion_tokens += stats.generated_tokens
+            self._account(job)
+
+    def _account(self, job: Job) -> None:
+        stats, usage = self.engine.stats, job.usage
+        usage.prompt_tokens = stats.prompt_tokens
+        usage.completion_tokens = stats.generated_tokens
+        if usage.timed_out:
+            usage.finish_reason = "length"
+        elif usage.finish_reason != "cancelled":
+            usage.finish_reason = "length" if stats.finish_reason == "length" else "stop"
+        self.metrics.prompt_tokens += stats.prompt_tokens
+        self.metrics.completion_tokens += stats.generated_tokens

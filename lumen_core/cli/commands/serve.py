@@ -20,6 +20,18 @@ def serve(
                                              "server-parameters.api-keys; none = no authentication).")] = None,
     model_name: Annotated[str | None, Opt("--model-name", help="Model id the API reports (default: the "
                                           "checkpoint's directory or file name).")] = None,
+    max_queue: Annotated[int | None, Opt(min=0, help="Requests that may wait behind the running one; past it a "
+                                         "429 with Retry-After (default: server-parameters.max-queue, else 64).")
+                         ] = None,
+    request_timeout: Annotated[float | None, Opt(min=0, help="Seconds one generation may run before it is cut "
+                                                 "short as if max_tokens were reached; 0 = no limit (default: "
+                                                 "server-parameters.request-timeout, else 600).")] = None,
+    max_body_bytes: Annotated[int | None, Opt(min=1024, help="Largest request body; a larger one is a 413 "
+                                              "(default: server-parameters.max-body-bytes, else 4194304).")
+                              ] = None,
+    max_tokens_limit: Annotated[int | None, Opt(min=1, help="Most tokens one request may ask for (default: "
+                                                "server-parameters.max-tokens-limit, else only the context left "
+                                                "after the prompt).")] = None,
     chat_template: ChatTemplateOpt = None,
 ):
     """Serve the model over HTTP: OpenAI (/v1/chat/completions, /v1/completions, /v1/models) and Anthropic
@@ -30,17 +42,30 @@ def serve(
     """
     import uvicorn
 
+    from ...config import config_from_path_or_model
     from ...engine import load
+    from ...errors import InputError
     from ...server.app import create_app
+    from ...server.settings import Limits, api_key_problem
 
-    engine = load(config, progress=True, chat_template=chat_template)
-    params = engine.config.server_parameters()
+    for key in api_key or []:  # before anything loads: an empty key must not switch authentication off
+        problem = api_key_problem(key)
+        if problem:
+            raise InputError(f"--api-key: {problem}; give the key itself, or leave --api-key out for no "
+                             "authentication")
+    cfg = config_from_path_or_model(config)
+    params = cfg.server_parameters()  # a bad api-keys entry is a ConfigError naming it, before the weights
+    limits = Limits.from_parameters(params, max_queue=max_queue, request_timeout=request_timeout,
+                                    max_body_bytes=max_body_bytes, max_tokens=max_tokens_limit)
     keys = api_key if api_key else params.get("api_keys", [])
     host = host or params.get("host", "127.0.0.1")
     port = port or params.get("port", 8000)
-    app = create_app(engine, keys, model_name)
+    engine = load(cfg, progress=True, chat_template=chat_template)
+    app = create_app(engine, keys, model_name, limits)
     typer.echo(f"lumen serve: {app.state.model_name} on http://{host}:{port} "
-               f"({'API keys required' if keys else 'no authentication'})", err=True)
+               f"({'API keys required' if keys else 'no authentication'}; queue {limits.max_queue}, timeout "
+               f"{f'{limits.request_timeout:g} s' if limits.request_timeout else 'none'}, body "
+               f"{limits.max_body_bytes} bytes)", err=True)
     uvicorn.run(app, host=host, port=port, log_level="warning")
 
 

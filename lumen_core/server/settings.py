@@ -1,0 +1,73 @@
+"""What ``lumen serve`` is configured with beside host and port: the API keys and the limits. No FastAPI here, so
+the config (``Config.server_parameters``) checks API keys with the same rule as the command line and the app.
+
+Limits (``server-parameters`` keys / ``lumen serve`` options; docs/server.md says why each default):
+
+* ``max-queue`` (64): generations waiting behind the running one. A request past it is refused at once with a 429
+  and a ``Retry-After`` header (seconds: the mean time of a generation so far, at least 1), not queued for minutes.
+* ``request-timeout`` (600 s): how long one generation may run once the worker starts it (queue time not counted).
+  Past it the reply ends as if ``max_tokens`` had been reached (``finish_reason: "length"``, Anthropic
+  ``stop_reason: "max_tokens"``) with what was generated so far; 0 turns the limit off.
+* ``max-body-bytes`` (4 MiB): a larger request body is a 413 before it is parsed or tokenized.
+* ``max-tokens-limit`` (none): the most tokens one request may ask for. Whatever it says, ``max_tokens`` may not
+  exceed the context left after the prompt (OpenAI's 400 "max_tokens is too large").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEFAULT_MAX_QUEUE = 64
+DEFAULT_REQUEST_TIMEOUT = 600.0
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+MIN_BODY_BYTES = 1024  # below this not even a short request fits
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_queue: int = DEFAULT_MAX_QUEUE
+    request_timeout: float = DEFAULT_REQUEST_TIMEOUT  # seconds; 0 = no limit
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_tokens: int | None = None  # None: only the context left after the prompt
+
+    def __post_init__(self):
+        _need(_is_int(self.max_queue) and self.max_queue >= 0, "max_queue", self.max_queue, "an integer >= 0")
+        _need(isinstance(self.request_timeout, int | float) and not isinstance(self.request_timeout, bool)
+              and 0 <= self.request_timeout < float("inf"), "request_timeout", self.request_timeout,
+              "a number of seconds >= 0 (0 = no limit)")
+        _need(_is_int(self.max_body_bytes) and self.max_body_bytes >= MIN_BODY_BYTES, "max_body_bytes",
+              self.max_body_bytes, f"an integer >= {MIN_BODY_BYTES}")
+        _need(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1), "max_tokens",
+              self.max_tokens, "an integer >= 1, or None")
+
+    @classmethod
+    def from_parameters(cls, params: dict, **given) -> Limits:
+        """``Config.server_parameters()`` with the options given on the command line (None: not given) on top."""
+        names = ("max_queue", "request_timeout", "max_body_bytes", "max_tokens")
+        values = {name: params[name] for name in names if name in params}
+        values.update({name: value for name, value in given.items() if value is not None})
+        return cls(**values)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _need(ok: bool, name: str, value, allowed: str) -> None:
+    if not ok:
+        raise ValueError(f"server limit {name} must be {allowed}, got {value!r}")
+
+
+def api_key_problem(key) -> str | None:
+    """Why ``key`` cannot be an API key, or None. An empty or blank key would be taken as "no keys" by a check
+    that tests the list's truth, and one with whitespace around it can never be sent: HTTP strips a header
+    value's surrounding whitespace (and ``Bearer KEY`` is split on it)."""
+    if not isinstance(key, str):
+        return f"an API key must be a string, got {type(key).__name__}"
+    if not key.strip():
+        return f"an API key must not be empty or blank (got {key!r}): it would not protect anything"
+    if key != key.strip():
+        return f"an API key must not start or end with whitespace (got {key!r}): no client could send it"
+    if any(ord(c) < 32 or ord(c) == 127 for c in key):
+        return "an API key must not hold control characters (a newline, a tab): no client could send it"
+    return None
