@@ -40,6 +40,13 @@ def test_missing_path(tmp_path):
         lumen.load({"model": {"path": str(tmp_path / "nope")}})
 
 
+def test_a_path_too_long_for_the_system_is_a_checkpoint_error():
+    """Path.exists() raises OSError (ENAMETOOLONG) for a 5000-character name; the error shows the path shortened."""
+    with pytest.raises(CheckpointError, match=r"model\.path cannot be looked up \(File name too long\): "
+                                              r"[^ ]{50,}m\.\.\. \(50\d\d characters\)$"):
+        lumen.load({"model": {"path": "m" * 5000}})  # made absolute against the working directory
+
+
 def test_directory_without_config(tmp_path):
     with pytest.raises(CheckpointError, match="no config.json"):
         lumen.load({"model": {"path": str(tmp_path)}})

@@ -42,7 +42,13 @@ def open_checkpoint(path: str | Path, registry) -> Checkpoint:
     from ..plugins import import_object
 
     p = Path(path).expanduser()
-    if not p.exists():
+    try:
+        exists = p.exists()
+    except OSError as exc:  # ENAMETOOLONG and the like: the system cannot even look the path up
+        text = str(p)
+        shown = text if len(text) <= 80 else f"{text[:60]}... ({len(text)} characters)"
+        raise CheckpointError(f"model.path cannot be looked up ({exc.strerror or exc}): {shown}") from None
+    if not exists:
         if p.suffix.lower() == ".gguf":
             raise CheckpointError(f"GGUF file not found: {p} (check model.path)")
         raise CheckpointError(f"checkpoint not found: {p} (model.path names an HF checkpoint directory or a "
