@@ -8,18 +8,22 @@ a device; the plan does that later with the numbers.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import difflib
 import json
+import math
 import os
+import re
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 from typing import Any
 
 import jsonschema
+from jsonschema import validators
 from jsonschema.exceptions import ValidationError, best_match
 
-from lumen_core.errors import ConfigError
+from lumen_core.errors import ConfigError, InputError
 
 DEFAULT_COMPUTE = "cpu"
 DEFAULT_STORE = "ram"
@@ -34,6 +38,10 @@ _SAMPLING_NAMES = {"temperature": "temperature", "top-k": "top_k", "top-p": "top
 _SERVER_NAMES = {"host": "host", "port": "port", "api-keys": "api_keys", "max-queue": "max_queue",
                  "request-timeout": "request_timeout", "max-body-bytes": "max_body_bytes",
                  "max-tokens-limit": "max_tokens"}
+# The deepest value the schema allows is 7 levels down (draft.model.hidden-layers.ranges[0].experts.compute);
+# anything much deeper is a mistake, refused by path before a recursive reader or printer could overflow.
+MAX_DEPTH = 32
+_PATH_KEYS = ("path", "chat-template")  # strings that name files: a NUL in them would crash open()
 
 
 # ---------------------------------------------------------------- schema
@@ -55,9 +63,37 @@ def schema() -> dict:
     return copy.deepcopy(_cached_schema())
 
 
+def _is_integer(checker, instance) -> bool:
+    # jsonschema counts 5.0 as an integer (JSON Schema: "a number with a zero fractional part"); the engine needs
+    # a Python int (range(), array shapes), so an integer key takes only a JSON number written without a fraction
+    # or exponent.
+    return isinstance(instance, int) and not isinstance(instance, bool)
+
+
+def _ecma_regex(pattern: str) -> str:
+    # JSON Schema patterns are ECMA-262 regexes, where `$` (no multiline flag) matches only at the end of the
+    # string; Python's `$` also matches before a final newline, which let "cpu\n" pass as a compute device.
+    # `\Z` is ECMA's `$` in Python. Only a final, unescaped `$` is translated (the only place the schema uses it).
+    if pattern.endswith("$") and not pattern.endswith("\\$"):
+        return pattern[:-1] + "\\Z"
+    return pattern
+
+
+def _pattern(validator, pattern: str, instance, schema):
+    if validator.is_type(instance, "string") and not re.search(_ecma_regex(pattern), instance):
+        yield ValidationError(f"{instance!r} does not match {pattern!r}")
+
+
+_Validator = validators.extend(
+    jsonschema.Draft202012Validator,
+    validators={"pattern": _pattern},
+    type_checker=jsonschema.Draft202012Validator.TYPE_CHECKER.redefine("integer", _is_integer),
+)
+
+
 @cache
 def _validator() -> jsonschema.Draft202012Validator:
-    return jsonschema.Draft202012Validator(_cached_schema())
+    return _Validator(_cached_schema())
 
 
 # ---------------------------------------------------------------- JSON paths
@@ -94,19 +130,63 @@ def _no_duplicates(pairs: list) -> dict:
 
 
 def _read_json(path: Path) -> Any:
-    if not path.exists():
-        raise ConfigError("", f"file not found: {path}", "check the path of the config file")
-    if path.is_dir():
-        raise ConfigError("", f"not a file: {path}",
-                          "pass a JSON config file (a checkpoint dir goes to --model)")
     try:
         text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError("", f"file not found: {path}", "check the path of the config file") from None
+    except IsADirectoryError:
+        raise ConfigError("", f"not a file: {path}",
+                          "pass a JSON config file (a checkpoint dir goes to --model)") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError("", f"cannot read {path}: {e}", "save the config as UTF-8 JSON") from None
+    except OSError as e:  # permissions, a name too long, a broken device
+        raise ConfigError("", f"cannot read {path}: {e.strerror or e}", "check the path and its permissions") from None
+    try:
         return json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_reject_constant)
     except json.JSONDecodeError as e:
         raise ConfigError("", f"invalid JSON in {path} at line {e.lineno}, column {e.colno}: {e.msg}",
                           "fix the JSON syntax (no trailing commas or comments)") from None
-    except (UnicodeDecodeError, ValueError) as e:
+    except ValueError as e:  # NaN/Infinity, an integer of more than 4300 digits
         raise ConfigError("", f"cannot read {path}: {e}", "save the config as UTF-8 JSON") from None
+    except RecursionError:
+        raise ConfigError("", f"cannot read {path}: its arrays/objects are nested too deep for the JSON reader",
+                          f"a config is at most {MAX_DEPTH} levels deep; see docs/config.md for the layout") from None
+
+
+def _check_values(raw: Any) -> None:
+    """What the schema cannot say, checked over the whole tree without recursion (so a value nested thousands
+    deep is refused, not a RecursionError): depth, non-finite numbers (1e999 reads as inf), keys that are not
+    strings (a dict given in code), lone surrogates (unprintable), NUL in a file name."""
+    stack: list[tuple[Any, list]] = [(raw, [])]
+    while stack:
+        value, parts = stack.pop()
+        if len(parts) > MAX_DEPTH:
+            raise ConfigError(json_path(parts[:MAX_DEPTH + 1]), f"nested more than {MAX_DEPTH} levels deep",
+                              "remove the nesting: no config key is more than 7 levels deep (docs/config.md)")
+        if isinstance(value, dict):
+            for key, item in value.items():
+                if not isinstance(key, str):
+                    raise ConfigError(json_path(parts), f"key {key!r} is not a string", "write keys as strings")
+                _check_text(key, parts, "a key")
+                stack.append((item, parts + [key]))
+        elif isinstance(value, list | tuple):
+            stack.extend((item, parts + [i]) for i, item in enumerate(value))
+        elif isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(json_path(parts), f"{value} is not a finite number (JSON has no NaN or Infinity; "
+                              "a literal like 1e999 overflows to infinity)", "write a finite number")
+        elif isinstance(value, str):
+            _check_text(value, parts, "the value")
+            if parts and parts[-1] in _PATH_KEYS and "\0" in value:
+                raise ConfigError(json_path(parts), "a file name cannot contain a NUL character (\\u0000)",
+                                  "remove it from the path")
+
+
+def _check_text(text: str, parts: list, what: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ConfigError(json_path(parts), f"{what} {_show(text)} holds a lone UTF-16 surrogate, which is not "
+                          "text", "write the character itself, or a surrogate pair") from None
 
 
 # ---------------------------------------------------------------- schema errors, in words
@@ -135,15 +215,20 @@ def _missing_key(error: ValidationError) -> ConfigError:
 
 def _show(value: Any, limit: int = 60) -> str:
     # A whole block given where a string belongs would flood the message; its start is enough.
-    text = json.dumps(value)
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError, RecursionError):  # a dict given in code may hold what JSON cannot write
+        text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _wrong_type(error: ValidationError) -> ConfigError:
     value = error.instance
+    fix = f"write a JSON {error.validator_value}"
+    if error.validator_value == "integer" and isinstance(value, float) and value.is_integer():
+        fix = f"write it without a fraction or exponent: {int(value)}"
     return ConfigError(json_path(error.absolute_path),
-                       f"expected {error.validator_value}, got {_type_name(value)} {_show(value)}",
-                       f"write a JSON {error.validator_value}")
+                       f"expected {error.validator_value}, got {_type_name(value)} {_show(value)}", fix)
 
 
 def _not_in_enum(error: ValidationError) -> ConfigError:
@@ -337,6 +422,39 @@ def _check_model(model: dict, root: str) -> None:
     _check_ranges_shape(model.get("hidden-layers", {}).get("ranges", []), hpath)
     _check_placements(model, root)
     _check_fp8_attention(model, root)
+    _check_sampling(model, root)
+
+
+def _check_sampling(model: dict, root: str) -> None:
+    """other-parameters through the sampler's own check (``SamplingParams.validate``), so a value `generate`
+    would refuse is refused here, by `validate` too, with the sampler's words and the JSON path."""
+    from lumen_core.sampling import SamplingParams
+
+    params = model.get("other-parameters", {})
+    fields = {f.name for f in dataclasses.fields(SamplingParams)}
+    given = {key: _SAMPLING_NAMES[key] for key in params if _SAMPLING_NAMES.get(key) in fields}
+    path = _join(root, "other-parameters")
+
+    def refusal(values: dict) -> InputError | None:
+        try:
+            SamplingParams(**values).validate()
+        except InputError as exc:
+            return exc
+        return None
+
+    error = refusal({name: params[key] for key, name in given.items()})
+    if error is None:
+        return
+    # The key to blame: the field the error names (SamplingError.field), else the first key the sampler refuses on
+    # its own, else (values refused only together) the block.
+    for key, name in given.items():
+        if name == getattr(error, "field", None):
+            raise ConfigError(_join(path, key), str(error), f"change {_join(path, key)} or remove it")
+    for key, name in given.items():
+        alone = refusal({name: params[key]})
+        if alone is not None:
+            raise ConfigError(_join(path, key), str(alone), f"change {_join(path, key)} or remove it")
+    raise ConfigError(path, str(error), f"change the values in {path}")
 
 
 def _check_vision(raw: dict) -> None:
@@ -357,16 +475,27 @@ def check_structure(raw: dict) -> None:
 
 @dataclass(frozen=True)
 class KVCacheConfig:
-    """`context_size` None: use the model's max_position_embeddings. `store` None: each layer's device."""
+    """`context_size` None: use the model's max_position_embeddings. `store` None: each layer's device.
+    `allow_beyond_trained_context`: a context_size past the model's trained context is the user's call (RoPE
+    scaling is theirs); otherwise the plan refuses it."""
 
     context_size: int | None
     store: str | None
     type_k: str
     type_v: str
+    allow_beyond_trained_context: bool = False
 
 
-def _resolve_model_path(text: str, base_dir: Path) -> Path:
-    path = Path(text).expanduser()
+def _expanduser(text: str, where: str) -> Path:
+    try:
+        return Path(text).expanduser()
+    except RuntimeError:  # ~name of a user this system does not have
+        raise ConfigError(where, f"{_show(text)}: cannot expand '~': no such user's home directory",
+                          "write the path without ~, or with ~/ for your own home") from None
+
+
+def _resolve_model_path(text: str, base_dir: Path, where: str = "model.path") -> Path:
+    path = _expanduser(text, where)
     return path if path.is_absolute() else (base_dir / path)
 
 
@@ -378,6 +507,7 @@ class Config:
         self.source = source
         self.base_dir = Path(base_dir) if base_dir is not None else Path.cwd()
         self.model_path = _resolve_model_path(raw["model"]["path"], self.base_dir)
+        _ = self.chat_template_path, self.draft_model_path  # a path that cannot expand is refused now, not later
 
     def __repr__(self) -> str:
         return f"Config(source={self.source!r}, model_path={str(self.model_path)!r})"
@@ -386,12 +516,12 @@ class Config:
     def chat_template_path(self) -> Path | None:
         """model.chat-template: a Jinja file to chat with instead of the checkpoint's template (None: not set)."""
         text = self.raw["model"].get("chat-template")
-        return _resolve_model_path(text, self.base_dir) if text else None
+        return _resolve_model_path(text, self.base_dir, "model.chat-template") if text else None
 
     @property
     def draft_model_path(self) -> Path | None:
         draft = self.raw.get("draft")
-        return _resolve_model_path(draft["model"]["path"], self.base_dir) if draft else None
+        return _resolve_model_path(draft["model"]["path"], self.base_dir, "draft.model.path") if draft else None
 
     def _resolved(self, component: str, layer: int | None) -> _Resolved:
         return _resolve(_chain(self.raw["model"], "model", component, layer, self.raw.get("vision")))
@@ -425,7 +555,8 @@ class Config:
     def kv_cache(self) -> KVCacheConfig:
         kv = self.raw["model"].get("hidden-layers", {}).get("kv-cache", {})
         return KVCacheConfig(kv.get("context-size"), kv.get("store"),
-                             kv.get("type-k", DEFAULT_KV_TYPE), kv.get("type-v", DEFAULT_KV_TYPE))
+                             kv.get("type-k", DEFAULT_KV_TYPE), kv.get("type-v", DEFAULT_KV_TYPE),
+                             kv.get("allow-beyond-trained-context", False))
 
     def sampling_defaults(self) -> dict:
         params = self.raw["model"].get("other-parameters", {})
@@ -463,19 +594,30 @@ def load_config(source: str | os.PathLike | dict, base_dir: str | os.PathLike | 
     Relative `model.path` is resolved against the file's directory, or `base_dir` (cwd if None) for a dict.
     """
     if isinstance(source, dict):
+        _check_values(source)  # before deepcopy, which recurses
         raw, name = copy.deepcopy(source), "<dict>"
     else:
-        path = Path(source).expanduser()
+        path = _expanduser(os.fspath(source), "")
         raw, name, base_dir = _read_json(path), str(path), path.resolve().parent
+        _check_values(raw)
     validate_schema(raw)
     check_structure(raw)
-    return Config(raw, name, base_dir)
+    config = Config(raw, name, base_dir)
+    config.server_parameters()  # what `serve` refuses in its block (a blank API key) every command refuses
+    return config
+
+
+def _is_dir(path: Path) -> bool:
+    try:
+        return path.is_dir()
+    except OSError:  # a name too long: not a checkpoint dir; reading it as a config file says why it fails
+        return False
 
 
 def config_from_path_or_model(arg: str | os.PathLike | dict) -> Config:
     """A checkpoint dir or .gguf file gets the minimal all-CPU config; anything else is a config file."""
     if not isinstance(arg, dict):
         text = os.fspath(arg)
-        if Path(text).expanduser().is_dir() or text.lower().endswith(".gguf"):
+        if _is_dir(_expanduser(text, "")) or text.lower().endswith(".gguf"):
             return load_config({"model": {"path": text, "compute": "cpu", "store": "ram"}})
     return load_config(arg)

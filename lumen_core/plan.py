@@ -195,6 +195,7 @@ def make_plan(config, arch: Architecture, ckpt, registry) -> tuple[Plan, dict]:
     components = [c for c in arch.components() if c in layout.needs or c[0] == "layer"]
     placements = check_placement(config, arch, registry, components)
     kv = config.kv_cache()
+    context_notes = check_context(kv, arch, ckpt)
     context = kv.context_size or arch.max_context
     plan = Plan(context_size=context)
     placed: set[tuple[str, str, str]] = set()  # (tensor, device, store): a tied tensor is held once per place
@@ -216,9 +217,40 @@ def make_plan(config, arch: Architecture, ckpt, registry) -> tuple[Plan, dict]:
                 PlanEntry(f"cache.layers.{comp[1]}", p.backend, p.device,
                           kv.store or kv_home(registry.backend_class(p.backend), p.store), kv_fmt, cache, kind="cache")
             )
-    plan.notes = _no_effect_notes(config, components) + _expert_cache(config, arch, registry, placements, plan)
+    plan.notes = (context_notes + _no_effect_notes(config, components)
+                  + _expert_cache(config, arch, registry, placements, plan))
     _fit(plan, registry, placements)
     return plan, {"placements": placements, "layout": layout, "kv": kv, "report": report}
+
+
+CONTEXT_PATH = "model.hidden-layers.kv-cache.context-size"
+BEYOND_PATH = "model.hidden-layers.kv-cache.allow-beyond-trained-context"
+
+
+def check_context(kv, arch: Architecture, ckpt) -> list[str]:
+    """Refuse a context-size past the model's trained context (positions it never saw: without RoPE scaling the
+    output degrades), unless allow-beyond-trained-context says that is the user's call; return notes."""
+    trained = arch.max_context
+    source = "GGUF context_length" if getattr(ckpt, "format", "") == "gguf" else "max_position_embeddings"
+    size, allowed = kv.context_size, kv.allow_beyond_trained_context
+    beyond = bool(size and trained and size > trained)
+    if beyond and not allowed:
+        raise ConfigError(
+            CONTEXT_PATH,
+            f"context-size {size} is beyond the model's trained context of {trained} tokens ({source} of "
+            f"{ckpt.path})",
+            f"set it to at most {trained}; or, if you handle RoPE scaling yourself, set {BEYOND_PATH}: true",
+        )
+    if beyond:
+        return [f"config {CONTEXT_PATH}: {size} tokens is beyond the trained context of {trained} ({source}); "
+                f"allowed by {BEYOND_PATH}: positions past {trained} are your responsibility (Lumen uses the "
+                "checkpoint's RoPE settings as they are)"]
+    if allowed and not trained:
+        return [f"config {BEYOND_PATH}: the checkpoint does not say its trained context, so this key has no effect"]
+    if allowed:
+        return [f"config {BEYOND_PATH}: context-size {size or trained} is within the trained context of {trained} "
+                "tokens, so this key has no effect"]
+    return []
 
 
 def kv_home(backend_cls, store: str) -> str:

@@ -189,3 +189,93 @@ def test_think_flag_needs_a_template_with_a_thinking_switch(capsys, ckpt, tmp_pa
     (plain / "chat_template.jinja").write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
     code, _, err = run(capsys, "generate", "-c", str(plain), "-p", "Hi", "--chat", "--think", "-n", "2")
     assert code == 2 and "no thinking switch" in err
+
+
+# ---------------------------------------------------------------- issue 15: validate and generate agree
+
+
+def _validate_and_generate(capsys, path) -> tuple[tuple[int, str], tuple[int, str]]:
+    """(code, stderr) of `lumen validate` and of `lumen generate` on one config; an exception escaping main (a
+    traceback) fails the test."""
+    v_code, _, v_err = run(capsys, "validate", "-c", str(path))
+    g_code, _, g_err = run(capsys, "generate", "-c", str(path), "-p", "Hi", "-n", "2", "-q")
+    return (v_code, v_err), (g_code, g_err)
+
+
+@pytest.mark.parametrize(("model", "where", "needle"), [
+    ({"hidden-layers": {"kv-cache": {"context-size": 4096.0}}}, "model.hidden-layers.kv-cache.context-size",
+     "expected integer, got number 4096.0"),
+    ({"other-parameters": {"seed": -1}}, "model.other-parameters.seed", "must be >= 0, got -1"),
+    ({"other-parameters": {"top-k": 5.0}}, "model.other-parameters.top-k", "expected integer, got number 5.0"),
+    ({"other-parameters": {"max-tokens": 5.0}}, "model.other-parameters.max-tokens", "expected integer"),
+    ({"other-parameters": {"temperature": "1e999"}}, "model.other-parameters.temperature", "not a finite number"),
+    ({"compute": "cpu\n"}, "model.compute", "is not a compute device"),
+    ({"hidden-layers": {"kv-cache": {"context-size": 1000000}}}, "model.hidden-layers.kv-cache.context-size",
+     "context-size 1000000 is beyond the model's trained context of 4096 tokens"),
+    ({"chat-template": "missing.jinja"}, "", "cannot read the chat template file"),
+])
+def test_what_generate_refuses_validate_refuses_with_the_same_message(capsys, tmp_path, ckpt, model, where, needle):
+    """Issue 15: each of these passed `validate` and then failed (or crashed, for 4096.0) in `generate`."""
+    text = json.dumps({"model": {"path": str(ckpt), **model}}).replace('"1e999"', "1e999")
+    path = tmp_path / "c.json"
+    path.write_text(text)
+    (v_code, v_err), (g_code, g_err) = _validate_and_generate(capsys, path)
+    assert v_code == g_code == 2, (v_err, g_err)
+    assert v_err == g_err and v_err.startswith("lumen: error: ") and needle in v_err, (v_err, g_err)
+    assert f"config {where}:" in v_err if where else True
+
+
+def test_allowed_context_beyond_training_runs_with_a_note_in_both(capsys, write_config, ckpt):
+    path = write_config({"model": {"path": str(ckpt), "hidden-layers": {
+        "kv-cache": {"context-size": 4100, "allow-beyond-trained-context": True}}}})
+    (v_code, v_err), (g_code, g_err) = _validate_and_generate(capsys, path)
+    assert v_code == g_code == 0, (v_err, g_err)
+    for err in (v_err, g_err):
+        assert "lumen: note: config model.hidden-layers.kv-cache.context-size: 4100 tokens is beyond" in err
+
+
+def test_a_config_nested_5000_deep_exits_2(capsys, tmp_path, ckpt):
+    deep_object = '{"a": ' * 5000 + "1" + "}" * 5000
+    for text in ("[" * 5000 + "]" * 5000, json.dumps({"model": {"path": str(ckpt), "x": 0}}).replace("0}}", deep_object
+                                                                                                       + "}}")):
+        path = tmp_path / "deep.json"
+        path.write_text(text)
+        (v_code, v_err), (g_code, g_err) = _validate_and_generate(capsys, path)
+        assert v_code == g_code == 2 and v_err == g_err and "nested" in v_err, v_err
+
+
+def test_a_checkpoint_config_json_nested_5000_deep_exits_2(capsys, tmp_path, ckpt):
+    deep = tmp_path / "deep-ckpt"
+    shutil.copytree(ckpt, deep)
+    config = json.loads((deep / "config.json").read_text())
+    (deep / "config.json").write_text(json.dumps(config)[:-1] + ', "x": ' + "[" * 5000 + "]" * 5000 + "}")
+    code, _, err = run(capsys, "validate", "-c", str(deep))
+    assert code == 2 and "config.json" in err
+
+
+def test_a_gguf_with_metadata_arrays_nested_5000_deep_exits_2(capsys, tmp_path):
+    import struct
+
+    def string(text: str) -> bytes:
+        return struct.pack("<Q", len(text)) + text.encode()
+
+    path = tmp_path / "deep.gguf"
+    path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 2) + string("general.architecture")
+                     + struct.pack("<I", 8) + string("llama") + string("x") + struct.pack("<I", 9)
+                     + struct.pack("<IQ", 9, 1) * 5000 + struct.pack("<IQ", 0, 0))
+    code, _, err = run(capsys, "validate", "-c", str(path))
+    assert code == 2 and "deep.gguf" in err
+
+
+def test_a_model_path_too_long_for_the_system_exits_2(capsys, write_config):
+    code, _, err = run(capsys, "validate", "-c", str(write_config({"model": {"path": "m" * 5000}})))
+    assert code == 2 and "too long" in err
+
+
+def test_a_temperature_the_sampler_refuses_is_refused_by_validate_too(capsys, write_config, ckpt):
+    """1e-320 passes the schema (>= 0) but overflowed the sampler (logits / 1e-320 -> inf -> NaN -> IndexError in
+    generate); SamplingParams.validate() refuses it, and validate runs that check on the config."""
+    path = write_config({"model": {"path": str(ckpt), "other-parameters": {"temperature": 1e-320}}})
+    (v_code, v_err), (g_code, g_err) = _validate_and_generate(capsys, path)
+    assert v_code == g_code == 2 and v_err == g_err, (v_err, g_err)
+    assert "config model.other-parameters.temperature: " in v_err and "1e-320" in v_err

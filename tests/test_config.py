@@ -120,6 +120,100 @@ def test_nan_is_refused(tmp_path):
     assert "NaN" in err.message
 
 
+def test_infinity_from_an_overflowing_literal_is_refused(tmp_path):
+    """`1e999` is valid JSON syntax that Python reads as inf: it would pass `minimum: 0` (docs: refused)."""
+    err = error_of(write(tmp_path, '{"model": {"path": "x", "other-parameters": {"temperature": 1e999}}}'))
+    assert err.path == "model.other-parameters.temperature"
+    assert "not a finite number" in err.message and "1e999" in err.message
+    err = error_of(write(tmp_path, '{"model": {"path": "x", "other-parameters": {"top-p": -1e400}}}'))
+    assert err.path == "model.other-parameters.top-p"
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan")])
+def test_non_finite_numbers_in_a_dict_are_refused(value):
+    err = error_of(model(other_parameters={"repetition-penalty": value}))
+    assert err.path == "model.other-parameters.repetition-penalty"
+    assert "not a finite number" in err.message
+
+
+def test_json_nested_thousands_deep_is_a_config_error_not_a_recursion_error(tmp_path):
+    err = error_of(write(tmp_path, "[" * 5000 + "]" * 5000))
+    assert err.path == "" and "nested too deep" in err.message and err.fix
+    err = error_of(write(tmp_path, '{"model": {"path": "x", "stop": ' + "[" * 5000 + "]" * 5000 + "}}"))
+    assert "nested too deep" in err.message
+
+
+def test_nesting_past_the_depth_limit_names_the_path(tmp_path):
+    """Deep enough for json (100 levels) but past what any key needs: refused by path before the schema errors
+    (their messages print the value: json.dumps would recurse through it)."""
+    err = error_of(write(tmp_path, '{"model": {"path": "x", "stop": ' + "[" * 100 + "]" * 100 + "}}"))
+    assert err.path.startswith("model.stop[0][0]") and "nested more than 32 levels deep" in err.message
+    deep: dict = {}
+    inner = deep
+    for _ in range(5000):  # a dict built in code: deepcopy would recurse too
+        inner["a"] = {}
+        inner = inner["a"]
+    assert "nested more than" in error_of({"model": {"path": "x"}, "x": deep}).message
+    cycle: dict = {"path": "x"}
+    cycle["self"] = cycle
+    assert "nested more than" in error_of({"model": cycle}).message
+
+
+def test_a_config_as_deep_as_the_schema_goes_still_loads():
+    deepest = {"model": {"path": "x"}, "draft": {"num-draft-tokens": 1, "model": {"path": "y", "hidden-layers": {
+        "ranges": [{"start": 0, "end": 0, "experts": {"compute": "cpu", "store": "ram"}}]}}}}
+    assert load_config(deepest).draft_model_path is not None
+
+
+def test_lone_surrogates_and_nul_in_file_names_are_refused(tmp_path):
+    err = error_of(write(tmp_path, '{"model": {"path": "a\\ud800b"}}'))
+    assert err.path == "model.path" and "surrogate" in err.message
+    err = error_of(write(tmp_path, '{"model": {"path": "x", "\\udc00": 1}}'))
+    assert err.path == "model" and "surrogate" in err.message
+    for key in ("path", "chat-template"):
+        err = error_of({"model": {"path": "x", key: "a\0b"}})
+        assert err.path == f"model.{key}" and "NUL" in err.message
+    assert load_config(model(other_parameters={"stop": ["\U0001f600", "\0"]}))  # pairs and NUL elsewhere: text
+
+
+def test_what_json_cannot_hold_in_a_dict_is_a_config_error():
+    assert error_of({"model": {"path": "x", 1: "y"}}).message == "key 1 is not a string"
+    err = error_of({"model": {"path": Path("x")}})  # printed with repr, not a TypeError from json.dumps
+    assert err.path == "model.path" and "PosixPath" in err.message or "WindowsPath" in err.message
+
+
+def test_a_config_name_too_long_for_the_system_is_a_config_error():
+    name = "c" * 5000 + ".json"
+    err = error_of(name)
+    assert err.path == "" and "cannot read" in err.message and "too long" in err.message
+    assert "cannot read" in pytest.raises(ConfigError, config_from_path_or_model, name).value.message
+
+
+@pytest.mark.parametrize(("raw", "where"), [
+    ({"model": {"path": "~lumen-no-such-user/x"}}, "model.path"),
+    ({"model": {"path": "x", "chat-template": "~lumen-no-such-user/t.jinja"}}, "model.chat-template"),
+    ({"model": {"path": "x"}, "draft": {"model": {"path": "~lumen-no-such-user/d"}, "num-draft-tokens": 1}},
+     "draft.model.path"),
+])
+def test_a_home_of_no_such_user_is_a_config_error(raw, where):
+    """Path.expanduser raises RuntimeError for ~name of an unknown user: refused by path at load time."""
+    err = error_of(raw)
+    assert err.path == where and "no such user" in err.message and "~/" in err.fix
+
+
+def test_a_config_file_under_the_home_of_no_such_user():
+    err = error_of("~lumen-no-such-user/lumen.json")
+    assert err.path == "" and "no such user" in err.message
+
+
+def test_unreadable_file_is_a_config_error(tmp_path, monkeypatch):
+    path = write(tmp_path, MINIMAL)
+    monkeypatch.setattr(Path, "read_text", lambda *a, **k: (_ for _ in ()).throw(PermissionError(13, "Permission "
+                                                                                                     "denied")))
+    err = error_of(path)
+    assert "Permission denied" in err.message and err.fix
+
+
 def test_duplicate_keys_are_refused(tmp_path):
     err = error_of(write(tmp_path, '{"model": {"path": "x", "store": "ram", "store": "vram"}}'))
     assert "duplicate key 'store'" in err.message
@@ -155,8 +249,11 @@ def test_bad_kv_type_enum_deep():
     assert "f32, f16, bf16, fp8" in err.message
 
 
-@pytest.mark.parametrize("device", ["gpu", "cuda", "cuda:x", "CPU", "cuda:0 "])
+@pytest.mark.parametrize("device", ["gpu", "cuda", "cuda:x", "CPU", "cuda:0 ", " cpu", "cpu\n", "cuda:0\n",
+                                    "cuda:\u0663", "cuda:\uff11", "cpu\n\n", "cuda:0\r"])
 def test_bad_compute_pattern(device):
+    """Python's `$` matches before a final newline and `\\d` takes any Unicode digit; the schema means ECMA's
+    `$` (end of string) and ASCII digits, and so does the validator."""
     err = error_of(model(input_layer={"compute": device}))
     assert err.path == "model.input-layer.compute"
     assert "not a compute device" in err.message
@@ -172,6 +269,95 @@ def test_wrong_type_names_expected_type_and_value():
     err = error_of(model(hidden_layers={"kv-cache": {"context-size": "2048"}}))
     assert err.path == "model.hidden-layers.kv-cache.context-size"
     assert err.message == 'expected integer, got string "2048"'
+
+
+def _schema_leaves(node: dict, parts: tuple, defs: dict):
+    """(path parts, leaf schema) of every scalar key of the schema; array items are at index 0."""
+    if "$ref" in node:
+        node = {**defs[node["$ref"].split("/")[-1]], **{k: v for k, v in node.items() if k != "$ref"}}
+    if node.get("type") == "object":
+        for key, sub in node["properties"].items():
+            yield from _schema_leaves(sub, parts + (key,), defs)
+    elif node.get("type") == "array" and node["items"].get("type") != "string":
+        yield from _schema_leaves(node["items"], parts + (0,), defs)
+    else:
+        yield parts, node
+
+
+def _every_integer() -> dict:
+    """A config that loads with every integer key of the schema set: those of a model block by hand (start <= end),
+    any other (server-parameters, a key added later) at its schema minimum, else 1."""
+    model = {"path": "x", "hidden-layers": {"experts": {"cache": 4}, "kv-cache": {"context-size": 64},
+                                            "ranges": [{"start": 0, "end": 1, "experts": {"cache": 2}}]},
+             "other-parameters": {"top-k": 5, "seed": 1, "max-tokens": 5}}
+    raw = {"model": model, "draft": {"model": json.loads(json.dumps(model)), "num-draft-tokens": 2}}
+    s = schema()
+    for parts, leaf in _schema_leaves(s, (), s["$defs"]):
+        if leaf.get("type") == "integer":
+            node = raw
+            for p in parts[:-1]:
+                node = node[p] if isinstance(p, int) else node.setdefault(p, {})  # ranges[0] exists
+            node.setdefault(parts[-1], max(leaf.get("minimum", 1), 1))
+    return raw
+
+
+EVERY_INTEGER = _every_integer()
+
+
+def _get(raw, parts):
+    for p in parts:
+        raw = raw[p]
+    return raw
+
+
+def _set(raw, parts, value):
+    _get(raw, parts[:-1])[parts[-1]] = value
+
+
+def _leaves(kind: str) -> list[tuple]:
+    s = schema()
+    return [parts for parts, leaf in _schema_leaves(s, (), s["$defs"]) if leaf.get("type") == kind]
+
+
+def test_every_integer_key_refuses_a_float_even_with_a_zero_fraction():
+    """jsonschema counts 5.0 as an integer; the engine needs an int (4096.0 as context-size crashed attention
+    with a TypeError). Walks the whole schema: each integer key, given its valid value as a float, is refused at
+    its own path, naming the integer to write."""
+    ints = _leaves("integer")
+    assert len(ints) >= 18 and set(ints) == {p for p in ints if isinstance(_get(EVERY_INTEGER, p), int)}
+    load_config(EVERY_INTEGER)
+    for parts in ints:
+        raw = json.loads(json.dumps(EVERY_INTEGER))
+        good = _get(raw, parts)
+        _set(raw, parts, float(good))
+        err = error_of(raw)
+        assert err.path == json_path(parts), parts
+        assert err.message == f"expected integer, got number {float(good)}" and str(good) in err.fix
+
+
+def test_integers_written_with_an_exponent_are_refused_from_a_file(tmp_path):
+    err = error_of(write(tmp_path, '{"model": {"path": "x", "other-parameters": {"max-tokens": 5e0}}}'))
+    assert err.path == "model.other-parameters.max-tokens" and "got number 5.0" in err.message
+
+
+def test_every_pattern_key_matches_the_whole_string():
+    """Each compute key of the schema (found by walking it: 7 in a model block, twice, and vision's) takes `cpu`
+    and refuses `cpu` plus a newline at its own path."""
+    s = schema()
+    patterned = [parts for parts, leaf in _schema_leaves(s, (), s["$defs"]) if "pattern" in leaf]
+    assert len(patterned) == 15 and all(p[-1] == "compute" for p in patterned)
+    base = {**json.loads(json.dumps(EVERY_INTEGER)), "vision": {}}
+    for block in (base["model"], base["draft"]["model"]):
+        block.update({"input-layer": {}, "output-layer": {}})
+    for parts in patterned:
+        for device, ok in (("cpu", True), ("cpu\n", False)):
+            raw = json.loads(json.dumps(base))
+            _set(raw, parts, device)
+            if ok:
+                assert load_config(raw).placement("layer").compute == "cpu"
+                continue
+            err = error_of(raw)
+            assert err.path == json_path(parts) and "not a compute device" in err.message, parts
 
 
 def test_boolean_is_not_an_integer():
@@ -383,10 +569,50 @@ def test_ranges_carry_their_index_and_are_copies():
 
 
 def test_kv_cache_defaults_and_values():
-    assert load_config(MINIMAL).kv_cache() == KVCacheConfig(None, None, "f32", "f32")
-    kv = {"context-size": 2048, "store": "ram", "type-k": "f16", "type-v": "bf16"}
+    assert load_config(MINIMAL).kv_cache() == KVCacheConfig(None, None, "f32", "f32", False)
+    kv = {"context-size": 2048, "store": "ram", "type-k": "f16", "type-v": "bf16",
+          "allow-beyond-trained-context": True}
     got = load_config(model(hidden_layers={"kv-cache": kv})).kv_cache()
-    assert got == KVCacheConfig(2048, "ram", "f16", "bf16")
+    assert got == KVCacheConfig(2048, "ram", "f16", "bf16", True)
+    err = error_of(model(hidden_layers={"kv-cache": {"allow-beyond-trained-context": 1}}))
+    assert err.message == "expected boolean, got integer 1"
+
+
+def test_seed_below_zero_is_refused_by_the_schema():
+    err = error_of(model(other_parameters={"seed": -1}))
+    assert err.path == "model.other-parameters.seed" and err.message == "must be >= 0, got -1"
+
+
+def test_other_parameters_go_through_the_samplers_own_check(monkeypatch):
+    """One truth: the config runs SamplingParams.validate() (what generate runs), so whatever it refuses is refused
+    at load time, in its words, at the key's path; values it refuses only together blame the block."""
+    from lumen_core.errors import InputError
+    from lumen_core.sampling import SamplingParams
+
+    class Named(InputError):  # as SamplingError names its field
+        field = "min_p"
+
+    def stand_in(self):
+        if self.top_p == 0.5:
+            raise InputError("sampling top_p=0.5 is refused by the stand-in")
+        if self.top_k == 7 and self.temperature == 0:
+            raise InputError("top_k 7 needs a temperature")
+        if self.min_p == 0.25 and self.seed == 3:
+            raise Named("min_p 0.25 needs another seed")
+        return self
+
+    monkeypatch.setattr(SamplingParams, "validate", stand_in)
+    err = error_of(model(other_parameters={"temperature": 1, "top-p": 0.5, "max-tokens": 3}))
+    assert err.path == "model.other-parameters.top-p"
+    assert err.message == "sampling top_p=0.5 is refused by the stand-in"
+    assert "model.other-parameters.top-p" in err.fix
+    err = error_of(model(other_parameters={"temperature": 0, "top-k": 7}))
+    assert err.path == "model.other-parameters" and err.message == "top_k 7 needs a temperature"
+    err = error_of(model(other_parameters={"seed": 3, "min-p": 0.25}))  # refused together, the error names min_p
+    assert err.path == "model.other-parameters.min-p" and err.message == "min_p 0.25 needs another seed"
+    draft = {**model(), "draft": {"model": {"path": "y", "other-parameters": {"top-p": 0.5}}, "num-draft-tokens": 1}}
+    assert error_of(draft).path == "draft.model.other-parameters.top-p"
+    assert load_config(model(other_parameters={"temperature": 0, "top-k": 6}))
 
 
 def test_sampling_defaults_use_python_names_and_only_present_keys():
@@ -395,6 +621,13 @@ def test_sampling_defaults_use_python_names_and_only_present_keys():
     assert got == {"temperature": 0.7, "top_k": 20, "repetition_penalty": 1.1, "stop": ["</s>"],
                    "max_tokens": 5}
     assert load_config(MINIMAL).sampling_defaults() == {}
+
+
+def test_a_key_serve_would_refuse_is_refused_at_load_for_every_command():
+    """Config.server_parameters() (serve's check of its block) runs in load_config: validate and generate refuse a
+    blank API key too, as they refuse a port out of range."""
+    err = error_of({**MINIMAL, "server-parameters": {"api-keys": ["good", "  "]}})
+    assert err.path == "server-parameters.api-keys[1]"
 
 
 def test_server_parameters():

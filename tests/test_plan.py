@@ -84,7 +84,52 @@ def test_huge_context_is_refused_naming_the_cache(tiny_checkpoint, monkeypatch):
     monkeypatch.setattr(plan_mod, "host_available_bytes", lambda: 50 << 20)
     with pytest.raises(PlanError, match="cache.layers.3.*context-size"):
         lumen.load({"model": {"path": str(tiny_checkpoint("qwen3_5")),
-                              "hidden-layers": {"kv-cache": {"context-size": 10_000_000}}}}, progress=False)
+                              "hidden-layers": {"kv-cache": {"context-size": 10_000_000,
+                                                             "allow-beyond-trained-context": True}}}},
+                   progress=False)
+
+
+def _plan(path, kv: dict):
+    from lumen_core.engine import prepare
+
+    return prepare({"model": {"path": str(path), "hidden-layers": {"kv-cache": kv}}})[3]
+
+
+def test_context_beyond_the_trained_context_is_refused_naming_both_numbers(tiny_checkpoint):
+    """The tiny Qwen's max_position_embeddings is 4096: 4096 plans, 4097 is refused at the context-size key, with
+    both numbers, the source of the limit and the override key, before a weight is read."""
+    path = tiny_checkpoint("qwen3_5")
+    assert _plan(path, {"context-size": 4096}).context_size == 4096
+    with pytest.raises(ConfigError) as info:
+        _plan(path, {"context-size": 4097})
+    err = info.value
+    assert err.path == "model.hidden-layers.kv-cache.context-size"
+    assert "4097" in err.message and "4096" in err.message and "max_position_embeddings" in err.message
+    assert "allow-beyond-trained-context: true" in err.fix and "at most 4096" in err.fix
+
+
+def test_allow_beyond_trained_context_is_noted_never_silent(tiny_checkpoint):
+    path = tiny_checkpoint("qwen3_5")
+    beyond = _plan(path, {"context-size": 5000, "allow-beyond-trained-context": True})
+    assert beyond.context_size == 5000
+    assert [n for n in beyond.notes if "beyond the trained context of 4096" in n and "responsibility" in n]
+    within = _plan(path, {"allow-beyond-trained-context": True})
+    assert within.context_size == 4096
+    assert any("allow-beyond-trained-context" in n and "no effect" in n for n in within.notes)
+    assert not _plan(path, {"allow-beyond-trained-context": False}).notes
+
+
+def test_context_check_names_the_gguf_key_and_skips_an_unknown_limit():
+    from types import SimpleNamespace
+
+    from lumen_core.config import KVCacheConfig
+
+    gguf = SimpleNamespace(format="gguf", path="m.gguf")
+    kv = KVCacheConfig(40_000, None, "f32", "f32")
+    with pytest.raises(ConfigError, match=r"40000 is beyond the model's trained context of 32768 tokens \(GGUF "
+                                          r"context_length of m.gguf\)"):
+        plan_mod.check_context(kv, SimpleNamespace(max_context=32768), gguf)
+    assert plan_mod.check_context(kv, SimpleNamespace(max_context=0), gguf) == []  # the checkpoint names no limit
 
 
 def test_range_past_the_last_layer(tiny_checkpoint):
