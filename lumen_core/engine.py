@@ -16,7 +16,7 @@ from .architecture import Architecture, Model
 from .chat import ChatFormat, format_for
 from .checkpoint import open_checkpoint
 from .config import Config, config_from_path_or_model
-from .errors import CheckpointError, InputError
+from .errors import CheckpointError, ConfigError, InputError
 from .loader import load_weights
 from .plan import Plan, make_plan
 from .plugins import get_registry
@@ -70,7 +70,8 @@ class Engine:
             print(f"lumen: note: {note}", file=sys.stderr)
         registry = get_registry()
         fmt = format_for(registry, arch.model_type or arch.config.get("model_type"))
-        template, origin = choose_chat_template(ckpt, fmt, chat_template or config.chat_template_path)
+        template, origin = (choose_chat_template(ckpt, fmt, chat_template) if chat_template is not None else
+                            choose_chat_template(ckpt, fmt, config.chat_template_path, "model.chat-template"))
         if chat:  # from the checkpoint's metadata: a refusal comes before the tokenizer is built
             check_chat(template, fmt, think, config.model_path)
         with progress.phase("tokenizer") as phase:
@@ -105,7 +106,9 @@ class Engine:
         n = min(WARM_UP_CONTEXT, self.context_size)
         cache = self.model.new_cache(n)
         first = self.tokenizer.bos_id if self.tokenizer and self.tokenizer.bos_id is not None else 0
-        self.model.forward([first] * min(2, n), cache)
+        logits = self.model.forward([first] * min(2, n), cache)
+        # a corrupt checkpoint (NaN weights, a zeroed output layer) is refused here, while loading
+        check_logits(np.asarray(logits[-1], dtype=np.float32), 1, self.config.model_path, "warming up")
         if n > 2:
             self.model.forward([first], cache)
 
@@ -395,23 +398,34 @@ def load(source, progress: bool | Progress | None = None, chat_template: str | o
 # --- the chat template ---------------------------------------------------------------------------------------
 
 
-def choose_chat_template(ckpt, fmt: ChatFormat, override) -> tuple[str | dict | None, str]:
+def choose_chat_template(ckpt, fmt: ChatFormat, override,
+                         json_path: str | None = None) -> tuple[str | dict | None, str]:
     """(template, where it came from): ``override`` (a file), else the checkpoint's, else the model family's
-    (``fmt.template``), as llama.cpp does for a GGUF without one. Reads no tensor and builds no tokenizer."""
+    (``fmt.template``), as llama.cpp does for a GGUF without one. Reads no tensor and builds no tokenizer.
+    ``json_path``: the config key that named ``override`` (its errors are then ConfigErrors naming it)."""
     if override is not None:
         path = os.path.expanduser(os.fspath(override))
         try:
             template = open(path, encoding="utf-8").read()
         except (OSError, UnicodeDecodeError) as exc:
-            raise InputError(f"cannot read the chat template file {path}: {getattr(exc, 'strerror', exc)}; "
-                             "name a UTF-8 Jinja file") from None
-        _compile_or_raise(template, f"the chat template file {path}")
+            _template_error(json_path, f"cannot read the chat template file {path}: {getattr(exc, 'strerror', exc)}",
+                            "name a UTF-8 Jinja file")
+        problem = _jinja_problem(template)
+        if problem:
+            _template_error(json_path, f"the chat template file {path} is not a valid Jinja template: {problem}",
+                            "fix the template or name another file")
         return template, f"from the file {path}"
     template = ckpt.chat_template()
     if template or not fmt.template:
         return template, "checkpoint"
     return fmt.template, (f"{ckpt.path} has none; using the {fmt.name} family's template (set model.chat-template "
                           "or --chat-template FILE to use another)")
+
+
+def _template_error(json_path: str | None, message: str, fix: str):
+    if json_path:
+        raise ConfigError(json_path, message, fix)
+    raise InputError(f"{message}; {fix}")
 
 
 def check_chat(template, fmt: ChatFormat, think: bool | None, model_path, tools: list[dict] | None = None) -> None:
@@ -428,7 +442,8 @@ def check_chat(template, fmt: ChatFormat, think: bool | None, model_path, tools:
                          "call tools; send the request without tools")
 
 
-def _compile_or_raise(source: str, what: str) -> None:
+def _jinja_problem(source: str) -> str | None:
+    """Why ``source`` does not compile as a chat template (None: it does)."""
     import jinja2
 
     from .tokenizer import compile_template
@@ -436,7 +451,8 @@ def _compile_or_raise(source: str, what: str) -> None:
     try:
         compile_template(source)
     except jinja2.TemplateError as exc:
-        raise InputError(f"{what} is not a valid Jinja template: {exc}") from None
+        return str(exc)
+    return None
 
 
 def _plan_bytes_note(plan: Plan) -> str:

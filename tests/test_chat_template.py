@@ -199,3 +199,12 @@ def test_the_apis_count_the_chat_prompt_as_it_is_tokenized(tiny_checkpoint):
         assert claude.messages.count_tokens(model="tiny", messages=messages).input_tokens == want
     finally:
         server.stop()
+
+
+def test_a_bad_template_file_named_by_the_config_names_the_json_path(tiny_checkpoint, tmp_path, write_config,
+                                                                      capsys, monkeypatch, no_weights):
+    config = write_config({"model": {"path": str(tiny_checkpoint("qwen3_5")), "chat-template": "missing.jinja"}})
+    for argv in (["validate", "-c", str(config)], ["chat", "-c", str(config)]):
+        code, _, err = run(capsys, monkeypatch, *argv)
+        assert code == 2 and "config model.chat-template: cannot read the chat template file" in err, err
+        assert "fix: name a UTF-8 Jinja file" in err

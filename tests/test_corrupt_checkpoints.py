@@ -47,6 +47,13 @@ def load(path, **model):
     return lumen.load({"model": {"path": str(path), **SMALL, **model}}, progress=False)
 
 
+@pytest.fixture
+def no_warm_up(monkeypatch):
+    """Load without the warm-up forward (which refuses a corrupt checkpoint already), to reach the run-time checks
+    that guard a backend without a warm-up or a fault only some tokens reach."""
+    monkeypatch.setattr(lumen.Engine, "warm_up", lambda self: None)
+
+
 def copy_dir(src: Path, dst: Path) -> Path:
     shutil.copytree(src, dst)
     return dst
@@ -362,7 +369,15 @@ def nan_matrix(tmp_path_factory, tiny_checkpoint):
     return edit_tensors(path, damage)
 
 
-def test_nan_logits_stop_generate_at_run_time(capsys, nan_matrix):
+def test_nan_logits_are_refused_by_the_load_warm_up(capsys, nan_matrix):
+    with pytest.raises(CheckpointError, match=r"non-finite logits at token 1 \(warming up; 1000 of 1000"):
+        load(nan_matrix)
+    code, out, err = run_cli(capsys, "generate", "--config", str(nan_matrix), "--prompt", "Hello", "-n", "5", "-q")
+    assert code == 2 and out == "" and "Traceback" not in err
+    assert "lumen: error: the model produced non-finite logits at token 1 (warming up" in err
+
+
+def test_nan_logits_stop_generate_at_run_time(capsys, nan_matrix, no_warm_up):
     engine = load(nan_matrix)
     with pytest.raises(CheckpointError, match=r"non-finite logits at token 1 \(generating; 1000 of 1000 are NaN or "
                                               r"infinite\): the checkpoint looks corrupt; check it with `sha256sum "):
@@ -373,7 +388,7 @@ def test_nan_logits_stop_generate_at_run_time(capsys, nan_matrix):
     assert f"sha256sum {nan_matrix}/*.safetensors" in err
 
 
-def test_nan_logits_stop_perplexity(capsys, nan_matrix, tmp_path):
+def test_nan_logits_stop_perplexity(capsys, nan_matrix, tmp_path, no_warm_up):
     text = tmp_path / "t.txt"
     text.write_text("The quick brown fox jumps over the lazy dog.")
     code, out, err = run_cli(capsys, "perplexity", "--config", str(nan_matrix), "--text-file", str(text), "-q")
@@ -412,7 +427,7 @@ def test_perplexity_names_the_first_token_scored_from_non_finite_logits(tiny_che
         engine.perplexity(PROMPT)
 
 
-def test_constant_logits_stop_generation(tmp_path, tiny_checkpoint):
+def test_constant_logits_stop_generation(tmp_path, tiny_checkpoint, no_warm_up):
     """A zeroed output matrix gives the same logit for every token: the sampler would draw token 0 forever."""
     path = copy_dir(tiny_checkpoint("qwen3_5"), tmp_path / "c")
     edit_tensors(path, lambda t: {**t, "lm_head.weight": np.zeros_like(t["lm_head.weight"])})
@@ -421,7 +436,7 @@ def test_constant_logits_stop_generation(tmp_path, tiny_checkpoint):
         list(engine.generate_tokens(PROMPT, max_tokens=3))
 
 
-def test_a_decode_runner_s_prefill_logits_are_checked_on_the_host(nan_matrix, monkeypatch):
+def test_a_decode_runner_s_prefill_logits_are_checked_on_the_host(nan_matrix, monkeypatch, no_warm_up):
     """With a DecodeRunner (the CUDA graph) the device samples; the engine brings the prefill's last row over once."""
     engine = load(nan_matrix)
 

@@ -31,7 +31,7 @@ def check(config_arg: str):
 
     config, ckpt, arch, plan, _ = prepare(config_arg)
     fmt = format_for(get_registry(), arch.model_type or arch.config.get("model_type"))
-    choose_chat_template(ckpt, fmt, config.chat_template_path)
+    choose_chat_template(ckpt, fmt, config.chat_template_path, "model.chat-template")
     return plan
 
 
