@@ -58,6 +58,10 @@ class Engine:
         self.backends: dict = {}
         self._runner = None  # the backend's DecodeRunner, prepared on the first generation (False: none)
         self._template_noted = False  # the stderr note about a template the checkpoint did not carry
+        # checked once per generated token: True ends the generation (finish "cancelled"). The server sets it for
+        # the job it runs (a client that left, a time limit): a reply that yields no event for many tokens (a long
+        # tool call) still stops within a token
+        self.should_stop = None
 
     @classmethod
     def load(cls, source, progress: bool | Progress = True, chat_template: str | os.PathLike | None = None,
@@ -181,6 +185,9 @@ class Engine:
                 fed = len(prompt_ids) + st.generated_tokens - 1  # tokens in the cache before tok (= cache.pos)
                 if fed >= self.context_size or st.generated_tokens >= max_tokens:
                     st.finish_reason = "length"
+                    break
+                if self.should_stop is not None and self.should_stop():
+                    st.finish_reason = "cancelled"
                     break
                 if chain is not None:
                     tok = next(chain)

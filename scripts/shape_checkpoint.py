@@ -17,7 +17,8 @@ import os
 import sys
 from pathlib import Path
 
-SHAPES = {"qwen3.5-35b-a3b": ("Qwen3_5MoeTextConfig", {})}  # transformers' defaults are this model's shape
+# transformers' defaults are this model's shape, but for its trained context: the published config says 262144
+SHAPES = {"qwen3.5-35b-a3b": ("Qwen3_5MoeTextConfig", {"max_position_embeddings": 262144})}
 
 
 def _parameters(config) -> dict[str, tuple[int, ...]]:

@@ -64,20 +64,27 @@ def script(engine, monkeypatch, reply: str, prompts: list | None = None):
     monkeypatch.setattr(engine, "generate_tokens", fake)
 
 
-def slow(engine, monkeypatch, delay: float, produced: list, start: threading.Event | None = None):
+def slow(engine, monkeypatch, delay: float, produced: list, start: threading.Event | None = None,
+         first: str | None = None):
     """Make ``engine`` 'generate' the token of " word" every ``delay`` seconds until ``max_tokens`` (no end-of-turn
     token), appending each to ``produced``: what the worker computed, whether or not anyone read it. ``start``:
-    wait for it before the first token (a generation that holds the worker until the test lets it go)."""
+    wait for it before the first token (a generation that holds the worker until the test lets it go). ``first``:
+    a text whose tokens come first (e.g. a tool-call opener, after which the reply makes no event). Like the real
+    `Engine.generate_tokens`, it ends early when ``engine.should_stop()`` says so after a token."""
     tok = engine.tokenizer.backend.encode(" word", add_special_tokens=False).ids[0]
+    head = engine.tokenizer.backend.encode(first, add_special_tokens=False).ids if first else []
 
     def fake(prompt_ids, max_tokens=256, params=None):
         engine.stats = st = Stats(prompt_tokens=len(prompt_ids), finish_reason="length")
         if start is not None:
             start.wait(30)
-        for _ in range(max_tokens):
+        for i in range(max_tokens):
             time.sleep(delay)
             st.generated_tokens += 1
-            produced.append(tok)
-            yield tok
+            produced.append(head[i] if i < len(head) else tok)
+            yield produced[-1]
+            if engine.should_stop is not None and engine.should_stop():
+                st.finish_reason = "cancelled"
+                return
 
     monkeypatch.setattr(engine, "generate_tokens", fake)

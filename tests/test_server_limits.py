@@ -102,15 +102,9 @@ def test_an_empty_or_blank_api_key_is_a_startup_error_naming_api_key(capsys, key
 @pytest.mark.parametrize("key", ["", "  ", "\t", " k ", "k\n"])
 def test_a_blank_config_api_key_is_a_config_error_naming_its_path(key, capsys, tmp_path):
     raw = {"model": {"path": str(tmp_path / "missing.gguf")}, "server-parameters": {"api-keys": ["ok", key]}}
-    config = None
-    try:
-        config = load_config(raw)  # the schema's minLength refuses "" already; whitespace passes it
-    except ConfigError as exc:
-        assert key == "" and exc.path == "server-parameters.api-keys[1]", exc
-    if config is not None:
-        with pytest.raises(ConfigError) as info:
-            config.server_parameters()
-        assert info.value.path == "server-parameters.api-keys[1]" and "API key" in str(info.value)
+    with pytest.raises(ConfigError) as info:  # every command: load_config checks the server block too
+        load_config(raw)
+    assert info.value.path == "server-parameters.api-keys[1]", info.value
     # `lumen serve` stops there too, with status 2, before the (missing) checkpoint is looked at
     path = tmp_path / "serve.json"
     path.write_text(json.dumps(raw))
@@ -203,6 +197,29 @@ def test_a_client_that_leaves_while_queued_is_skipped(server, engine, monkeypatc
     holder.join(10)
     wait_idle(server, 3.0)
     assert len(produced) == 20  # the holder's 20, none of the 1900 of the one that left
+
+
+def test_a_client_that_leaves_during_a_long_tool_call_stops_it_within_tokens(server, engine, monkeypatch):
+    """A tool call being written makes no event until it closes, so the worker's check between events never runs:
+    the engine's per-token `should_stop` ends it (before: all 1900 tokens, ~9.5 s here, for nobody)."""
+    produced = []
+    slow(engine, monkeypatch, 0.005, produced, first="<tool_call>")
+    with pytest.raises(httpx.ReadTimeout):
+        post(server, "/v1/chat/completions", ROUTES["/v1/chat/completions"], timeout=0.5)
+    wait_idle(server, 3.0)
+    assert len(produced) < 1000 and engine.should_stop is None  # the hook is the running job's only
+
+
+def test_the_engine_checks_should_stop_after_every_token(engine):
+    """The real generation loop: `should_stop` is asked after each token; True ends it as "cancelled"."""
+    asked = []
+    engine.should_stop = lambda: asked.append(1) or len(asked) >= 3
+    try:
+        tokens = list(engine.generate_tokens(engine.encode("Once upon a time"), max_tokens=50,
+                                             params=None))
+    finally:
+        engine.should_stop = None
+    assert len(tokens) == 3 and engine.stats.finish_reason == "cancelled"
 
 
 # --- 3. limits ---------------------------------------------------------------------------------------------------

@@ -188,19 +188,33 @@ class Service:
     def _run(self, job: Job) -> None:
         timeout = self.limits.request_timeout
         deadline = time.monotonic() + timeout if timeout else math.inf
+
+        def stop() -> bool:
+            if job.cancelled.is_set():
+                return True
+            if time.monotonic() > deadline:
+                job.usage.timed_out = True
+                return True
+            return False
+
+        # checked by the engine after every token too, so a stretch of tokens that makes no event (a tool call
+        # being written) cannot outlive its client or its time limit
+        self.engine.should_stop = stop
         gen = job.run()
         try:
             for event in gen:
                 if job.cancelled.is_set():
-                    job.usage.finish_reason = "cancelled"
                     break
-                job.loop.call_soon_threadsafe(job.out.put_nowait, event)
-                if time.monotonic() > deadline:
-                    job.usage.timed_out = True
-                    self.metrics.timeouts += 1
+                job.loop.call_soon_threadsafe(job.out.put_nowait, event)  # what was made before a time limit is sent
+                if stop():
                     break
         finally:
             gen.close()
+            self.engine.should_stop = None
+            if job.cancelled.is_set():
+                job.usage.finish_reason = "cancelled"
+            elif job.usage.timed_out:
+                self.metrics.timeouts += 1
             self._account(job)
 
     def _account(self, job: Job) -> None:
