@@ -494,9 +494,28 @@ def _expanduser(text: str, where: str) -> Path:
                           "write the path without ~, or with ~/ for your own home") from None
 
 
-def _resolve_model_path(text: str, base_dir: Path, where: str = "model.path") -> Path:
+def _resolve_model_path(text: str, base_dir: Path, where: str = "model.path", model: dict | None = None) -> Path:
+    """A path relative to `base_dir`; for a model block (`model` given), a Hugging Face model id (`org/name`)
+    that is not a path on disk is looked up in the local Hugging Face cache at the block's `revision`."""
     path = _expanduser(text, where)
-    return path if path.is_absolute() else (base_dir / path)
+    path = path if path.is_absolute() else (base_dir / path)
+    if model is None:
+        return path
+    from lumen_core.checkpoint.hub import is_model_id, resolve_model_id
+
+    revision = model.get("revision")
+    try:
+        on_disk = path.exists()
+    except OSError:  # a name too long: the checkpoint reader says so
+        on_disk = True
+    if on_disk or not is_model_id(text):
+        if revision is not None:
+            raise ConfigError(where.removesuffix("path") + "revision",
+                              f"{_show(revision)} picks a revision of a Hugging Face model id, but {where} "
+                              f"{_show(text)} is {'a path on disk' if on_disk else 'not an id (org/name)'}",
+                              f"remove the revision, or set {where} to a model id such as Qwen/Qwen3.5-9B")
+        return path
+    return resolve_model_id(text, revision)
 
 
 class Config:
@@ -506,11 +525,23 @@ class Config:
         self.raw = raw
         self.source = source
         self.base_dir = Path(base_dir) if base_dir is not None else Path.cwd()
-        self.model_path = _resolve_model_path(raw["model"]["path"], self.base_dir)
-        _ = self.chat_template_path, self.draft_model_path  # a path that cannot expand is refused now, not later
+        self._model_path: Path | None = None
+        for block, where in ((raw["model"], "model.path"), (raw.get("draft", {}).get("model"), "draft.model.path")):
+            if block:  # a path that cannot expand is refused now; a model id is looked up when first used
+                _expanduser(block["path"], where)
+        _ = self.chat_template_path
 
     def __repr__(self) -> str:
-        return f"Config(source={self.source!r}, model_path={str(self.model_path)!r})"
+        return f"Config(source={self.source!r}, model_path={self.raw['model']['path']!r})"
+
+    @property
+    def model_path(self) -> Path:
+        """model.path resolved: a path on disk, or a Hugging Face model id's snapshot in the local cache (looked
+        up on first use, so load_config reads no cache; an id not cached is a CheckpointError then)."""
+        if self._model_path is None:
+            self._model_path = _resolve_model_path(self.raw["model"]["path"], self.base_dir, "model.path",
+                                                   self.raw["model"])
+        return self._model_path
 
     @property
     def chat_template_path(self) -> Path | None:
@@ -521,7 +552,9 @@ class Config:
     @property
     def draft_model_path(self) -> Path | None:
         draft = self.raw.get("draft")
-        return _resolve_model_path(draft["model"]["path"], self.base_dir, "draft.model.path") if draft else None
+        if not draft:
+            return None
+        return _resolve_model_path(draft["model"]["path"], self.base_dir, "draft.model.path", draft["model"])
 
     def _resolved(self, component: str, layer: int | None) -> _Resolved:
         return _resolve(_chain(self.raw["model"], "model", component, layer, self.raw.get("vision")))
@@ -615,9 +648,24 @@ def _is_dir(path: Path) -> bool:
 
 
 def config_from_path_or_model(arg: str | os.PathLike | dict) -> Config:
-    """A checkpoint dir or .gguf file gets the minimal all-CPU config; anything else is a config file."""
+    """A checkpoint dir, .gguf file or Hugging Face model id (`org/name`, not a file on disk) gets the minimal
+    all-CPU config; anything else is a config file."""
     if not isinstance(arg, dict):
         text = os.fspath(arg)
-        if _is_dir(_expanduser(text, "")) or text.lower().endswith(".gguf"):
+        path = _expanduser(text, "")
+        if _is_dir(path) or text.lower().endswith(".gguf") or (_is_model_id(text) and not _exists(path)):
             return load_config({"model": {"path": text, "compute": "cpu", "store": "ram"}})
     return load_config(arg)
+
+
+def _is_model_id(text: str) -> bool:
+    from lumen_core.checkpoint.hub import is_model_id
+
+    return is_model_id(text)
+
+
+def _exists(path: Path) -> bool:
+    try:
+        return path.exists()
+    except OSError:
+        return True  # a name too long: reading it as a config file says why it fails
