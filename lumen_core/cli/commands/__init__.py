@@ -6,7 +6,8 @@ import typer
 
 ConfigOpt = Annotated[
     str,
-    typer.Option("--config", "-c", help="Config JSON file, or a checkpoint (HF dir or .gguf file) run on CPU/RAM."),
+    typer.Option("--config", "-c", help="Config JSON file, or a checkpoint run on CPU/RAM: an HF directory, a .gguf "
+                 "file, or a Hugging Face model id (Org/Name) found in the local HF cache."),
 ]
 
 ChatTemplateOpt = Annotated[
