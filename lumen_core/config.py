@@ -462,6 +462,20 @@ def _check_vision(raw: dict) -> None:
         _check_pair(_resolve(_chain(raw["model"], "model", "vision", vision=raw["vision"])), "vision")
 
 
+def normalize(raw: dict) -> None:
+    """LumenLLM's spellings, rewritten in place (after the schema) to the one Lumen reads, with the same meaning:
+    `store: "gpu"` is `vram` wherever a store is taken (LumenLLM's guide: `"vram"` (= `"gpu"`))."""
+    stack: list[Any] = [raw]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, dict):
+            if value.get("store") == "gpu":
+                value["store"] = "vram"
+            stack.extend(value.values())
+        elif isinstance(value, list):
+            stack.extend(value)
+
+
 def check_structure(raw: dict) -> None:
     """The semantic checks that need no checkpoint or device; raises the first ConfigError."""
     _check_model(raw["model"], "model")
@@ -634,6 +648,7 @@ def load_config(source: str | os.PathLike | dict, base_dir: str | os.PathLike | 
         raw, name, base_dir = _read_json(path), str(path), path.resolve().parent
         _check_values(raw)
     validate_schema(raw)
+    normalize(raw)
     check_structure(raw)
     config = Config(raw, name, base_dir)
     config.server_parameters()  # what `serve` refuses in its block (a blank API key) every command refuses

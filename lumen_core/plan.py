@@ -11,6 +11,7 @@ import os
 from dataclasses import asdict, dataclass, field
 
 from .architecture import Architecture, Component, component_label
+from .config import Placement
 from .errors import ConfigError, PlanError
 from .tensors import SCALE_SUFFIXES, check_tensors, is_nvfp4
 
@@ -116,9 +117,11 @@ def check_features(config) -> None:
             raise ConfigError(path, f"{feature}: not supported by this version of Lumen", UNSUPPORTED[feature])
 
 
-def check_placement(config, arch: Architecture, registry, components: list[Component]) -> dict:
-    """Resolve and check each component's placement; return {component: Placement}."""
-    placements, checked = {}, set()
+def check_placement(config, arch: Architecture, registry, components: list[Component],
+                    notes: list[str] | None = None) -> dict:
+    """Resolve and check each component's placement; return {component: Placement}. A note for each block whose
+    store was read in LumenLLM's meaning (mmap under a GPU: ram) goes to `notes`."""
+    placements, checked, mmap_as_ram = {}, set(), {}
     for comp in components:
         p = config.placement(*comp)
         path = config.placement_path(*comp)
@@ -128,6 +131,11 @@ def check_placement(config, arch: Architecture, registry, components: list[Compo
         cls = registry.backend_class(p.backend)
         only_experts = tuple(s for s in cls.expert_stores if s not in cls.stores)
         allowed = cls.stores + (only_experts if comp[0] == "experts" else ())
+        if p.store == "mmap" and "mmap" not in allowed and "ram" in allowed and p.backend != "cpu":
+            # LumenLLM: "mmap currently behaves like ram on the CUDA backend (both pin a host arena)". Its meaning
+            # wins: a GPU reads these weights from page-locked host RAM, as with store ram.
+            p = Placement(p.compute, "ram")
+            mmap_as_ram.setdefault(path, []).append(component_label(comp))
         if p.store not in allowed:
             extra = (f" (and {', '.join(only_experts)} for the routed experts)"
                      if only_experts and comp[0] != "experts" else "")
@@ -145,6 +153,11 @@ def check_placement(config, arch: Architecture, registry, components: list[Compo
             _check_kv_types(config, cls)
             _check_kv_store(config, cls, comp)
         placements[comp] = p
+    if notes is not None:
+        for path, labels in mmap_as_ram.items():
+            shown = ", ".join(labels[:3]) + (f" and {len(labels) - 3} more" if len(labels) > 3 else "")
+            notes.append(f"{path}: store mmap under a GPU compute device is read as ram, as in LumenLLM (page-locked "
+                         f"host memory the GPU reads over PCIe; a GPU cannot compute from a file mapping): {shown}")
     return placements
 
 
@@ -193,7 +206,8 @@ def make_plan(config, arch: Architecture, ckpt, registry) -> tuple[Plan, dict]:
     layout = arch.layout(ckpt.tensors)
     report = check_tensors(ckpt, layout)
     components = [c for c in arch.components() if c in layout.needs or c[0] == "layer"]
-    placements = check_placement(config, arch, registry, components)
+    placement_notes: list[str] = []
+    placements = check_placement(config, arch, registry, components, placement_notes)
     kv = config.kv_cache()
     context_notes = check_context(kv, arch, ckpt)
     context = kv.context_size or arch.max_context
@@ -217,7 +231,7 @@ def make_plan(config, arch: Architecture, ckpt, registry) -> tuple[Plan, dict]:
                 PlanEntry(f"cache.layers.{comp[1]}", p.backend, p.device,
                           kv.store or kv_home(registry.backend_class(p.backend), p.store), kv_fmt, cache, kind="cache")
             )
-    plan.notes = (context_notes + _no_effect_notes(config, components)
+    plan.notes = (placement_notes + context_notes + _no_effect_notes(config, components)
                   + _expert_cache(config, arch, registry, placements, plan))
     _fit(plan, registry, placements)
     return plan, {"placements": placements, "layout": layout, "kv": kv, "report": report}

@@ -240,7 +240,7 @@ def test_unknown_key_deep_inside_ranges():
 def test_bad_store_enum_lists_allowed_values():
     err = error_of(model(store="disk"))
     assert err.path == "model.store"
-    assert "vram, ram, mmap" in err.message and '"disk"' in err.message
+    assert "vram, gpu, ram, mmap" in err.message and '"disk"' in err.message
 
 
 def test_bad_kv_type_enum_deep():
