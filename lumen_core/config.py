@@ -37,7 +37,7 @@ _SAMPLING_NAMES = {"temperature": "temperature", "top-k": "top_k", "top-p": "top
                    "repetition-penalty": "repetition_penalty"}
 _SERVER_NAMES = {"host": "host", "port": "port", "api-keys": "api_keys", "max-queue": "max_queue",
                  "request-timeout": "request_timeout", "max-body-bytes": "max_body_bytes",
-                 "max-tokens-limit": "max_tokens"}
+                 "max-tokens-limit": "max_tokens", "server-api": "server_api"}
 # The deepest value the schema allows is 7 levels down (draft.model.hidden-layers.ranges[0].experts.compute);
 # anything much deeper is a mistake, refused by path before a recursive reader or printer could overflow.
 MAX_DEPTH = 32
@@ -422,6 +422,7 @@ def _check_model(model: dict, root: str) -> None:
     _check_ranges_shape(model.get("hidden-layers", {}).get("ranges", []), hpath)
     _check_placements(model, root)
     _check_fp8_attention(model, root)
+    _check_attention(model, root)
     _check_sampling(model, root)
 
 
@@ -462,9 +463,18 @@ def _check_vision(raw: dict) -> None:
         _check_pair(_resolve(_chain(raw["model"], "model", "vision", vision=raw["vision"])), "vision")
 
 
+DEFAULT_DRAFT_TOKENS = 4  # LumenLLM's default of draft.num-draft-tokens
+_FLAT_DRAFT = ("path", "compute", "store")
+
+
 def normalize(raw: dict) -> None:
     """LumenLLM's spellings, rewritten in place (after the schema) to the one Lumen reads, with the same meaning:
-    `store: "gpu"` is `vram` wherever a store is taken (LumenLLM's guide: `"vram"` (= `"gpu"`))."""
+    `store: "gpu"` is `vram` wherever a store is taken (LumenLLM's guide: `"vram"` (= `"gpu"`)); a flat `draft`
+    {path, compute, store} is `draft.model` (omitted compute/store inherit from `model`, as LumenLLM's guide says);
+    `num-draft-tokens` omitted is 4. What cannot be read so (both draft forms, a `cuda` knob) is refused by name."""
+    _check_cuda(raw.get("cuda", {}))
+    if "draft" in raw:
+        raw["draft"] = _nested_draft(raw["draft"], raw["model"])
     stack: list[Any] = [raw]
     while stack:
         value = stack.pop()
@@ -476,12 +486,62 @@ def normalize(raw: dict) -> None:
             stack.extend(value)
 
 
-def check_structure(raw: dict) -> None:
-    """The semantic checks that need no checkpoint or device; raises the first ConfigError."""
+def _check_cuda(knobs: dict) -> None:
+    for key in knobs:
+        raise ConfigError(f"cuda.{key}", "LumenLLM's CUDA runtime knobs are not supported: its guide documents none, "
+                          "and Lumen's CUDA backend takes no runtime settings from the config (issue 16)",
+                          "remove the key (an empty cuda block is accepted and has no effect)")
+
+
+def _nested_draft(draft: dict, model: dict) -> dict:
+    flat = [k for k in _FLAT_DRAFT if k in draft]
+    if "model" in draft and flat:
+        raise ConfigError(f"draft.{flat[0]}", "draft is given twice: LumenLLM's flat form (draft.path, compute, "
+                          "store) and Lumen's draft.model block", "keep one of the two forms")
+    if "model" not in draft and "path" not in draft:
+        raise ConfigError("draft.path", "missing the draft checkpoint: draft needs 'path' (LumenLLM's flat form) "
+                          "or a 'model' block (Lumen's form)", "add draft.path")
+    if "model" in draft:
+        nested = {"model": draft["model"]}
+    else:  # omitted compute/store inherit from model (LumenLLM: "anything you omit inherits from its parent")
+        nested = {"model": {k: draft.get(k, model.get(k)) for k in _FLAT_DRAFT if k in draft or k in model}}
+    nested["num-draft-tokens"] = draft.get("num-draft-tokens", DEFAULT_DRAFT_TOKENS)
+    return nested
+
+
+def _check_attention(model: dict, root: str) -> None:
+    """LumenLLM's attention block: compute/store equal to the layers' own placement are accepted (that is where
+    Lumen computes a layer's attention anyway); anything else is refused by name. mechanism reference is the CPU
+    backend's attention; a GPU backend's own attention cannot be swapped for a reference one yet."""
+    attention = model.get("attention", {})
+    ranges = model.get("hidden-layers", {}).get("ranges", [])
+    for layer in [None] + [r["start"] for r in ranges]:
+        resolved = _resolve(_chain(model, root, "layer", layer))
+        where = resolved.block
+        for key in ("compute", "store"):
+            layer_value = getattr(resolved.placement, key)
+            if key in attention and attention[key] != layer_value:
+                raise ConfigError(_join(root, f"attention.{key}"),
+                                  f"placing attention apart from the rest of its layer is not supported yet "
+                                  f"(issue 16): attention.{key} is {attention[key]} but the layers of {where} have "
+                                  f"{key} {layer_value}",
+                                  f"remove attention.{key} (attention goes with its layer), or set it to "
+                                  f"{layer_value}")
+        if attention.get("mechanism") == "reference" and resolved.placement.backend != "cpu":
+            raise ConfigError(_join(root, "attention.mechanism"),
+                              f"reference attention on {resolved.placement.compute} is not supported yet (issue 16): "
+                              f"the layers of {where} compute on {resolved.placement.backend}, whose backend runs its "
+                              "own (tuned) attention; only the CPU backend's attention is the reference one",
+                              "use mechanism aegis-varlen or standard (the backend's own attention)")
+
+
+def check_structure(raw: dict, draft_root: str = "draft.model") -> None:
+    """The semantic checks that need no checkpoint or device; raises the first ConfigError. `draft_root`: the JSON
+    path of the draft's model block as the file wrote it (`draft` for LumenLLM's flat form)."""
     _check_model(raw["model"], "model")
     _check_vision(raw)
     if "draft" in raw:
-        _check_model(raw["draft"]["model"], "draft.model")
+        _check_model(raw["draft"]["model"], draft_root)
 
 
 # ---------------------------------------------------------------- the Config object
@@ -628,7 +688,7 @@ class Config:
         wanted = [("vision", "vision tower", "vision" in self.raw),
                   ("draft", "speculative decoding", "draft" in self.raw),
                   ("model.attention.compute-quantization", "fp8 attention",
-                   model.get("attention", {}).get("compute-quantization", "none") != "none")]
+                   model.get("attention", {}).get("compute-quantization", "none") == "fp8")]
         return [(path, feature) for path, feature, on in wanted if on]
 
 
@@ -648,8 +708,9 @@ def load_config(source: str | os.PathLike | dict, base_dir: str | os.PathLike | 
         raw, name, base_dir = _read_json(path), str(path), path.resolve().parent
         _check_values(raw)
     validate_schema(raw)
+    flat_draft = isinstance(raw.get("draft"), dict) and "model" not in raw["draft"]
     normalize(raw)
-    check_structure(raw)
+    check_structure(raw, "draft" if flat_draft else "draft.model")
     config = Config(raw, name, base_dir)
     config.server_parameters()  # what `serve` refuses in its block (a blank API key) every command refuses
     return config

@@ -341,17 +341,21 @@ def test_integers_written_with_an_exponent_are_refused_from_a_file(tmp_path):
 
 
 def test_every_pattern_key_matches_the_whole_string():
-    """Each compute key of the schema (found by walking it: 7 in a model block, twice, and vision's) takes `cpu`
-    and refuses `cpu` plus a newline at its own path."""
+    """Each compute key of the schema (found by walking it: 8 in a model block, twice, vision's and the flat draft's)
+    takes `cpu` and refuses `cpu` plus a newline at its own path."""
     s = schema()
     patterned = [parts for parts, leaf in _schema_leaves(s, (), s["$defs"]) if "pattern" in leaf]
-    assert len(patterned) == 15 and all(p[-1] == "compute" for p in patterned)
+    assert len(patterned) == 18 and all(p[-1] == "compute" for p in patterned)
     base = {**json.loads(json.dumps(EVERY_INTEGER)), "vision": {}}
     for block in (base["model"], base["draft"]["model"]):
         block.update({"input-layer": {}, "output-layer": {}})
     for parts in patterned:
         for device, ok in (("cpu", True), ("cpu\n", False)):
             raw = json.loads(json.dumps(base))
+            if parts == ("draft", "compute"):  # LumenLLM's flat draft form, which cannot sit beside draft.model
+                raw["draft"] = {"path": "y"}
+            if parts[-2] == "attention":  # model.attention is not in the base
+                _get(raw, parts[:-2]).setdefault("attention", {})
             _set(raw, parts, device)
             if ok:
                 assert load_config(raw).placement("layer").compute == "cpu"
@@ -396,8 +400,9 @@ def test_root_must_be_an_object(tmp_path):
     assert "expected object, got array" in err.message
 
 
-def test_draft_needs_num_draft_tokens():
-    err = error_of({**MINIMAL, "draft": {"model": {"path": "y"}}})
+def test_draft_num_draft_tokens_defaults_to_lumenllms_4():
+    assert load_config({**MINIMAL, "draft": {"model": {"path": "y"}}}).raw["draft"]["num-draft-tokens"] == 4
+    err = error_of({**MINIMAL, "draft": {"model": {"path": "y"}, "num-draft-tokens": 0}})
     assert err.path == "draft.num-draft-tokens"
 
 

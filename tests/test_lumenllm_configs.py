@@ -94,3 +94,179 @@ def test_store_mmap_under_a_gpu_is_read_as_ram_with_a_note():
     assert notes[1].startswith("model.hidden-layers.ranges[0]: store mmap")
     # without a notes list nothing changes in what is resolved
     assert check_placement(config, _FakeArch(), _FakeRegistry(), comps) == placements
+
+
+# ------------------------------------------------------------------ the published examples
+
+
+def on_cpu(value):
+    """The example with every GPU device swapped for the CPU (cuda:N -> cpu, and the GPU stores vram/gpu -> ram,
+    which a CPU computes from): what is left is LumenLLM's layout and meaning, runnable here."""
+    if isinstance(value, dict):
+        out = {k: on_cpu(v) for k, v in value.items()}
+        if isinstance(out.get("compute"), str) and out["compute"].startswith("cuda:"):
+            out["compute"] = "cpu"
+        if out.get("store") in ("vram", "gpu"):
+            out["store"] = "ram"
+        return out
+    if isinstance(value, list):
+        return [on_cpu(v) for v in value]
+    return value
+
+
+def test_qwen35_9b_as_written_loads_with_its_meaning():
+    config = load_config(DATA / "parameters.qwen35-9b.json")
+    assert config.placement("input-layer") == Placement("cuda:0", "ram")
+    assert config.placement("output-layer") == Placement("cuda:0", "vram")
+    assert config.placement("layer", 0) == Placement("cuda:0", "vram")
+    kv = config.kv_cache()
+    assert (kv.context_size, kv.store, kv.type_k, kv.type_v) == (4096, "vram", "f16", "f16")
+    assert config.sampling_defaults() == {"temperature": 1.0, "top_p": 0.95, "top_k": 50, "min_p": 0.05}
+    assert config.requested_features() == []
+
+
+@pytest.mark.parametrize("name", ["parameters.qwen36-35b.json", "parameters.gemma4-26b-vision-draft.json"])
+def test_attention_in_vram_with_layers_in_ram_is_refused_by_name(name):
+    """LumenLLM's hidden-layers.store ram with attention.store vram keeps attention in VRAM apart from its layer:
+    Lumen places a layer whole (its attention with it), so it refuses that by name, never as an unknown key."""
+    with pytest.raises(ConfigError) as info:
+        load_config(DATA / name)
+    assert info.value.path == "model.attention.store"
+    assert "placing attention apart from the rest of its layer is not supported yet" in info.value.message
+    assert "unknown key" not in str(info.value)
+
+
+def _greedy(engine, n: int = 8) -> list[int]:
+    from lumen_core.sampling import SamplingParams
+
+    return list(engine.generate_tokens([1, 2, 3, 4], n, SamplingParams(temperature=0.0)))
+
+
+@pytest.mark.parametrize("name, kind, context", [("parameters.qwen35-9b.json", "qwen3_5", 4096),
+                                                  ("parameters.qwen36-35b.json", "qwen3_5_moe", 8192)])
+def test_example_on_cpu_generates_what_the_native_config_does(tiny_checkpoint, name, kind, context):
+    import lumen_core as lumen
+
+    path = str(tiny_checkpoint(kind, max_position_embeddings=context))
+    raw = on_cpu(original(name))
+    raw["model"]["path"] = path
+    native = {"model": {"path": path, "compute": "cpu", "store": "ram",
+                        "hidden-layers": {"kv-cache": {"context-size": context, "store": "ram",
+                                                       "type-k": "f16", "type-v": "f16"}},
+                        "other-parameters": {"temperature": 1.0, "top-p": 0.95, "top-k": 50, "min-p": 0.05}}}
+    theirs, ours = lumen.load(raw, progress=False), lumen.load(native, progress=False)
+    assert [(e.component, e.device, e.store, e.nbytes) for e in theirs.plan.entries] == \
+        [(e.component, e.device, e.store, e.nbytes) for e in ours.plan.entries]
+    assert theirs.config.sampling_defaults() == ours.config.sampling_defaults()
+    tokens = _greedy(theirs)
+    assert len(tokens) == 8 and tokens == _greedy(ours)
+
+
+def test_gemma4_vision_draft_on_cpu_is_refused_by_name_for_vision_then_draft(tiny_checkpoint):
+    import lumen_core as lumen
+
+    path = str(tiny_checkpoint("gemma4_mm", max_position_embeddings=262144))
+    raw = on_cpu(original("parameters.gemma4-26b-vision-draft.json"))
+    raw["model"]["path"] = raw["draft"]["path"] = path
+    config = load_config(raw)  # LumenLLM's flat draft is read as Lumen's draft.model
+    assert config.raw["draft"] == {"model": {"path": path, "compute": "cpu", "store": "ram"}, "num-draft-tokens": 4}
+    assert config.placement("vision") == Placement("cpu", "ram")
+    with pytest.raises(ConfigError) as info:
+        lumen.load(raw, progress=False)
+    assert info.value.path == "vision" and "vision tower" in info.value.message
+    del raw["vision"]
+    with pytest.raises(ConfigError) as info:
+        lumen.load(raw, progress=False)
+    assert info.value.path == "draft" and "speculative decoding" in info.value.message
+
+
+# ------------------------------------------------------------------ every key of LumenLLM's guide
+
+
+def refusal(raw: dict) -> ConfigError:
+    with pytest.raises(ConfigError) as info:
+        load_config(raw)
+    assert "unknown key" not in str(info.value)
+    return info.value
+
+
+@pytest.mark.parametrize("mechanism", ["standard", "aegis-varlen", "reference"])
+def test_attention_mechanisms_are_accepted_on_the_cpu(mechanism):
+    assert load_config({"model": {"path": "m", "attention": {"mechanism": mechanism}}}).requested_features() == []
+
+
+def test_reference_attention_on_a_gpu_layer_is_refused_by_name():
+    raw = {"model": {"path": "m", "compute": "cuda:0", "attention": {"mechanism": "reference"},
+                     "hidden-layers": {"ranges": [{"start": 2, "end": 3, "compute": "cpu"}]}}}
+    err = refusal(raw)
+    assert err.path == "model.attention.mechanism" and "reference attention on cuda:0" in err.message
+    raw["model"]["compute"] = "cpu"
+    raw["model"]["hidden-layers"]["ranges"][0]["compute"] = "cuda:1"
+    err = refusal(raw)
+    assert err.path == "model.attention.mechanism" and "model.hidden-layers.ranges[0]" in err.message
+
+
+@pytest.mark.parametrize("value", ["none", "default", "bf16"])
+def test_attention_not_in_fp8_is_no_requested_feature(value):
+    raw = {"model": {"path": "m", "attention": {"compute-quantization": value}}}
+    assert load_config(raw).requested_features() == []
+
+
+def test_fp8_attention_is_still_a_requested_feature_and_needs_an_fp8_cache():
+    kv = {"kv-cache": {"type-k": "fp8", "type-v": "fp8"}}
+    raw = {"model": {"path": "m", "attention": {"compute-quantization": "fp8"}, "hidden-layers": kv}}
+    assert load_config(raw).requested_features() == [("model.attention.compute-quantization", "fp8 attention")]
+    del raw["model"]["hidden-layers"]
+    assert refusal(raw).path == "model.attention.compute-quantization"
+
+
+def test_attention_placed_with_its_layer_is_accepted_and_apart_is_refused_by_name():
+    layers = {"compute": "cuda:0", "store": "vram"}
+    raw = {"model": {"path": "m", "attention": {"compute": "cuda:0", "store": "gpu"}, "hidden-layers": layers}}
+    assert load_config(raw).placement("layer", 0) == Placement("cuda:0", "vram")
+    raw["model"]["hidden-layers"]["ranges"] = [{"start": 1, "end": 2, "compute": "cuda:1"}]
+    err = refusal(raw)
+    assert err.path == "model.attention.compute"
+    assert "apart from the rest of its layer" in err.message and "ranges[0]" in err.message
+
+
+def test_a_cuda_block_is_accepted_empty_and_each_knob_refused_by_name():
+    assert load_config({"model": {"path": "m"}, "cuda": {}}).requested_features() == []
+    err = refusal({"model": {"path": "m"}, "cuda": {"graphs": True}})
+    assert err.path == "cuda.graphs" and "CUDA runtime knobs are not supported" in err.message
+
+
+def test_draft_flat_form_inherits_placement_from_model_and_nested_form_still_works():
+    flat = {"model": {"path": "m", "compute": "cuda:0", "store": "vram"}, "draft": {"path": "d"}}
+    config = load_config(flat)
+    assert config.raw["draft"] == {"model": {"path": "d", "compute": "cuda:0", "store": "vram"},
+                                   "num-draft-tokens": 4}
+    assert config.requested_features() == [("draft", "speculative decoding")]
+    nested = {"model": {"path": "m"}, "draft": {"model": {"path": "d"}, "num-draft-tokens": 2}}
+    assert load_config(nested).raw["draft"] == {"model": {"path": "d"}, "num-draft-tokens": 2}
+
+
+def test_draft_in_both_forms_or_without_a_checkpoint_is_refused_by_name():
+    err = refusal({"model": {"path": "m"}, "draft": {"model": {"path": "d"}, "path": "d"}})
+    assert err.path == "draft.path" and "given twice" in err.message
+    err = refusal({"model": {"path": "m"}, "draft": {"compute": "cpu"}})
+    assert err.path == "draft.path" and "missing the draft checkpoint" in err.message
+    err = refusal({"model": {"path": "m"}, "draft": {"path": "d", "compute": "cpu", "store": "gpu"}})
+    assert err.path == "draft.store" and "needs a GPU compute device" in err.message  # the key as written
+    err = refusal({"model": {"path": "m"}, "draft": {"model": {"path": "d", "store": "gpu"}}})
+    assert err.path == "draft.model.store"
+
+
+@pytest.mark.parametrize("api", ["openai", "anthropic"])
+def test_server_api_is_accepted(api):
+    config = load_config({"model": {"path": "m"}, "server-parameters": {"server-api": api, "port": 8080}})
+    assert config.server_parameters() == {"server_api": api, "port": 8080}
+    with pytest.raises(ConfigError) as info:
+        load_config({"model": {"path": "m"}, "server-parameters": {"server-api": "grpc"}})
+    assert info.value.path == "server-parameters.server-api" and "openai, anthropic" in info.value.message
+
+
+def test_vision_is_refused_by_name_not_as_an_unknown_key():
+    config = load_config({"model": {"path": "m", "compute": "cuda:0"}, "vision": {"store": "gpu"}})
+    assert config.placement("vision") == Placement("cuda:0", "vram")
+    assert config.requested_features() == [("vision", "vision tower")]

@@ -56,7 +56,7 @@ DEVICES = ["cpu", "cuda:0", "wgpu:0", "cuda:1", "cpu\n", " cpu", "cuda:\u0663", 
 INTERESTING_INTS = {"context-size": [1, 2, 3, 16, 64, 4096, 4097, 10**6, 2**31 - 1, 2**31, 10**30],
                     "start": [0, 1, 2, 3, 4, 9], "end": [0, 1, 2, 3, 4, 9], "seed": [0, 1, 2**64, 10**40, -1],
                     "top-k": [0, 1, 5, 10**9, -1], "max-tokens": [1, 10**9, 0], "cache": [1, 4, 10**9, 0]}
-CPU_REFUSES = {"store": {"vram"}, "compute-quantization": {"fp8"}}  # on this CPU, by key
+CPU_REFUSES = {"store": {"vram", "gpu"}, "compute-quantization": {"fp8"}}  # on this CPU, by key (gpu = vram)
 # Tiny and huge positives: where a sampler's float64 arithmetic overflows (logits / 1e-320 is inf).
 INTERESTING_NUMBERS = [0, 0.0, 5e-324, 1e-320, 1e-300, 1e-10, 1e-6, 1e-5, 0.5, 1, 1.0, 2.5, 1e5, 1e6, 1e300, 1e308,
                        -0.0, -1, 10**400]
@@ -203,7 +203,7 @@ def mutated(draw, valid):
         del container[key]
     elif how == "extra" and isinstance(value, dict):
         value[draw(st.sampled_from(NEAR_MISS))] = draw(JUNK)
-    elif how == "float" and fits(value):
+    elif how == "float" and fits(value) and abs(value) < 2**1023:  # float() of a larger int overflows
         container[key] = float(value)
     else:
         container[key] = draw({"device": st.sampled_from(DEVICES), "number": st.sampled_from(INTERESTING_NUMBERS)}
