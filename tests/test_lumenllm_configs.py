@@ -270,3 +270,45 @@ def test_vision_is_refused_by_name_not_as_an_unknown_key():
     config = load_config({"model": {"path": "m", "compute": "cuda:0"}, "vision": {"store": "gpu"}})
     assert config.placement("vision") == Placement("cuda:0", "vram")
     assert config.requested_features() == [("vision", "vision tower")]
+
+
+# ------------------------------------------------------------------ LumenLLM's command-line options
+
+
+def run_cli(capsys, *argv) -> tuple[int, str, str]:
+    from lumen_core.cli import main
+
+    try:
+        main(list(argv))
+        code = 0
+    except SystemExit as exc:
+        code = exc.code or 0
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_temp_is_temperature_on_generate(capsys, tiny_checkpoint):
+    ckpt = str(tiny_checkpoint("qwen3_5"))
+    base = ("generate", "-c", ckpt, "--prompt", "The sky is", "-n", "8", "-q", "--seed", "7")
+    long_form = run_cli(capsys, *base, "--temperature", "0.9")
+    short_form = run_cli(capsys, *base, "--temp", "0.9")
+    greedy = run_cli(capsys, *base, "--temp", "0")
+    assert long_form[0] == short_form[0] == greedy[0] == 0
+    assert short_form[1] == long_form[1] and short_form[1].strip()
+    assert greedy[1] == run_cli(capsys, *base, "--temperature", "0")[1]
+    code, _, err = run_cli(capsys, *base, "--temp", "-1")
+    assert code == 2 and "temperature" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("command", ["generate", "chat"])
+@pytest.mark.parametrize("option, words", [
+    ("--draft-model", "--draft-model: speculative decoding is not supported yet"),
+    ("--image", "--image: images need the vision tower, which is not supported yet")])
+def test_draft_model_and_image_are_refused_by_name_before_loading(capsys, tmp_path, command, option, words):
+    # A config that does not exist: the option is refused before anything is read. --temp parses on both commands.
+    argv = [command, "-c", str(tmp_path / "missing.json"), "--temp", "0", option, str(tmp_path / "x")]
+    if command == "generate":
+        argv += ["--prompt", "hi"]
+    code, out, err = run_cli(capsys, *argv)
+    assert code == 2 and words in err and out == "" and "Traceback" not in err
+    assert "No such option" not in err and "missing.json" not in err

@@ -9,6 +9,7 @@ from typing import Annotated
 import typer
 
 from . import ChatTemplateOpt, ConfigOpt
+from .generate import DraftModelOpt, ImageOpt, refuse_unsupported
 
 Opt = typer.Option
 HELP = "commands: /reset (forget the conversation), /think on|off (thinking, where the template has it), /exit"
@@ -21,12 +22,15 @@ def chat(
                                       help="Thinking on/off (templates with a switch; /think toggles it).")] = None,
     max_tokens: Annotated[int | None, Opt("--max-tokens", "-n", min=1,
                                           help="Most new tokens per reply (default: config, else 256).")] = None,
-    temperature: Annotated[float | None, Opt(help="0 = greedy (default: config, else 0).")] = None,
+    temperature: Annotated[float | None, Opt("--temperature", "--temp",
+                                             help="0 = greedy (default: config, else 0).")] = None,
     top_k: Annotated[int | None, Opt("--top-k", help="Keep the k most likely tokens (0 = off).")] = None,
     top_p: Annotated[float | None, Opt("--top-p", help="Nucleus sampling mass (1 = off).")] = None,
     min_p: Annotated[float | None, Opt("--min-p", help="Drop tokens below min-p × top probability.")] = None,
     seed: Annotated[int | None, Opt(help="Random seed for sampling.")] = None,
     chat_template: ChatTemplateOpt = None,
+    draft_model: DraftModelOpt = None,
+    image: ImageOpt = None,
 ):
     """Chat with the model in the terminal: type a message, Enter; the reply streams back.
 
@@ -38,6 +42,7 @@ def chat(
     from ...engine import load
     from ...errors import InputError
 
+    refuse_unsupported(draft_model, image)
     engine = load(config, progress=True, chat_template=chat_template, chat=True, think=think)
     fmt = engine.chat_format()
     if temperature is None and "temperature" not in engine.config.sampling_defaults():

@@ -10,6 +10,26 @@ import typer
 from . import ChatTemplateOpt, ConfigOpt
 
 Opt = typer.Option
+# LumenLLM's options, accepted by name and refused with the reason until what they need lands (issue 16).
+DraftModelOpt = Annotated[str | None, Opt("--draft-model", metavar="PATH",
+                                          help="Draft model for speculative decoding (LumenLLM's option; "
+                                               "not supported yet: refused).")]
+ImageOpt = Annotated[list[str] | None, Opt("--image", metavar="PATH",
+                                           help="An image for the vision tower (LumenLLM's option; not "
+                                                "supported yet: refused).")]
+
+
+def refuse_unsupported(draft_model: str | None, image: list[str] | None) -> None:
+    """--draft-model and --image name what Lumen cannot do yet: an InputError naming the option and why, before
+    anything loads."""
+    from ...errors import InputError
+
+    if draft_model is not None:
+        raise InputError("--draft-model: speculative decoding is not supported yet (issue 16); leave --draft-model "
+                         "out (a config's draft block is refused the same way)")
+    if image:
+        raise InputError("--image: images need the vision tower, which is not supported yet (issue 16); leave "
+                         "--image out")
 
 
 def generate(
@@ -23,13 +43,16 @@ def generate(
     system: Annotated[str | None, Opt("--system", help="System message (with --chat).")] = None,
     think: Annotated[bool | None, Opt("--think/--no-think",
                                       help="Chat templates with a thinking switch: turn it on/off.")] = None,
-    temperature: Annotated[float | None, Opt(help="0 = greedy (default: config, else 0).")] = None,
+    temperature: Annotated[float | None, Opt("--temperature", "--temp",
+                                             help="0 = greedy (default: config, else 0).")] = None,
     top_k: Annotated[int | None, Opt("--top-k", help="Keep the k most likely tokens (0 = off).")] = None,
     top_p: Annotated[float | None, Opt("--top-p", help="Nucleus sampling mass (1 = off).")] = None,
     min_p: Annotated[float | None, Opt("--min-p", help="Drop tokens below min-p × top probability.")] = None,
     seed: Annotated[int | None, Opt(help="Random seed: the same seed gives the same text.")] = None,
     stop: Annotated[list[str] | None, Opt("--stop", help="Stop string (repeatable).")] = None,
     chat_template: ChatTemplateOpt = None,
+    draft_model: DraftModelOpt = None,
+    image: ImageOpt = None,
     quiet: Annotated[bool, Opt("--quiet", "-q", help="No progress lines or timing summary on stderr.")] = False,
 ):
     """Generate text from a prompt with the model and placement the config describes.
@@ -41,6 +64,7 @@ def generate(
     from ...engine import load
     from ...errors import InputError
 
+    refuse_unsupported(draft_model, image)
     text = _read_prompt(prompt, prompt_file)
     if (system is not None or think is not None) and not chat:
         raise InputError(f"{'--system' if system is not None else '--think/--no-think'} needs --chat")
