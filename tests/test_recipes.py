@@ -144,16 +144,18 @@ def test_gpu_layers_whose_weights_stay_in_host_ram_keep_their_kv_caches_in_vram(
     print(f"all weights in host RAM: {pools}")
 
 
-def test_a_gpu_layer_mapped_from_the_file_is_refused_naming_the_stores_it_can_use(fp8_35b, gpus):
-    """``store: mmap`` is the CPU's (a file mapping the GPU cannot read): the refusal names the JSON path and the
-    stores a cuda layer can use, before any weight is read."""
+def test_a_gpu_layer_mapped_from_the_file_is_read_as_ram_with_a_note(fp8_35b, gpus):
+    """``store: mmap`` under a GPU means ``ram``, as in LumenLLM (a GPU cannot compute from a file mapping): the
+    plan puts those layers in pinned host RAM, exactly as ``store: ram`` would, and a note names the block."""
     from lumen_core.engine import prepare
 
     gpus(1, 16)
     raw = json.loads((ROOT / "examples" / "qwen3.5-35b-a3b-gpu-streamed-experts.json").read_text())
     raw["model"].update(path=str(fp8_35b))
-    raw["model"]["hidden-layers"]["ranges"] = [{"start": 0, "end": 3, "store": "mmap"}]
-    with pytest.raises(ConfigError) as info:
-        prepare(raw)
-    message = str(info.value)
-    assert "store 'mmap'" in message and "use one of: vram, ram" in message and "ranges" in message
+    plans = {}
+    for store in ("mmap", "ram"):
+        raw["model"]["hidden-layers"]["ranges"] = [{"start": 0, "end": 3, "store": store}]
+        plans[store] = prepare(raw)[3]
+    assert plans["mmap"].pools() == plans["ram"].pools()
+    notes = " ".join(plans["mmap"].notes)
+    assert "mmap" in notes and "ranges" in notes and "ram" in notes, notes
