@@ -412,3 +412,20 @@ def test_real_tensors_equal_transformers():
     for hf_name in pairs.values():
         expected = hf[hf_name].numpy()
         np.testing.assert_array_equal(ckpt.read_f32(hf_name), expected, err_msg=hf_name)
+
+
+def test_rename_splits_a_stacked_tensor(synthetic):
+    """A list in the mapping splits a tensor along its first axis (llama.cpp's stacked experts), one name per
+    slice, each read as that slice's bytes (raw blocks too) with its own transform."""
+    path, written = synthetic
+    ckpt = GGUFCheckpoint(path)
+    cube = ckpt.read("cube").copy()
+    ckpt.rename({"cube": [(f"experts.{e}.weight", None if e else (lambda w: w + 1)) for e in range(cube.shape[0])]})
+    for e in range(cube.shape[0]):
+        info = ckpt.tensors[f"experts.{e}.weight"]
+        assert info.shape == cube.shape[1:]
+        want = cube[e].astype(np.float32) + (0 if e else 1)
+        np.testing.assert_array_equal(ckpt.read_f32(f"experts.{e}.weight"), want)
+    assert "cube" not in ckpt.tensors
+    with pytest.raises(CheckpointError, match="cannot be split into 5 slices"):
+        GGUFCheckpoint(path).rename({"cube": [(f"x{e}", None) for e in range(5)]})

@@ -341,23 +341,38 @@ class GGUFCheckpoint:
                 "in transfer): download it again"
             )
 
-    def rename(self, mapping: dict[str, tuple[str, Callable | None]]) -> None:
+    def rename(self, mapping: dict[str, tuple[str, Callable | None] | list[tuple[str, Callable | None]]]) -> None:
         """Key the tensors by ``mapping[gguf name][0]`` and apply ``mapping[gguf name][1]`` (if not None) on
-        read. Tensors missing from the mapping keep their current names (the loader reports them as unused)."""
+        read. A list value splits a stacked tensor along its first axis (llama.cpp's ``ffn_*_exps``: one matrix
+        per routed expert): item ``e`` names slice ``e`` (its bytes, no copy; the list holds one item per slice).
+        Tensors missing from the mapping keep their current names (the loader reports them as unused)."""
         tensors: dict[str, TensorInfo] = {}
         entries: dict[str, _Entry] = {}
         for name, info in self.tensors.items():
             entry = self._entries[name]
-            new_name, transform = mapping.get(entry.gguf_name, (name, entry.transform))
-            if new_name in tensors:
-                raise CheckpointError(f"{self.path}: two tensors renamed to {new_name!r}")
-            dtype, nbytes = info.dtype, entry.nbytes
-            if transform is not None and entry.type_name in PLAIN_DTYPES:
-                # read() hands out the transformed values as f32: say so
-                dtype, nbytes = "F32", int(np.prod(info.shape)) * 4
-            tensors[new_name] = TensorInfo(new_name, dtype, info.shape, nbytes)
-            entries[new_name] = entry._replace(transform=transform)
+            target = mapping.get(entry.gguf_name, (name, entry.transform))
+            for new_name, transform, part in self._parts(name, entry, target):
+                if new_name in tensors:
+                    raise CheckpointError(f"{self.path}: two tensors renamed to {new_name!r}")
+                dtype, nbytes = info.dtype, part.nbytes
+                if transform is not None and entry.type_name in PLAIN_DTYPES:
+                    # read() hands out the transformed values as f32: say so
+                    dtype, nbytes = "F32", int(np.prod(part.shape)) * 4
+                tensors[new_name] = TensorInfo(new_name, dtype, part.shape, nbytes)
+                entries[new_name] = part._replace(transform=transform)
         self.tensors, self._entries = tensors, entries
+
+    def _parts(self, name: str, entry: _Entry, target) -> list[tuple[str, Callable | None, _Entry]]:
+        if not isinstance(target, list):
+            return [(target[0], target[1], entry)]
+        count = entry.shape[0] if len(entry.shape) >= 2 else 0
+        if len(target) != count:
+            raise CheckpointError(f"{self.path}: tensor {name!r} of shape {entry.shape} cannot be split into "
+                                  f"{len(target)} slices along its first axis")
+        step = entry.nbytes // count
+        return [(new_name, transform, entry._replace(start=entry.start + e * step, nbytes=step,
+                                                     shape=entry.shape[1:]))
+                for e, (new_name, transform) in enumerate(target)]
 
     def gguf_name(self, name: str) -> str:
         """The GGUF name of a (possibly renamed) tensor."""
