@@ -317,9 +317,10 @@ def _resolve(chain: list[tuple[str, dict]]) -> _Resolved:
 
 
 def _range_index(ranges: list[dict], layer: int | None) -> int | None:
+    # `end` is exclusive (LumenLLM's meaning, Python's): a range holds layers start..end-1.
     if layer is None:
         return None
-    return next((i for i, r in enumerate(ranges) if r["start"] <= layer <= r["end"]), None)
+    return next((i for i, r in enumerate(ranges) if r["start"] <= layer < r["end"]), None)
 
 
 def _chain(model: dict, root: str, component: str, layer: int | None = None,
@@ -375,22 +376,36 @@ def _check_pair(resolved: _Resolved, component: str) -> None:
     raise ConfigError(blamed[1], message, fix)
 
 
+def _layers(start: int, end: int) -> str:
+    """A range in exclusive terms, as written and as layers: `layers 0-23 (start 0, end 24)`."""
+    held = f"layer {start}" if end - start == 1 else f"layers {start}-{end - 1}"
+    return f"{held} (start {start}, end {end})"
+
+
 def _check_ranges_shape(ranges: list[dict], hpath: str) -> None:
+    """Each range holds at least one layer (start < end: `end` is exclusive) and no layer is in two ranges."""
     for i, r in enumerate(ranges):
         if r["start"] > r["end"]:
             raise ConfigError(f"{hpath}.ranges[{i}].start", f"start {r['start']} is after end {r['end']}",
-                              "swap start and end (end is inclusive)")
+                              "swap start and end (end is exclusive: the range holds layers start..end-1)")
+        if r["start"] == r["end"]:
+            raise ConfigError(f"{hpath}.ranges[{i}].end",
+                              f"the range is empty: start and end are both {r['start']}, and end is exclusive "
+                              "(LumenLLM's meaning: the range holds layers start..end-1)",
+                              f"set end to {r['end'] + 1} for layer {r['start']} alone, or remove the range")
         for j in range(i):
-            if r["start"] <= ranges[j]["end"] and ranges[j]["start"] <= r["end"]:
+            if r["start"] < ranges[j]["end"] and ranges[j]["start"] < r["end"]:
                 raise ConfigError(f"{hpath}.ranges[{i}]", _overlap_message(ranges, j, i),
-                                  "make the ranges disjoint: each layer may belong to one range at most")
+                                  "make the ranges disjoint: each layer may belong to one range at most (end is "
+                                  "exclusive, so a range may start at the previous one's end)")
 
 
 def _overlap_message(ranges: list[dict], j: int, i: int) -> str:
     a, b = ranges[j], ranges[i]
     lo, hi = max(a["start"], b["start"]), min(a["end"], b["end"])
-    return (f"ranges[{i}] (layers {b['start']}-{b['end']}) overlaps ranges[{j}] "
-            f"(layers {a['start']}-{a['end']}) on layers {lo}-{hi}")
+    shared = f"layer {lo}" if hi - lo == 1 else f"layers {lo}-{hi - 1}"
+    return (f"ranges[{i}], {_layers(b['start'], b['end'])}, overlaps ranges[{j}], "
+            f"{_layers(a['start'], a['end'])}, on {shared} (end is exclusive)")
 
 
 def _check_placements(model: dict, root: str) -> None:
@@ -647,13 +662,40 @@ class Config:
         return [{"index": i, **copy.deepcopy(r)} for i, r in enumerate(ranges)]
 
     def check_ranges(self, num_layers: int) -> None:
-        """Refuse a range that reaches past the model's last layer (needs the checkpoint's layer count)."""
+        """Refuse a range that reaches past the model's layers (needs the checkpoint's layer count). `end` is
+        exclusive (LumenLLM's meaning), so it may equal the layer count: `{"start": 24, "end": 48}` ends at the
+        last layer of a 48-layer model."""
         for r in self.ranges():
-            if r["end"] >= num_layers:
+            if r["end"] > num_layers:
                 raise ConfigError(f"model.hidden-layers.ranges[{r['index']}].end",
-                                  f"end {r['end']} is past the last layer: the model has {num_layers} "
-                                  f"layers (0-{num_layers - 1})",
-                                  f"set end to at most {num_layers - 1}")
+                                  f"end {r['end']} is past the model's layers: the model has {num_layers} "
+                                  f"layers (0-{num_layers - 1}), and end is exclusive, so it may be at most "
+                                  f"{num_layers}",
+                                  f"set end to at most {num_layers}")
+
+    def range_notes(self, num_layers: int) -> list[str]:
+        """Notes on ranges whose `end` reads as if it were meant inclusive, where that leaves a layer in no range
+        and so on hidden-layers' placement: a gap of exactly one layer between two consecutive ranges, or a last
+        range that ends one short of the model's layer count. Only where the layer's placement (or its experts')
+        would differ if that range held it; such a config is not refused (a gap is legitimate), but said out loud."""
+        ranges = sorted(self.ranges(), key=lambda r: r["start"])
+        notes = []
+        for k, r in enumerate(ranges):
+            nxt = ranges[k + 1]["start"] if k + 1 < len(ranges) else num_layers
+            layer = r["end"]
+            if nxt != layer + 1 or not self._range_would_move(r["index"], layer):
+                continue
+            notes.append(f"config model.hidden-layers.ranges[{r['index']}].end: ranges end is exclusive "
+                         f"(LumenLLM's meaning): layer {layer} is in no range and uses hidden-layers' placement; "
+                         f"if you meant it inclusive, set end to {layer + 1}")
+        return notes
+
+    def _range_would_move(self, index: int, layer: int) -> bool:
+        """Whether `layer` (in no range) would be placed otherwise, or its experts, if ranges[index] held it."""
+        model = copy.deepcopy(self.raw["model"])
+        model["hidden-layers"]["ranges"][index]["end"] = layer + 1
+        return any(_resolve(_chain(self.raw["model"], "model", c, layer)).placement
+                   != _resolve(_chain(model, "model", c, layer)).placement for c in ("layer", "experts"))
 
     def expert_cache(self) -> int | None:
         """model.hidden-layers.experts.cache: experts kept in VRAM per GPU for streamed experts (None: default)."""
