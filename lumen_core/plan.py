@@ -231,7 +231,8 @@ def make_plan(config, arch: Architecture, ckpt, registry) -> tuple[Plan, dict]:
                 PlanEntry(f"cache.layers.{comp[1]}", p.backend, p.device,
                           kv.store or kv_home(registry.backend_class(p.backend), p.store), kv_fmt, cache, kind="cache")
             )
-    plan.notes = (placement_notes + context_notes + _no_effect_notes(config, components)
+    plan.notes = (config.range_notes(arch.num_layers) + placement_notes + context_notes
+                  + _no_effect_notes(config, components)
                   + _expert_cache(config, arch, registry, placements, plan))
     _fit(plan, registry, placements)
     return plan, {"placements": placements, "layout": layout, "kv": kv, "report": report}

@@ -161,7 +161,7 @@ def test_nesting_past_the_depth_limit_names_the_path(tmp_path):
 
 def test_a_config_as_deep_as_the_schema_goes_still_loads():
     deepest = {"model": {"path": "x"}, "draft": {"num-draft-tokens": 1, "model": {"path": "y", "hidden-layers": {
-        "ranges": [{"start": 0, "end": 0, "experts": {"compute": "cpu", "store": "ram"}}]}}}}
+        "ranges": [{"start": 0, "end": 1, "experts": {"compute": "cpu", "store": "ram"}}]}}}}
     assert load_config(deepest).draft_model_path is not None
 
 
@@ -231,7 +231,7 @@ def test_unknown_key_at_top_level():
 
 
 def test_unknown_key_deep_inside_ranges():
-    ranges = [{"start": 0, "end": 1}, {"start": 2, "end": 3, "stor": "ram"}]
+    ranges = [{"start": 0, "end": 2}, {"start": 2, "end": 4, "stor": "ram"}]
     err = error_of(model(hidden_layers={"ranges": ranges}))
     assert err.path == "model.hidden-layers.ranges[1].stor"
     assert "allowed keys: compute, end, experts, start, store" in err.message
@@ -285,10 +285,10 @@ def _schema_leaves(node: dict, parts: tuple, defs: dict):
 
 
 def _every_integer() -> dict:
-    """A config that loads with every integer key of the schema set: those of a model block by hand (start <= end),
+    """A config that loads with every integer key of the schema set: those of a model block by hand (start < end),
     any other (server-parameters, a key added later) at its schema minimum, else 1."""
     model = {"path": "x", "hidden-layers": {"experts": {"cache": 4}, "kv-cache": {"context-size": 64},
-                                            "ranges": [{"start": 0, "end": 1, "experts": {"cache": 2}}]},
+                                            "ranges": [{"start": 0, "end": 2, "experts": {"cache": 2}}]},
              "other-parameters": {"top-k": 5, "seed": 1, "max-tokens": 5}}
     raw = {"model": model, "draft": {"model": json.loads(json.dumps(model)), "num-draft-tokens": 2}}
     s = schema()
@@ -426,7 +426,7 @@ def test_vram_inherited_by_a_cpu_block_blames_the_cpu_compute():
 
 
 def test_vram_in_a_range_on_cpu_layers():
-    err = error_of(model(hidden_layers={"ranges": [{"start": 0, "end": 1, "store": "vram"}]}))
+    err = error_of(model(hidden_layers={"ranges": [{"start": 0, "end": 2, "store": "vram"}]}))
     assert err.path == "model.hidden-layers.ranges[0].store"
 
 
@@ -444,7 +444,7 @@ def test_experts_on_cpu_with_host_store_is_fine():
 
 
 def test_range_experts_on_cpu_inheriting_vram_from_the_range():
-    ranges = [{"start": 0, "end": 3, "compute": "cuda:0", "store": "vram", "experts": {"compute": "cpu"}}]
+    ranges = [{"start": 0, "end": 4, "compute": "cuda:0", "store": "vram", "experts": {"compute": "cpu"}}]
     err = error_of(model(hidden_layers={"ranges": ranges}))
     assert err.path == "model.hidden-layers.ranges[0].experts.compute"
 
@@ -456,10 +456,12 @@ def test_vision_and_draft_placements_are_checked():
 
 
 def test_overlapping_ranges_name_both_indices():
-    ranges = [{"start": 0, "end": 3}, {"start": 8, "end": 9}, {"start": 3, "end": 5}]
+    ranges = [{"start": 0, "end": 4}, {"start": 8, "end": 10}, {"start": 3, "end": 6}]
     err = error_of(model(hidden_layers={"ranges": ranges}))
     assert err.path == "model.hidden-layers.ranges[2]"
-    assert "ranges[2]" in err.message and "ranges[0]" in err.message and "3-3" in err.message
+    # In exclusive terms, as written and as layers: the two ranges share layer 3.
+    assert err.message == ("ranges[2], layers 3-5 (start 3, end 6), overlaps ranges[0], layers 0-3 (start 0, end 4), "
+                           "on layer 3 (end is exclusive)")
 
 
 def test_start_after_end():
@@ -469,16 +471,98 @@ def test_start_after_end():
 
 
 def test_single_layer_range_is_fine():
-    assert load_config(model(hidden_layers={"ranges": [{"start": 2, "end": 2}]})).ranges()[0]["end"] == 2
+    config = load_config(model(hidden_layers={"ranges": [{"start": 2, "end": 3, "store": "mmap"}]}))
+    assert config.ranges()[0]["end"] == 3
+    assert [config.placement("layer", n).store for n in (1, 2, 3)] == ["ram", "mmap", "ram"]
 
 
 def test_range_end_past_the_last_layer():
-    config = load_config(model(hidden_layers={"ranges": [{"start": 0, "end": 3}, {"start": 4, "end": 8}]}))
-    config.check_ranges(9)  # layers 0-8: fine
+    config = load_config(model(hidden_layers={"ranges": [{"start": 0, "end": 4}, {"start": 4, "end": 9}]}))
+    config.check_ranges(9)  # layers 0-8, end 9 == the layer count: fine
     with pytest.raises(ConfigError) as info:
         config.check_ranges(8)
     assert info.value.path == "model.hidden-layers.ranges[1].end"
-    assert "8 layers" in info.value.message
+    assert "end 9 is past the model's layers: the model has 8 layers (0-7)" in info.value.message
+    assert "end is exclusive" in info.value.message and info.value.fix == "set end to at most 8"
+
+
+# ---------------------------------------------------------------- ranges: end is exclusive (LumenLLM's meaning)
+
+
+def test_range_end_is_exclusive():
+    hidden = {"compute": "cpu", "ranges": [{"start": 2, "end": 5, "compute": "cuda:0"}]}
+    config = load_config(model(hidden_layers=hidden))
+    assert [config.placement("layer", n).compute for n in range(7)] == ["cpu"] * 2 + ["cuda:0"] * 3 + ["cpu"] * 2
+    assert config.placement_path("layer", 4) == "model.hidden-layers.ranges[0]"
+    assert config.placement_path("layer", 5) == "model.hidden-layers"
+
+
+def test_lumenllm_split_of_48_layers():
+    """LumenLLM's guide (docs/CONFIG.md): {start 0, end 24} and {start 24, end 48} split 48 layers in two halves."""
+    ranges = [{"start": 0, "end": 24, "store": "vram", "compute": "cuda:0"},
+              {"start": 24, "end": 48, "store": "ram", "compute": "cpu"}]
+    config = load_config(model(hidden_layers={"compute": "cuda:0", "store": "ram", "ranges": ranges}))
+    config.check_ranges(48)  # end 48 == the layer count
+    assert config.range_notes(48) == []
+    places = [config.placement("layer", n) for n in range(48)]
+    assert places[:24] == [Placement("cuda:0", "vram")] * 24 and places[24:] == [Placement("cpu", "ram")] * 24
+    assert [config.placement_path("layer", n) for n in (0, 23, 24, 47)] == [
+        "model.hidden-layers.ranges[0]", "model.hidden-layers.ranges[0]",
+        "model.hidden-layers.ranges[1]", "model.hidden-layers.ranges[1]"]
+
+
+def test_empty_range_is_refused_naming_end():
+    err = error_of(model(hidden_layers={"ranges": [{"start": 0, "end": 2}, {"start": 3, "end": 3}]}))
+    assert err.path == "model.hidden-layers.ranges[1].end"
+    assert "the range is empty" in err.message and "end is exclusive" in err.message
+    assert err.fix == "set end to 4 for layer 3 alone, or remove the range"
+
+
+def test_ranges_may_touch_but_not_overlap():
+    load_config(model(hidden_layers={"ranges": [{"start": 0, "end": 24}, {"start": 24, "end": 48}]}))
+    err = error_of(model(hidden_layers={"ranges": [{"start": 0, "end": 24}, {"start": 23, "end": 48}]}))
+    assert err.path == "model.hidden-layers.ranges[1]"
+    assert err.message == ("ranges[1], layers 23-47 (start 23, end 48), overlaps ranges[0], layers 0-23 "
+                           "(start 0, end 24), on layer 23 (end is exclusive)")
+    err = error_of(model(hidden_layers={"ranges": [{"start": 0, "end": 30}, {"start": 20, "end": 48}]}))
+    assert "on layers 20-29 (end is exclusive)" in err.message
+
+
+def test_layers_outside_every_range_use_hidden_layers():
+    ranges = [{"start": 0, "end": 10, "compute": "cpu", "store": "mmap"},
+              {"start": 20, "end": 30, "compute": "cpu", "store": "mmap"}]
+    config = load_config(model(hidden_layers={"compute": "cuda:0", "store": "vram", "ranges": ranges}))
+    assert config.placement("layer", 15) == Placement("cuda:0", "vram")
+    assert config.range_notes(48) == []  # a gap of ten layers is no slip of an inclusive end
+
+
+def test_inclusive_looking_ends_get_a_note():
+    """{0, 23}, {24, 47} on 48 layers reads as an inclusive end: layers 23 and 47 are in no range. Not refused (a
+    gap is legitimate), but each such layer is named with the fix."""
+    ranges = [{"start": 0, "end": 23, "compute": "cpu", "store": "ram"},
+              {"start": 24, "end": 47, "compute": "cpu", "store": "mmap"}]
+    config = load_config(model(hidden_layers={"compute": "cuda:0", "store": "vram", "ranges": ranges}))
+    config.check_ranges(48)
+    assert config.placement("layer", 23) == Placement("cuda:0", "vram")
+    assert config.range_notes(48) == [
+        "config model.hidden-layers.ranges[0].end: ranges end is exclusive (LumenLLM's meaning): layer 23 is in no "
+        "range and uses hidden-layers' placement; if you meant it inclusive, set end to 24",
+        "config model.hidden-layers.ranges[1].end: ranges end is exclusive (LumenLLM's meaning): layer 47 is in no "
+        "range and uses hidden-layers' placement; if you meant it inclusive, set end to 48"]
+    # Ranges listed out of order: the gap is between consecutive layers, whatever the list order.
+    config = load_config(model(hidden_layers={"compute": "cuda:0", "store": "vram", "ranges": ranges[::-1]}))
+    assert [n.split(":")[0] for n in config.range_notes(49)] == ["config model.hidden-layers.ranges[1].end"]
+
+
+def test_no_note_where_the_gap_layer_would_be_placed_the_same():
+    # Layer 23 uses hidden-layers' placement, which is ranges[0]'s too: inclusive or not, nothing differs.
+    ranges = [{"start": 0, "end": 23, "compute": "cuda:0"}, {"start": 24, "end": 48, "compute": "cpu"}]
+    config = load_config(model(hidden_layers={"compute": "cuda:0", "ranges": ranges}))
+    assert config.range_notes(48) == []
+    # ...but its experts would move: noted.
+    ranges[0]["experts"] = {"compute": "cpu"}
+    config = load_config(model(hidden_layers={"compute": "cuda:0", "ranges": ranges}))
+    assert [n.split(":")[0] for n in config.range_notes(48)] == ["config model.hidden-layers.ranges[0].end"]
 
 
 def test_fp8_attention_without_fp8_kv():
@@ -513,7 +597,7 @@ def test_input_layer_inherits_model_and_overrides_one_key():
 
 
 def test_range_overrides_hidden_layers_only_inside_it():
-    hidden = {"compute": "cuda:0", "store": "mmap", "ranges": [{"start": 2, "end": 4, "store": "vram"}]}
+    hidden = {"compute": "cuda:0", "store": "mmap", "ranges": [{"start": 2, "end": 5, "store": "vram"}]}
     config = load_config(model(hidden_layers=hidden))
     assert config.placement("layer", 1) == Placement("cuda:0", "mmap")
     assert config.placement("layer", 2) == Placement("cuda:0", "vram")
@@ -524,15 +608,15 @@ def test_range_overrides_hidden_layers_only_inside_it():
 
 
 def test_experts_follow_their_layer_when_nothing_is_said():
-    hidden = {"ranges": [{"start": 0, "end": 1, "compute": "wgpu:0", "store": "vram"}]}
+    hidden = {"ranges": [{"start": 0, "end": 2, "compute": "wgpu:0", "store": "vram"}]}
     config = load_config(model(hidden_layers=hidden))
     assert config.placement("experts", 0) == Placement("wgpu:0", "vram")
     assert config.placement("experts", 2) == Placement("cpu", "ram")
 
 
 def test_experts_precedence_more_specific_wins():
-    ranges = [{"start": 0, "end": 1, "compute": "cuda:0", "store": "vram"},
-              {"start": 2, "end": 3, "compute": "cuda:0", "store": "vram", "experts": {"store": "ram"}}]
+    ranges = [{"start": 0, "end": 2, "compute": "cuda:0", "store": "vram"},
+              {"start": 2, "end": 4, "compute": "cuda:0", "store": "vram", "experts": {"store": "ram"}}]
     hidden = {"experts": {"compute": "cpu", "store": "mmap"}, "ranges": ranges}
     config = load_config(model(compute="cuda:1", store="vram", hidden_layers=hidden))
     # hidden-layers.experts beats the range's own compute/store...
@@ -566,7 +650,7 @@ def test_unknown_component():
 
 
 def test_ranges_carry_their_index_and_are_copies():
-    config = load_config(model(hidden_layers={"ranges": [{"start": 0, "end": 1}, {"start": 5, "end": 6}]}))
+    config = load_config(model(hidden_layers={"ranges": [{"start": 0, "end": 2}, {"start": 5, "end": 7}]}))
     ranges = config.ranges()
     assert [(r["index"], r["start"]) for r in ranges] == [(0, 0), (1, 5)]
     ranges[0]["start"] = 99
