@@ -45,7 +45,7 @@ def test_cache_bytes_match_the_allocated_cache(tiny_checkpoint):
 def test_ranges_and_experts_blocks_place_components(tiny_checkpoint):
     config = {"model": {"path": str(tiny_checkpoint("qwen3_5_moe")), "compute": "cpu", "store": "ram",
                         "hidden-layers": {"experts": {"store": "mmap"},
-                                          "ranges": [{"start": 2, "end": 3, "store": "mmap"}]}}}
+                                          "ranges": [{"start": 2, "end": 4, "store": "mmap"}]}}}
     engine = lumen.load(config, progress=False)
     e = entries(engine)
     assert e["layers.0"].store == "ram" and e["layers.0.experts"].store == "mmap"
@@ -136,6 +136,36 @@ def test_range_past_the_last_layer(tiny_checkpoint):
     with pytest.raises(ConfigError, match=r"ranges\[0\]\.end"):
         lumen.load({"model": {"path": str(tiny_checkpoint("qwen3_5")),
                               "hidden-layers": {"ranges": [{"start": 0, "end": 9, "store": "mmap"}]}}})
+    # end is exclusive (LumenLLM's meaning): end 4 on the 4-layer model ends at its last layer; 5 is past it.
+    with pytest.raises(ConfigError) as info:
+        lumen.load({"model": {"path": str(tiny_checkpoint("qwen3_5")),
+                              "hidden-layers": {"ranges": [{"start": 2, "end": 5, "store": "mmap"}]}}})
+    assert "the model has 4 layers (0-3)" in info.value.message and info.value.fix == "set end to at most 4"
+
+
+def test_range_end_is_exclusive_in_the_plan(tiny_checkpoint):
+    engine = lumen.load({"model": {"path": str(tiny_checkpoint("qwen3_5")), "hidden-layers": {
+        "ranges": [{"start": 0, "end": 2, "store": "mmap"}, {"start": 2, "end": 4, "store": "ram"}]}}},
+        progress=False)
+    e = entries(engine)
+    assert [e[f"layers.{i}"].store for i in range(4)] == ["mmap", "mmap", "ram", "ram"]
+    assert engine.plan.notes == []
+
+
+def test_an_end_that_reads_inclusive_is_noted_in_the_plan(tiny_checkpoint, capsys):
+    """{0, 1} + {2, 3} on the 4-layer model, the inclusive way of writing two halves, leaves layers 1 and 3 in no
+    range (hidden-layers' placement): loaded, with a note naming each layer and the fix."""
+    engine = lumen.load({"model": {"path": str(tiny_checkpoint("qwen3_5")), "hidden-layers": {
+        "ranges": [{"start": 0, "end": 1, "store": "mmap"}, {"start": 2, "end": 3, "store": "mmap"}]}}},
+        progress=False)
+    assert [entries(engine)[f"layers.{i}"].store for i in range(4)] == ["mmap", "ram", "mmap", "ram"]
+    assert engine.plan.notes == [
+        "config model.hidden-layers.ranges[0].end: ranges end is exclusive (LumenLLM's meaning): layer 1 is in no "
+        "range and uses hidden-layers' placement; if you meant it inclusive, set end to 2",
+        "config model.hidden-layers.ranges[1].end: ranges end is exclusive (LumenLLM's meaning): layer 3 is in no "
+        "range and uses hidden-layers' placement; if you meant it inclusive, set end to 4"]
+    assert "layer 3 is in no range" in capsys.readouterr().err
+    assert "note: config model.hidden-layers.ranges[1].end" in plan_mod.format_plan(engine.plan)
 
 
 def test_kv_type_the_backend_cannot_keep(tiny_checkpoint):
@@ -175,7 +205,7 @@ def test_f16_kv_cache_stays_close_to_f32(tiny_checkpoint):
 def test_experts_placement_on_a_dense_model_is_reported_not_silently_ignored(tiny_checkpoint, capsys):
     config = {"model": {"path": str(tiny_checkpoint("qwen3_5")),
                         "hidden-layers": {"experts": {"store": "mmap"},
-                                          "ranges": [{"start": 0, "end": 1, "experts": {"store": "mmap"}}]}}}
+                                          "ranges": [{"start": 0, "end": 2, "experts": {"store": "mmap"}}]}}}
     engine = lumen.load(config, progress=False)
     assert engine.plan.notes == [
         "config model.hidden-layers.experts: this model has no routed experts, so this placement has no effect",
@@ -204,7 +234,7 @@ def test_expert_cache_setting_is_checked_and_never_silently_ignored(tiny_checkpo
     path = str(tiny_checkpoint("qwen3_5_moe"))
     with pytest.raises(ConfigError) as info:
         lumen.load({"model": {"path": path, "hidden-layers": {
-            "ranges": [{"start": 0, "end": 0, "experts": {"cache": 4}}]}}}, progress=False)
+            "ranges": [{"start": 0, "end": 1, "experts": {"cache": 4}}]}}}, progress=False)
     assert info.value.path == "model.hidden-layers.ranges[0].experts.cache"
     assert "model.hidden-layers.experts.cache" in str(info.value)
     cpu = lumen.load({"model": {"path": path, "hidden-layers": {"experts": {"cache": 4}}}}, progress=False)
