@@ -1,7 +1,9 @@
 """The architecture contract. Model plugins subclass ``Architecture``; the core never imports them.
 
 A component is ``(block, layer)``: ``("input-layer", None)``, ``("layer", i)``, ``("experts", i)``,
-``("output-layer", None)``. Placement binds each component to one backend device and store.
+``("output-layer", None)``. Placement binds each component to one backend device and store. The plan may split a
+layer's token mixer off as ``("attention", i)`` (``model.attention`` storing it apart: ``plan.split_mixers``); the
+loader folds it back, so ``build`` sees only the components above.
 """
 
 from __future__ import annotations
@@ -103,8 +105,8 @@ def component_label(c: Component) -> str:
     block, layer = c
     if block == "layer":
         return f"layers.{layer}"
-    if block == "experts":
-        return f"layers.{layer}.experts"
+    if block in ("experts", "attention"):
+        return f"layers.{layer}.{block}"
     return block
 
 
@@ -301,6 +303,12 @@ class Architecture(ABC):
     @abstractmethod
     def layout(self, names: Iterable[str]) -> TensorLayout:
         """Map the checkpoint's tensor names to components (a tied tensor may serve two)."""
+
+    def is_mixer(self, name: str) -> bool:
+        """True for a layer tensor of its token mixer (full attention or Gated-DeltaNet), which
+        ``model.attention`` may store apart from the rest of the layer. Default: HF's ``self_attn.`` and
+        ``linear_attn.`` modules."""
+        return ".self_attn." in name or ".linear_attn." in name
 
     @abstractmethod
     def is_matrix(self, name: str) -> bool:

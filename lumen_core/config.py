@@ -28,7 +28,7 @@ from lumen_core.errors import ConfigError, InputError
 DEFAULT_COMPUTE = "cpu"
 DEFAULT_STORE = "ram"
 DEFAULT_KV_TYPE = "f32"
-COMPONENTS = ("input-layer", "output-layer", "layer", "experts", "vision")
+COMPONENTS = ("input-layer", "output-layer", "layer", "attention", "experts", "vision")
 HOST_STORES = ("ram", "mmap")
 _JSON_TYPES = {bool: "boolean", int: "integer", float: "number", str: "string",
                list: "array", dict: "object", type(None): "null"}
@@ -336,7 +336,11 @@ def _chain(model: dict, root: str, component: str, layer: int | None = None,
         return chain + [(_join(root, component), model.get(component, {}))]
     hidden = model.get("hidden-layers", {})
     chain.append((_join(root, "hidden-layers"), hidden))
-    return chain + _layer_links(hidden, _join(root, "hidden-layers"), component, layer)
+    chain += _layer_links(hidden, _join(root, "hidden-layers"), component, layer)
+    if component == "attention":  # a layer's token mixer: where its layer is, unless model.attention says otherwise
+        attention = model.get("attention", {})
+        chain.append((_join(root, "attention"), {k: attention[k] for k in ("compute", "store") if k in attention}))
+    return chain
 
 
 def _layer_links(hidden: dict, hpath: str, component: str, layer: int | None) -> list[tuple[str, dict]]:
@@ -525,27 +529,34 @@ def _nested_draft(draft: dict, model: dict) -> dict:
 
 
 def _check_attention(model: dict, root: str) -> None:
-    """LumenLLM's attention block: compute/store equal to the layers' own placement are accepted (that is where
-    Lumen computes a layer's attention anyway); anything else is refused by name. mechanism reference is the CPU
-    backend's attention; a GPU backend's own attention cannot be swapped for a reference one yet."""
+    """LumenLLM's attention block places every layer's token mixer (full attention and Gated-DeltaNet weights):
+    ``store`` may differ from the rest of the layer (attention in VRAM, the MLP or routed experts in host RAM);
+    ``compute`` must be the layer's own device (computing a mixer on another device than the rest of its layer is
+    not supported). mechanism reference is the CPU backend's attention; a GPU backend's own attention cannot be
+    swapped for a reference one yet."""
     attention = model.get("attention", {})
     ranges = model.get("hidden-layers", {}).get("ranges", [])
     for layer in [None] + [r["start"] for r in ranges]:
         resolved = _resolve(_chain(model, root, "layer", layer))
-        where = resolved.block
-        for key in ("compute", "store"):
-            layer_value = getattr(resolved.placement, key)
-            if key in attention and attention[key] != layer_value:
-                raise ConfigError(_join(root, f"attention.{key}"),
-                                  f"placing attention apart from the rest of its layer is not supported yet "
-                                  f"(issue 16): attention.{key} is {attention[key]} but the layers of {where} have "
-                                  f"{key} {layer_value}",
-                                  f"remove attention.{key} (attention goes with its layer), or set it to "
-                                  f"{layer_value}")
-        if attention.get("mechanism") == "reference" and resolved.placement.backend != "cpu":
+        where, place = resolved.block, resolved.placement
+        if "compute" in attention and attention["compute"] != place.compute:
+            raise ConfigError(_join(root, "attention.compute"),
+                              f"computing attention on another device than the rest of its layer is not supported: "
+                              f"attention.compute is {attention['compute']} but the layers of {where} compute on "
+                              f"{place.compute} (the token mixer's store may differ from its layer's; its compute "
+                              "may not)",
+                              f"remove attention.compute (attention computes with its layer), or set it to "
+                              f"{place.compute}")
+        store = attention.get("store", place.store)
+        if store == "vram" and place.backend == "cpu":
+            raise ConfigError(_join(root, "attention.store"),
+                              f"attention.store vram needs a GPU compute device, but the layers of {where} compute "
+                              "on cpu (attention computes with its layer)",
+                              "remove attention.store, or compute those layers on cuda:N / wgpu:N")
+        if attention.get("mechanism") == "reference" and place.backend != "cpu":
             raise ConfigError(_join(root, "attention.mechanism"),
-                              f"reference attention on {resolved.placement.compute} is not supported yet (issue 16): "
-                              f"the layers of {where} compute on {resolved.placement.backend}, whose backend runs its "
+                              f"reference attention on {place.compute} is not supported yet (issue 16): "
+                              f"the layers of {where} compute on {place.backend}, whose backend runs its "
                               "own (tuned) attention; only the CPU backend's attention is the reference one",
                               "use mechanism aegis-varlen or standard (the backend's own attention)")
 
@@ -649,7 +660,8 @@ class Config:
         return _resolve(_chain(self.raw["model"], "model", component, layer, self.raw.get("vision")))
 
     def placement(self, component: str, layer: int | None = None) -> Placement:
-        """Effective placement of input-layer, output-layer, layer N, the experts of layer N, or vision."""
+        """Effective placement of input-layer, output-layer, layer N, the token mixer (attention) of layer N, the
+        experts of layer N, or vision."""
         return self._resolved(component, layer).placement
 
     def placement_path(self, component: str, layer: int | None = None) -> str:

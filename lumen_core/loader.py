@@ -58,6 +58,8 @@ def load_weights(ckpt, arch: Architecture, layout: TensorLayout, placements: dic
         weights[comp] = load_component(ckpt, arch, backends[comp], placements[comp].store, names, shared)
         bar.update(1)
     bar.close()
+    for comp in [c for c in weights if c[0] == "attention"]:  # a token mixer stored apart (plan.split_mixers):
+        weights[("layer", comp[1])].update(weights.pop(comp))  # the architecture sees one layer, as always
     if report.unused:
         print(f"lumen: {len(report.unused)} checkpoint tensor(s) unused: {', '.join(report.unused[:8])}",
               file=sys.stderr)

@@ -205,7 +205,13 @@ def make_plan(config, arch: Architecture, ckpt, registry) -> tuple[Plan, dict]:
     config.check_ranges(arch.num_layers)
     layout = arch.layout(ckpt.tensors)
     report = check_tensors(ckpt, layout)
-    components = [c for c in arch.components() if c in layout.needs or c[0] == "layer"]
+    split_mixers(config, arch, layout)
+    components = []
+    for c in arch.components():
+        if c in layout.needs or c[0] == "layer":
+            components.append(c)
+        if c[0] == "layer" and ("attention", c[1]) in layout.needs:
+            components.append(("attention", c[1]))
     placement_notes: list[str] = []
     placements = check_placement(config, arch, registry, components, placement_notes)
     kv = config.kv_cache()
@@ -236,6 +242,19 @@ def make_plan(config, arch: Architecture, ckpt, registry) -> tuple[Plan, dict]:
                   + _expert_cache(config, arch, registry, placements, plan))
     _fit(plan, registry, placements)
     return plan, {"placements": placements, "layout": layout, "kv": kv, "report": report}
+
+
+def split_mixers(config, arch: Architecture, layout) -> None:
+    """LumenLLM's ``model.attention`` block: where it places a layer's token mixer (attention or Gated-DeltaNet)
+    apart from the rest of the layer, those tensors become the component ``("attention", i)`` (its own store, so its
+    own plan row and memory pool); the loader folds them back into the layer's weights (``load_weights``)."""
+    for (block, i), names in list(layout.needs.items()):
+        if block != "layer" or config.placement("attention", i) == config.placement("layer", i):
+            continue
+        mixer = [n for n in names if arch.is_mixer(n)]
+        if mixer:
+            layout.needs[("layer", i)] = [n for n in names if not arch.is_mixer(n)]
+            layout.needs[("attention", i)] = mixer
 
 
 CONTEXT_PATH = "model.hidden-layers.kv-cache.context-size"

@@ -126,14 +126,14 @@ def test_qwen35_9b_as_written_loads_with_its_meaning():
 
 
 @pytest.mark.parametrize("name", ["parameters.qwen36-35b.json", "parameters.gemma4-26b-vision-draft.json"])
-def test_attention_in_vram_with_layers_in_ram_is_refused_by_name(name):
-    """LumenLLM's hidden-layers.store ram with attention.store vram keeps attention in VRAM apart from its layer:
-    Lumen places a layer whole (its attention with it), so it refuses that by name, never as an unknown key."""
-    with pytest.raises(ConfigError) as info:
-        load_config(DATA / name)
-    assert info.value.path == "model.attention.store"
-    assert "placing attention apart from the rest of its layer is not supported yet" in info.value.message
-    assert "unknown key" not in str(info.value)
+def test_attention_in_vram_with_layers_in_ram_places_the_token_mixers_apart(name):
+    """LumenLLM's hidden-layers.store ram with attention.store vram: every layer's token mixer in VRAM, the rest of
+    the layer (and its routed experts) in host RAM, streamed (tests/test_attention_placement.py runs it)."""
+    config = load_config(DATA / name)
+    assert config.placement("attention", 0) == Placement("cuda:0", "vram")
+    assert config.placement("layer", 0) == Placement("cuda:0", "ram")
+    assert config.placement("experts", 0) == Placement("cuda:0", "ram")
+    assert config.placement_path("attention", 0) == "model.attention"
 
 
 def _greedy(engine, n: int = 8) -> list[int]:
@@ -227,7 +227,7 @@ def test_attention_placed_with_its_layer_is_accepted_and_apart_is_refused_by_nam
     raw["model"]["hidden-layers"]["ranges"] = [{"start": 1, "end": 2, "compute": "cuda:1"}]
     err = refusal(raw)
     assert err.path == "model.attention.compute"
-    assert "apart from the rest of its layer" in err.message and "ranges[0]" in err.message
+    assert "another device than the rest of its layer" in err.message and "ranges[0]" in err.message
 
 
 def test_a_cuda_block_is_accepted_empty_and_each_knob_refused_by_name():

@@ -1,0 +1,175 @@
+"""LumenLLM's ``model.attention`` block places every layer's token mixer (full attention and Gated-DeltaNet weights)
+apart from the rest of its layer (issue 16): ``hidden-layers.store: ram`` + ``attention.store: vram`` keeps the
+mixers in VRAM and streams only the MLP / MoE weights from host RAM.
+
+On the CPU the same split is ``attention.store: ram`` with the layers in ``mmap``: the stores differ, the numbers may
+not, so greedy tokens and logits equal the all-in-RAM run exactly. On the GPU (tests marked ``gpu``) LumenLLM's three
+published examples run as written on tiny checkpoints, against the all-VRAM run of the same checkpoint: decode runs
+the same kernels on the same bytes (host weights unfused), prefill the same GEMMs on VRAM copies, so the tolerance is
+<= 1e-4 x max(1, max |logit|) and the greedy tokens are equal, as for tests/test_cuda_hostweights.py.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import lumen_core as lumen
+from lumen_core.config import Placement, load_config
+from lumen_core.errors import ConfigError
+from lumen_core.sampling import SamplingParams
+
+DATA = Path(__file__).parent / "data" / "lumenllm"
+MOE_GEMMA = {"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 32}
+KINDS = {"qwen3_5": ("qwen3_5", {}), "qwen3_5_moe": ("qwen3_5_moe", {}), "gemma3": ("gemma3", {}),
+         "gemma4": ("gemma4", {}), "gemma4-moe": ("gemma4", MOE_GEMMA)}
+CONTEXT = 128
+
+
+def split(path, compute="cpu", layers="mmap", attention="ram", **model) -> dict:
+    return {"model": {"path": str(path), "compute": compute, "store": layers, "attention": {"store": attention},
+                      "hidden-layers": {"kv-cache": {"context-size": CONTEXT}}, **model}}
+
+
+def whole(path, compute="cpu", store="ram") -> dict:
+    return {"model": {"path": str(path), "compute": compute, "store": store,
+                      "hidden-layers": {"kv-cache": {"context-size": CONTEXT}}}}
+
+
+def rows(engine) -> dict[str, tuple[str, str, int]]:
+    return {e.component: (e.device, e.store, e.nbytes) for e in engine.plan.entries if e.kind == "weights"}
+
+
+def greedy(engine, ids, n=6) -> list[int]:
+    return list(engine.generate_tokens(ids, n, SamplingParams(temperature=0.0)))
+
+
+@pytest.mark.parametrize("name", sorted(KINDS))
+def test_token_mixers_stored_apart_on_the_cpu_compute_exactly_the_same(name, tiny_checkpoint):
+    kind, overrides = KINDS[name]
+    path = tiny_checkpoint(kind, **overrides)
+    apart, ref = lumen.load(split(path), progress=False), lumen.load(whole(path), progress=False)
+    mine, theirs = rows(apart), rows(ref)
+    n = apart.arch.num_layers
+    for i in range(n):
+        assert mine[f"layers.{i}.attention"][1] == "ram" and mine[f"layers.{i}"][1] == "mmap"
+        # the split moves bytes between the two rows, never adds or drops any
+        assert mine[f"layers.{i}.attention"][2] + mine[f"layers.{i}"][2] == theirs[f"layers.{i}"][2]
+        assert mine[f"layers.{i}.attention"][2] > 0
+    assert sum(b for _, _, b in mine.values()) == sum(b for _, _, b in theirs.values())
+    # every tensor a mixer row holds is a token-mixer tensor, and it is loaded where the plan says
+    for i in range(n):
+        names = [k for k in apart.weights[("layer", i)] if apart.arch.is_mixer(k)]
+        assert names and all(".self_attn." in k or ".linear_attn." in k for k in names)
+    ids = np.random.RandomState(3).randint(3, ref.model.vocab_size, 20).tolist()
+    a = apart.model.forward(ids, apart.model.new_cache(CONTEXT), all_logits=True)
+    b = ref.model.forward(ids, ref.model.new_cache(CONTEXT), all_logits=True)
+    np.testing.assert_array_equal(a, b)
+    assert greedy(apart, ids) == greedy(ref, ids)
+
+
+def test_no_split_where_the_attention_block_says_what_the_layer_says(tiny_checkpoint):
+    path = tiny_checkpoint("qwen3_5")
+    engine = lumen.load(split(path, layers="ram", attention="ram"), progress=False)
+    assert not [c for c in rows(engine) if c.endswith(".attention")]
+
+
+def test_the_attention_block_follows_ranges_and_only_splits_where_it_differs(tiny_checkpoint):
+    path = tiny_checkpoint("qwen3_5")
+    raw = split(path, layers="ram", attention="ram")
+    raw["model"]["hidden-layers"]["ranges"] = [{"start": 2, "end": 4, "store": "mmap"}]
+    engine = lumen.load(raw, progress=False)
+    got = rows(engine)
+    assert [c for c in got if c.endswith(".attention")] == ["layers.2.attention", "layers.3.attention"]
+    assert got["layers.2"][1] == "mmap" and got["layers.2.attention"][1] == "ram" and got["layers.0"][1] == "ram"
+
+
+def test_show_plan_lists_the_token_mixers_apart(tiny_checkpoint, write_config, capsys):
+    from lumen_core.cli import main
+
+    path = tiny_checkpoint("qwen3_5_moe")
+    try:
+        main(["show-plan", "--config", str(write_config(split(path)))])
+    except SystemExit as exc:
+        assert not exc.code
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if x.startswith("layers.0.attention "))
+    assert line.split()[1:4] == ["cpu", "cpu", "ram"]
+
+
+def test_placements_resolve_from_the_attention_block():
+    raw = {"model": {"path": "m", "compute": "cuda:0", "store": "vram", "attention": {"store": "gpu"},
+                     "hidden-layers": {"store": "ram", "ranges": [{"start": 4, "end": 8, "store": "vram"}]}}}
+    config = load_config(raw)
+    assert config.placement("attention", 0) == Placement("cuda:0", "vram")
+    assert config.placement("layer", 0) == Placement("cuda:0", "ram")
+    assert config.placement("experts", 0) == Placement("cuda:0", "ram")
+    assert config.placement("attention", 5) == config.placement("layer", 5) == Placement("cuda:0", "vram")
+    # without the block a mixer goes with its layer
+    del raw["model"]["attention"]
+    assert load_config(raw).placement("attention", 0) == Placement("cuda:0", "ram")
+
+
+def test_attention_store_vram_over_layers_on_the_cpu_is_refused_by_name():
+    raw = {"model": {"path": "m", "compute": "cuda:0", "attention": {"store": "vram"},
+                     "hidden-layers": {"ranges": [{"start": 2, "end": 4, "compute": "cpu", "store": "ram"}]}}}
+    with pytest.raises(ConfigError) as info:
+        load_config(raw)
+    err = info.value
+    assert err.path == "model.attention.store"
+    assert "needs a GPU compute device" in err.message and "model.hidden-layers.ranges[0]" in err.message
+
+
+def test_attention_computed_on_another_device_is_refused_by_name():
+    raw = {"model": {"path": "m", "compute": "cpu", "store": "ram", "attention": {"compute": "cuda:0"}}}
+    with pytest.raises(ConfigError) as info:
+        load_config(raw)
+    assert info.value.path == "model.attention.compute"
+    assert "another device than the rest of its layer" in info.value.message
+    assert "set it to cpu" in info.value.fix
+
+
+# ------------------------------------------------------------------ GPU: LumenLLM's examples as written
+
+EXAMPLES = {"parameters.qwen35-9b.json": ("qwen3_5", {}),
+            "parameters.qwen36-35b.json": ("qwen3_5_moe", {}),
+            "parameters.gemma4-26b-vision-draft.json": ("gemma4", MOE_GEMMA)}
+
+
+def as_written(name: str, path) -> dict:
+    """The example with its checkpoint path pointed at a tiny checkpoint and a context the tiny model was made for;
+    the gemma4 example's vision and draft blocks (refused by name until their issues land:
+    tests/test_lumenllm_configs.py) are left out. Every placement is as written."""
+    raw = json.loads((DATA / name).read_text(encoding="utf-8"))
+    raw.pop("vision", None)
+    raw.pop("draft", None)
+    raw["model"]["path"] = str(path)
+    raw["model"]["hidden-layers"]["kv-cache"]["context-size"] = CONTEXT
+    return raw
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(EXAMPLES))
+def test_lumenllm_examples_run_as_written_on_the_gpu(name, tiny_checkpoint, cp):
+    from gpu_util import close, greedy_run
+
+    kind, overrides = EXAMPLES[name]
+    path = tiny_checkpoint(kind, **overrides)
+    theirs = lumen.load(as_written(name, path), progress=False)
+    ref = lumen.load(whole(path, "cuda:0", "vram"), progress=False)
+    got_rows = rows(theirs)
+    layers_store = json.loads((DATA / name).read_text())["model"]["hidden-layers"]["store"]
+    for i in range(theirs.arch.num_layers):
+        assert got_rows[f"layers.{i}"][:2] == ("cuda:0", layers_store)
+        if layers_store != "vram":  # LumenLLM: attention in VRAM, the rest of the layer streamed from host RAM
+            assert got_rows[f"layers.{i}.attention"][:2] == ("cuda:0", "vram")
+    ids = np.random.RandomState(5).randint(3, ref.model.vocab_size, 30).tolist()
+    want, got = greedy_run(ref.model, ids, CONTEXT, 6), greedy_run(theirs.model, ids, CONTEXT, 6)
+    errs = close(got[0], want[0], 1e-4), close(got[2], want[2], 1e-4)
+    assert got[1] == want[1]
+    assert bool(theirs.decode_runner()) == bool(ref.decode_runner())
+    assert greedy(theirs, ids) == greedy(ref, ids)
+    print(f"{name}: max |dlogit| prefill {errs[0]:.2e} decode {errs[1]:.2e}; graph {bool(theirs.decode_runner())}")
