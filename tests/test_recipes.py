@@ -85,8 +85,13 @@ def test_all_in_vram_it_does_not_fit_and_the_refusal_says_to_stream_the_experts(
 
 def test_split_over_two_gpus_it_fits_two_24_gb_cards(fp8_35b, gpus):
     gpus(2, 24)
-    pools = plan_of("qwen3.5-35b-a3b-two-gpus.json", fp8_35b).pools()
+    plan = plan_of("qwen3.5-35b-a3b-two-gpus.json", fp8_35b)
+    pools = plan.pools()
     assert 0 < pools["cuda:0 VRAM"] < 23.5 * GIB and 0 < pools["cuda:1 VRAM"] < 23.5 * GIB
+    # {"start": 20, "end": 40}: end is exclusive (LumenLLM's meaning), so layers 20-39 of the 40, the last included
+    device = {e.component: e.device for e in plan.entries}
+    assert [device[f"layers.{i}"] for i in (0, 19, 20, 39)] == ["cuda:0", "cuda:0", "cuda:1", "cuda:1"]
+    assert not any("no range" in n for n in plan.notes)
     print(f"two GPUs: {pools}")
     gpus(1, 24)  # on a one-GPU machine the second range is refused, naming it
     with pytest.raises(ConfigError, match=r"ranges\[0\].*device 'cuda:1' does not exist"):
@@ -154,7 +159,7 @@ def test_a_gpu_layer_mapped_from_the_file_is_read_as_ram_with_a_note(fp8_35b, gp
     raw["model"].update(path=str(fp8_35b))
     plans = {}
     for store in ("mmap", "ram"):
-        raw["model"]["hidden-layers"]["ranges"] = [{"start": 0, "end": 3, "store": store}]
+        raw["model"]["hidden-layers"]["ranges"] = [{"start": 0, "end": 4, "store": store}]
         plans[store] = prepare(raw)[3]
     assert plans["mmap"].pools() == plans["ram"].pools()
     notes = " ".join(plans["mmap"].notes)
