@@ -27,7 +27,7 @@ def test_store_gpu_is_vram_everywhere_a_store_is_taken():
                      "input-layer": {"store": "gpu"}, "output-layer": {"store": "ram"},
                      "hidden-layers": {"store": "ram", "experts": {"store": "gpu"},
                                        "kv-cache": {"store": "gpu"},
-                                       "ranges": [{"start": 0, "end": 1, "store": "gpu",
+                                       "ranges": [{"start": 0, "end": 2, "store": "gpu",
                                                    "experts": {"store": "gpu"}}]}},
            "vision": {"store": "gpu"}}
     config = load_config(raw)
@@ -79,7 +79,7 @@ class _FakeArch:
 def test_store_mmap_under_a_gpu_is_read_as_ram_with_a_note():
     config = load_config({"model": {"path": "m", "compute": "cuda:0", "store": "mmap",
                                     "output-layer": {"store": "vram"},
-                                    "hidden-layers": {"ranges": [{"start": 1, "end": 1, "store": "mmap"}]}}})
+                                    "hidden-layers": {"ranges": [{"start": 1, "end": 2, "store": "mmap"}]}}})
     comps = [("input-layer", None), ("layer", 0), ("layer", 1), ("experts", 1), ("output-layer", None)]
     notes: list[str] = []
     placements = check_placement(config, _FakeArch(), _FakeRegistry(), comps, notes)
@@ -197,7 +197,7 @@ def test_attention_mechanisms_are_accepted_on_the_cpu(mechanism):
 
 def test_reference_attention_on_a_gpu_layer_is_refused_by_name():
     raw = {"model": {"path": "m", "compute": "cuda:0", "attention": {"mechanism": "reference"},
-                     "hidden-layers": {"ranges": [{"start": 2, "end": 3, "compute": "cpu"}]}}}
+                     "hidden-layers": {"ranges": [{"start": 2, "end": 4, "compute": "cpu"}]}}}
     err = refusal(raw)
     assert err.path == "model.attention.mechanism" and "reference attention on cuda:0" in err.message
     raw["model"]["compute"] = "cpu"
@@ -224,7 +224,7 @@ def test_attention_placed_with_its_layer_is_accepted_and_apart_is_refused_by_nam
     layers = {"compute": "cuda:0", "store": "vram"}
     raw = {"model": {"path": "m", "attention": {"compute": "cuda:0", "store": "gpu"}, "hidden-layers": layers}}
     assert load_config(raw).placement("layer", 0) == Placement("cuda:0", "vram")
-    raw["model"]["hidden-layers"]["ranges"] = [{"start": 1, "end": 2, "compute": "cuda:1"}]
+    raw["model"]["hidden-layers"]["ranges"] = [{"start": 1, "end": 3, "compute": "cuda:1"}]
     err = refusal(raw)
     assert err.path == "model.attention.compute"
     assert "another device than the rest of its layer" in err.message and "ranges[0]" in err.message
