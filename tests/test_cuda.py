@@ -444,7 +444,7 @@ def test_mixed_placement_equals_cpu(model_pair):
     name, path, ids, (prefill, tokens, steps) = model_pair
     if MODELS[name][1].get("num_kv_shared_layers"):
         pytest.skip("KV-shared layers must sit on their producer's device (a plan rule)")
-    mixed = engine(path, "cuda:0", "vram", ranges=[{"start": 0, "end": 1, "compute": "cpu", "store": "ram"}])
+    mixed = engine(path, "cuda:0", "vram", ranges=[{"start": 0, "end": 2, "compute": "cpu", "store": "ram"}])
     backends = {e.component: e.backend for e in mixed.plan.entries}
     assert backends["layers.0"] == backends["layers.1"] == "cpu" and backends["layers.2"] == "cuda"
     p, t, s = run(mixed.model, ids)

@@ -81,10 +81,10 @@ def test_layers_split_across_devices_equal_one_gpu(kind, second, tiny_checkpoint
     n = len(ref.model.layers)
     assert n >= 2
     store = "ram" if second == "cpu" else "vram"
-    ranges = [{"start": n // 2, "end": n - 1, "compute": second, "store": store}]
+    ranges = [{"start": n // 2, "end": n, "compute": second, "store": store}]
     if second == "cpu":  # cuda:0, then the CPU, then cuda:1: two boundaries
-        ranges = [{"start": 1, "end": 1, "compute": "cpu", "store": "ram"},
-                  {"start": 2, "end": n - 1, "compute": "cuda:1", "store": "vram"}] if n >= 3 else ranges
+        ranges = [{"start": 1, "end": 2, "compute": "cpu", "store": "ram"},
+                  {"start": 2, "end": n, "compute": "cuda:1", "store": "vram"}] if n >= 3 else ranges
     split = load(path, ranges)
     devices = {e.device for e in split.plan.entries if e.kind == "weights"}
     assert {"cuda:0", second} <= devices
@@ -110,7 +110,7 @@ def test_two_gpu_example_runs(tiny_checkpoint, write_config, two_gpus):
 
     raw = json.loads((Path(__file__).resolve().parents[1] / "examples" / "qwen3.5-35b-a3b-two-gpus.json").read_text())
     raw["model"]["path"] = str(tiny_checkpoint("qwen3_5_moe"))
-    raw["model"]["hidden-layers"]["ranges"][0].update(start=2, end=3)
+    raw["model"]["hidden-layers"]["ranges"][0].update(start=2, end=4)  # end is exclusive: layers 2-3
     raw["model"]["hidden-layers"]["kv-cache"]["context-size"] = 256
     engine = lumen.load(str(write_config(raw)), progress=False)
     assert {e.device for e in engine.plan.entries if e.kind == "weights"} == {"cuda:0", "cuda:1"}
