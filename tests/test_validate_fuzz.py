@@ -54,7 +54,7 @@ NEAR_MISS = ["stor", "comput", "Compute", "context_size", "kv_cache", "ranges ",
 DEVICES = ["cpu", "cuda:0", "wgpu:0", "cuda:1", "cpu\n", " cpu", "cuda:\u0663", "CPU", "cuda:", "cuda:00", ""]
 # Values worth trying, beside a small random range; those outside a key's bounds count as wrong values.
 INTERESTING_INTS = {"context-size": [1, 2, 3, 16, 64, 4096, 4097, 10**6, 2**31 - 1, 2**31, 10**30],
-                    "start": [0, 1, 2, 3, 4, 9], "end": [0, 1, 2, 3, 4, 9], "seed": [0, 1, 2**64, 10**40, -1],
+                    "start": [0, 1, 2, 3, 4, 9], "end": [0, 1, 2, 3, 4, 5, 9], "seed": [0, 1, 2**64, 10**40, -1],
                     "top-k": [0, 1, 5, 10**9, -1], "max-tokens": [1, 10**9, 0], "cache": [1, 4, 10**9, 0]}
 CPU_REFUSES = {"store": {"vram", "gpu"}, "compute-quantization": {"fp8"}}  # on this CPU, by key (gpu = vram)
 # Tiny and huge positives: where a sampler's float64 arithmetic overflows (logits / 1e-320 is inf).
@@ -158,19 +158,19 @@ def _object(draw, subs: dict, required: set):
 
 @st.composite
 def _disjoint(draw, items):
-    """Up to two ranges over layers 0-3 that do not overlap (their other keys drawn as usual, experts.cache left
-    out: it is per GPU, refused in a range)."""
+    """Up to two ranges over layers 0-3 that do not overlap (end is exclusive: at most 4; their other keys drawn as
+    usual, experts.cache left out: it is per GPU, refused in a range)."""
     ranges, first = [], 0
     for _ in range(draw(st.integers(0, 2))):
         if first > 3:
             break
         start = draw(st.integers(first, 3))
-        end = draw(st.integers(start, 3))
+        end = draw(st.integers(start + 1, 4))
         item = {**draw(items), "start": start, "end": end}
         if isinstance(item.get("experts"), dict):
             item["experts"] = {k: v for k, v in item["experts"].items() if k != "cache"}
         ranges.append(item)
-        first = end + 1
+        first = end
     return ranges
 
 
