@@ -554,6 +554,12 @@ def test_inclusive_looking_ends_get_a_note():
     assert [n.split(":")[0] for n in config.range_notes(49)] == ["config model.hidden-layers.ranges[1].end"]
 
 
+def test_the_schema_says_end_is_exclusive():
+    rng = schema()["$defs"]["range"]
+    assert "exclusive" in rng["properties"]["end"]["description"] and "exclusive" in rng["description"]
+    assert "inclusive" not in json.dumps(rng)
+
+
 def test_no_note_where_the_gap_layer_would_be_placed_the_same():
     # Layer 23 uses hidden-layers' placement, which is ranges[0]'s too: inclusive or not, nothing differs.
     ranges = [{"start": 0, "end": 23, "compute": "cuda:0"}, {"start": 24, "end": 48, "compute": "cpu"}]
