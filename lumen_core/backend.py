@@ -87,6 +87,12 @@ class Backend(ABC):
         ``shape`` is the logical (rows, cols) shape, which differs from ``array.shape`` for block-quantized
         formats (raw bytes per row)."""
 
+    @classmethod
+    def stored_format(cls, fmt: str) -> str:
+        """The format this backend keeps a weight of checkpoint format ``fmt`` in: ``fmt`` itself, unless the
+        backend converts it on load (cuda: GGUF block formats to bf16). The plan counts the stored bytes."""
+        return fmt
+
     def configure_expert_cache(self, slots: int | None) -> None:
         """Called before loading when routed experts compute here from one of ``expert_stores``: how many experts
         to keep resident (None: the backend's default). Backends with no ``expert_stores`` are never called."""

@@ -7,6 +7,7 @@ config that cannot run is refused before the first weight moves.
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import asdict, dataclass, field
 
@@ -96,10 +97,19 @@ def weight_format(ckpt, name: str) -> str:
     return DTYPE_FORMAT.get(info.dtype, info.dtype.lower())
 
 
-def tensor_bytes(ckpt, arch: Architecture, name: str) -> int:
+PLAIN_BYTES = {"f32": 4, "f16": 2, "bf16": 2}
+
+
+def tensor_bytes(ckpt, arch: Architecture, name: str, backend_cls=None) -> int:
+    """Bytes the tensor takes once loaded; ``backend_cls``: the backend it is loaded on (``stored_format``)."""
     info = ckpt.tensors[name]
     if not arch.is_matrix(name):
         return max(1, info.nbytes // _itemsize(info)) * 4  # small tensors are kept as f32
+    if backend_cls is not None:
+        fmt = weight_format(ckpt, name)
+        stored = backend_cls.stored_format(fmt)
+        if stored != fmt:
+            return math.prod(info.shape) * PLAIN_BYTES[stored]
     scales = (ckpt.tensors.get(name + s) for s in SCALE_SUFFIXES)
     return info.nbytes + sum(s.nbytes for s in scales if s is not None)
 
@@ -219,13 +229,18 @@ def make_plan(config, arch: Architecture, ckpt, registry) -> tuple[Plan, dict]:
     context = kv.context_size or arch.max_context
     plan = Plan(context_size=context)
     placed: set[tuple[str, str, str]] = set()  # (tensor, device, store): a tied tensor is held once per place
+    converted: dict[str, dict[str, str]] = {}  # device -> {checkpoint format: what its backend converts it to}
     for comp in components:
         p = placements[comp]
         names = layout.needs.get(comp, [])
-        fmts = sorted({weight_format(ckpt, n) for n in names if arch.is_matrix(n)}) or ["f32"]
+        cls = registry.backend_class(p.backend)
+        given = {weight_format(ckpt, n) for n in names if arch.is_matrix(n)}
+        fmts = sorted({cls.stored_format(f) for f in given}) or ["f32"]
+        converted.setdefault(p.device, {}).update({f: cls.stored_format(f) for f in given
+                                                   if cls.stored_format(f) != f})
         fresh = [n for n in names if (n, p.device, p.store) not in placed]
         placed.update((n, p.device, p.store) for n in names)
-        nbytes = sum(tensor_bytes(ckpt, arch, n) for n in fresh)
+        nbytes = sum(tensor_bytes(ckpt, arch, n, cls) for n in fresh)
         plan.entries.append(
             PlanEntry(component_label(comp), p.backend, p.device, p.store, "+".join(fmts), nbytes)
         )
@@ -237,6 +252,11 @@ def make_plan(config, arch: Architecture, ckpt, registry) -> tuple[Plan, dict]:
                 PlanEntry(f"cache.layers.{comp[1]}", p.backend, p.device,
                           kv.store or kv_home(registry.backend_class(p.backend), p.store), kv_fmt, cache, kind="cache")
             )
+    for device, fmts in sorted(converted.items()):
+        if fmts:
+            pairs = ", ".join(f"{f} -> {to}" for f, to in sorted(fmts.items()))
+            placement_notes.append(f"{device}: weights converted on load ({pairs}): this backend has no kernel that "
+                                   "reads them as stored; the plan counts the converted bytes")
     plan.notes = (config.range_notes(arch.num_layers) + placement_notes + context_notes
                   + _no_effect_notes(config, components)
                   + _expert_cache(config, arch, registry, placements, plan))

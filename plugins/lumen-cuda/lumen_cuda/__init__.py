@@ -6,7 +6,8 @@ import numpy as np
 from lumen_core import hookimpl
 from lumen_core.ops import CONTRACT
 
-# Weight formats ``linear`` accepts on cuda; others (GGUF blocks) are refused when the weight is uploaded.
+# Weight formats ``linear`` accepts on cuda; GGUF block formats are dequantized to bf16 when uploaded
+# (``CUDABackend.stored_format``), others are refused there.
 LINEAR_FORMATS = ("f32", "bf16", "f16", "fp8", "nvfp4")
 # Hand-written kernels (lumen_cuda.gemv, kernels/*.cu) registered above the CuPy ops; each falls back to the CuPy
 # op where it does not apply (GEMV: more than 4 tokens, or K not a multiple of 8 / 16). fp8: the GEMV for T <= 4,

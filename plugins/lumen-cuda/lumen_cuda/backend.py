@@ -1,4 +1,5 @@
-"""The CUDA device: VRAM, CuPy arrays. Weights stay in their checkpoint format (f32, f16, bf16 as uint16 bits).
+"""The CUDA device: VRAM, CuPy arrays. Weights stay in their checkpoint format (f32, f16, bf16 as uint16 bits, fp8,
+nvfp4), except GGUF block formats (q8_0, q4_k, ...), which are dequantized to bf16 on load (``stored_format``).
 
 CuPy is imported only where a device is asked for: on a machine without CuPy or a GPU, ``devices()`` is empty
 and the plan check refuses ``cuda:N`` naming why (``device_info``): CuPy not installed (and the command that
@@ -19,6 +20,27 @@ from lumen_core.plugins import install_hint
 
 UPLOAD = {"f32": np.float32, "f16": np.float16, "bf16": np.uint16}  # bf16: the raw bits (CuPy has no bfloat16)
 NVFP4_GROUP = 16  # values per e4m3 block scale
+
+
+def is_gguf_block(fmt: str) -> bool:
+    """A GGUF block-quantized format (``q4_k``, ``q8_0``, ``iq4_xs``...): what the GGUF reader names its types."""
+    from lumen_core.checkpoint.gguf import GGML_TYPES
+
+    return any(name.lower() == fmt and block > 1 for name, block, _ in GGML_TYPES.values())
+
+
+def dequantized_bf16(raw, fmt: str, shape) -> np.ndarray:
+    """GGUF blocks (rows, bytes per row) -> bf16 bits (uint16, rows x values), through ``gguf.quants.dequantize``
+    (the reference the CPU backend and transformers use), rounded to nearest even."""
+    from gguf.quants import GGMLQuantizationType, dequantize
+
+    from lumen_core.checkpoint.gguf import TYPE_IDS
+
+    values = dequantize(np.asarray(raw), GGMLQuantizationType(TYPE_IDS[fmt.upper()])).astype(np.float32)
+    if shape is not None and tuple(values.shape) != tuple(shape):
+        values = values.reshape(shape)
+    bits = values.view(np.uint32)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
 
 
 @dataclass
@@ -155,7 +177,14 @@ class CUDABackend(Backend):
 
         stream.SLOTS[self.index] = slots or stream.DEFAULT_SLOTS
 
+    @classmethod
+    def stored_format(cls, fmt: str) -> str:
+        """GGUF block formats (q8_0, q4_k, ...) are dequantized to bf16 on load: no CUDA kernel reads them yet."""
+        return "bf16" if is_gguf_block(fmt) else fmt
+
     def weight(self, array, fmt: str, store: str, scale=None, shape=None) -> Weight:
+        if is_gguf_block(fmt):
+            array, fmt = dequantized_bf16(array, fmt, shape), "bf16"
         if store == "ram":
             return self._host_weight(array, fmt, scale, shape)
         if store != "vram":

@@ -1,0 +1,60 @@
+"""LumenLLM's three published examples (tests/data/lumenllm/) run as written on cuda:0 with tiny checkpoints of their
+architectures (issue 16): the Qwen3.6-35B one keeps every token mixer in VRAM and streams the rest of each layer and
+its routed experts from host RAM (``hidden-layers.store: ram`` + ``attention.store: vram``). Against the all-VRAM run
+of the same checkpoint: decode runs the same kernels on the same bytes (host weights unfused), prefill the same GEMMs
+on VRAM copies, so the tolerance is <= 1e-4 x max(1, max |logit|) and the greedy tokens are equal, as for
+tests/test_cuda_hostweights.py. GPU tests carry the ``gpu`` marker and skip without CuPy or a CUDA device.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gpu_util import close, greedy_run
+from test_attention_placement import CONTEXT, MOE_GEMMA, greedy, rows, whole
+
+import lumen_core as lumen
+
+pytest.importorskip("lumen_cuda")
+
+DATA = Path(__file__).parent / "data" / "lumenllm"
+EXAMPLES = {"parameters.qwen35-9b.json": ("qwen3_5", {}),
+            "parameters.qwen36-35b.json": ("qwen3_5_moe", {}),
+            "parameters.gemma4-26b-vision-draft.json": ("gemma4", MOE_GEMMA)}
+
+
+def as_written(name: str, path) -> dict:
+    """The example with its checkpoint path pointed at a tiny checkpoint and a context the tiny model was made for;
+    the gemma4 example's vision and draft blocks (refused by name until their issues land:
+    tests/test_lumenllm_configs.py) are left out. Every placement is as written."""
+    raw = json.loads((DATA / name).read_text(encoding="utf-8"))
+    raw.pop("vision", None)
+    raw.pop("draft", None)
+    raw["model"]["path"] = str(path)
+    raw["model"]["hidden-layers"]["kv-cache"]["context-size"] = CONTEXT
+    return raw
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(EXAMPLES))
+def test_lumenllm_examples_run_as_written_on_the_gpu(name, tiny_checkpoint, cp):
+    kind, overrides = EXAMPLES[name]
+    path = tiny_checkpoint(kind, **overrides)
+    theirs = lumen.load(as_written(name, path), progress=False)
+    ref = lumen.load(whole(path, "cuda:0", "vram"), progress=False)
+    got_rows = rows(theirs)
+    layers_store = json.loads((DATA / name).read_text())["model"]["hidden-layers"]["store"]
+    for i in range(theirs.arch.num_layers):
+        assert got_rows[f"layers.{i}"][:2] == ("cuda:0", layers_store)
+        if layers_store != "vram":  # LumenLLM: attention in VRAM, the rest of the layer streamed from host RAM
+            assert got_rows[f"layers.{i}.attention"][:2] == ("cuda:0", "vram")
+    ids = np.random.RandomState(5).randint(3, ref.model.vocab_size, 30).tolist()
+    want, got = greedy_run(ref.model, ids, CONTEXT, 6), greedy_run(theirs.model, ids, CONTEXT, 6)
+    errs = close(got[0], want[0], 1e-4), close(got[2], want[2], 1e-4)
+    assert got[1] == want[1]
+    assert bool(theirs.decode_runner()) == bool(ref.decode_runner())
+    assert greedy(theirs, ids) == greedy(ref, ids)
+    print(f"{name}: max |dlogit| prefill {errs[0]:.2e} decode {errs[1]:.2e}; graph {bool(theirs.decode_runner())}")
