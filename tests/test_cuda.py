@@ -152,7 +152,9 @@ def test_weight_refuses_other_stores_and_formats(gpu):
     host = gpu.weight(np.arange(16, dtype=np.float32).reshape(4, 4), "f32", "ram")
     assert isinstance(host.data, np.ndarray) and host.data.tolist() == np.arange(16).reshape(4, 4).tolist()
     with pytest.raises(NotImplementedError, match="not yet supported on cuda"):
-        gpu.weight(np.zeros((4, 34), np.uint8), "q8_0", "vram", shape=(4, 32))
+        gpu.weight(np.zeros((4, 4), np.int8), "i8", "vram")
+    # GGUF blocks are dequantized to bf16 on upload (tests/test_cuda_gguf.py)
+    assert gpu.weight(np.zeros((4, 34), np.uint8), "q8_0", "vram", shape=(4, 32)).format == "bf16"
     with pytest.raises(ValueError, match="does not make"):
         gpu.weight(np.zeros((4, 8), np.uint8), "nvfp4", "vram", scale=(np.zeros((4, 2), np.uint8), 1.0))
 
