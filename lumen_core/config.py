@@ -740,6 +740,7 @@ class Config:
         """(json_path, feature) of what the engine may not support yet; it refuses those it can't do."""
         model = self.raw["model"]
         wanted = [("vision", "vision tower", "vision" in self.raw),
+                  ("audio", "audio tower", "audio" in self.raw),
                   ("draft", "speculative decoding", "draft" in self.raw),
                   ("model.attention.compute-quantization", "fp8 attention",
                    model.get("attention", {}).get("compute-quantization", "none") == "fp8")]

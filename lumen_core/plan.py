@@ -21,6 +21,7 @@ KV_BYTES = {"f32": 4, "f16": 2, "bf16": 2, "fp8": 1}
 # What this version executes; the rest of the config layout is validated and refused by name.
 UNSUPPORTED = {
     "vision tower": "the vision tower is not supported yet; remove the 'vision' block",
+    "audio tower": "Lumen has no audio tower (Gemma 4 E2B/E4B's audio encoder); remove the 'audio' block",
     "speculative decoding": "speculative decoding is not supported yet; remove the 'draft' block",
     "fp8 attention": "fp8 attention is not supported yet; set it to \"none\"",
 }
