@@ -5,9 +5,9 @@ from lumen_core import hookimpl
 
 @hookimpl
 def register_architectures(register):
-    for model_type in ("qwen3_5", "qwen3_5_text"):
+    for model_type in ("qwen3_5", "qwen3_5_text", "qwen35"):  # qwen35, qwen35moe: llama.cpp's GGUF names
         register(model_type, "lumen_models_qwen.qwen3_5:Qwen3_5")
-    for model_type in ("qwen3_5_moe", "qwen3_5_moe_text"):
+    for model_type in ("qwen3_5_moe", "qwen3_5_moe_text", "qwen35moe"):
         register(model_type, "lumen_models_qwen.qwen3_5_moe:Qwen3_5Moe")
 
 

@@ -70,6 +70,13 @@ class GatedDeltaNet:
         kd = Hk * Dk
         q, k = x[:, :kd].reshape(T, Hk, Dk), x[:, kd:2 * kd].reshape(T, Hk, Dk)
         v = x[:, 2 * kd:].reshape(T, Hv, Dv)
+        if a.llama_cpp_layout and Hv != Hk:
+            # llama.cpp's converter tiles the V heads over the K heads ([K0 K1 .. K0 K1 ..]) where HF groups them by
+            # K head; every per-V-head weight (qkv's V rows, z, a, b, A_log, dt_bias, conv channels, out_proj's
+            # columns) is in that order, so only the pairing changes: V head j reads K head j mod Hk. The K heads
+            # are repeated in that order (the op then pairs head j with head j).
+            q = q.reshape(T, 1, kd).repeat(Hv // Hk, axis=1).reshape(T, Hv, Dk)
+            k = k.reshape(T, 1, kd).repeat(Hv // Hk, axis=1).reshape(T, Hv, Dk)
         g, beta = ops.gdn_gates(a_in, b, self.neg_a, self.dt_bias)  # log decay (<= 0), write strength (T, Hv)
         o = ops.gated_delta_rule(q, k, v, g, beta, delta_state)  # (T, Hv, Dv)
         o = ops.rms_norm_gated(o, z.reshape(T, Hv, Dv), self.norm, a.rms_norm_eps)

@@ -1,15 +1,18 @@
-"""Qwen 3.5 (``qwen3_5``, ``qwen3_5_text``): Gated-DeltaNet layers with periodic gated full attention.
+"""Qwen 3.5 (``qwen3_5``, ``qwen3_5_text``; llama.cpp's GGUF ``qwen35``): Gated-DeltaNet layers with periodic
+gated full attention.
 
-Written against the op contract only: no numpy here. Text-only positions are equal on the three M-RoPE
-axes, so the rotary tables reduce to plain partial RoPE over the first ``head_dim × partial_rotary_factor``
-dims (rotate-half pairing).
+The forward pass (model.py) is written against the op contract only; numpy here reads GGUF values. Text-only
+positions are equal on the three M-RoPE axes, so the rotary tables reduce to plain partial RoPE over the first
+``head_dim × partial_rotary_factor`` dims (rotate-half pairing).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
-from lumen_core.architecture import Architecture, ConfigValueError, TensorLayout
+import numpy as np
+
+from lumen_core.architecture import Architecture, ConfigValueError, TensorLayout, gguf_float, gguf_int
 
 LINEAR_TENSORS = ("in_proj_qkv.weight", "in_proj_z.weight", "in_proj_a.weight", "in_proj_b.weight",
                   "out_proj.weight", "conv1d.weight", "A_log", "dt_bias", "norm.weight")
@@ -17,6 +20,37 @@ FULL_TENSORS = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weigh
                 "k_norm.weight")
 MLP_TENSORS = ("gate_proj.weight", "up_proj.weight", "down_proj.weight")
 NOT_MATRIX = ("norm.weight", "conv1d.weight")  # small vectors/filters: kept as f32 tensors
+
+# llama.cpp's tensor names (``blk.N.<name>``) -> ours (``model.layers.N.<name>``), and whether the converter stored
+# the value shifted: it writes the (1 + w) RMSNorm weights as 1 + w (not the gated norm of the linear attention) and
+# A_log as -exp(A_log). Its V-head order is kept (``ModelArgs.llama_cpp_layout``); unit axes it drops come back.
+GGUF_LAYER = {
+    "attn_norm.weight": ("input_layernorm.weight", "minus_one"),
+    "post_attention_norm.weight": ("post_attention_layernorm.weight", "minus_one"),
+    "attn_q.weight": ("self_attn.q_proj.weight", None),  # per head: query then output gate, as in HF
+    "attn_k.weight": ("self_attn.k_proj.weight", None),
+    "attn_v.weight": ("self_attn.v_proj.weight", None),
+    "attn_output.weight": ("self_attn.o_proj.weight", None),
+    "attn_q_norm.weight": ("self_attn.q_norm.weight", "minus_one"),
+    "attn_k_norm.weight": ("self_attn.k_norm.weight", "minus_one"),
+    "attn_qkv.weight": ("linear_attn.in_proj_qkv.weight", None),
+    "attn_gate.weight": ("linear_attn.in_proj_z.weight", None),
+    "ssm_alpha.weight": ("linear_attn.in_proj_a.weight", None),
+    "ssm_beta.weight": ("linear_attn.in_proj_b.weight", None),
+    "ssm_out.weight": ("linear_attn.out_proj.weight", None),
+    "ssm_conv1d.weight": ("linear_attn.conv1d.weight", None),
+    "ssm_a": ("linear_attn.A_log", "a_log"),
+    "ssm_dt.bias": ("linear_attn.dt_bias", None),
+    "ssm_norm.weight": ("linear_attn.norm.weight", None),
+    "ffn_gate.weight": ("mlp.gate_proj.weight", None),
+    "ffn_up.weight": ("mlp.up_proj.weight", None),
+    "ffn_down.weight": ("mlp.down_proj.weight", None),
+    "ffn_gate_inp.weight": ("mlp.gate.weight", None),
+    "ffn_gate_inp_shexp.weight": ("mlp.shared_expert_gate.weight", None),
+    "ffn_gate_shexp.weight": ("mlp.shared_expert.gate_proj.weight", None),
+    "ffn_up_shexp.weight": ("mlp.shared_expert.up_proj.weight", None),
+    "ffn_down_shexp.weight": ("mlp.shared_expert.down_proj.weight", None),
+}
 
 
 @dataclass
@@ -47,6 +81,10 @@ class ModelArgs:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     shared_expert_intermediate_size: int = 0
+    # Set by config_from_gguf (a Lumen key, not HF's): the weights are laid out as llama.cpp's converter writes
+    # them: the Gated-DeltaNet V heads tiled over the K heads (V head j reads K head j mod Hk) instead of grouped
+    # by K head.
+    llama_cpp_layout: bool = False
 
     @classmethod
     def from_dict(cls, config: dict) -> ModelArgs:
@@ -77,6 +115,17 @@ class Qwen3_5(Architecture):
     int_keys = {**Architecture.int_keys, "linear_conv_kernel_dim": 1, "linear_key_head_dim": 1,
                 "linear_value_head_dim": 1, "linear_num_key_heads": 1, "linear_num_value_heads": 1,
                 "full_attention_interval": 1}
+    gguf_keys = {  # HF key -> llama.cpp's qwen35.* / qwen35moe.* key, for errors about a GGUF file
+        "num_hidden_layers": "block_count", "hidden_size": "embedding_length", "intermediate_size":
+        "feed_forward_length", "num_attention_heads": "attention.head_count", "num_key_value_heads":
+        "attention.head_count_kv", "head_dim": "attention.key_length", "max_position_embeddings": "context_length",
+        "rms_norm_eps": "attention.layer_norm_rms_epsilon", "linear_conv_kernel_dim": "ssm.conv_kernel",
+        "linear_key_head_dim": "ssm.state_size", "linear_num_key_heads": "ssm.group_count",
+        "linear_num_value_heads": "ssm.time_step_rank", "linear_value_head_dim": "ssm.inner_size",
+        "layer_types": "attention.recurrent_layers", "vocab_size": "vocab_size", "num_experts": "expert_count",
+        "num_experts_per_tok": "expert_used_count", "moe_intermediate_size": "expert_feed_forward_length",
+        "shared_expert_intermediate_size": "expert_shared_feed_forward_length",
+    }
 
     def __init__(self, config: dict):
         super().__init__(config)
@@ -89,6 +138,119 @@ class Qwen3_5(Architecture):
         self.vocab_size = self.args.vocab_size
         self.max_context = self.args.max_position_embeddings
         self.prefix = "model."
+
+    # -- GGUF (llama.cpp's qwen35 / qwen35moe) ------------------------------------------------------------
+    @classmethod
+    def config_from_gguf(cls, metadata: dict) -> dict:
+        """HF-style config from llama.cpp's ``qwen35`` / ``qwen35moe`` metadata (as its converter writes it). Every
+        key is read typed and checked; an error names the GGUF key."""
+        arch = metadata.get("general.architecture")
+        k, moe = f"{arch}.", arch == "qwen35moe"
+        blocks = gguf_int(metadata, k + "block_count")
+        # The converter appends the multi-token-prediction block(s) as extra layers and says how many here.
+        mtp = gguf_int(metadata, k + "nextn_predict_layers", minimum=0, default=0)
+        layers = blocks - mtp
+        if layers < 1:
+            raise ConfigValueError(k + "nextn_predict_layers", f"is {mtp}, which leaves none of the {blocks} blocks "
+                                   "as a decoder layer", gguf=True)
+        hidden, heads = gguf_int(metadata, k + "embedding_length"), gguf_int(metadata, k + "attention.head_count")
+        head_dim = gguf_int(metadata, k + "attention.key_length", default=None) or hidden // heads
+        if gguf_int(metadata, k + "attention.value_length", default=head_dim) != head_dim:
+            raise ConfigValueError(k + "attention.value_length", f"must equal attention.key_length ({head_dim}); "
+                                   f"it is {metadata[k + 'attention.value_length']}", gguf=True)
+        rotary = gguf_int(metadata, k + "rope.dimension_count", default=head_dim // 4)
+        if rotary > head_dim or rotary % 2:
+            raise ConfigValueError(k + "rope.dimension_count", f"must be even and at most attention.key_length "
+                                   f"({head_dim}); it is {rotary}", gguf=True)
+        rope = {"rope_type": "default", "rope_theta": gguf_float(metadata, k + "rope.freq_base", 10_000_000.0),
+                "partial_rotary_factor": rotary / head_dim, "mrope_interleaved": True}
+        sections = metadata.get(k + "rope.dimension_sections")
+        if sections is not None:
+            if not isinstance(sections, list) or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0
+                                                         for x in sections):
+                raise ConfigValueError(k + "rope.dimension_sections", f"must be a list of integers >= 0; it is "
+                                       f"{sections!r}", gguf=True)
+            rope["mrope_section"] = list(sections[:3])
+        flags = metadata.get(k + "attention.recurrent_layers")
+        if flags is None:
+            period = gguf_int(metadata, k + "full_attention_interval", default=4)
+            flags = [(i + 1) % period != 0 for i in range(layers)]
+        elif not isinstance(flags, list) or len(flags) not in (layers, blocks) or \
+                not all(isinstance(f, (bool, int)) for f in flags):
+            raise ConfigValueError(k + "attention.recurrent_layers", f"must hold one flag per block ({blocks}); it is "
+                                   f"{flags!r}" if not isinstance(flags, list) else
+                                   f"must hold one flag per block ({blocks}); it holds {len(flags)} values", gguf=True)
+        v_heads, k_heads = gguf_int(metadata, k + "ssm.time_step_rank"), gguf_int(metadata, k + "ssm.group_count")
+        if v_heads % k_heads:
+            raise ConfigValueError(k + "ssm.time_step_rank", f"(value heads) must be a multiple of ssm.group_count "
+                                   f"(key heads, {k_heads}); it is {v_heads}", gguf=True)
+        inner = gguf_int(metadata, k + "ssm.inner_size")
+        if inner % v_heads:
+            raise ConfigValueError(k + "ssm.inner_size", f"must be a multiple of ssm.time_step_rank ({v_heads}); it "
+                                   f"is {inner}", gguf=True)
+        tokens = metadata.get("tokenizer.ggml.tokens") or []
+        vocab = gguf_int(metadata, k + "vocab_size", default=None) or len(tokens)
+        if not vocab:
+            raise ConfigValueError(k + "vocab_size", "is missing, and there is no tokenizer.ggml.tokens to count",
+                                   gguf=True)
+        eps = gguf_float(metadata, k + "attention.layer_norm_rms_epsilon", 1e-6)
+        config = {
+            "model_type": "qwen3_5_moe_text" if moe else "qwen3_5_text",
+            "vocab_size": vocab,
+            "hidden_size": hidden,
+            "num_hidden_layers": layers,
+            "num_attention_heads": heads,
+            "num_key_value_heads": gguf_int(metadata, k + "attention.head_count_kv", default=heads),
+            "head_dim": head_dim,
+            "rms_norm_eps": float(str(np.float32(eps))),  # stored as f32: 1e-6 comes back as 9.99999997e-07
+            "max_position_embeddings": gguf_int(metadata, k + "context_length", default=262_144),
+            "layer_types": ["linear_attention" if f else "full_attention" for f in flags[:layers]],
+            "linear_conv_kernel_dim": gguf_int(metadata, k + "ssm.conv_kernel"),
+            "linear_key_head_dim": gguf_int(metadata, k + "ssm.state_size"),
+            "linear_num_key_heads": k_heads,
+            "linear_num_value_heads": v_heads,
+            "linear_value_head_dim": inner // v_heads,
+            "rope_parameters": rope,
+            "hidden_act": "silu",
+            "bos_token_id": metadata.get("tokenizer.ggml.bos_token_id"),
+            "eos_token_id": metadata.get("tokenizer.ggml.eos_token_id"),
+            "pad_token_id": metadata.get("tokenizer.ggml.padding_token_id"),
+            "llama_cpp_layout": True,
+        }
+        if moe:
+            config.update(
+                num_experts=gguf_int(metadata, k + "expert_count"),
+                num_experts_per_tok=gguf_int(metadata, k + "expert_used_count"),
+                moe_intermediate_size=gguf_int(metadata, k + "expert_feed_forward_length"),
+                shared_expert_intermediate_size=gguf_int(metadata, k + "expert_shared_feed_forward_length"),
+            )
+        else:
+            config["intermediate_size"] = gguf_int(metadata, k + "feed_forward_length")
+        return config
+
+    @classmethod
+    def gguf_tensor_map(cls, config: dict, names: list[str]) -> dict:
+        """llama.cpp names -> HF names, the converter's value shifts undone (``GGUF_LAYER``); the stacked routed
+        experts (``ffn_{gate,up,down}_exps``, expert first) are split into one matrix per expert, no copy."""
+        config["tie_word_embeddings"] = "output.weight" not in names  # llama.cpp drops a tied head
+        transforms = {"minus_one": minus_one, "a_log": a_log_from_ssm_a, None: None}
+        conv = (2 * config["linear_num_key_heads"] * config["linear_key_head_dim"]
+                + config["linear_num_value_heads"] * config["linear_value_head_dim"])
+        out: dict = {"token_embd.weight": ("model.embed_tokens.weight", None),
+                     "output_norm.weight": ("model.norm.weight", minus_one),
+                     "output.weight": ("lm_head.weight", None)}
+        for i in range(config["num_hidden_layers"]):
+            g, h = f"blk.{i}.", f"model.layers.{i}."
+            for src, (dst, fn) in GGUF_LAYER.items():
+                out[g + src] = (h + dst, transforms[fn])
+            # unit axes llama.cpp drops: the converter squeezes the conv kernel (C, 1, K) to (C, K), its quantizer
+            # writes the (1, H) shared-expert gate as (H,): read back in HF's shape (same bytes)
+            out[g + "ssm_conv1d.weight"] += ((conv, 1, config["linear_conv_kernel_dim"]),)
+            out[g + "ffn_gate_inp_shexp.weight"] += ((1, config["hidden_size"]),)
+            for n in ("gate", "up", "down"):
+                out[f"{g}ffn_{n}_exps.weight"] = [(f"{h}mlp.experts.{e}.{n}_proj.weight", None)
+                                                  for e in range(config.get("num_experts", 0))]
+        return {k: v for k, v in out.items() if k in names}
 
     # -- tensor layout -----------------------------------------------------------------------------------
     def layout(self, names) -> TensorLayout:
@@ -104,7 +266,7 @@ class Qwen3_5(Architecture):
             experts = [f"{p}layers.{i}.{n}" for n in self.expert_tensors()]
             if experts:
                 needs[("experts", i)] = experts
-        skipped = {n: _skip_reason(n) for n in names if _skip_reason(n)}
+        skipped = {n: _skip_reason(n, self.num_layers) for n in names if _skip_reason(n, self.num_layers)}
         return TensorLayout(needs, skipped)
 
     def layer_tensors(self, i: int) -> list[str]:
@@ -214,9 +376,23 @@ class Qwen3_5(Architecture):
         return QwenModel(self, weights, backends, kv)
 
 
-def _skip_reason(name: str) -> str | None:
+def _skip_reason(name: str, layers: int) -> str | None:
     if name.startswith(("model.visual.", "visual.")):
         return "vision tower (not requested)"
     if name.startswith("mtp."):
         return "multi-token-prediction head (speculative decoding is not supported yet)"
+    if name.startswith("blk.") and name.split(".")[1].isdigit() and int(name.split(".")[1]) >= layers:
+        # llama.cpp appends the MTP block after the decoder layers (qwen35.nextn_predict_layers)
+        return "multi-token-prediction layer (speculative decoding is not supported yet)"
     return None
+
+
+def minus_one(w):
+    """llama.cpp stores the (1 + w) RMSNorm weights as 1 + w."""
+    return w - 1.0
+
+
+def a_log_from_ssm_a(a):
+    """llama.cpp stores A_log as ssm_a = -exp(A_log)."""
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.log(-np.asarray(a, dtype=np.float64)).astype(np.float32)  # not negative: NaN, refused on load
