@@ -16,14 +16,15 @@ def load_tiny(path, context: int = 512):
 
 
 class Server:
-    """``Server(engine, api_keys)`` starts; ``.url`` is ``http://127.0.0.1:PORT``; ``.stop()`` stops."""
+    """``Server(engine, api_keys)`` starts; ``.url`` is ``http://127.0.0.1:PORT``; ``.stop()`` stops. ``server_api``:
+    ``openai`` or ``anthropic`` serves only that API (None: both)."""
 
-    def __init__(self, engine, api_keys=None, model_name: str = "tiny", limits=None):
+    def __init__(self, engine, api_keys=None, model_name: str = "tiny", limits=None, server_api=None):
         import uvicorn
 
         from lumen_core.server.app import create_app
 
-        self.app = create_app(engine, api_keys, model_name, limits)
+        self.app = create_app(engine, api_keys, model_name, limits, server_api)
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]

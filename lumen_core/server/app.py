@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .service import ClientGone, Job, QueueFull, Service
-from .settings import Limits, api_key_problem
+from .settings import API_ROUTES, SERVER_APIS, Limits, ServerAPI, api_key_problem
 
 ANTHROPIC_PREFIX = "/v1/messages"
 
@@ -35,8 +35,15 @@ def error_response(request: Request, status: int, message: str, kind: str = "inv
     """OpenAI: {"error": {message, type, param, code}}; Anthropic (its routes, or a request from its SDK, which
     sends ``anthropic-version``): {"type": "error", "error": {type, message}}. A message that quotes the request
     (a name, a value) may hold a lone surrogate, which UTF-8 cannot write: it is escaped, never a failed reply."""
+    return shaped_error(_error_shape(request), status, message, kind, param, code, anthropic_message, headers)
+
+
+def shaped_error(shape: str, status: int, message: str, kind: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None, anthropic_message: str | None = None,
+                 headers: dict | None = None) -> JSONResponse:
+    """An error in one API's JSON shape: ``shape`` ``openai`` or ``anthropic`` (see ``error_response``)."""
     message, param = _printable(message), _printable(param)
-    if request.url.path.startswith(ANTHROPIC_PREFIX) or request.headers.get("anthropic-version"):
+    if shape == "anthropic":
         anthropic_kind = {401: "authentication_error", 404: "not_found_error", 413: "request_too_large",
                           429: "rate_limit_error", 500: "api_error", 503: "overloaded_error"}.get(status, kind)
         body = {"type": "error", "error": {"type": anthropic_kind,
@@ -44,6 +51,20 @@ def error_response(request: Request, status: int, message: str, kind: str = "inv
     else:
         body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
     return JSONResponse(body, status_code=status, headers=headers)
+
+
+def _error_shape(request: Request) -> str:
+    """Serving both APIs: Anthropic's shape on its routes or for its SDK (``anthropic-version``), else OpenAI's.
+    Serving one (``server-api``): each API's own routes in its shape (an OpenAI route that is off answers as OpenAI
+    does), any other path in the served API's shape."""
+    path = request.url.path
+    state = getattr(request.scope.get("app"), "state", None)
+    only = getattr(getattr(state, "server_api", None), "only", None)
+    if only is not None:
+        if path in API_ROUTES["openai"]:
+            return "openai"
+        return "anthropic" if path.startswith(ANTHROPIC_PREFIX) else only
+    return "anthropic" if path.startswith(ANTHROPIC_PREFIX) or request.headers.get("anthropic-version") else "openai"
 
 
 def _printable(text: str | None) -> str | None:
@@ -114,12 +135,15 @@ def check_api_keys(keys: list[str] | None) -> list[str]:
 
 
 def create_app(engine, api_keys: list[str] | None = None, model_name: str | None = None,
-               limits: Limits | None = None) -> FastAPI:
+               limits: Limits | None = None, server_api: ServerAPI | str | None = None) -> FastAPI:
     """The app over a loaded Engine. ``api_keys``: when non-empty, every route but /health needs one of them as
     ``Authorization: Bearer KEY`` or ``x-api-key: KEY`` (401 otherwise); an empty or blank key is a ValueError.
-    ``limits``: queue, time, body and max_tokens limits (``settings.Limits``; its defaults when None)."""
+    ``limits``: queue, time, body and max_tokens limits (``settings.Limits``; its defaults when None).
+    ``server_api``: ``openai`` or ``anthropic`` serves only that API (``settings.ServerAPI``; a string is read as
+    ``server-parameters.server-api``); None, both."""
     keys = check_api_keys(api_keys)
     limits = limits or Limits()
+    api = server_api if isinstance(server_api, ServerAPI) else ServerAPI(server_api)
     app = FastAPI(title="Lumen", description="OpenAI- and Anthropic-compatible API over one local model.")
     service = Service(engine, limits)
     app.state.service = service
@@ -127,6 +151,7 @@ def create_app(engine, api_keys: list[str] | None = None, model_name: str | None
     app.state.limits = limits
     app.state.model_names = model_names(engine, model_name)
     app.state.model_name = app.state.model_names[0]  # the served id: what /v1/models lists and replies report
+    app.state.server_api = api
     app.add_middleware(Gate, service=service, keys=keys, max_body_bytes=limits.max_body_bytes)
 
     @app.exception_handler(APIError)
@@ -174,7 +199,8 @@ def create_app(engine, api_keys: list[str] | None = None, model_name: str | None
                                  media_type="text/plain; version=0.0.4")
 
     def model_card(request: Request) -> dict:
-        if request.headers.get("anthropic-version"):  # the anthropic SDK's shape
+        # the anthropic SDK's shape: serving only Anthropic, or for a request that carries its anthropic-version
+        if api.only == "anthropic" or (api.only is None and request.headers.get("anthropic-version")):
             return {"type": "model", "id": app.state.model_name, "display_name": app.state.model_name,
                     "created_at": "1970-01-01T00:00:00Z"}
         return {"id": app.state.model_name, "object": "model", "created": 0, "owned_by": "lumen"}
@@ -193,10 +219,25 @@ def create_app(engine, api_keys: list[str] | None = None, model_name: str | None
 
     from . import anthropic_api, openai_api
 
-    openai_api.mount(app)
-    anthropic_api.mount(app)
+    for name, module in (("openai", openai_api), ("anthropic", anthropic_api)):
+        if api.serves(name):
+            module.mount(app)
+    for name in SERVER_APIS:
+        if not api.serves(name):
+            for path in API_ROUTES[name]:
+                app.add_api_route(path, _route_off(api, name, path), include_in_schema=False,
+                                  methods=["GET", "POST", "PUT", "PATCH", "DELETE"])
     service.routes = {getattr(r, "path", None) for r in app.routes} - {None}
     return app
+
+
+def _route_off(api: ServerAPI, name: str, path: str):
+    """The endpoint of a route of the API ``name`` that the server does not serve: a 404 in that API's own error
+    shape (its SDK reads it), saying that ``server-api`` turned it off and how to serve both APIs."""
+    async def off():
+        return shaped_error(name, 404, api.off_message(path), "invalid_request_error", code="api_not_served")
+
+    return off
 
 
 def _count(service: Service, path: str, status: int) -> None:

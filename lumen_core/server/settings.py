@@ -11,6 +11,10 @@ Limits (``server-parameters`` keys / ``lumen serve`` options; docs/server.md say
 * ``max-body-bytes`` (4 MiB): a larger request body is a 413 before it is parsed or tokenized.
 * ``max-tokens-limit`` (none): the most tokens one request may ask for. Whatever it says, ``max_tokens`` may not
   exceed the context left after the prompt (OpenAI's 400 "max_tokens is too large").
+
+Which API (``server-parameters.server-api`` / ``--server-api``, ``ServerAPI``): ``openai`` or ``anthropic`` serves only
+that API's routes, the other API's answer 404 in their own API's error shape, saying why and how to serve both;
+absent, both APIs. /health, /metrics and /v1/models are always served (both APIs have /v1/models).
 """
 
 from __future__ import annotations
@@ -47,6 +51,59 @@ class Limits:
         values = {name: params[name] for name in names if name in params}
         values.update({name: value for name, value in given.items() if value is not None})
         return cls(**values)
+
+
+SERVER_APIS = ("openai", "anthropic")  # LumenLLM's server-parameters.server-api values
+API_TITLES = {"openai": "OpenAI", "anthropic": "Anthropic"}
+API_ROUTES = {"openai": ("/v1/chat/completions", "/v1/completions"),
+              "anthropic": ("/v1/messages", "/v1/messages/count_tokens")}
+
+
+@dataclass(frozen=True)
+class ServerAPI:
+    """Which API the server serves: ``only`` None = both (the default), else ``openai`` or ``anthropic`` (LumenLLM's
+    ``server-parameters.server-api``). ``source``: where the choice came from, ``config`` or ``option``
+    (``lumen serve --server-api``), so that the 404 of a route that is off says what to change."""
+
+    only: str | None = None
+    source: str = "config"
+
+    def __post_init__(self):
+        _need(self.only is None or self.only in SERVER_APIS, "server_api", self.only,
+              f"one of {', '.join(SERVER_APIS)}, or None for both")
+        _need(self.source in ("config", "option"), "server_api source", self.source, "config or option")
+
+    @classmethod
+    def from_parameters(cls, params: dict, given: str | None = None) -> ServerAPI:
+        """``Config.server_parameters()``'s ``server_api`` with ``--server-api`` (None: not given; ``both``: both
+        APIs whatever the config says) on top."""
+        if given is not None:
+            return cls(None if given == "both" else given, "option")
+        return cls(params.get("server_api"), "config")
+
+    def serves(self, api: str) -> bool:
+        return self.only is None or self.only == api
+
+    def describe(self) -> str:
+        """For the startup line: ``OpenAI + Anthropic APIs``, or ``Anthropic API only, by --server-api``."""
+        if self.only is None:
+            return "OpenAI + Anthropic APIs"
+        by = "server-parameters.server-api" if self.source == "config" else "--server-api"
+        return f"{API_TITLES[self.only]} API only, by {by}"
+
+    def off_message(self, path: str) -> str:
+        """Why ``path`` (a route of the API that is not served) is a 404, and how to serve both APIs."""
+        api = next(name for name, routes in API_ROUTES.items() if path in routes)
+        if self.source == "config":
+            why = f"server-parameters.server-api is {self.only}"
+            fix = "remove server-parameters.server-api from the server's config (absent, both APIs are served)"
+        else:
+            why = f"the server was started with --server-api {self.only}"
+            fix = ("restart it with --server-api both, or without --server-api and without "
+                   "server-parameters.server-api in its config")
+        served = ", ".join(API_ROUTES[self.only] + ("/v1/models",))
+        return (f"{path} is off: this server serves only the {API_TITLES[self.only]} API ({served}) because {why}, "
+                f"not the {API_TITLES[api]} API. To serve both APIs, {fix}.")
 
 
 def _is_int(value) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import Annotated
 
 import typer
@@ -9,6 +10,12 @@ import typer
 from . import ChatTemplateOpt, ConfigOpt
 
 Opt = typer.Option
+
+
+class APIChoice(StrEnum):
+    openai = "openai"
+    anthropic = "anthropic"
+    both = "both"
 
 
 def serve(
@@ -32,10 +39,14 @@ def serve(
     max_tokens_limit: Annotated[int | None, Opt(min=1, help="Most tokens one request may ask for (default: "
                                                 "server-parameters.max-tokens-limit, else only the context left "
                                                 "after the prompt).")] = None,
+    server_api: Annotated[APIChoice | None, Opt("--server-api", help="Serve only this API (both: both, whatever "
+                                                "the config says); the other API's routes answer 404 saying why "
+                                                "(default: server-parameters.server-api, else both).")] = None,
     chat_template: ChatTemplateOpt = None,
 ):
     """Serve the model over HTTP: OpenAI (/v1/chat/completions, /v1/completions, /v1/models) and Anthropic
-    (/v1/messages, /v1/messages/count_tokens) APIs, /health and /metrics (Prometheus).
+    (/v1/messages, /v1/messages/count_tokens) APIs, /health and /metrics (Prometheus). With --server-api (or
+    server-parameters.server-api) openai or anthropic, only that API's routes are served.
 
     Requests share the loaded model through a queue, one generation at a time, each with its own cache.
     With API keys configured every route but /health needs `Authorization: Bearer KEY` or `x-api-key: KEY`.
@@ -46,7 +57,7 @@ def serve(
     from ...engine import load
     from ...errors import InputError
     from ...server.app import create_app
-    from ...server.settings import Limits, api_key_problem
+    from ...server.settings import Limits, ServerAPI, api_key_problem
 
     for key in api_key or []:  # before anything loads: an empty key must not switch authentication off
         problem = api_key_problem(key)
@@ -57,13 +68,15 @@ def serve(
     params = cfg.server_parameters()  # a bad api-keys entry is a ConfigError naming it, before the weights
     limits = Limits.from_parameters(params, max_queue=max_queue, request_timeout=request_timeout,
                                     max_body_bytes=max_body_bytes, max_tokens=max_tokens_limit)
+    api = ServerAPI.from_parameters(params, server_api.value if server_api else None)
     keys = api_key if api_key else params.get("api_keys", [])
     host = host or params.get("host", "127.0.0.1")
     port = port or params.get("port", 8000)
     engine = load(cfg, progress=True, chat_template=chat_template)
-    app = create_app(engine, keys, model_name, limits)
+    app = create_app(engine, keys, model_name, limits, api)
     typer.echo(f"lumen serve: {app.state.model_name} on http://{host}:{port} "
-               f"({'API keys required' if keys else 'no authentication'}; queue {limits.max_queue}, timeout "
+               f"({api.describe()}; {'API keys required' if keys else 'no authentication'}; "
+               f"queue {limits.max_queue}, timeout "
                f"{f'{limits.request_timeout:g} s' if limits.request_timeout else 'none'}, body "
                f"{limits.max_body_bytes} bytes)", err=True)
     uvicorn.run(app, host=host, port=port, log_level="warning")
