@@ -341,10 +341,11 @@ class GGUFCheckpoint:
                 "in transfer): download it again"
             )
 
-    def rename(self, mapping: dict[str, tuple[str, Callable | None] | list[tuple[str, Callable | None]]]) -> None:
+    def rename(self, mapping: dict[str, tuple | list[tuple[str, Callable | None]]]) -> None:
         """Key the tensors by ``mapping[gguf name][0]`` and apply ``mapping[gguf name][1]`` (if not None) on
-        read. A list value splits a stacked tensor along its first axis (llama.cpp's ``ffn_*_exps``: one matrix
-        per routed expert): item ``e`` names slice ``e`` (its bytes, no copy; the list holds one item per slice).
+        read; an optional third item reshapes it (same values, same last axis). A list value splits a stacked
+        tensor along its first axis (llama.cpp's ``ffn_*_exps``: one matrix per routed expert): item ``e`` names
+        slice ``e`` (its bytes, no copy; the list holds one item per slice).
         Tensors missing from the mapping keep their current names (the loader reports them as unused)."""
         tensors: dict[str, TensorInfo] = {}
         entries: dict[str, _Entry] = {}
@@ -364,6 +365,8 @@ class GGUFCheckpoint:
 
     def _parts(self, name: str, entry: _Entry, target) -> list[tuple[str, Callable | None, _Entry]]:
         if not isinstance(target, list):
+            if len(target) > 2 and target[2] is not None:  # (name, transform, shape): a reshape, no copy
+                return [(target[0], target[1], self._reshaped(name, entry, tuple(target[2])))]
             return [(target[0], target[1], entry)]
         count = entry.shape[0] if len(entry.shape) >= 2 else 0
         if len(target) != count:
@@ -373,6 +376,14 @@ class GGUFCheckpoint:
         return [(new_name, transform, entry._replace(start=entry.start + e * step, nbytes=step,
                                                      shape=entry.shape[1:]))
                 for e, (new_name, transform) in enumerate(target)]
+
+    def _reshaped(self, name: str, entry: _Entry, shape: tuple[int, ...]) -> _Entry:
+        """The entry under another shape of as many values and the same rows (llama.cpp drops unit axes: its
+        quantizer writes a (1, n) matrix as (n,), its converter squeezes Qwen's (C, 1, K) conv kernel)."""
+        if int(np.prod(shape)) != int(np.prod(entry.shape)) or shape[-1:] != entry.shape[-1:]:
+            raise CheckpointError(f"{self.path}: tensor {name!r} of shape {entry.shape} cannot be read as shape "
+                                  f"{shape} (it needs as many values in rows of {entry.shape[-1]})")
+        return entry._replace(shape=shape)
 
     def gguf_name(self, name: str) -> str:
         """The GGUF name of a (possibly renamed) tensor."""
