@@ -341,11 +341,11 @@ def test_integers_written_with_an_exponent_are_refused_from_a_file(tmp_path):
 
 
 def test_every_pattern_key_matches_the_whole_string():
-    """Each compute key of the schema (found by walking it: 8 in a model block, twice, vision's and the flat draft's)
-    takes `cpu` and refuses `cpu` plus a newline at its own path."""
+    """Each compute key of the schema (found by walking it: 8 in a model block, twice, vision's, audio's and the flat
+    draft's) takes `cpu` and refuses `cpu` plus a newline at its own path."""
     s = schema()
     patterned = [parts for parts, leaf in _schema_leaves(s, (), s["$defs"]) if "pattern" in leaf]
-    assert len(patterned) == 18 and all(p[-1] == "compute" for p in patterned)
+    assert len(patterned) == 19 and all(p[-1] == "compute" for p in patterned)
     base = {**json.loads(json.dumps(EVERY_INTEGER)), "vision": {}}
     for block in (base["model"], base["draft"]["model"]):
         block.update({"input-layer": {}, "output-layer": {}})
@@ -354,6 +354,8 @@ def test_every_pattern_key_matches_the_whole_string():
             raw = json.loads(json.dumps(base))
             if parts == ("draft", "compute"):  # LumenLLM's flat draft form, which cannot sit beside draft.model
                 raw["draft"] = {"path": "y"}
+            if parts[0] == "audio":
+                raw["audio"] = {}
             if parts[-2] == "attention":  # model.attention is not in the base
                 _get(raw, parts[:-2]).setdefault("attention", {})
             _set(raw, parts, device)
@@ -649,7 +651,7 @@ def test_placement_properties():
 
 def test_unknown_component():
     with pytest.raises(ValueError, match="unknown component"):
-        load_config(MINIMAL).placement("attention")
+        load_config(MINIMAL).placement("mlp")
 
 
 # ---------------------------------------------------------------- accessors

@@ -1,7 +1,8 @@
 """LumenLLM's three published examples (tests/data/lumenllm/) run as written on cuda:0 with tiny checkpoints of their
 architectures (issue 16): the Qwen3.6-35B one keeps every token mixer in VRAM and streams the rest of each layer and
 its routed experts from host RAM (``hidden-layers.store: ram`` + ``attention.store: vram``). Against the all-VRAM run
-of the same checkpoint: decode runs the same kernels on the same bytes (host weights unfused), prefill the same GEMMs
+of the same checkpoint with the example's KV cache types: decode runs the same kernels on the same bytes (host
+weights unfused), prefill the same GEMMs
 on VRAM copies, so the tolerance is <= 1e-4 x max(1, max |logit|) and the greedy tokens are equal, as for
 tests/test_cuda_hostweights.py. GPU tests carry the ``gpu`` marker and skip without CuPy or a CUDA device.
 """
@@ -44,7 +45,10 @@ def test_lumenllm_examples_run_as_written_on_the_gpu(name, tiny_checkpoint, cp):
     kind, overrides = EXAMPLES[name]
     path = tiny_checkpoint(kind, **overrides)
     theirs = lumen.load(as_written(name, path), progress=False)
-    ref = lumen.load(whole(path, "cuda:0", "vram"), progress=False)
+    reference = whole(path, "cuda:0", "vram")  # everything in VRAM, with the example's own KV cache types
+    kv = json.loads((DATA / name).read_text())["model"]["hidden-layers"]["kv-cache"]
+    reference["model"]["hidden-layers"]["kv-cache"].update({k: kv[k] for k in ("type-k", "type-v")})
+    ref = lumen.load(reference, progress=False)
     got_rows = rows(theirs)
     layers_store = json.loads((DATA / name).read_text())["model"]["hidden-layers"]["store"]
     for i in range(theirs.arch.num_layers):
