@@ -3,7 +3,7 @@ the hidden state of the current tokens (and Gemma 4's per-layer inputs) are all 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from lumen_core.architecture import Model
 from lumen_core.errors import PlanError
@@ -79,7 +79,14 @@ class MoE:
         self.expert_scale = w("router.per_expert_scale")
         self.pre2, self.post1, self.post2 = (w(f"{n}.weight") for n in (
             "pre_feedforward_layernorm_2", "post_feedforward_layernorm_1", "post_feedforward_layernorm_2"))
-        self.gate_up, self.down = ew[layer_prefix + "experts.gate_up_proj"], ew[layer_prefix + "experts.down_proj"]
+        if arch.split_experts:  # GGUF: a (2I, H) and an (H, I) matrix per expert, in the file's format
+            p = layer_prefix + "experts."
+            E = self.a.num_experts
+            self.pairs = [_halves(ew[f"{p}{e}.gate_up_proj.weight"]) for e in range(E)]
+            self.downs = [ew[f"{p}{e}.down_proj.weight"] for e in range(E)]
+        else:
+            self.pairs = None
+            self.gate_up, self.down = ew[layer_prefix + "experts.gate_up_proj"], ew[layer_prefix + "experts.down_proj"]
 
     def __call__(self, x, dense):
         """x (T, H) the residual stream; dense (T, H) the dense MLP's output -> (T, H)."""
@@ -92,7 +99,18 @@ class MoE:
         return ops.rms_norm(dense, self.post1, eps) + ops.rms_norm(routed, self.post2, eps)
 
     def _routed(self, h, ids, weights):
+        if self.pairs is not None:
+            return self.ebackend.ops.moe_experts(h, ids, weights, self.pairs, self.downs, act="gelu_tanh")
         return self.ebackend.ops.moe_experts_packed(h, ids, weights, self.gate_up, self.down)
+
+
+def _halves(w):
+    """An expert's (2I, H) gate+up matrix as its gate rows and its up rows: row views of the same data (a
+    block-quantized matrix is stored (rows, bytes per row), so its first I rows are a byte range too)."""
+    if w.scale is not None or len(w.shape) != 2 or w.shape[0] % 2:
+        raise PlanError(f"a per-expert gate_up matrix of shape {w.shape} ({w.format}) cannot be split into gate and up")
+    rows = w.shape[0] // 2
+    return tuple(replace(w, data=w.data[a:b], shape=(rows, w.shape[1])) for a, b in ((0, rows), (rows, 2 * rows)))
 
 
 class DecoderLayer:
@@ -135,12 +153,13 @@ class GemmaModel(Model):
         self.in_backend = backends[("input-layer", None)]
         inputs = weights[("input-layer", None)]
         self.embed = inputs[p + "embed_tokens.weight"]
-        self.embed_scale = round_to_format(a.hidden_size ** 0.5, self.embed.format)
+        scale_format = getattr(arch, "embed_scale_format", None)  # GGUF: f32, as llama.cpp
+        self.embed_scale = round_to_format(a.hidden_size ** 0.5, scale_format or self.embed.format)
         self.id_map = arch.embed_id_map()
         self.per_layer_dim = getattr(arch, "per_layer_dim", 0)
         if self.per_layer_dim:
             self.pl_embed = inputs[p + "embed_tokens_per_layer.weight"]  # (vocab, L * P)
-            self.pl_embed_scale = round_to_format(self.per_layer_dim ** 0.5, self.pl_embed.format)
+            self.pl_embed_scale = round_to_format(self.per_layer_dim ** 0.5, scale_format or self.pl_embed.format)
             self.pl_proj = inputs[p + "per_layer_model_projection.weight"]  # (L * P, H)
             self.pl_norm = inputs[p + "per_layer_projection_norm.weight"]
         self.out_backend = backends[("output-layer", None)]
