@@ -31,7 +31,7 @@ from .errors import CheckpointError
 
 SPIECE = "\u2581"  # SentencePiece's visible space
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
-GEMMA_ARCHS = ("gemma", "gemma2", "gemma3", "gemma3n")
+GEMMA_ARCHS = ("gemma", "gemma2", "gemma3", "gemma3n", "gemma4")
 # The metadata ids of the named special tokens, as the tokenizer config calls them.
 SPECIAL_IDS = {
     "bos_token": "tokenizer.ggml.bos_token_id",
@@ -141,6 +141,7 @@ def build(metadata: dict, path: str | Path | None = None) -> Built:
     where = f"{path}: " if path else ""
     model = metadata.get("tokenizer.ggml.model")
     arch = metadata.get("general.architecture", "")
+    model = "llama" if model == "gemma4" else model  # Gemma 4's converter names its SentencePiece-style BPE "gemma4"
     if "tokenizer.ggml.tokens" not in metadata:
         raise CheckpointError(f"{where}GGUF metadata has no tokenizer.ggml.tokens: no tokenizer to build")
     tokens = list(metadata["tokenizer.ggml.tokens"])
