@@ -154,7 +154,8 @@ GEMMA4 = ChatFormat(
     tool_calls=GemmaToolCalls(),
     thinking_kwarg="enable_thinking",
     thinking_default=False,
-    stop=("<|tool_response>",),
+    # <turn|> too: a GGUF's EOS is <eos> alone (HF lists <turn|> in generation_config; llama.cpp stops on it by name)
+    stop=("<|tool_response>", "<turn|>"),
     template=package_template("lumen_models_gemma", "gemma4.jinja"),  # for checkpoints that carry none
 )
 
