@@ -2,8 +2,9 @@
 
 A component is ``(block, layer)``: ``("input-layer", None)``, ``("layer", i)``, ``("experts", i)``,
 ``("output-layer", None)``. Placement binds each component to one backend device and store. The plan may split a
-layer's token mixer off as ``("attention", i)`` (``model.attention`` storing it apart: ``plan.split_mixers``); the
-loader folds it back, so ``build`` sees only the components above.
+layer's token mixer off as ``("attention", i)`` (``model.attention`` placing it apart: ``plan.split_mixers``); the
+loader folds its weights back into the layer's, and ``backends[("attention", i)]`` says where it computes (the
+layer's own backend unless ``mixer_compute_apart``).
 """
 
 from __future__ import annotations
@@ -303,6 +304,12 @@ class Architecture(ABC):
     @abstractmethod
     def layout(self, names: Iterable[str]) -> TensorLayout:
         """Map the checkpoint's tensor names to components (a tied tensor may serve two)."""
+
+    # True where ``build`` computes a layer's token mixer on the backend of ``("attention", i)`` when the plan gives
+    # it one (``model.attention.compute`` apart from the layer's device): the mixer's weights, its KV cache or
+    # recurrent state and its rope tables live there, the layer hands it the normed hidden state through
+    # ``Backend.call``. False: the plan refuses such a placement naming the architecture.
+    mixer_compute_apart: bool = False
 
     def is_mixer(self, name: str) -> bool:
         """True for a layer tensor of its token mixer (full attention or Gated-DeltaNet), which

@@ -529,35 +529,30 @@ def _nested_draft(draft: dict, model: dict) -> dict:
 
 
 def _check_attention(model: dict, root: str) -> None:
-    """LumenLLM's attention block places every layer's token mixer (full attention and Gated-DeltaNet weights):
-    ``store`` may differ from the rest of the layer (attention in VRAM, the MLP or routed experts in host RAM);
-    ``compute`` must be the layer's own device (computing a mixer on another device than the rest of its layer is
-    not supported). mechanism reference is the CPU backend's attention; a GPU backend's own attention cannot be
-    swapped for a reference one yet."""
+    """LumenLLM's attention block places every layer's token mixer (full attention and Gated-DeltaNet weights, and
+    the layer's KV cache or recurrent state) apart from the rest of the layer: ``store`` and ``compute`` may differ
+    from the layer's (an architecture that cannot compute its mixers apart is refused by the plan). mechanism
+    reference is the CPU backend's attention; a GPU backend's own attention cannot be swapped for a reference one
+    yet."""
     attention = model.get("attention", {})
     ranges = model.get("hidden-layers", {}).get("ranges", [])
     for layer in [None] + [r["start"] for r in ranges]:
-        resolved = _resolve(_chain(model, root, "layer", layer))
-        where, place = resolved.block, resolved.placement
-        if "compute" in attention and attention["compute"] != place.compute:
-            raise ConfigError(_join(root, "attention.compute"),
-                              f"computing attention on another device than the rest of its layer is not supported: "
-                              f"attention.compute is {attention['compute']} but the layers of {where} compute on "
-                              f"{place.compute} (the token mixer's store may differ from its layer's; its compute "
-                              "may not)",
-                              f"remove attention.compute (attention computes with its layer), or set it to "
-                              f"{place.compute}")
-        store = attention.get("store", place.store)
-        if store == "vram" and place.backend == "cpu":
-            raise ConfigError(_join(root, "attention.store"),
-                              f"attention.store vram needs a GPU compute device, but the layers of {where} compute "
-                              "on cpu (attention computes with its layer)",
-                              "remove attention.store, or compute those layers on cuda:N / wgpu:N")
+        layer_block = _resolve(_chain(model, root, "layer", layer)).block
+        resolved = _resolve(_chain(model, root, "attention", layer))
+        place = resolved.placement
+        if place.store == "vram" and place.backend == "cpu":
+            key = "store" if "store" in attention else "compute"
+            raise ConfigError(_join(root, f"attention.{key}"),
+                              f"store vram needs a GPU compute device, but the attention of the layers of "
+                              f"{layer_block} computes on cpu (compute from {_source(resolved.compute_from)}, store "
+                              f"from {_source(resolved.store_from)})",
+                              "set attention.compute to cuda:N / wgpu:N, or attention.store to ram or mmap")
         if attention.get("mechanism") == "reference" and place.backend != "cpu":
             raise ConfigError(_join(root, "attention.mechanism"),
                               f"reference attention on {place.compute} is not supported yet (issue 16): "
-                              f"the layers of {where} compute on {place.backend}, whose backend runs its "
-                              "own (tuned) attention; only the CPU backend's attention is the reference one",
+                              f"the attention of the layers of {layer_block} computes on {place.backend}, whose "
+                              "backend runs its own (tuned) attention; only the CPU backend's attention is the "
+                              "reference one",
                               "use mechanism aegis-varlen or standard (the backend's own attention)")
 
 

@@ -160,9 +160,16 @@ def check_placement(config, arch: Architecture, registry, components: list[Compo
                 path, f"backend {p.backend!r} lacks ops {sorted(missing)} needed by {component_label(comp)}",
                 "place this component on a backend that implements them",
             )
-        if comp[0] == "layer":
-            _check_kv_types(config, cls)
+        if comp[0] == "layer" and ("attention", comp[1]) not in components or comp[0] == "attention":
+            _check_kv_types(config, cls)  # the KV cache lives with the token mixer
             _check_kv_store(config, cls, comp)
+        if comp[0] == "attention" and p.compute != placements[("layer", comp[1])].compute \
+                and not arch.mixer_compute_apart:
+            raise ConfigError(path, f"the {arch.model_type} architecture cannot compute a layer's attention on another "
+                                    f"device than the rest of the layer yet ({component_label(comp)} on {p.compute}, "
+                                    f"layers.{comp[1]} on {placements[('layer', comp[1])].compute})",
+                              f"remove attention.compute (attention computes with its layer), or set it to "
+                              f"{placements[('layer', comp[1])].compute}")
         placements[comp] = p
     if notes is not None:
         for path, labels in mmap_as_ram.items():
@@ -245,7 +252,8 @@ def make_plan(config, arch: Architecture, ckpt, registry) -> tuple[Plan, dict]:
         plan.entries.append(
             PlanEntry(component_label(comp), p.backend, p.device, p.store, "+".join(fmts), nbytes)
         )
-        if comp[0] == "layer":
+        # a layer's KV cache (or recurrent state) lives with its token mixer: after the mixer's row when it has one
+        if comp[0] == "layer" and ("attention", comp[1]) not in placements or comp[0] == "attention":
             kv_bytes = (KV_BYTES[kv.type_k] + KV_BYTES[kv.type_v]) / 2
             cache = arch.cache_bytes(comp[1], context, kv_bytes)
             kv_fmt = kv.type_k if kv.type_k == kv.type_v else f"{kv.type_k}/{kv.type_v}"

@@ -61,3 +61,39 @@ def cp():
     if n == 0:
         pytest.skip("no CUDA device")
     return cupy
+
+
+GIB = 1 << 30
+
+
+@pytest.fixture
+def numpy_gpu(monkeypatch):
+    """A stand-in ``cuda`` backend that computes with the CPU's numpy ops (its ops resolve by the name ``cpu``): a
+    plan can then put a layer's token mixer on cuda:0 and the rest of the layer on cpu, two backend instances that
+    hand the hidden state over through ``Backend.call``, on a machine without a GPU. Counts its ``take`` calls."""
+    from lumen_cpu.backend import CPUBackend
+
+    from lumen_core.backend import DeviceInfo
+    from lumen_core.plugins import get_registry
+
+    class NumpyGPU(CPUBackend):
+        stores = ("vram", "ram")
+        kv_stores = ("vram",)
+        takes = 0
+
+        @classmethod
+        def devices(cls):
+            return [DeviceInfo("cuda:0", 8 * GIB, 8 * GIB, "stand-in: numpy")]
+
+        def weight(self, array, fmt, store, scale=None, shape=None):
+            return super().weight(array, fmt, "ram" if store == "vram" else store, scale, shape)
+
+        def take(self, x):
+            NumpyGPU.takes += 1
+            return super().take(x)
+
+    registry = get_registry()
+    real_class, real_ops = registry.backend_class, registry.ops_of
+    monkeypatch.setattr(registry, "backend_class", lambda name: NumpyGPU if name == "cuda" else real_class(name))
+    monkeypatch.setattr(registry, "ops_of", lambda name: real_ops("cpu" if name == "cuda" else name))
+    return NumpyGPU

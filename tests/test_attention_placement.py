@@ -115,12 +115,45 @@ def test_attention_store_vram_over_layers_on_the_cpu_is_refused_by_name():
     err = info.value
     assert err.path == "model.attention.store"
     assert "needs a GPU compute device" in err.message and "model.hidden-layers.ranges[0]" in err.message
+    # with its own compute the same attention block is fine: the mixers of the CPU range compute on cuda:0
+    raw["model"]["attention"]["compute"] = "cuda:0"
+    assert load_config(raw).placement("attention", 2) == Placement("cuda:0", "vram")
 
 
-def test_attention_computed_on_another_device_is_refused_by_name():
-    raw = {"model": {"path": "m", "compute": "cpu", "store": "ram", "attention": {"compute": "cuda:0"}}}
-    with pytest.raises(ConfigError) as info:
-        load_config(raw)
-    assert info.value.path == "model.attention.compute"
-    assert "another device than the rest of its layer" in info.value.message
+# ------------------------------------------------------------------ a mixer computed on another device
+# (numpy_gpu: a stand-in cuda:0 that computes with numpy, tests/conftest.py)
+
+@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_5_moe"])
+@pytest.mark.parametrize("layers, attention", [("cpu", "cuda:0"), ("cuda:0", "cpu")])
+def test_token_mixers_computed_on_another_device_equal_the_cpu(kind, layers, attention, tiny_checkpoint, numpy_gpu):
+    path = tiny_checkpoint(kind)
+    store = {"cpu": "ram", "cuda:0": "vram"}
+    raw = {"model": {"path": str(path), "compute": layers, "store": store[layers],
+                     "attention": {"compute": attention, "store": store[attention]},
+                     "hidden-layers": {"kv-cache": {"context-size": CONTEXT}}}}
+    apart, ref = lumen.load(raw, progress=False), lumen.load(whole(path), progress=False)
+    entries = {e.component: e for e in apart.plan.entries}
+    for i in range(apart.arch.num_layers):
+        assert (entries[f"layers.{i}"].device, entries[f"layers.{i}.attention"].device) == (layers, attention)
+        assert entries[f"cache.layers.{i}"].device == attention  # the KV cache / recurrent state: with the mixer
+        layer = apart.model.layers[i]
+        assert layer.mixer_backend is apart.backends[("attention", i)] is not layer.backend
+    ids = np.random.RandomState(3).randint(3, ref.model.vocab_size, 20).tolist()
+    before = numpy_gpu.takes
+    a = apart.model.forward(ids, apart.model.new_cache(CONTEXT), all_logits=True)
+    assert numpy_gpu.takes - before >= apart.arch.num_layers  # every layer crossed to the stand-in and back
+    b = ref.model.forward(ids, ref.model.new_cache(CONTEXT), all_logits=True)
+    np.testing.assert_array_equal(a, b)
+    assert greedy(apart, ids) == greedy(ref, ids)
+
+
+def test_an_architecture_that_cannot_compute_its_mixers_apart_is_refused_by_name(tiny_checkpoint, numpy_gpu):
+    from lumen_core.errors import ConfigError as Refused
+
+    path = tiny_checkpoint("gemma4")
+    raw = {"model": {"path": str(path), "compute": "cpu", "attention": {"compute": "cuda:0", "store": "vram"}}}
+    with pytest.raises(Refused) as info:
+        lumen.load(raw, progress=False)
+    assert info.value.path == "model.attention"
+    assert "gemma4 architecture cannot compute a layer's attention on another device" in info.value.message
     assert "set it to cpu" in info.value.fix

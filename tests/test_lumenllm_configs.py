@@ -220,14 +220,14 @@ def test_fp8_attention_is_still_a_requested_feature_and_needs_an_fp8_cache():
     assert refusal(raw).path == "model.attention.compute-quantization"
 
 
-def test_attention_placed_with_its_layer_is_accepted_and_apart_is_refused_by_name():
+def test_attention_placed_with_its_layer_or_apart_from_it():
     layers = {"compute": "cuda:0", "store": "vram"}
     raw = {"model": {"path": "m", "attention": {"compute": "cuda:0", "store": "gpu"}, "hidden-layers": layers}}
     assert load_config(raw).placement("layer", 0) == Placement("cuda:0", "vram")
     raw["model"]["hidden-layers"]["ranges"] = [{"start": 1, "end": 3, "compute": "cuda:1"}]
-    err = refusal(raw)
-    assert err.path == "model.attention.compute"
-    assert "another device than the rest of its layer" in err.message and "ranges[0]" in err.message
+    config = load_config(raw)  # the attention of layers 1-2 on cuda:0, the rest of them on cuda:1
+    assert config.placement("layer", 1) == Placement("cuda:1", "vram")
+    assert config.placement("attention", 1) == Placement("cuda:0", "vram")
 
 
 def test_a_cuda_block_is_accepted_empty_and_each_knob_refused_by_name():

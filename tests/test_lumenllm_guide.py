@@ -121,12 +121,24 @@ def test_the_model_snippet_runs_on_the_cpu_with_the_mixers_apart(moe48):
     assert greedy(theirs) == greedy(lumen.load(everything_in_ram(moe48, 4096), progress=False))
 
 
-def test_the_model_and_hidden_layers_snippets_together_are_refused_by_name():
-    """Attention computed on cuda:0 for layers that the ranges put on the CPU: a token mixer computed on another
-    device than the rest of its layer is not supported, and the refusal names the key and the range."""
-    err = refusal({"model": {**MODEL, "hidden-layers": HIDDEN}})
-    assert err.path == "model.attention.compute"
-    assert "model.hidden-layers.ranges[1]" in err.message and "another device" in err.message
+def test_the_model_and_hidden_layers_snippets_together(moe48, numpy_gpu):
+    """The guide's model block over its hidden-layers block: the attention of every layer on cuda:0 in VRAM, also for
+    layers 24-47 that the ranges compute on the CPU (their MLP there, their token mixers and KV caches on the GPU).
+    Run with a numpy stand-in for cuda:0 (tests/test_attention_placement.py), at a 4096-token context: the same
+    tokens as everything on the CPU with the same f16 KV cache."""
+    config = load_config({"model": {**MODEL, "hidden-layers": HIDDEN}})
+    assert config.placement("layer", 30) == Placement("cpu", "ram")
+    assert config.placement("attention", 30) == Placement("cuda:0", "vram")
+    assert config.placement("experts", 30) == Placement("cpu", "ram")
+    hidden = copy.deepcopy(HIDDEN)
+    hidden["kv-cache"]["context-size"] = 4096
+    engine = lumen.load({"model": {**MODEL, "path": str(moe48), "hidden-layers": hidden}}, progress=False)
+    devices = {e.component: e.device for e in engine.plan.entries}
+    assert devices["layers.30"] == "cpu" and devices["layers.30.attention"] == "cuda:0"
+    assert devices["cache.layers.30"] == "cuda:0" and "layers.3.attention" not in devices  # 0-23: with the layer
+    ref = everything_in_ram(moe48, 4096)
+    ref["model"]["hidden-layers"]["kv-cache"].update({"type-k": "f16", "type-v": "f16"})
+    assert greedy(engine) == greedy(lumen.load(ref, progress=False))
 
 
 def test_the_recipes():

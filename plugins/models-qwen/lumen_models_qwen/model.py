@@ -123,11 +123,15 @@ class DecoderLayer:
     def __init__(self, arch, i: int, weights, backends):
         a, p = arch.args, f"{arch.prefix}layers.{i}."
         self.backend = backends[("layer", i)]
-        self.backend.use()  # what the layer precomputes (exp(A_log)) goes to its own device
-        ops, w = self.backend.ops, _w(weights[("layer", i)], p)
-        self.a, self.ops = a, ops
+        # the token mixer computes where model.attention puts it (its own backend), else with the layer
+        self.mixer_backend = backends.get(("attention", i), self.backend)
+        w = _w(weights[("layer", i)], p)
+        self.mixer_backend.use()  # what the mixer precomputes (exp(A_log)) goes to its own device
         mixer = GatedDeltaNet if a.layer_types[i] == "linear_attention" else FullAttention
-        self.mixer = mixer(a, w, ops)
+        self.mixer = mixer(a, w, self.mixer_backend.ops)
+        self.backend.use()
+        ops = self.backend.ops
+        self.a, self.ops = a, ops
         self.in_norm, self.post_norm = w("input_layernorm.weight"), w("post_attention_layernorm.weight")
         if ("experts", i) in weights:
             self.mlp = MoEMLP(a, w, self.backend, weights[("experts", i)], backends[("experts", i)], p)
@@ -135,8 +139,14 @@ class DecoderLayer:
             self.mlp = DenseMLP(w, ops)
 
     def __call__(self, x, state, start: int, rope):
+        """``rope(backend)``: the rope tables of this forward's positions on that backend."""
         ops, eps = self.ops, self.a.rms_norm_eps
-        x = x + self.mixer(ops.rms_norm(x, self.in_norm, eps, 1.0), state, start, rope)
+        h = ops.rms_norm(x, self.in_norm, eps, 1.0)
+        if self.mixer_backend is self.backend:
+            x = x + self.mixer(h, state, start, rope(self.backend))
+        else:  # on the mixer's backend, where its state lives (Backend.call brings h there and the result back)
+            x = x + self.backend.call(self.mixer_backend,
+                                      lambda h: self.mixer(h, state, start, rope(self.mixer_backend)), h)
         return x + self.mlp(ops.rms_norm(x, self.post_norm, eps, 1.0))
 
 
@@ -158,7 +168,7 @@ class QwenModel(Model):
     def new_cache(self, context_size: int) -> Cache:
         states = []
         for layer in self.layers:
-            layer.backend.use()  # the layer's cache on its own device (several GPUs in one plan)
+            layer.mixer_backend.use()  # the layer's cache on its mixer's device (several GPUs in one plan)
             states.append(layer.mixer.new_state(context_size, self.kv))
         return Cache(context_size, states)
 
@@ -168,12 +178,15 @@ class QwenModel(Model):
         x = self.in_backend.ops.embedding(ids, self.embed)  # (T, H)
         positions = list(range(start, start + T))
         ropes = {}
-        for layer, state in zip(self.layers, cache.layers, strict=True):
-            b = layer.backend
-            x = b.take(x)  # first: it makes b's device current, where the rope tables go
+
+        def rope(b):  # called with b's device current (after b.take), where the tables go
             if b not in ropes:
                 ropes[b] = b.ops.rope_tables(positions, self.inv_freq)
-            x = layer(x, state, start, ropes[b])
+            return ropes[b]
+
+        for layer, state in zip(self.layers, cache.layers, strict=True):
+            x = layer.backend.take(x)  # first: it makes the layer's device current
+            x = layer(x, state, start, rope)
         cache.pos += T
         ob = self.out_backend
         x = ob.take(x if all_logits else x[T - 1:])

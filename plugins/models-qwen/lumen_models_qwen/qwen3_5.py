@@ -112,6 +112,7 @@ class ModelArgs:
 
 class Qwen3_5(Architecture):
     model_type = "qwen3_5"
+    mixer_compute_apart = True  # model.attention.compute may differ from the layer's (model.DecoderLayer)
     int_keys = {**Architecture.int_keys, "linear_conv_kernel_dim": 1, "linear_key_head_dim": 1,
                 "linear_value_head_dim": 1, "linear_num_key_heads": 1, "linear_num_value_heads": 1,
                 "full_attention_interval": 1}
