@@ -62,3 +62,25 @@ def test_lumenllm_examples_run_as_written_on_the_gpu(name, tiny_checkpoint, cp):
     assert bool(theirs.decode_runner()) == bool(ref.decode_runner())
     assert greedy(theirs, ids) == greedy(ref, ids)
     print(f"{name}: max |dlogit| prefill {errs[0]:.2e} decode {errs[1]:.2e}; graph {bool(theirs.decode_runner())}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_5_moe"])
+@pytest.mark.parametrize("layers, attention", [("cpu", "cuda:0"), ("cuda:0", "cpu")])
+def test_token_mixers_computed_apart_from_their_layers_equal_the_cpu(kind, layers, attention, tiny_checkpoint, cp):
+    """model.attention.compute apart from the layers' device (Qwen 3.5): the mixers, their KV caches and recurrent
+    states on one device, the rest of each layer on the other; against everything on the CPU within the cuda-vs-cpu
+    tolerance of the other GPU tests (1e-3 x max(1, max |logit|)), the same greedy tokens."""
+    path = tiny_checkpoint(kind)
+    store = {"cpu": "ram", "cuda:0": "vram"}
+    raw = {"model": {"path": str(path), "compute": layers, "store": store[layers],
+                     "attention": {"compute": attention, "store": store[attention]},
+                     "hidden-layers": {"kv-cache": {"context-size": CONTEXT}}}}
+    apart, cpu = lumen.load(raw, progress=False), lumen.load(whole(path), progress=False)
+    assert {e.device for e in apart.plan.entries if e.component.startswith("cache.")} == {attention}
+    ids = np.random.RandomState(6).randint(3, cpu.model.vocab_size, 30).tolist()
+    want, got = greedy_run(cpu.model, ids, CONTEXT, 6), greedy_run(apart.model, ids, CONTEXT, 6)
+    errs = close(got[0], want[0], 1e-3), close(got[2], want[2], 1e-3)
+    assert got[1] == want[1]
+    assert greedy(apart, ids) == greedy(cpu, ids)
+    print(f"{kind} layers {layers} attention {attention}: max |dlogit| prefill {errs[0]:.2e} decode {errs[1]:.2e}")
