@@ -348,3 +348,57 @@ def test_greedy_tokens_agree_with_llama_cpp_quantized(name, kind):
     ref = np.array(llm.scores[:len(ids)])
     ours = engine.model.forward(ids, engine.model.new_cache(CONTEXT), all_logits=True)
     assert (ref.argmax(-1) == ours.argmax(-1)).mean() >= 0.9
+
+
+# --- llama.cpp's multi-token-prediction block ----------------------------------------------------------------
+
+
+def copy_gguf(src: Path, dst: Path, metadata: dict, extra: dict[str, np.ndarray]) -> None:
+    """``src`` rewritten with some metadata replaced (``{key: (value, type, sub type)}``) and tensors added."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(src))
+    arch = reader.fields["general.architecture"].contents()
+    writer = gguf.GGUFWriter(str(dst), arch)
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        if key in metadata:
+            continue
+        sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(key, field.contents(), field.types[0], sub_type=sub)
+    for key, (value, vtype, sub) in metadata.items():
+        writer.add_key_value(key, value, vtype, sub_type=sub)
+    for t in reader.tensors:
+        writer.add_tensor(t.name, np.array(t.data), raw_shape=list(reversed(t.shape.tolist())), raw_dtype=t.tensor_type)
+    for name, arr in extra.items():
+        writer.add_tensor(name, arr.astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_the_mtp_block_llama_cpp_appends_is_skipped(tmp_path):
+    """llama.cpp's converter (without --no-mtp) appends the MTP block as one more ``blk.N`` and counts it in
+    ``nextn_predict_layers``: the decoder layers and logits are the file's without it, the block is skipped."""
+    import gguf
+
+    name, H = "qwen35", 32
+    src = gguf_path(name, "f32")
+    extra = {f"blk.2.{n}": np.random.RandomState(0).randn(*shape).astype(np.float32) for n, shape in {
+        "attn_norm.weight": (H,), "attn_q.weight": (128, H), "attn_k.weight": (32, H), "attn_v.weight": (32, H),
+        "attn_output.weight": (H, 64), "nextn.eh_proj.weight": (H, 2 * H), "nextn.enorm.weight": (H,),
+        "nextn.hnorm.weight": (H,), "nextn.shared_head_norm.weight": (H,)}.items()}
+    T = gguf.GGUFValueType
+    meta = {f"{name}.block_count": (3, T.UINT32, None), f"{name}.nextn_predict_layers": (1, T.UINT32, None),
+            f"{name}.attention.recurrent_layers": ([True, False, False], T.ARRAY, T.BOOL)}
+    path = tmp_path / "with-mtp.gguf"
+    copy_gguf(src, path, meta, extra)
+    engine = engine_for(path)
+    assert engine.model.arch.num_layers == 2
+    assert set(engine.report.skipped) == set(extra) and engine.report.unused == []
+    ids = prompt_ids(16)
+    plain = engine_for(src)
+    assert np.array_equal(engine.model.forward(ids, engine.model.new_cache(CONTEXT), all_logits=True),
+                          plain.model.forward(ids, plain.model.new_cache(CONTEXT), all_logits=True))
