@@ -207,6 +207,18 @@ def test_block_quantized_weights_stay_in_their_format(variant, engines):
                                                                                       "down_proj")}
 
 
+def test_experts_mapped_from_the_file_give_the_same_logits():
+    """store mmap: every matrix, per-expert byte ranges included, is a view on the mapped file."""
+    path = gguf_file("gemma4-moe", "q4_k_m")
+    ram = load(path)
+    mapped = load(path, store="mmap", **{"hidden-layers": {"kv-cache": {"context-size": CONTEXT},
+                                                            "experts": {"store": "mmap"}}})
+    assert {e.store for e in mapped.plan.entries if e.component.endswith(".experts")} == {"mmap"}
+    ids = ids_for(ram.model.vocab_size, seed=3)
+    a = ram.model.forward(ids, ram.model.new_cache(CONTEXT), all_logits=True)
+    assert np.array_equal(mapped.model.forward(ids, mapped.model.new_cache(CONTEXT), all_logits=True), a)
+
+
 # --- config and tensors ------------------------------------------------------------------------------------------
 
 
