@@ -2,12 +2,14 @@
 q6_k, q5_0, ...) are dequantized to bf16 when a weight is uploaded (``CUDABackend.stored_format``), and F32 / F16
 tensors stay as stored. The plan counts the converted bytes and says so in a note.
 
-Proofs, against the CPU backend (which keeps the blocks and dequantizes them exactly):
+Proofs, against the CPU backend:
 - one weight: the uploaded bf16 bits are the round-to-nearest-even of ``gguf.quants.dequantize`` (VRAM and host RAM);
-- every tiny fixture of tests/data/gguf on cuda:0: an F32 file within the cuda-vs-cpu tolerance of the other GPU
-  tests (1e-3 x max(1, max |logit|)) with equal greedy tokens; a block-quantized file within 2e-2 x max(1, max
-  |logit|): the weights themselves are rounded to bf16 (8 significant bits, 2^-9 relative), which the CPU run does
-  not do; its perplexity within 1%.
+- every tiny fixture of tests/data/gguf on cuda:0 against the CPU computing from the same weights: for F32 / F16
+  files the CPU reads them as stored, for block-quantized files it is given the same bf16 rounding of the
+  dequantized blocks (``bf16_cpu``). Within the cuda-vs-cpu tolerance of the other GPU tests (1e-3 x max(1, max
+  |logit|)), the same greedy tokens. How far the bf16 rounding itself moves the logits from the CPU's exact run
+  of the blocks is printed, not asserted: on these tiny random models it reaches 0.04-0.5 (a near-tied MoE
+  router choice flips), so a real model's GGUF on CUDA is the bf16 model of its dequantized weights, no closer.
 GPU tests carry the ``gpu`` marker and skip without CuPy or a CUDA device.
 """
 
@@ -60,21 +62,44 @@ def load(path, compute: str):
                                  "hidden-layers": {"kv-cache": {"context-size": CONTEXT}}}}, progress=False)
 
 
+@pytest.fixture
+def bf16_cpu(monkeypatch):
+    """The CPU backend given GGUF block weights as the CUDA backend stores them: the bf16 rounding of their
+    dequantization (``lumen_cuda.backend.dequantized_bf16``), as bf16 weights."""
+    from lumen_cpu.backend import CPUBackend
+    from lumen_cuda.backend import dequantized_bf16, is_gguf_block
+
+    plain = CPUBackend.weight
+
+    def weight(self, array, fmt, store, scale=None, shape=None):
+        if is_gguf_block(fmt):
+            bits = dequantized_bf16(array, fmt, shape)
+            return plain(self, bits.view(ml_dtypes.bfloat16), "bf16", store, None, bits.shape)
+        return plain(self, array, fmt, store, scale, shape)
+
+    def load_bf16(path):
+        with monkeypatch.context() as m:
+            m.setattr(CPUBackend, "weight", weight)
+            return load(path, "cpu")
+
+    return load_bf16
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("path", FILES, ids=[p.name for p in FILES])
-def test_gguf_on_cuda_equals_the_cpu(path, cp):
-    cpu, gpu = load(path, "cpu"), load(path, "cuda:0")
+def test_gguf_on_cuda_equals_the_cpu_on_the_same_weights(path, bf16_cpu, cp):
+    gpu = load(path, "cuda:0")
     quantized = not path.stem.endswith(("-f32", "-f16"))
     notes = [n for n in gpu.plan.notes if "converted on load" in n]
     assert bool(notes) == quantized, gpu.plan.notes
     if quantized:
-        assert {e.format for e in gpu.plan.entries if e.kind == "weights"} <= {"bf16", "f16", "f32", "bf16+f32",
-                                                                             "bf16+f16", "bf16+f16+f32", "f16+f32"}
+        assert all(set(e.format.split("+")) <= {"bf16", "f16", "f32"} for e in gpu.plan.entries if e.kind == "weights")
+    cpu = bf16_cpu(path) if quantized else load(path, "cpu")
     ids = np.random.RandomState(1).randint(3, cpu.model.vocab_size, 24).tolist()
     want, got = greedy_run(cpu.model, ids, CONTEXT, 4), greedy_run(gpu.model, ids, CONTEXT, 4)
-    tol = 2e-2 if quantized else 1e-3
-    errs = close(got[0], want[0], tol), close(got[2], want[2], tol)
-    if not quantized:
-        assert got[1] == want[1]
-    assert np.isclose(gpu.perplexity(ids)["nll"], cpu.perplexity(ids)["nll"], rtol=1e-2 if quantized else 1e-3)
-    print(f"{path.name}: max |dlogit| prefill {errs[0]:.2e} decode {errs[1]:.2e}; tokens equal {got[1] == want[1]}")
+    errs = close(got[0], want[0], 1e-3), close(got[2], want[2], 1e-3)
+    assert got[1] == want[1]
+    assert np.isclose(gpu.perplexity(ids)["nll"], cpu.perplexity(ids)["nll"], rtol=1e-3)
+    exact = greedy_run(load(path, "cpu").model, ids, CONTEXT, 4)[0] if quantized else want[0]
+    print(f"{path.name}: max |dlogit| prefill {errs[0]:.2e} decode {errs[1]:.2e}; the bf16 rounding of the weights "
+          f"moves prefill logits by {np.abs(exact - want[0]).max():.2e} from the CPU's exact run of the blocks")

@@ -2,9 +2,9 @@
 architectures (issue 16): the Qwen3.6-35B one keeps every token mixer in VRAM and streams the rest of each layer and
 its routed experts from host RAM (``hidden-layers.store: ram`` + ``attention.store: vram``). Against the all-VRAM run
 of the same checkpoint with the example's KV cache types: decode runs the same kernels on the same bytes (host
-weights unfused), prefill the same GEMMs
-on VRAM copies, so the tolerance is <= 1e-4 x max(1, max |logit|) and the greedy tokens are equal, as for
-tests/test_cuda_hostweights.py. GPU tests carry the ``gpu`` marker and skip without CuPy or a CUDA device.
+weights unfused), prefill the same GEMMs on VRAM copies, so the tolerance is <= 1e-4 x max(1, max |logit|) with an
+f32 KV cache (as for tests/test_cuda_hostweights.py) and 1e-3 with the examples' f16 one; the greedy tokens are
+equal. GPU tests carry the ``gpu`` marker and skip without CuPy or a CUDA device.
 """
 
 from __future__ import annotations
@@ -57,7 +57,10 @@ def test_lumenllm_examples_run_as_written_on_the_gpu(name, tiny_checkpoint, cp):
             assert got_rows[f"layers.{i}.attention"][:2] == ("cuda:0", "vram")
     ids = np.random.RandomState(5).randint(3, ref.model.vocab_size, 30).tolist()
     want, got = greedy_run(ref.model, ids, CONTEXT, 6), greedy_run(theirs.model, ids, CONTEXT, 6)
-    errs = close(got[0], want[0], 1e-4), close(got[2], want[2], 1e-4)
+    # f16 KV (all three examples): the two runs' keys and values differ in the last f32 bits (unfused host-weight
+    # GEMVs vs fused VRAM ones), which rounding to f16 can turn into one f16 ulp (~5e-4 relative): 1e-3 then
+    tol = 1e-4 if kv["type-k"] == kv["type-v"] == "f32" else 1e-3
+    errs = close(got[0], want[0], tol), close(got[2], want[2], tol)
     assert got[1] == want[1]
     assert bool(theirs.decode_runner()) == bool(ref.decode_runner())
     assert greedy(theirs, ids) == greedy(ref, ids)
