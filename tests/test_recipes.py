@@ -77,6 +77,24 @@ def test_the_35b_moe_fits_a_16_gb_card_with_its_experts_in_host_memory(name, fp8
     print(f"{name}: VRAM {pools['cuda:0 VRAM'] / GIB:.2f} GiB, experts {experts / GIB:.2f} GiB, {pools}")
 
 
+def test_lumenllm_layout_keeps_only_the_token_mixers_in_vram(fp8_35b, gpus):
+    """LumenLLM's layout (hidden-layers.store ram + attention.store vram): every layer's attention / Gated-DeltaNet
+    weights in VRAM, the rest of each layer (norms, router, shared expert) and its routed experts in host RAM: less
+    VRAM than streaming the experts alone, the same bytes in all."""
+    gpus(1, 16)
+    plan = plan_of("qwen3.5-35b-a3b-gpu-attention-in-vram.json", fp8_35b)
+    streamed = plan_of("qwen3.5-35b-a3b-gpu-streamed-experts.json", fp8_35b)
+    place = {e.component: (e.device, e.store) for e in plan.entries}
+    assert all(place[f"layers.{i}.attention"] == ("cuda:0", "vram") for i in range(40))
+    assert all(place[f"layers.{i}"] == place[f"layers.{i}.experts"] == ("cuda:0", "ram") for i in range(40))
+    assert place["layers.0.attention"] and place["cache.layers.3"] == ("cuda:0", "vram")
+    weights = [sum(e.nbytes for e in p.entries if e.kind == "weights") for p in (plan, streamed)]
+    assert weights[0] == weights[1]
+    vram, vram_streamed = plan.pools()["cuda:0 VRAM"], streamed.pools()["cuda:0 VRAM"]
+    assert vram < vram_streamed < 15.5 * GIB
+    print(f"attention in VRAM: VRAM {vram / GIB:.2f} GiB (streamed experts alone: {vram_streamed / GIB:.2f} GiB)")
+
+
 def test_all_in_vram_it_does_not_fit_and_the_refusal_says_to_stream_the_experts(fp8_35b, gpus):
     gpus(1, 16)
     with pytest.raises(PlanError, match=r"cuda:0 VRAM needs .* stream them with hidden-layers.experts"):
