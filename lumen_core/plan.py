@@ -23,7 +23,6 @@ UNSUPPORTED = {
     "vision tower": "the vision tower is not supported yet; remove the 'vision' block",
     "audio tower": "Lumen has no audio tower (Gemma 4 E2B/E4B's audio encoder); remove the 'audio' block",
     "speculative decoding": "speculative decoding is not supported yet; remove the 'draft' block",
-    "fp8 attention": "fp8 attention is not supported yet; set it to \"none\"",
 }
 
 
@@ -126,6 +125,20 @@ def check_features(config) -> None:
     for path, feature in config.requested_features():
         if feature in UNSUPPORTED:
             raise ConfigError(path, f"{feature}: not supported by this version of Lumen", UNSUPPORTED[feature])
+
+
+def check_fp8_attention(config, placements: dict) -> None:
+    """LumenLLM's ``attention.compute-quantization: fp8`` (attention computed in FP8 MMA; the fp8 KV cache it needs
+    is checked by the config) runs where the backend has it: no Lumen backend has it yet, so it is refused naming
+    the backends that compute this plan's attention."""
+    if ("model.attention.compute-quantization", "fp8 attention") not in config.requested_features():
+        return
+    backends = sorted({p.backend for comp, p in placements.items() if comp[0] in ("layer", "attention")})
+    raise ConfigError("model.attention.compute-quantization",
+                      f"fp8 attention (attention computed in FP8 E4M3 MMA) is not implemented by backend "
+                      f"{', '.join(repr(b) for b in backends)}, which computes this model's attention: it reads the "
+                      "fp8 KV cache and computes in f32 (cpu) or f32/bf16 (cuda)",
+                      'set compute-quantization to "default" (the fp8 KV cache still halves the cache memory)')
 
 
 def check_placement(config, arch: Architecture, registry, components: list[Component],
@@ -232,6 +245,7 @@ def make_plan(config, arch: Architecture, ckpt, registry) -> tuple[Plan, dict]:
             components.append(("attention", c[1]))
     placement_notes: list[str] = []
     placements = check_placement(config, arch, registry, components, placement_notes)
+    check_fp8_attention(config, placements)
     kv = config.kv_cache()
     context_notes = check_context(kv, arch, ckpt)
     context = kv.context_size or arch.max_context

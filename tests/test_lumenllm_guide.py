@@ -15,6 +15,7 @@ from test_lumenllm_configs import refusal
 
 import lumen_core as lumen
 from lumen_core.config import Placement, load_config
+from lumen_core.errors import ConfigError
 from lumen_core.plan import check_features
 from lumen_core.sampling import SamplingParams
 
@@ -151,15 +152,22 @@ def test_the_recipes():
     # "Trade PCIe for CPU compute"
     config = load_config({"model": {**MODEL, "hidden-layers": {"experts": {"compute": "cpu", "store": "ram"}}}})
     assert config.placement("experts", 0) == Placement("cpu", "ram")
-    # "Max long-context speed": fp8 attention needs the fp8 cache, then is refused by name (not yet supported)
+    # "Max long-context speed": fp8 attention needs the fp8 cache; then the plan refuses it naming the backend that
+    # computes the attention (no Lumen backend runs FP8 attention yet)
     kv = {"kv-cache": {"type-k": "fp8", "type-v": "fp8"}}
-    config = load_config({"model": {**MODEL, "attention": {**MODEL["attention"], **FP8_ATTENTION},
-                                    "hidden-layers": kv}})
-    with pytest.raises(Exception) as info:
-        check_features(config)
-    assert "model.attention.compute-quantization" in str(info.value) and "fp8 attention" in str(info.value)
+    load_config({"model": {**MODEL, "attention": {**MODEL["attention"], **FP8_ATTENTION}, "hidden-layers": kv}})
     err = refusal({"model": {**MODEL, "attention": FP8_ATTENTION}})
     assert err.path == "model.attention.compute-quantization" and "fp8 KV cache" in err.message
+
+
+def test_fp8_attention_is_refused_naming_the_backend(moe48):
+    raw = on_cpu({"model": {**MODEL, "path": str(moe48), "attention": FP8_ATTENTION,
+                            "hidden-layers": {"kv-cache": {"context-size": 256, "type-k": "fp8", "type-v": "fp8"}}}})
+    with pytest.raises(ConfigError) as info:
+        lumen.load(raw, progress=False)
+    err = info.value
+    assert err.path == "model.attention.compute-quantization"
+    assert "not implemented by backend 'cpu'" in err.message and '"default"' in err.fix
 
 
 @pytest.mark.parametrize("block, value, path, words", [
