@@ -333,6 +333,28 @@ class Architecture(ABC):
         """Ops the component calls; the plan refuses a backend that lacks one."""
         return set()
 
+    # -- vision (issue 17) ------------------------------------------------------------------------------------
+    # The core sets ``vision = True`` before ``layout`` when the config has a ``vision`` block: the layout then
+    # puts the tower's tensors (and its projector / multimodal embedder) in the component ``("vision", None)``,
+    # which ``build`` gets in ``weights`` and ``backends``; otherwise they stay skipped.
+    vision: bool = False
+
+    def has_vision(self) -> bool:
+        """True when this checkpoint carries a vision tower this plugin can run."""
+        return False
+
+    def image_processor(self, preprocessor_config: dict | None):
+        """The family's preprocessor for this checkpoint (``preprocessor_config`` is the checkpoint's
+        ``preprocessor_config.json``, None when absent: the family's defaults), with
+        ``preprocess(pil_image) -> lumen_core.images.ImageInput``; None when the family has no vision."""
+        return None
+
+    def expand_image_tokens(self, ids: list[int], images: list) -> list[int]:
+        """The prompt ``ids`` with each image's placeholder expanded into the image's tokens, as the family's
+        HF processor does (e.g. Qwen: one ``<|image_pad|>`` becomes ``num_tokens`` of them); ``images`` are the
+        ``ImageInput`` in prompt order. Raise ``InputError`` when placeholders and images differ in number."""
+        raise NotImplementedError(f"{type(self).__name__} has no vision")
+
     @abstractmethod
     def build(self, weights: dict[Component, dict[str, Any]], backends: dict[Component, Any], kv: dict):
         """Return a ``Model`` running on the given per-component backends."""
@@ -351,6 +373,18 @@ class Model(ABC):
     def forward(self, ids: list[int], cache: Any, all_logits: bool = False, host: bool = True) -> Any:
         """Run ``ids`` after ``cache.pos`` tokens; return logits (T or 1, vocab) as f32: a numpy array, or with
         ``host=False`` the output layer's backend array (a decode runner samples it on the device)."""
+
+    def encode_images(self, images: list) -> list:
+        """Each ``ImageInput`` through the vision tower (on the ``("vision", None)`` backend): per image a
+        ``(num_tokens, hidden_size)`` array of embeddings in the text model's space, on that backend. Models
+        without a tower raise."""
+        raise NotImplementedError(f"{type(self).__name__} has no vision tower")
+
+    # ``forward(ids, cache, all_logits, host, images=None)``: a model with vision takes ``images``, a list of
+    # ``(ImageInput, embeddings)`` in prompt order, one per run of image tokens in ``ids`` (a forward holds each
+    # image's tokens whole); the embeddings replace those tokens' embeddings, and the model's positions follow
+    # the family's rules for image tokens (Qwen: 3D M-RoPE positions; later text continues from them, kept in
+    # the cache).
 
     def input_id(self, token: int) -> int:
         """The id the embedding reads for ``token`` (a model may remap some, e.g. media placeholders). A decode
