@@ -40,6 +40,13 @@ CONTRACT = {
                         "the last `window` positions (a ring); `attention` with that window accepts it",
     "attention_shared": "(q (T, Hq, D), cache, start, scale, window=None, softcap=None) -> (T, Hq, Dv); attends "
                         "over keys another layer wrote at ..start+T-1 in this call (KV sharing); writes nothing",
+    # vision towers (issue 17)
+    "layer_norm": "(x (..., D), w (D,) | None, b (D,) | None, eps) -> (x - mean) / sqrt(var + eps) * w + b",
+    "gelu": "(x) -> x * Φ(x): the erf form (torch's nn.GELU())",
+    "gelu_tanh": "(x) -> 0.5 x (1 + tanh(√(2/π) (x + 0.044715 x³))) (gelu_pytorch_tanh)",
+    "bidirectional_attention": "(q (T, H, D), k (S, Hkv, D), v (S, Hkv, Dv), scale) -> (T, H, Dv): every query over "
+                               "every key, no mask, no cache (a vision tower within one image); Hkv divides H",
+    "concat": "(xs [(T_i, ...)]) -> (sum T_i, ...): along the first axis (image embeddings between text's)",
 }
 
 

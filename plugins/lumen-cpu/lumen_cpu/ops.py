@@ -195,6 +195,9 @@ def table():
     from . import nvfp4  # ModelOpt NVFP4: packed E2M1 pairs, e4m3 scale per 16 values, f32 global scale
 
     rows += nvfp4.table()
+    from . import vision_ops  # vision towers: layer norm, GELU, bidirectional attention, concat
+
+    rows += vision_ops.table()
     return rows
 
 
