@@ -24,7 +24,9 @@ CONTRACT = {
     "apply_rope": "(x (T, heads, D), cos (T, rot), sin (T, rot)) -> x with dims [:rot] rotated (rotate-half)",
     "kv_cache": "(context, kv_heads, head_dim, type_k='f32', type_v=None, head_dim_v=None) -> cache",
     "attention": "(q (T, Hq, D), k (T, Hkv, D), v (T, Hkv, Dv), cache, start, scale, window=None, "
-                 "softcap=None) -> (T, Hq, Dv); writes k, v at start..start+T-1, causal",
+                 "softcap=None, blocks=None) -> (T, Hq, Dv); writes k, v at start..start+T-1, causal; blocks: "
+                 "[(first, end)] position ranges of this call (an image's tokens, Gemma) whose queries also see "
+                 "every key of their range (within the window); passed only when the call holds images",
     "conv_state": "(channels, kernel) -> state holding the last kernel-1 inputs",
     "causal_conv1d": "(x (T, C), w (C, K), state) -> silu(depthwise causal conv) (T, C); updates state",
     "delta_state": "(v_heads, k_dim, v_dim) -> recurrent state (v_heads, k_dim, v_dim)",
@@ -38,8 +40,9 @@ CONTRACT = {
                           "down Weight (E, H, I), act='gelu_tanh') -> (T, H); moe_experts over one packed tensor",
     "sliding_kv_cache": "(window, kv_heads, head_dim, type_k='f32', type_v=None, head_dim_v=None) -> cache of "
                         "the last `window` positions (a ring); `attention` with that window accepts it",
-    "attention_shared": "(q (T, Hq, D), cache, start, scale, window=None, softcap=None) -> (T, Hq, Dv); attends "
-                        "over keys another layer wrote at ..start+T-1 in this call (KV sharing); writes nothing",
+    "attention_shared": "(q (T, Hq, D), cache, start, scale, window=None, softcap=None, blocks=None) -> (T, Hq, "
+                        "Dv); attends over keys another layer wrote at ..start+T-1 in this call (KV sharing); "
+                        "writes nothing; blocks as attention's",
     # vision towers (issue 17)
     "layer_norm": "(x (..., D), w (D,) | None, b (D,) | None, eps) -> (x - mean) / sqrt(var + eps) * w + b",
     "gelu": "(x) -> x * Φ(x): the erf form (torch's nn.GELU())",

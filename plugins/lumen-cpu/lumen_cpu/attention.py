@@ -66,10 +66,12 @@ def sliding_kv_cache(window: int, kv_heads: int, head_dim: int, type_k: str = "f
 
 
 def attention(q, k, v, cache, start: int, scale: float, window: int | None = None,
-              softcap: float | None = None):
+              softcap: float | None = None, blocks=None):
     """q (T, Hq, D), k (T, Hkv, D), v (T, Hkv, Dv) for positions start..start+T-1 -> (T, Hq, Dv).
 
     Writes k, v into the cache first; query i sees keys j <= start+i (and > start+i-window if sliding).
+    ``blocks``: position ranges [(first, end)] within this call (an image's tokens) whose queries also see every
+    key of their range, later ones included (still within the window: keys j > start+i-window).
     """
     if isinstance(cache, RingKVCache):
         lo, keys, vals = _ring_update(cache, k, v, start, window)
@@ -80,11 +82,13 @@ def attention(q, k, v, cache, start: int, scale: float, window: int | None = Non
         lo = 0 if window is None else max(0, start - window + 1)
         keys = cache.k[:, lo:end].astype(F32, copy=False)  # (Hkv, S, D); f16/bf16 caches widen here
         vals = cache.v[:, lo:end].astype(F32, copy=False)
-    return _attend(q, keys, vals, start, lo, scale, window, softcap)
+    return _attend(q, keys, vals, start, lo, scale, window, softcap, blocks)
 
 
-def attention_shared(q, cache, start: int, scale: float, window: int | None = None, softcap: float | None = None):
-    """q (T, Hq, D) at positions start..start+T-1 over keys another layer already wrote -> (T, Hq, Dv)."""
+def attention_shared(q, cache, start: int, scale: float, window: int | None = None, softcap: float | None = None,
+                     blocks=None):
+    """q (T, Hq, D) at positions start..start+T-1 over keys another layer already wrote -> (T, Hq, Dv); ``blocks``
+    as ``attention``'s."""
     end = start + q.shape[0]
     lo = 0 if window is None else max(0, start - window + 1)
     if isinstance(cache, RingKVCache):
@@ -95,7 +99,7 @@ def attention_shared(q, cache, start: int, scale: float, window: int | None = No
     else:
         keys = cache.k[:, lo:end].astype(F32, copy=False)
         vals = cache.v[:, lo:end].astype(F32, copy=False)
-    return _attend(q, keys, vals, start, lo, scale, window, softcap)
+    return _attend(q, keys, vals, start, lo, scale, window, softcap, blocks)
 
 
 def _ring_update(cache: RingKVCache, k, v, start: int, window: int | None):
@@ -119,7 +123,8 @@ def _ring_update(cache: RingKVCache, k, v, start: int, window: int | None):
     return lo, keys, vals
 
 
-def _attend(q, keys, vals, start: int, lo: int, scale: float, window: int | None, softcap: float | None):
+def _attend(q, keys, vals, start: int, lo: int, scale: float, window: int | None, softcap: float | None,
+            blocks=None):
     """q (T, Hq, D) at start.., keys (Hkv, S, D) / vals (Hkv, S, Dv) at lo.. -> (T, Hq, Dv)."""
     T, hq, _ = q.shape
     end = lo + keys.shape[1]
@@ -128,7 +133,7 @@ def _attend(q, keys, vals, start: int, lo: int, scale: float, window: int | None
     scores = (qg @ keys.transpose(0, 2, 1)).reshape(hkv, hq // hkv, T, -1) * F32(scale)
     if softcap:
         scores = np.tanh(scores / F32(softcap)) * F32(softcap)
-    scores = np.where(_mask(start, T, lo, end, window), scores, -np.inf)
+    scores = np.where(_mask(start, T, lo, end, window, blocks), scores, -np.inf)
     scores -= scores.max(axis=-1, keepdims=True)
     p = np.exp(scores)
     p /= p.sum(axis=-1, keepdims=True)
@@ -136,10 +141,12 @@ def _attend(q, keys, vals, start: int, lo: int, scale: float, window: int | None
     return out.reshape(hq, T, -1).transpose(1, 0, 2)
 
 
-def _mask(start: int, T: int, lo: int, end: int, window: int | None):
+def _mask(start: int, T: int, lo: int, end: int, window: int | None, blocks=None):
     qpos = np.arange(start, start + T)[:, None]
     kpos = np.arange(lo, end)[None, :]
     ok = kpos <= qpos
+    for first, stop in blocks or ():  # bidirectional within each block: AND(window, OR(causal, same block))
+        ok |= (qpos >= first) & (qpos < stop) & (kpos >= first) & (kpos < stop)
     if window is not None:
         ok &= kpos > qpos - window
     return ok
