@@ -734,8 +734,7 @@ class Config:
     def requested_features(self) -> list[tuple[str, str]]:
         """(json_path, feature) of what the engine may not support yet; it refuses those it can't do."""
         model = self.raw["model"]
-        wanted = [("vision", "vision tower", "vision" in self.raw),
-                  ("audio", "audio tower", "audio" in self.raw),
+        wanted = [("audio", "audio tower", "audio" in self.raw),
                   ("draft", "speculative decoding", "draft" in self.raw),
                   ("model.attention.compute-quantization", "fp8 attention",
                    model.get("attention", {}).get("compute-quantization", "none") == "fp8")]

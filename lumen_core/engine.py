@@ -36,13 +36,16 @@ class Stats:
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     finish_reason: str = ""
+    images: int = 0
+    image_seconds: float = 0.0  # preprocessing and the vision tower, before the prefill
 
     def summary(self) -> str:
         pre = self.prompt_tokens / self.prefill_seconds if self.prefill_seconds else 0.0
         if self.finish_reason == "scored":  # perplexity: one prefill pass, nothing generated
             return f"scored {self.prompt_tokens} tok in {self.prefill_seconds:.2f} s, {pre:.1f} tok/s"
         dec = (self.generated_tokens - 1) / self.decode_seconds if self.decode_seconds else 0.0
-        return (f"prompt {self.prompt_tokens} tok, {pre:.1f} tok/s; generated {self.generated_tokens} tok, "
+        images = f"{self.images} image(s) encoded in {self.image_seconds:.2f} s; " if self.images else ""
+        return (f"{images}prompt {self.prompt_tokens} tok, {pre:.1f} tok/s; generated {self.generated_tokens} tok, "
                 f"{dec:.1f} tok/s; finish: {self.finish_reason}")
 
 
@@ -58,6 +61,9 @@ class Engine:
         self.backends: dict = {}
         self._runner = None  # the backend's DecodeRunner, prepared on the first generation (False: none)
         self._template_noted = False  # the stderr note about a template the checkpoint did not carry
+        self._image_processor = None  # built on the first image, from the checkpoint's preprocessor config
+        self._preprocessor_config: dict | None = None
+        self._image_stats = (0, 0.0)
         # checked once per generated token: True ends the generation (finish "cancelled"). The server sets it for
         # the job it runs (a client that left, a time limit): a reply that yields no event for many tokens (a long
         # tool call) still stops within a token
@@ -97,6 +103,8 @@ class Engine:
         model = arch.build(weights, backends, resolved["kv"])
         engine = cls(config, arch, model, tokenizer, plan, report)
         engine.weights = weights  # what the loader put on each component's backend
+        reader = getattr(ckpt, "preprocessor_config", None)
+        engine._preprocessor_config = reader() if reader is not None and ("vision", None) in weights else None
         engine.backends = backends
         if any(b.compiles_on_first_use for b in set(backends.values())):
             with progress.phase("warm-up") as phase:
@@ -138,21 +146,55 @@ class Engine:
             raise InputError("the prompt is empty (0 tokens)")
 
     # -- generation --------------------------------------------------------------------------------------
+    def images_in(self, images: list) -> list:
+        """Each image (a path, bytes, a PIL image or a ``data:`` URI) loaded and preprocessed for this model's
+        vision tower (``ImageInput``); an InputError naming the image where one is bad or the engine has none."""
+        from .images import images_from
+
+        if not images:
+            return []
+        if ("vision", None) not in self.backends:
+            raise InputError(
+                f"this engine has no vision tower loaded, so it cannot take images ({len(images)} given): add a "
+                'vision block to the config, e.g. "vision": {"compute": "cpu"} (its placement, like any component)'
+                + ("" if self.arch.has_vision() else f"; and {self.config.model_path} has no vision tower at all"))
+        if self._image_processor is None:
+            self._image_processor = self.arch.image_processor(self._preprocessor_config)
+        return [self._image_processor.preprocess(image) for image in images_from(list(images))]
+
+    def with_images(self, prompt_ids: list[int], images: list | None) -> tuple[list[int], list | None]:
+        """The prompt with each image's placeholder expanded into its tokens, and the ``(ImageInput, embeddings)``
+        pairs the model's forward takes (None without images)."""
+        if not images:
+            return list(prompt_ids), None
+        t0 = time.perf_counter()
+        inputs = self.images_in(images)
+        ids = self.arch.expand_image_tokens(list(prompt_ids), inputs)
+        self.check_length(len(ids))  # before the tower runs: a prompt that cannot fit costs nothing
+        media = list(zip(inputs, self.model.encode_images(inputs), strict=True))
+        self._image_stats = (len(inputs), time.perf_counter() - t0)
+        return ids, media
+
     def generate_tokens(self, prompt_ids: list[int], max_tokens: int = 256,
-                        params: SamplingParams | None = None) -> Iterator[int]:
-        """Yield new token ids until EOS, ``max_tokens`` or the context is full."""
+                        params: SamplingParams | None = None, images: list | None = None) -> Iterator[int]:
+        """Yield new token ids until EOS, ``max_tokens`` or the context is full. ``images``: for a model with a
+        vision tower, one image per placeholder in the prompt, in order (paths, bytes, PIL images, data URIs)."""
         params = params or SamplingParams(temperature=0.0)
         params.validate()
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
             raise InputError(f"max_tokens must be an integer >= 1, got {max_tokens!r}")
+        self._image_stats = (0, 0.0)
+        prompt_ids, media = self.with_images(prompt_ids, images)
         self.check_length(len(prompt_ids))
-        eos, runner = self._eos(), self.decode_runner()
+        # a prompt with images decodes op by op: the replayed step's positions assume text-only prompts
+        eos, runner = self._eos(), (None if media else self.decode_runner())
         if runner:  # logits stay on the device; the backend samples them and replays its decode step
             runner.reset()
             cache, sample, host = runner.cache, runner.sampler(params), False
         else:
             cache, sample, host = self.model.new_cache(self.context_size), make_sampler(params), True
-        self.stats = st = Stats(prompt_tokens=len(prompt_ids))
+        self.stats = st = Stats(prompt_tokens=len(prompt_ids), images=self._image_stats[0],
+                                image_seconds=self._image_stats[1])
         seen = list(prompt_ids)
 
         def next_token(logits) -> int:
@@ -163,7 +205,10 @@ class Engine:
             return sample(row, seen)
 
         t0 = time.perf_counter()
-        logits = self.model.forward(list(prompt_ids), cache, host=host)
+        if media:
+            logits = self.model.forward(list(prompt_ids), cache, host=host, images=media)
+        else:
+            logits = self.model.forward(list(prompt_ids), cache, host=host)
         if runner:  # the device samples: bring the prefill's last row over once to check it (decode steps: not)
             backend = self.backends[("output-layer", None)]
             check_logits(np.asarray(backend.to_host(logits[-1]), dtype=np.float32), 1, self.config.model_path)
@@ -216,15 +261,18 @@ class Engine:
         return self._runner
 
     def generate(self, prompt: str | list[int], max_tokens: int | None = None, stop: list[str] | None = None,
-                 **sampling) -> Iterator[str]:
-        """Stream the newly generated text. ``sampling``: temperature, top_k, top_p, min_p, seed, ..."""
+                 images: list | None = None, **sampling) -> Iterator[str]:
+        """Stream the newly generated text. ``sampling``: temperature, top_k, top_p, min_p, seed, ...
+        ``images``: one per image placeholder the prompt holds (Qwen: ``<|vision_start|><|image_pad|><|vision_end|>``),
+        as paths, bytes, PIL images or data URIs; needs the config's ``vision`` block."""
         defaults = self.config.sampling_defaults()
         max_tokens = defaults.get("max_tokens", 256) if max_tokens is None else max_tokens
         stop = stop if stop is not None else defaults.get("stop", [])
         params = sampling_params(defaults, sampling)
         ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         decoder, matcher = StreamDecoder(self.tokenizer), StopMatcher(stop)
-        for tok in self.generate_tokens(ids, max_tokens, params):
+        media = {"images": images} if images else {}  # text-only calls keep generate_tokens' text-only signature
+        for tok in self.generate_tokens(ids, max_tokens, params, **media):
             text, stopped = matcher.push(decoder.push(tok))
             if text:
                 yield text
@@ -258,7 +306,9 @@ class Engine:
         decoder = StreamDecoder(self.tokenizer, skip_special_tokens=False)
         matcher = StopMatcher(stops + list(fmt.stop))
         ids = self.encode(prompt, add_special_tokens=False)
-        for tok in self.generate_tokens(ids, max_tokens, sampling_params(defaults, sampling)):
+        images = images_of(messages)
+        media = {"images": images} if images else {}  # text-only calls keep generate_tokens' text-only signature
+        for tok in self.generate_tokens(ids, max_tokens, sampling_params(defaults, sampling), **media):
             text, stopped = matcher.push(decoder.push(tok))
             yield from parser.push(text)
             if stopped:
@@ -326,6 +376,31 @@ class Engine:
 
     def _eos(self) -> set[int]:
         return set(self.tokenizer.eos_ids) if self.tokenizer else set()
+
+
+IMAGE_PARTS = ("image", "image_url", "input_image")
+
+
+def images_of(messages: list[dict]) -> list:
+    """The images of a conversation, in order: the content parts ``{"type": "image", "image": source}`` (source: a
+    path, bytes, a PIL image or a data URI) and OpenAI's ``{"type": "image_url", "image_url": {"url": ...}}``,
+    which the chat template renders as the family's image placeholder."""
+    out = []
+    for message in messages:
+        content = message.get("content") if isinstance(message, dict) else None
+        if not isinstance(content, list):
+            continue
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") not in IMAGE_PARTS:
+                continue
+            source = part.get("image", part.get("image_url", part.get("url")))
+            if isinstance(source, dict):
+                source = source.get("url")
+            if source is None:
+                raise InputError(f"an image part of a {message.get('role', '?')} message has no image: give "
+                                 '{"type": "image", "image": PATH_OR_BYTES_OR_DATA_URI}')
+            out.append(source)
+    return out
 
 
 def prepare(source):

@@ -20,7 +20,6 @@ DTYPE_FORMAT = {"F32": "f32", "F16": "f16", "BF16": "bf16", "F8_E4M3": "fp8"}
 KV_BYTES = {"f32": 4, "f16": 2, "bf16": 2, "fp8": 1}
 # What this version executes; the rest of the config layout is validated and refused by name.
 UNSUPPORTED = {
-    "vision tower": "the vision tower is not supported yet; remove the 'vision' block",
     "audio tower": "Lumen has no audio tower (Gemma 4 E2B/E4B's audio encoder); remove the 'audio' block",
     "speculative decoding": "speculative decoding is not supported yet; remove the 'draft' block",
 }
@@ -125,6 +124,19 @@ def check_features(config) -> None:
     for path, feature in config.requested_features():
         if feature in UNSUPPORTED:
             raise ConfigError(path, f"{feature}: not supported by this version of Lumen", UNSUPPORTED[feature])
+
+
+def check_vision(config, arch: Architecture, ckpt) -> None:
+    """A ``vision`` block loads the checkpoint's vision tower (``arch.vision``: the layout places its tensors in the
+    component ``("vision", None)``); refused by name where the checkpoint or its architecture has none."""
+    if "vision" not in config.raw:
+        return
+    if not arch.has_vision():
+        what = "a GGUF file (its vision tower comes in a separate mmproj file, which Lumen does not read)" \
+            if getattr(ckpt, "format", "") == "gguf" else f"a {arch.model_type} checkpoint without a vision tower"
+        raise ConfigError("vision", f"{ckpt.path} is {what}: there is no vision tower to load",
+                          "remove the 'vision' block, or point model.path at a multimodal checkpoint")
+    arch.vision = True
 
 
 def check_fp8_attention(config, placements: dict) -> None:
@@ -234,6 +246,7 @@ def make_plan(config, arch: Architecture, ckpt, registry) -> tuple[Plan, dict]:
     """Resolve placement, size every component and cache, and refuse a plan that does not fit."""
     check_features(config)
     config.check_ranges(arch.num_layers)
+    check_vision(config, arch, ckpt)
     layout = arch.layout(ckpt.tensors)
     report = check_tensors(ckpt, layout)
     split_mixers(config, arch, layout)

@@ -740,7 +740,7 @@ def test_requested_features():
                    hidden_layers={"kv-cache": {"store": "ram", "type-k": "fp8", "type-v": "fp8"}}),
            "vision": {}, "draft": {"model": {"path": "y"}, "num-draft-tokens": 3}}
     assert load_config(raw).requested_features() == [
-        ("vision", "vision tower"), ("draft", "speculative decoding"),
+        ("draft", "speculative decoding"),
         ("model.attention.compute-quantization", "fp8 attention")]
 
 

@@ -162,7 +162,7 @@ def test_example_on_cpu_generates_what_the_native_config_does(tiny_checkpoint, n
     assert len(tokens) == 8 and tokens == _greedy(ours)
 
 
-def test_gemma4_vision_draft_on_cpu_is_refused_by_name_for_vision_then_draft(tiny_checkpoint):
+def test_gemma4_vision_draft_on_cpu_is_refused_by_name_for_its_draft(tiny_checkpoint):
     import lumen_core as lumen
 
     path = str(tiny_checkpoint("gemma4_mm", max_position_embeddings=262144))
@@ -170,11 +170,7 @@ def test_gemma4_vision_draft_on_cpu_is_refused_by_name_for_vision_then_draft(tin
     raw["model"]["path"] = raw["draft"]["path"] = path
     config = load_config(raw)  # LumenLLM's flat draft is read as Lumen's draft.model
     assert config.raw["draft"] == {"model": {"path": path, "compute": "cpu", "store": "ram"}, "num-draft-tokens": 4}
-    assert config.placement("vision") == Placement("cpu", "ram")
-    with pytest.raises(ConfigError) as info:
-        lumen.load(raw, progress=False)
-    assert info.value.path == "vision" and "vision tower" in info.value.message
-    del raw["vision"]
+    assert config.placement("vision") == Placement("cpu", "ram")  # the vision block places the tower (issue 17)
     with pytest.raises(ConfigError) as info:
         lumen.load(raw, progress=False)
     assert info.value.path == "draft" and "speculative decoding" in info.value.message
@@ -266,10 +262,10 @@ def test_server_api_is_accepted(api):
     assert info.value.path == "server-parameters.server-api" and "openai, anthropic" in info.value.message
 
 
-def test_vision_is_refused_by_name_not_as_an_unknown_key():
+def test_vision_places_the_tower_and_is_no_unsupported_feature():
     config = load_config({"model": {"path": "m", "compute": "cuda:0"}, "vision": {"store": "gpu"}})
     assert config.placement("vision") == Placement("cuda:0", "vram")
-    assert config.requested_features() == [("vision", "vision tower")]
+    assert config.requested_features() == []
 
 
 # ------------------------------------------------------------------ LumenLLM's command-line options
@@ -303,10 +299,10 @@ def test_temp_is_temperature_on_generate(capsys, tiny_checkpoint):
 @pytest.mark.parametrize("command", ["generate", "chat"])
 @pytest.mark.parametrize("option, words", [
     ("--draft-model", "--draft-model: speculative decoding is not supported yet"),
-    ("--image", "--image: images need the vision tower, which is not supported yet")])
-def test_draft_model_and_image_are_refused_by_name_before_loading(capsys, tmp_path, command, option, words):
+    ("--image", "no-such-image.png")])  # a missing image file: named, before the config is read
+def test_draft_model_and_a_bad_image_are_refused_by_name_before_loading(capsys, tmp_path, command, option, words):
     # A config that does not exist: the option is refused before anything is read. --temp parses on both commands.
-    argv = [command, "-c", str(tmp_path / "missing.json"), "--temp", "0", option, str(tmp_path / "x")]
+    argv = [command, "-c", str(tmp_path / "missing.json"), "--temp", "0", option, str(tmp_path / "no-such-image.png")]
     if command == "generate":
         argv += ["--prompt", "hi"]
     code, out, err = run_cli(capsys, *argv)

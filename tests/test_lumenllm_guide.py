@@ -171,16 +171,23 @@ def test_fp8_attention_is_refused_naming_the_backend(moe48):
 
 
 @pytest.mark.parametrize("block, value, path, words", [
-    ("vision", VISION, "vision", "vision tower"),
     ("audio", VISION, "audio", "audio tower"),
     ("draft", DRAFT, "draft", "speculative decoding"),
 ])
-def test_vision_audio_and_draft_snippets_are_refused_by_name(block, value, path, words):
+def test_audio_and_draft_snippets_are_refused_by_name(block, value, path, words):
     config = load_config({"model": copy.deepcopy(MODEL), block: value})
     with pytest.raises(Exception) as info:
         check_features(config)
     assert f"config {path}:" in str(info.value) and words in str(info.value)
     assert "unknown key" not in str(info.value)
+
+
+def test_the_vision_snippet_places_the_tower_and_a_text_only_checkpoint_refuses_it(moe48):
+    config = load_config({"model": copy.deepcopy(MODEL), "vision": VISION})
+    assert config.placement("vision") == Placement("cuda:0", "vram") and config.requested_features() == []
+    with pytest.raises(ConfigError) as info:
+        lumen.load(on_cpu({"model": {"path": str(moe48)}, "vision": VISION}), progress=False)
+    assert info.value.path == "vision" and "without a vision tower" in info.value.message
 
 
 def test_the_server_snippet():

@@ -182,12 +182,14 @@ def test_kv_type_the_backend_cannot_keep(tiny_checkpoint):
         plan_mod._check_kv_types(config, Narrow)
 
 
-@pytest.mark.parametrize(("extra", "path"), [
-    ({"draft": {"model": {"path": "x"}, "num-draft-tokens": 4}}, "draft"),
-    ({"vision": {"compute": "cpu", "store": "ram"}}, "vision"),
+@pytest.mark.parametrize(("extra", "path", "words"), [
+    ({"draft": {"model": {"path": "x"}, "num-draft-tokens": 4}}, "draft", "not supported"),
+    ({"audio": {"compute": "cpu"}}, "audio", "not supported"),
+    # a vision block over a text-only checkpoint: nothing to load, said by name
+    ({"vision": {"compute": "cpu", "store": "ram"}}, "vision", "checkpoint without a vision tower"),
 ])
-def test_features_not_yet_supported_are_refused_by_name(tiny_checkpoint, extra, path):
-    with pytest.raises(ConfigError, match=f"config {path}.*not supported"):
+def test_features_not_yet_supported_are_refused_by_name(tiny_checkpoint, extra, path, words):
+    with pytest.raises(ConfigError, match=f"config {path}.*{words}"):
         lumen.load({"model": {"path": str(tiny_checkpoint("qwen3_5"))}, **extra})
 
 

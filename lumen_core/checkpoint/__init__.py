@@ -36,6 +36,9 @@ class Checkpoint(Protocol):
     def chat_template(self) -> str | dict[str, str] | None:
         """The chat template the checkpoint carries (None: none), read without building the tokenizer."""
 
+    def preprocessor_config(self) -> dict | None:
+        """(Optional) the checkpoint's image preprocessor config (``preprocessor_config.json``), None when absent."""
+
 
 def open_checkpoint(path: str | Path, registry) -> Checkpoint:
     """Open ``path`` with the first registered checkpoint format that recognises it."""

@@ -75,6 +75,10 @@ class HFCheckpoint:
             raise CheckpointError(f"{self.path}: tensor {name!r} is missing from the checkpoint")
         return self._owner[name].read(name)
 
+    def preprocessor_config(self) -> dict | None:
+        path = self.path / "preprocessor_config.json"
+        return read_json(path) if path.exists() else None
+
     def tokenizer_dir(self) -> Path | None:
         return self.path if (self.path / "tokenizer.json").exists() else None
 

@@ -9,10 +9,11 @@ from typing import Annotated
 import typer
 
 from . import ChatTemplateOpt, ConfigOpt
-from .generate import DraftModelOpt, ImageOpt, refuse_unsupported
+from .generate import DraftModelOpt, ImageOpt, image_message, read_images, refuse_unsupported
 
 Opt = typer.Option
-HELP = "commands: /reset (forget the conversation), /think on|off (thinking, where the template has it), /exit"
+HELP = ("commands: /reset (forget the conversation), /think on|off (thinking, where the template has it), "
+        "/image PATH (an image for your next message; needs the vision block), /exit")
 
 
 def chat(
@@ -35,14 +36,15 @@ def chat(
     """Chat with the model in the terminal: type a message, Enter; the reply streams back.
 
     Reasoning is shown apart from the answer (dimmed on a terminal), tool calls the model writes are printed
-    as JSON (nothing is executed). Commands: /reset, /think on|off, /exit (or Ctrl-D). The conversation is
+    as JSON (nothing is executed). Commands: /reset, /think on|off, /image PATH, /exit (or Ctrl-D). The conversation is
     kept until /reset or the end of the context. A checkpoint without a chat template chats with its model
     family's (a note says so) or --chat-template FILE; a model that cannot chat is refused before loading.
     """
     from ...engine import load
     from ...errors import InputError
 
-    refuse_unsupported(draft_model, image)
+    refuse_unsupported(draft_model)
+    pending = read_images(image)  # go with the first message
     engine = load(config, progress=True, chat_template=chat_template, chat=True, think=think)
     fmt = engine.chat_format()
     if temperature is None and "temperature" not in engine.config.sampling_defaults():
@@ -63,16 +65,24 @@ def chat(
         if text in ("/exit", "/quit"):
             break
         if text == "/reset":
-            history = list(start)
+            history, pending = list(start), []
             typer.echo("[conversation reset]", err=True)
             continue
         if text.startswith("/think"):
             think = _toggle(text, think, fmt, str(engine.tokenizer.chat_template))
             continue
+        if text.startswith("/image"):
+            try:
+                pending += read_images([text[len("/image"):].strip()])
+                typer.echo(f"[{len(pending)} image(s) go with your next message]", err=True)
+            except InputError as exc:
+                typer.echo(f"lumen: error: {exc}", err=True)
+            continue
         if text.startswith("/"):
             typer.echo(f"[unknown command {text.split()[0]}; {HELP}]", err=True)
             continue
-        history.append({"role": "user", "content": text})
+        history.append(image_message(text, pending))
+        pending = []
         try:
             reply = _answer(engine, history, think, max_tokens, sampling, tty)
         except InputError as exc:  # e.g. the conversation outgrew the context

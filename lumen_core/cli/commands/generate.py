@@ -10,26 +10,42 @@ import typer
 from . import ChatTemplateOpt, ConfigOpt
 
 Opt = typer.Option
-# LumenLLM's options, accepted by name and refused with the reason until what they need lands (issue 16).
+# LumenLLM's --draft-model is accepted by name and refused with the reason until speculative decoding lands.
 DraftModelOpt = Annotated[str | None, Opt("--draft-model", metavar="PATH",
                                           help="Draft model for speculative decoding (LumenLLM's option; "
                                                "not supported yet: refused).")]
 ImageOpt = Annotated[list[str] | None, Opt("--image", metavar="PATH",
-                                           help="An image for the vision tower (LumenLLM's option; not "
-                                                "supported yet: refused).")]
+                                           help="An image for the vision tower (repeatable; needs the config's "
+                                                "vision block). Without --chat the prompt holds one placeholder "
+                                                "per image (Qwen: <|vision_start|><|image_pad|><|vision_end|>); "
+                                                "with --chat the images go before the text of the message.")]
 
 
-def refuse_unsupported(draft_model: str | None, image: list[str] | None) -> None:
-    """--draft-model and --image name what Lumen cannot do yet: an InputError naming the option and why, before
-    anything loads."""
+def refuse_unsupported(draft_model: str | None) -> None:
+    """--draft-model names what Lumen cannot do yet: an InputError naming the option and why, before anything
+    loads."""
     from ...errors import InputError
 
     if draft_model is not None:
         raise InputError("--draft-model: speculative decoding is not supported yet (issue 16); leave --draft-model "
                          "out (a config's draft block is refused the same way)")
-    if image:
-        raise InputError("--image: images need the vision tower, which is not supported yet (issue 16); leave "
-                         "--image out")
+
+
+def read_images(paths: list[str] | None) -> list:
+    """The --image files, decoded and checked before the model loads (a bad one is refused naming it)."""
+    if not paths:
+        return []
+    from ...images import images_from
+
+    return images_from(list(paths))
+
+
+def image_message(text: str, images: list) -> dict:
+    """A user message: the images first, then the text (as the chat templates render image parts)."""
+    if not images:
+        return {"role": "user", "content": text}
+    return {"role": "user", "content": [{"type": "image", "image": im} for im in images]
+            + [{"type": "text", "text": text}]}
 
 
 def generate(
@@ -64,8 +80,9 @@ def generate(
     from ...engine import load
     from ...errors import InputError
 
-    refuse_unsupported(draft_model, image)
+    refuse_unsupported(draft_model)
     text = _read_prompt(prompt, prompt_file)
+    images = read_images(image)
     if (system is not None or think is not None) and not chat:
         raise InputError(f"{'--system' if system is not None else '--think/--no-think'} needs --chat")
     engine = load(config, progress=not quiet, chat_template=chat_template, chat=chat, think=think)
@@ -73,11 +90,10 @@ def generate(
         temperature = 0.0
     sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
     if chat:
-        messages = ([{"role": "system", "content": system}] if system else []) + [
-            {"role": "user", "content": text}]
+        messages = ([{"role": "system", "content": system}] if system else []) + [image_message(text, images)]
         _chat(engine, messages, think, max_tokens, stop, sampling)
     else:
-        for piece in engine.generate(text, max_tokens=max_tokens, stop=stop, **sampling):
+        for piece in engine.generate(text, max_tokens=max_tokens, stop=stop, images=images or None, **sampling):
             sys.stdout.write(piece)
             sys.stdout.flush()
     sys.stdout.write("\n")
