@@ -50,6 +50,7 @@ CONTRACT = {
     "bidirectional_attention": "(q (T, H, D), k (S, Hkv, D), v (S, Hkv, Dv), scale) -> (T, H, Dv): every query over "
                                "every key, no mask, no cache (a vision tower within one image); Hkv divides H",
     "concat": "(xs [(T_i, ...)]) -> (sum T_i, ...): along the first axis (image embeddings between text's)",
+    "clamp": "(x, lo: float, hi: float) -> min(max(x, lo), hi) (Gemma 4's clipped linears)",
 }
 
 

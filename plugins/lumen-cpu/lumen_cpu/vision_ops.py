@@ -69,6 +69,10 @@ def concat(xs):  # [(T_i, ...)] -> (sum T_i, ...)
     return np.concatenate(xs, axis=0)
 
 
+def clamp(x, lo: float, hi: float):  # min(max(x, lo), hi)
+    return np.clip(x, F32(lo), F32(hi))
+
+
 def table():
     """(op, function, variant) rows, appended to ``ops.table()``."""
-    return [(f.__name__, f, None) for f in (layer_norm, gelu, gelu_tanh, bidirectional_attention, concat)]
+    return [(f.__name__, f, None) for f in (layer_norm, gelu, gelu_tanh, bidirectional_attention, concat, clamp)]
