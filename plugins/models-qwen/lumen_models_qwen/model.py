@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from lumen_core.architecture import Model
+from lumen_core.errors import InputError
 
 
 @dataclass
@@ -13,6 +14,9 @@ class Cache:
     capacity: int  # tokens
     layers: list = field(default_factory=list)  # per layer: KV cache, or (conv state, delta state)
     pos: int = 0  # tokens already in the cache
+    # rope position - cache position of the next token: 0 for text; after an image, text continues from the image's
+    # largest M-RoPE position + 1 (transformers' rope_deltas), so decode steps rotate at pos + rope_offset
+    rope_offset: int = 0
 
 
 def _w(weights: dict, prefix: str):
@@ -164,6 +168,15 @@ class QwenModel(Model):
         self.head = out[p + "embed_tokens.weight" if arch.args.tie_word_embeddings else "lm_head.weight"]
         self.layers = [DecoderLayer(arch, i, weights, backends) for i in range(arch.num_layers)]
         self.inv_freq = arch.args.inv_freq()
+        rope = arch.args.rope_parameters
+        self.mrope_section = list(rope.get("mrope_section") or [11, 11, 10])  # transformers' default
+        self.image_token_id = arch.image_token_id
+        self.vision_backend, self.tower = backends.get(("vision", None)), None
+        if ("vision", None) in weights:
+            from .vision import VisionTower
+
+            self.tower = VisionTower(arch.vision_args, weights[("vision", None)], self.vision_backend,
+                                     arch.visual_prefix)
 
     def new_cache(self, context_size: int) -> Cache:
         states = []
@@ -172,16 +185,92 @@ class QwenModel(Model):
             states.append(layer.mixer.new_state(context_size, self.kv))
         return Cache(context_size, states)
 
-    def forward(self, ids, cache: Cache, all_logits: bool = False, host: bool = True):
+    # -- vision (issue 17) ------------------------------------------------------------------------------------
+    def encode_images(self, images: list) -> list:
+        """Each ``ImageInput`` through the tower on the vision backend: ``(num_tokens, hidden_size)`` each."""
+        if self.tower is None:
+            raise NotImplementedError("this Qwen model was loaded without its vision tower (no vision block)")
+        out = []
+        for i, image in enumerate(images):
+            try:
+                self.tower.check(image)
+            except ValueError as exc:
+                raise InputError(f"image {i + 1}: {exc}") from None
+            out.append(self.tower.encode(image))
+        return out
+
+    def _image_runs(self, ids, images) -> list[tuple[int, int, tuple]]:
+        """``(first, end, grid)`` of each image's tokens in ``ids``, in order: each image takes the next
+        ``num_tokens`` image pads, which must be consecutive."""
+        pad, runs, i, n = self.image_token_id, [], 0, len(ids)
+        for image, emb in images:
+            while i < n and ids[i] != pad:
+                i += 1
+            end = i + image.num_tokens
+            if i == n or end > n or any(t != pad for t in ids[i:end]) or emb.shape[0] != image.num_tokens:
+                raise InputError(f"image {len(runs) + 1} of this forward has {image.num_tokens} tokens, but the "
+                                 f"ids hold no run of that many image pads (id {pad}) for it in order (expand the "
+                                 "prompt with expand_image_tokens)")
+            runs.append((i, end, tuple(int(g) for g in image.grid)))
+            i = end
+        if any(t == pad for t in ids[i:]):
+            raise InputError(f"the ids hold more image pads (id {pad}) than the {len(images)} image(s) given cover")
+        return runs
+
+    def _mrope_positions(self, start: int, T: int, runs) -> tuple[list[list[int]], int]:
+        """transformers' ``get_rope_index`` from rope position ``start``: text advances 1 a token on all three
+        axes, an image's merged (t, h, w) grid takes (start + t, start + row, start + col), and what follows it
+        starts at start + max(rows, cols). -> the (3, T) positions and the rope position of the token after."""
+        m = self.arch.vision_args.spatial_merge_size
+        rows: list[list[int]] = [[], [], []]
+        cur, i = start, 0
+        for first, end, (t, h, w) in runs:
+            for r in rows:  # the text before the image
+                r.extend(range(cur, cur + first - i))
+            cur += first - i
+            gh, gw = h // m, w // m
+            for ti in range(t):
+                for y in range(gh):
+                    for x in range(gw):
+                        rows[0].append(cur + ti)
+                        rows[1].append(cur + y)
+                        rows[2].append(cur + x)
+            cur, i = cur + max(gh, gw), end
+        for r in rows:
+            r.extend(range(cur, cur + T - i))
+        cur += T - i
+        return rows, cur
+
+    def forward(self, ids, cache: Cache, all_logits: bool = False, host: bool = True, images=None):
         start, T = cache.pos, len(ids)
         self.in_backend.use()  # a forward starts on the input layer's device (several GPUs in one plan)
         x = self.in_backend.ops.embedding(ids, self.embed)  # (T, H)
-        positions = list(range(start, start + T))
+        if start == 0:
+            cache.rope_offset = 0  # a new sequence
+        if images:
+            runs = self._image_runs(ids, images)
+            ops, parts, i = self.in_backend.ops, [], 0
+            for (first, end, _), (_, emb) in zip(runs, images, strict=True):
+                parts += [x[i:first], self.in_backend.take(emb)] if first > i else [self.in_backend.take(emb)]
+                i = end
+            x = ops.concat(parts + [x[i:]] if i < T else parts)
+            positions, after = self._mrope_positions(start + cache.rope_offset, T, runs)
+            cache.rope_offset = after - (start + T)
+            section = self.mrope_section
+
+            def tables(b):
+                return b.ops.rope_tables(positions, self.inv_freq, section, True)
+        else:
+            first = start + cache.rope_offset
+            positions = list(range(first, first + T))
+
+            def tables(b):
+                return b.ops.rope_tables(positions, self.inv_freq)
         ropes = {}
 
         def rope(b):  # called with b's device current (after b.take), where the tables go
             if b not in ropes:
-                ropes[b] = b.ops.rope_tables(positions, self.inv_freq)
+                ropes[b] = tables(b)
             return ropes[b]
 
         for layer, state in zip(self.layers, cache.layers, strict=True):

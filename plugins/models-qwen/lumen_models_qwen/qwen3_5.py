@@ -13,6 +13,9 @@ from dataclasses import dataclass, field, fields
 import numpy as np
 
 from lumen_core.architecture import Architecture, ConfigValueError, TensorLayout, gguf_float, gguf_int
+from lumen_core.errors import InputError
+
+from . import vision as vt
 
 LINEAR_TENSORS = ("in_proj_qkv.weight", "in_proj_z.weight", "in_proj_a.weight", "in_proj_b.weight",
                   "out_proj.weight", "conv1d.weight", "A_log", "dt_bias", "norm.weight")
@@ -139,6 +142,9 @@ class Qwen3_5(Architecture):
         self.vocab_size = self.args.vocab_size
         self.max_context = self.args.max_position_embeddings
         self.prefix = "model."
+        vision_config = config.get("vision_config")
+        self.vision_args = vt.VisionArgs.from_dict(vision_config) if isinstance(vision_config, dict) else None
+        self.visual_prefix: str | None = None  # where the tower's tensors are (set by layout), None: no tower
 
     # -- GGUF (llama.cpp's qwen35 / qwen35moe) ------------------------------------------------------------
     @classmethod
@@ -267,8 +273,42 @@ class Qwen3_5(Architecture):
             experts = [f"{p}layers.{i}.{n}" for n in self.expert_tensors()]
             if experts:
                 needs[("experts", i)] = experts
-        skipped = {n: _skip_reason(n, self.num_layers) for n in names if _skip_reason(n, self.num_layers)}
+        self.visual_prefix = next((v for v in vt.PREFIXES if any(n.startswith(v) for n in names)), None)
+        if self.vision and self.has_vision():  # the tower, as its own component ("vision", None)
+            needs[("vision", None)] = vt.tower_tensors(self.vision_args, self.visual_prefix)
+        tower = set(needs.get(("vision", None), ()))
+        skipped = {n: _skip_reason(n, self.num_layers) for n in names
+                   if n not in tower and _skip_reason(n, self.num_layers)}
         return TensorLayout(needs, skipped)
+
+    # -- vision (issue 17) ---------------------------------------------------------------------------------
+    def has_vision(self) -> bool:
+        """A ``vision_config`` and the tower's tensors (``model.visual.*``; known once ``layout`` has seen the
+        checkpoint's names, which ``from_checkpoint`` does)."""
+        return self.vision_args is not None and self.visual_prefix is not None
+
+    def is_visual(self, name: str) -> bool:
+        return self.visual_prefix is not None and name.startswith(self.visual_prefix)
+
+    def expand_image_tokens(self, ids: list[int], images: list) -> list[int]:
+        """Each ``<|image_pad|>`` (the chat template writes one between ``<|vision_start|>`` and
+        ``<|vision_end|>``) becomes its image's ``num_tokens`` pads, as transformers' processor expands them."""
+        pad = self.image_token_id
+        count = sum(1 for t in ids if t == pad)
+        if count != len(images):
+            raise InputError(f"the prompt holds {count} image placeholder(s) (<|image_pad|>, id {pad}) but "
+                             f"{len(images)} image(s) were given: one image per placeholder, in order")
+        out, it = [], iter(images)
+        for t in ids:
+            if t == pad:
+                out.extend([pad] * next(it).num_tokens)
+            else:
+                out.append(t)
+        return out
+
+    @property
+    def image_token_id(self) -> int:
+        return self.config.get("image_token_id", 248056)
 
     def layer_tensors(self, i: int) -> list[str]:
         if self.args.layer_types[i] == "linear_attention":
@@ -285,12 +325,16 @@ class Qwen3_5(Architecture):
         return []
 
     def is_matrix(self, name: str) -> bool:
+        if self.is_visual(name):  # the tower's linears and its position table; norms, biases, the conv kernel: f32
+            return name.endswith(vt.MATRICES)
         return name.endswith(".weight") and not name.endswith(NOT_MATRIX)
 
     def norm_weight_offset(self, name: str) -> float | None:
         """The layer and q/k norms multiply by ``1 + w``; the gated norm of the linear attention by ``w``."""
         if name.endswith("linear_attn.norm.weight"):
             return 0.0
+        if self.is_visual(name):  # LayerNorms multiply by w
+            return 0.0 if name.endswith(("norm1.weight", "norm2.weight", "norm.weight")) else None
         return 1.0 if name.endswith(("layernorm.weight", "_norm.weight", ".norm.weight")) else None
 
     def expected_shapes(self) -> dict:
@@ -330,6 +374,8 @@ class Qwen3_5(Architecture):
                 })
             out[L + "input_layernorm.weight"] = out[L + "post_attention_layernorm.weight"] = ((hidden,), hid)
             out.update(self.mlp_shapes(L))
+        if self.vision and self.has_vision():
+            out.update(self.vision_args.shapes(self.visual_prefix))
         return out
 
     def mlp_shapes(self, L: str) -> dict:
@@ -339,7 +385,8 @@ class Qwen3_5(Architecture):
                 L + "mlp.down_proj.weight": ((hidden, rows), keys)}
 
     def components(self):
-        comps = [("input-layer", None)]
+        comps = [("vision", None)] if self.vision and self.has_vision() else []
+        comps.append(("input-layer", None))
         for i in range(self.num_layers):
             comps.append(("layer", i))
             if self.expert_tensors():
@@ -361,8 +408,10 @@ class Qwen3_5(Architecture):
 
     def required_ops(self, component) -> set[str]:
         block = component[0]
-        if block == "input-layer":
-            return {"embedding"}
+        if block == "vision":
+            return set(vt.OPS)
+        if block == "input-layer":  # with images: their embeddings spliced between the text's
+            return {"embedding", "concat"} if self.vision else {"embedding"}
         if block == "output-layer":
             return {"rms_norm", "linear"}
         if block == "experts":
