@@ -87,8 +87,11 @@ def sliding_kv_cache(window: int, kv_heads: int, head_dim: int, type_k: str = "f
     return RingKVCache(*_alloc(window, kv_heads, head_dim, type_k, type_v, head_dim_v))
 
 
-def attention(q, k, v, cache, start: int, scale: float, window: int | None = None, softcap: float | None = None):
-    """q (T, Hq, D), k (T, Hkv, D), v (T, Hkv, Dv) at start..start+T-1 -> (T, Hq, Dv); writes k, v first."""
+def attention(q, k, v, cache, start: int, scale: float, window: int | None = None, softcap: float | None = None,
+              blocks=None):
+    """q (T, Hq, D), k (T, Hkv, D), v (T, Hkv, Dv) at start..start+T-1 -> (T, Hq, Dv); writes k, v first.
+    ``blocks``: position ranges [(first, end)] whose queries also see every key of their range (the CPU's
+    meaning)."""
     if isinstance(cache, RingKVCache):
         lo, keys, vals = _ring_update(cache, k, v, start, window)
     else:
@@ -97,11 +100,13 @@ def attention(q, k, v, cache, start: int, scale: float, window: int | None = Non
         cache.v[:, start:end] = encode(v.transpose(1, 0, 2), cache.v.dtype)
         lo = 0 if window is None else max(0, start - window + 1)
         keys, vals = decode(cache.k[:, lo:end]), decode(cache.v[:, lo:end])  # (Hkv, S, D)
-    return _attend(q, keys, vals, start, lo, scale, window, softcap)
+    return _attend(q, keys, vals, start, lo, scale, window, softcap, blocks)
 
 
-def attention_shared(q, cache, start: int, scale: float, window: int | None = None, softcap: float | None = None):
-    """q (T, Hq, D) over keys another layer already wrote at ..start+T-1 -> (T, Hq, Dv)."""
+def attention_shared(q, cache, start: int, scale: float, window: int | None = None, softcap: float | None = None,
+                     blocks=None):
+    """q (T, Hq, D) over keys another layer already wrote at ..start+T-1 -> (T, Hq, Dv); ``blocks`` as
+    ``attention``'s."""
     end = start + q.shape[0]
     lo = 0 if window is None else max(0, start - window + 1)
     if isinstance(cache, RingKVCache):
@@ -111,7 +116,7 @@ def attention_shared(q, cache, start: int, scale: float, window: int | None = No
         keys, vals = keys[:, lo - first:end - first], vals[:, lo - first:end - first]
     else:
         keys, vals = decode(cache.k[:, lo:end]), decode(cache.v[:, lo:end])
-    return _attend(q, keys, vals, start, lo, scale, window, softcap)
+    return _attend(q, keys, vals, start, lo, scale, window, softcap, blocks)
 
 
 def _ring_update(cache: RingKVCache, k, v, start: int, window: int | None):
@@ -134,19 +139,22 @@ def _ring_update(cache: RingKVCache, k, v, start: int, window: int | None):
     return lo, keys, vals
 
 
-def _attend(q, keys, vals, start: int, lo: int, scale: float, window: int | None, softcap: float | None):
+def _attend(q, keys, vals, start: int, lo: int, scale: float, window: int | None, softcap: float | None,
+            blocks=None):
     """q (T, Hq, D) at start.., keys (Hkv, S, D) / vals (Hkv, S, Dv) at lo.. -> (T, Hq, Dv).
 
     T > 1: the flash kernel (``flash.attend``: one launch, no (T, S) scores in memory) unless it declines
-    (unsupported shapes, ``LUMEN_CUDA_FLASH=0``); otherwise, and for T = 1, the CuPy path."""
-    if q.shape[0] > 1:
+    (unsupported shapes, ``LUMEN_CUDA_FLASH=0``) or ``blocks`` asks for a mask it has not; otherwise, and for
+    T = 1, the CuPy path."""
+    if q.shape[0] > 1 and not blocks:
         out = flash.attend(q, keys, vals, start, lo, scale, window, softcap)
         if out is not None:
             return out
-    return _attend_cupy(q, keys, vals, start, lo, scale, window, softcap)
+    return _attend_cupy(q, keys, vals, start, lo, scale, window, softcap, blocks)
 
 
-def _attend_cupy(q, keys, vals, start: int, lo: int, scale: float, window: int | None, softcap: float | None):
+def _attend_cupy(q, keys, vals, start: int, lo: int, scale: float, window: int | None, softcap: float | None,
+                 blocks=None):
     """``_attend`` with CuPy ops: the (Hkv, G*T, S) f32 scores materialised (the reference for the kernel)."""
     T, hq, _ = q.shape
     end = lo + keys.shape[1]
@@ -155,7 +163,7 @@ def _attend_cupy(q, keys, vals, start: int, lo: int, scale: float, window: int |
     scores = cp.matmul(qg, keys.transpose(0, 2, 1)).reshape(hkv, hq // hkv, T, -1) * F32(scale)
     if softcap:
         scores = cp.tanh(scores / F32(softcap)) * F32(softcap)
-    scores = cp.where(_mask(start, T, lo, end, window), scores, F32(-cp.inf))
+    scores = cp.where(_mask(start, T, lo, end, window, blocks), scores, F32(-cp.inf))
     scores -= scores.max(axis=-1, keepdims=True)
     p = cp.exp(scores)
     p /= p.sum(axis=-1, keepdims=True)
@@ -163,10 +171,12 @@ def _attend_cupy(q, keys, vals, start: int, lo: int, scale: float, window: int |
     return out.reshape(hq, T, -1).transpose(1, 0, 2)
 
 
-def _mask(start: int, T: int, lo: int, end: int, window: int | None):
+def _mask(start: int, T: int, lo: int, end: int, window: int | None, blocks=None):
     qpos = cp.arange(start, start + T)[:, None]
     kpos = cp.arange(lo, end)[None, :]
     ok = kpos <= qpos
+    for first, stop in blocks or ():  # bidirectional within each block: AND(window, OR(causal, same block))
+        ok |= (qpos >= first) & (qpos < stop) & (kpos >= first) & (kpos < stop)
     if window is not None:
         ok &= kpos > qpos - window
     return ok

@@ -18,6 +18,7 @@ from . import graph
 from .attention import kv_cache, sliding_kv_cache
 from .delta import conv_state, delta_state
 from .graph import device_ids, device_pos, require_host
+from .vision_ops import bidirectional_attention, concat, gelu, gelu_tanh, layer_norm  # noqa: F401 (ops)
 
 F32 = cp.float32
 QUANTIZED = ("fp8", "nvfp4")  # formats whose linear / embedding live in gemv.py (a scale beside the data)
@@ -213,25 +214,28 @@ def _apply_rope_cupy(x, cos, sin):
 
 
 # -- attention and Gated-DeltaNet: one-token decode through the kernels of lumen_cuda.decode ------------------
-def attention(q, k, v, cache, start: int, scale: float, window: int | None = None, softcap: float | None = None):
+def attention(q, k, v, cache, start: int, scale: float, window: int | None = None, softcap: float | None = None,
+              blocks=None):
     """q (T, Hq, D), k (T, Hkv, D), v (T, Hkv, Dv) at start.. -> (T, Hq, Dv); writes k, v to the cache first.
-    One token: the decode kernel (position from device memory, full or ring cache); otherwise the CuPy op."""
-    if q.shape[0] == 1:
+    One token: the decode kernel (position from device memory, full or ring cache); otherwise the CuPy op.
+    ``blocks`` (an image's tokens that see each other, Gemma): the CuPy path with that mask."""
+    if q.shape[0] == 1 and not blocks:
         out = _decode_attention(q, k, v, cache, start, scale, window, softcap)
         if out is not None:
             return out
     require_host("attention over several tokens")
-    return _attention.attention(q, k, v, cache, start, scale, window, softcap)
+    return _attention.attention(q, k, v, cache, start, scale, window, softcap, blocks)
 
 
-def attention_shared(q, cache, start: int, scale: float, window: int | None = None, softcap: float | None = None):
+def attention_shared(q, cache, start: int, scale: float, window: int | None = None, softcap: float | None = None,
+                     blocks=None):
     """Attention over keys another layer wrote (KV sharing); one token reads that layer's cache directly."""
-    if q.shape[0] == 1:
+    if q.shape[0] == 1 and not blocks:
         out = _decode_attention(q, None, None, cache, start, scale, window, softcap)
         if out is not None:
             return out
     require_host("attention over another layer's KV cache for several tokens")
-    return _attention.attention_shared(q, cache, start, scale, window, softcap)
+    return _attention.attention_shared(q, cache, start, scale, window, softcap, blocks)
 
 
 def _decode_attention(q, k, v, cache, start, scale, window, softcap):
