@@ -126,6 +126,16 @@ class Gemma3(GemmaArchitecture):
                  if "text_config" in self.config else None)
         return {image: 0} if image is not None and image >= self.vocab_size else {}
 
+    def image_processor(self, preprocessor_config: dict | None):
+        """SigLIP's fixed-size preprocessing (``vision_preprocess.Gemma3ImageProcessor``), ``mm_tokens_per_image``
+        tokens per image; None for a text-only checkpoint (no ``vision_config``)."""
+        vision_config = self.config.get("vision_config")
+        if not isinstance(vision_config, dict):
+            return None
+        from lumen_models_gemma.vision_preprocess import Gemma3ImageProcessor
+
+        return Gemma3ImageProcessor(preprocessor_config, vision_config, self.config.get("mm_tokens_per_image"))
+
     # -- GGUF ----------------------------------------------------------------------------------------------
     @classmethod
     def config_from_gguf(cls, metadata: dict) -> dict:

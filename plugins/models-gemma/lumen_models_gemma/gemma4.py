@@ -191,6 +191,16 @@ class Gemma4(GemmaArchitecture):
             return {}
         return {self.config.get(k, d): self.args.pad_token_id or 0 for k, d in MEDIA_TOKENS}
 
+    def image_processor(self, preprocessor_config: dict | None):
+        """Variable-resolution patches (``vision_preprocess.Gemma4ImageProcessor``); patch and pooling sizes
+        default to the vision config's. None for a text-only checkpoint (no ``vision_config``)."""
+        vision_config = self.config.get("vision_config")
+        if not isinstance(vision_config, dict):
+            return None
+        from lumen_models_gemma.vision_preprocess import Gemma4ImageProcessor
+
+        return Gemma4ImageProcessor(preprocessor_config, vision_config)
+
     def input_tensors(self) -> list[str]:
         ple = ["embed_tokens_per_layer.weight", "per_layer_model_projection.weight",
                "per_layer_projection_norm.weight"]

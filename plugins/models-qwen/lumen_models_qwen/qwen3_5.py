@@ -287,6 +287,16 @@ class Qwen3_5(Architecture):
         checkpoint's names, which ``from_checkpoint`` does)."""
         return self.vision_args is not None and self.visual_prefix is not None
 
+    def image_processor(self, preprocessor_config: dict | None):
+        """Qwen2-VL's image processor (``vision_preprocess.ImageProcessor``); its patch sizes default to the vision
+        config's. None for a text-only checkpoint (no ``vision_config``)."""
+        vision_config = self.config.get("vision_config")
+        if not isinstance(vision_config, dict):
+            return None
+        from lumen_models_qwen.vision_preprocess import ImageProcessor
+
+        return ImageProcessor(preprocessor_config, vision_config)
+
     def is_visual(self, name: str) -> bool:
         return self.visual_prefix is not None and name.startswith(self.visual_prefix)
 
