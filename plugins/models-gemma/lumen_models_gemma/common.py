@@ -10,7 +10,9 @@ import struct
 from dataclasses import dataclass, fields
 
 from lumen_core.architecture import Architecture, TensorLayout
-from lumen_core.errors import CheckpointError
+from lumen_core.errors import CheckpointError, InputError
+
+from .vision import vision_key
 
 NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
 MLP = ("gate_proj", "up_proj", "down_proj")
@@ -132,6 +134,45 @@ class GemmaArchitecture(Architecture):
     def expert_tensors(self, i: int) -> list[str]:
         return []
 
+    # -- vision (issue 17) -----------------------------------------------------------------------------------
+    image_token_key = ("image_token_id", None)  # the config key of the image soft token (and its default)
+
+    def has_vision(self) -> bool:
+        return bool(self.config.get("vision_config")) and not self._is_gguf()
+
+    def is_vision_tensor(self, name: str) -> bool:
+        """A tensor the vision component loads (the tower, its projector / embedder), when ``self.vision``."""
+        return vision_key(name) is not None
+
+    def vision_tower(self, weights: dict, backend):
+        raise NotImplementedError
+
+    @property
+    def image_token_id(self) -> int | None:
+        key, default = self.image_token_key
+        return self.config.get(key, default)
+
+    def image_bidirectional(self, spec: LayerSpec) -> bool:
+        """True where a layer's image tokens attend to every token of their image (transformers' blockwise mask)."""
+        return True
+
+    def image_run(self, image) -> list[int]:
+        """The prompt tokens one image becomes (its placeholder expanded)."""
+        raise NotImplementedError
+
+    def expand_image_tokens(self, ids: list[int], images: list) -> list[int]:
+        """Each placeholder (``placeholder_id``) of ``ids`` becomes its image's run of tokens, as the family's HF
+        processor expands it; InputError when placeholders and images differ in number."""
+        ph = self.placeholder_id
+        count = sum(1 for t in ids if t == ph)
+        if count != len(images):
+            raise InputError(f"the prompt holds {count} image placeholder(s) (token {ph}) but {len(images)} image(s) "
+                             "were given: one placeholder per image, in order")
+        out, it = [], iter(images)
+        for t in ids:
+            out.extend(self.image_run(next(it)) if t == ph else (t,))
+        return out
+
     def skip_reason(self, name: str) -> str | None:
         rest = name.removeprefix("model.")
         for start, reason in SKIPPED_TOWERS.items():
@@ -153,6 +194,8 @@ class GemmaArchitecture(Architecture):
             needs[("layer", i)] = [f"{p}layers.{i}.{n}" for n in self.layer_tensors(i)]
             if self.expert_tensors(i):
                 needs[("experts", i)] = [f"{p}layers.{i}.{n}" for n in self.expert_tensors(i)]
+        if self.vision:
+            needs[("vision", None)] = sorted(n for n in names if self.is_vision_tensor(n))
         needed = {n for ns in needs.values() for n in ns}
         skipped = {n: r for n in names - needed if (r := self.skip_reason(n))}
         return TensorLayout(needs, skipped)
@@ -190,8 +233,11 @@ class GemmaArchitecture(Architecture):
         return out
 
     def norm_weight_offset(self, name: str) -> float | None:
-        """Every Gemma norm weight multiplies by ``w + norm_offset`` (``rms_norm``'s offset)."""
+        """Every Gemma norm weight multiplies by ``w + norm_offset`` (``rms_norm``'s offset); the vision tower's
+        norms are plain (SigLIP's LayerNorms, Gemma 4's RMSNorms), Gemma 3's projector norm is (1 + w)."""
         module = name.removesuffix(".weight").rsplit(".", 1)[-1]
+        if vision_key(name) is not None and "norm" in module:
+            return self.norm_offset if module == "mm_soft_emb_norm" else 0.0
         return self.norm_offset if "norm" in module else None
 
     def head_name(self, names) -> str:
@@ -200,10 +246,13 @@ class GemmaArchitecture(Architecture):
 
     def is_matrix(self, name: str) -> bool:
         module = name.removesuffix(".weight").rsplit(".", 1)[-1]
+        if vision_key(name) is not None:  # linear maps (and the patch kernel); biases, tables, norms are f32
+            return name.endswith("mm_input_projection_weight") or (
+                name.endswith(".weight") and "norm" not in module and module != "position_embedding")
         return "norm" not in module and module not in NOT_MATRIX
 
     def components(self):
-        comps = [("input-layer", None)]
+        comps = ([("vision", None)] if self.vision else []) + [("input-layer", None)]
         for i in range(self.num_layers):
             comps.append(("layer", i))
             if self.expert_tensors(i):
@@ -219,14 +268,19 @@ class GemmaArchitecture(Architecture):
 
     def required_ops(self, component) -> set[str]:
         block = component[0]
+        if block == "vision":
+            return self.vision_ops()
         if block == "input-layer":
-            return {"embedding", "linear", "rms_norm"}
+            return {"embedding", "linear", "rms_norm"} | ({"concat"} if self.vision else set())
         if block == "output-layer":
             return {"rms_norm", "linear", "softcap"}
         if block == "experts":
             return {"moe_experts_packed"}
         return {"rms_norm", "linear", "gelu_tanh_mul", "rope_tables", "apply_rope", "attention", "kv_cache",
                 "sliding_kv_cache", "attention_shared", "moe_route", "gather"}
+
+    def vision_ops(self) -> set[str]:
+        return set()
 
     def build(self, weights, backends, kv):
         from .model import GemmaModel

@@ -12,6 +12,7 @@ from lumen_core.architecture import ConfigValueError, gguf_float, gguf_int
 from lumen_core.errors import CheckpointError
 
 from .common import GemmaArchitecture, LayerSpec, args_from_dict
+from .vision import vision_key
 
 LOCAL_THETA, GLOBAL_THETA = 10_000.0, 1_000_000.0
 GGUF_LAYER = {  # llama.cpp name -> (HF name, stored as 1 + w)
@@ -120,6 +121,43 @@ class Gemma3(GemmaArchitecture):
     @property
     def final_softcap(self) -> float | None:
         return self.softcap
+
+    # -- vision (issue 17) -----------------------------------------------------------------------------------
+    # Text the processor puts around each image run (transformers: "\n\n" before <start_of_image> and after
+    # <end_of_image>), as token ids; the architecture has no tokenizer, so whoever has one may set it.
+    image_wrap_ids: tuple[int, ...] = ()
+
+    @property
+    def image_token_id(self) -> int:
+        return self.config.get("image_token_index", self.config.get("image_token_id", 262_144))
+
+    @property
+    def placeholder_id(self) -> int:
+        return self.config.get("boi_token_index", self.config.get("boi_token_id", 255_999))
+
+    def image_run(self, image) -> list[int]:
+        eoi = self.config.get("eoi_token_index", self.config.get("eoi_token_id", 256_000))
+        wrap = list(self.image_wrap_ids)
+        return wrap + [self.placeholder_id] + [self.image_token_id] * image.num_tokens + [eoi] + wrap
+
+    def is_vision_tensor(self, name: str) -> bool:
+        key = vision_key(name)
+        return key is not None and not key.startswith("vision_tower.head.")
+
+    def skip_reason(self, name: str) -> str | None:
+        key = vision_key(name)
+        if self.vision and key is not None and key.startswith("vision_tower.head."):
+            return "SigLIP's attention-pooling head (Gemma 3 reads the tower's last hidden state)"
+        return super().skip_reason(name)
+
+    def vision_tower(self, weights: dict, backend):
+        from .vision import SiglipTower
+
+        return SiglipTower(self, weights, backend)
+
+    def vision_ops(self) -> set[str]:
+        act = (self.config.get("vision_config") or {}).get("hidden_act", "gelu_pytorch_tanh")
+        return {"linear", "layer_norm", "bidirectional_attention", "rms_norm", "gelu" if act == "gelu" else "gelu_tanh"}
 
     def embed_id_map(self) -> dict[int, int]:
         image = (self.config.get("image_token_index", self.config.get("image_token_id"))

@@ -201,6 +201,32 @@ class Gemma4(GemmaArchitecture):
 
         return Gemma4ImageProcessor(preprocessor_config, vision_config)
 
+    # -- vision (issue 17) -----------------------------------------------------------------------------------
+    image_token_key = ("image_token_id", 258_880)
+
+    @property
+    def placeholder_id(self) -> int:
+        return self.image_token_id  # the processor expands each <|image|> into <|image> + n <|image|> + <image|>
+
+    def image_run(self, image) -> list[int]:
+        boi, eoi = self.config.get("boi_token_id", 255_999), self.config.get("eoi_token_id", 258_882)
+        return [boi] + [self.image_token_id] * image.num_tokens + [eoi]
+
+    def image_bidirectional(self, spec) -> bool:
+        # transformers: with use_bidirectional_attention "vision", sliding layers see their image's later tokens;
+        # full layers stay causal (and without it every layer is causal)
+        return self.args.use_bidirectional_attention == "vision" and spec.type == "sliding_attention"
+
+    def vision_tower(self, weights: dict, backend):
+        from .vision import Gemma4Tower
+
+        return Gemma4Tower(self, weights, backend)
+
+    def vision_ops(self) -> set[str]:
+        clipped = (self.config.get("vision_config") or {}).get("use_clipped_linears", False)
+        return {"linear", "rms_norm", "gather", "rope_tables", "apply_rope", "bidirectional_attention",
+                "gelu_tanh_mul"} | ({"clamp"} if clipped else set())
+
     def input_tensors(self) -> list[str]:
         ple = ["embed_tokens_per_layer.weight", "per_layer_model_projection.weight",
                "per_layer_projection_norm.weight"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from lumen_core.architecture import Model
-from lumen_core.errors import PlanError
+from lumen_core.errors import InputError, PlanError
 
 from .common import NORMS, round_to_format
 
@@ -37,8 +37,9 @@ class Attention:
             return ops.sliding_kv_cache(s.window, s.kv_heads, s.head_dim, kv.type_k, kv.type_v)
         return ops.kv_cache(ctx, s.kv_heads, s.head_dim, kv.type_k, kv.type_v)
 
-    def __call__(self, h, state, start: int, rope):
+    def __call__(self, h, state, start: int, rope, blocks=None):
         arch, s, ops, T = self.arch, self.spec, self.ops, h.shape[0]
+        image = {"blocks": blocks} if blocks else {}  # a text-only call keeps the text-only signature
         eps, off, H, D = arch.args.rms_norm_eps, arch.norm_offset, arch.args.num_attention_heads, s.head_dim
         cos, sin = rope
         if s.shared_from is not None:
@@ -47,14 +48,14 @@ class Attention:
             q, k, *v = ops.linear_group(h, [self.q, self.k] + ([] if self.v is None else [self.v]))
         q = ops.apply_rope(ops.rms_norm(q.reshape(T, H, D), self.q_norm, eps, off), cos, sin)
         if s.shared_from is not None:
-            o = ops.attention_shared(q, state, start, arch.attn_scale, s.window)
+            o = ops.attention_shared(q, state, start, arch.attn_scale, s.window, **image)
         else:
             k = k.reshape(T, s.kv_heads, D)
             v = k if self.v is None else v[0].reshape(T, s.kv_heads, D)
             k = ops.apply_rope(ops.rms_norm(k, self.k_norm, eps, off), cos, sin)
             if arch.v_norm:
                 v = ops.rms_norm(v, None, eps)
-            o = ops.attention(q, k, v, state, start, arch.attn_scale, s.window)
+            o = ops.attention(q, k, v, state, start, arch.attn_scale, s.window, **image)
         return ops.linear(o.reshape(T, H * D), self.o)
 
 
@@ -126,14 +127,15 @@ class DecoderLayer:
         self.moe = MoE(arch, w, self.backend, weights[("experts", i)], backends[("experts", i)], p) \
             if ("experts", i) in weights else None
         self.scalar = w("layer_scalar") if arch.layer_scalar else None
+        self.bidirectional = arch.image_bidirectional(self.spec)  # image tokens see their whole image
         if getattr(arch, "per_layer_dim", 0):
             self.pl_gate, self.pl_proj = w("per_layer_input_gate.weight"), w("per_layer_projection.weight")
             self.pl_norm = w("post_per_layer_input_norm.weight")
 
-    def __call__(self, x, state, start: int, rope, per_layer=None):
+    def __call__(self, x, state, start: int, rope, per_layer=None, blocks=None):
         ops, eps, off = self.ops, self.arch.args.rms_norm_eps, self.arch.norm_offset
         n_in, n_post_attn, n_pre_ff, n_post_ff = self.norms
-        h = self.attn(ops.rms_norm(x, n_in, eps, off), state, start, rope)
+        h = self.attn(ops.rms_norm(x, n_in, eps, off), state, start, rope, blocks if self.bidirectional else None)
         x = x + ops.rms_norm(h, n_post_attn, eps, off)
         h = self.mlp(ops.rms_norm(x, n_pre_ff, eps, off))
         if self.moe is not None:
@@ -167,6 +169,10 @@ class GemmaModel(Model):
         self.norm = out[p + "norm.weight"]
         self.head = out[arch.head]  # tied: the embedding table
         self.layers = [DecoderLayer(arch, i, weights, backends) for i in range(arch.num_layers)]
+        self.vision_backend = backends.get(("vision", None)) if ("vision", None) in weights else None
+        if self.vision_backend is not None:
+            self.vision_backend.use()
+            self.tower = arch.vision_tower(weights[("vision", None)], self.vision_backend)
         shared = [i for i, s in enumerate(arch.specs) if s.shared_from is not None]
         self.first_shared = shared[0] if shared else None
         for i in shared:  # the cache lives on the producer's device; the reader must compute there too
@@ -184,12 +190,55 @@ class GemmaModel(Model):
                           else layer.attn.new_state(context_size, self.kv))
         return Cache(context_size, states)
 
-    def embed_inputs(self, ids):
-        """(T, H) scaled embeddings, and Gemma 4's per-layer inputs (T, L, P) or None."""
+    def encode_images(self, images: list) -> list:
+        """Each ``ImageInput`` through the vision tower: (num_tokens, hidden) embeddings on the vision backend."""
+        if self.vision_backend is None:
+            raise InputError("this model was loaded without its vision tower (the config has no vision block)")
+        out = []
+        for image in images:
+            emb = self.tower.encode(image)
+            if emb.shape[0] != image.num_tokens:
+                raise InputError(f"an image became {emb.shape[0]} embeddings in the vision tower but its ImageInput "
+                                 f"says {image.num_tokens} tokens")
+            out.append(emb)
+        return out
+
+    def image_spans(self, ids, images) -> list[tuple[int, int]]:
+        """[(first, end)] of each run of image tokens in ``ids`` (indices into this call), one per image in order;
+        InputError where the runs and the images differ."""
+        token, spans, i, T = self.arch.image_token_id, [], 0, len(ids)
+        while i < T:
+            if ids[i] == token:
+                j = i
+                while j < T and ids[j] == token:
+                    j += 1
+                spans.append((i, j))
+                i = j
+            else:
+                i += 1
+        if len(spans) != len(images):
+            raise InputError(f"the prompt holds {len(spans)} run(s) of image tokens but {len(images)} image(s) came "
+                             "with it: one run per image (expand the placeholders first)")
+        for n, ((a, b), (_, emb)) in enumerate(zip(spans, images, strict=True)):
+            if b - a != emb.shape[0]:
+                raise InputError(f"image {n + 1}: its run holds {b - a} image tokens but the image has "
+                                 f"{emb.shape[0]} embeddings")
+        return spans
+
+    def embed_inputs(self, ids, spans=None, images=None):
+        """(T, H) scaled embeddings, and Gemma 4's per-layer inputs (T, L, P) or None. ``spans``: where each of
+        ``images`` (``(ImageInput, embeddings)``) replaces the embeddings, unscaled (as transformers scatters the
+        tower's output over the scaled text embeddings); Gemma 4's per-layer inputs then project the merged rows."""
         ops, a = self.in_backend.ops, self.args
         self.in_backend.use()  # a forward starts on the input layer's device (several GPUs in one plan)
         ids = [self.input_id(t) for t in ids] if self.id_map else ids
         x = ops.embedding(ids, self.embed) * self.embed_scale
+        if spans:
+            parts, last = [], 0
+            for (first, end), (_, emb) in zip(spans, images, strict=True):
+                parts += [x[last:first], self.in_backend.take(emb)]
+                last = end
+            x = ops.concat(parts + [x[last:]])
         if not self.per_layer_dim:
             return x, None
         T, L, P = len(ids), self.arch.num_layers, self.per_layer_dim
@@ -201,9 +250,11 @@ class GemmaModel(Model):
     def input_id(self, token: int) -> int:
         return self.id_map.get(token, token)
 
-    def forward(self, ids, cache: Cache, all_logits: bool = False, host: bool = True):
+    def forward(self, ids, cache: Cache, all_logits: bool = False, host: bool = True, images=None):
         start, T = cache.pos, len(ids)
-        x, per_layer = self.embed_inputs(ids)
+        spans = self.image_spans(ids, images) if images else None
+        x, per_layer = self.embed_inputs(ids, spans, images)
+        blocks = [(start + first, start + end) for first, end in spans] if spans else None
         positions, first, ropes = list(range(start, start + T)), start, {}
         for i, (layer, state) in enumerate(zip(self.layers, cache.layers, strict=True)):
             if i == self.first_shared and not all_logits and T > 1:
@@ -216,7 +267,7 @@ class GemmaModel(Model):
             if key not in ropes:
                 ropes[key] = b.ops.rope_tables(positions, self.arch.inv_freq[layer.spec.type])
             pl = None if per_layer is None else b.take(per_layer)[:, i]
-            x = layer(x, state, first, ropes[key], pl)
+            x = layer(x, state, first, ropes[key], pl, blocks)
         cache.pos += T
         ob = self.out_backend
         x = ob.take(x if all_logits else x[x.shape[0] - 1:])
