@@ -18,7 +18,7 @@ from . import graph
 from .attention import kv_cache, sliding_kv_cache
 from .delta import conv_state, delta_state
 from .graph import device_ids, device_pos, require_host
-from .vision_ops import bidirectional_attention, concat, gelu, gelu_tanh, layer_norm  # noqa: F401 (ops)
+from .vision_ops import bidirectional_attention, clamp, concat, gelu, gelu_tanh, layer_norm  # noqa: F401 (ops)
 
 F32 = cp.float32
 QUANTIZED = ("fp8", "nvfp4")  # formats whose linear / embedding live in gemv.py (a scale beside the data)

@@ -61,5 +61,9 @@ def bidirectional_attention(q, k, v, scale: float):
     return out.transpose(2, 0, 1, 3).reshape(T, H, Dv)
 
 
+def clamp(x, lo, hi):  # Gemma 4's clipped linears; a bound may be None
+    return cp.clip(_f32(x), lo, hi)
+
+
 def concat(xs):  # [(T_i, ...)] -> (sum T_i, ...)
     return cp.concatenate([cp.asarray(x) for x in xs], axis=0)
