@@ -115,7 +115,7 @@ def prompt(cfg, n_images, between: bool = True):
     between them or not."""
     s, pad, e = cfg.vision_start_token_id, cfg.image_token_id, cfg.vision_end_token_id
     rng = np.random.RandomState(n_images)
-    text = [rng.randint(3, 800, size=k).tolist() for k in (5, 9, 4, 6)]
+    text = [rng.randint(3, 800, size=k).tolist() for k in (40, 9, 25, 6)]  # one-image prompt > 64 tokens (a GDN chunk)
     ids = text[0]
     for i in range(n_images):
         ids += [s, pad, e] + (text[i + 1] if between or i == n_images - 1 else [])
@@ -150,6 +150,46 @@ def test_tower_layout_and_ops(setup):
     assert arch.is_matrix("model.visual.blocks.0.attn.qkv.weight")
     assert not arch.is_matrix("model.visual.blocks.0.norm1.weight")
     assert not arch.is_matrix("model.visual.patch_embed.proj.weight")  # 5-D: the tower flattens it
+    from lumen_core.checkpoint import open_checkpoint
+
+    arch.check_checkpoint(open_checkpoint(setup.path, get_registry()))  # the tower's shapes as its config says
+
+
+def test_tower_shape_check_names_the_vision_key(tiny_checkpoint):
+    from lumen_core.checkpoint import open_checkpoint
+    from lumen_core.errors import CheckpointError
+
+    path = tiny_checkpoint(KINDS["dense"], vision_config=VISION)
+    registry = get_registry()
+    ckpt = open_checkpoint(path, registry)
+    arch = registry.architecture_class("qwen3_5").from_checkpoint(ckpt)
+    arch.vision = True
+    arch.vision_args.intermediate_size += 1
+    with pytest.raises(CheckpointError, match="vision_config.intermediate_size"):
+        arch.check_checkpoint(ckpt)
+
+
+def test_tower_on_bf16_weights(tiny_checkpoint, tmp_path):
+    """A bf16 checkpoint (as Qwen ships): the linears stay bf16, the 5-D patch kernel and the norms are read as f32;
+    the tower equals transformers' on the same weights widened to f32."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForImageTextToText
+
+    src = tiny_checkpoint(KINDS["dense"], vision_config=VISION)
+    for f in src.iterdir():
+        if f.name != "model.safetensors":
+            shutil.copy(f, tmp_path / f.name)
+    tensors = {k: v.to(torch.bfloat16) for k, v in load_file(src / "model.safetensors").items()}
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    ref = AutoModelForImageTextToText.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    _, model = build(tmp_path)
+    assert model.tower.blocks[0].qkv.format == "bf16"
+    pixels, grid, inputs = processed(["tall", "square"])
+    with torch.no_grad():
+        theirs = ref.model.visual(pixels, grid_thw=grid).pooler_output.numpy()
+    assert np.abs(np.concatenate(model.encode_images(inputs)) - theirs).max() <= TOL
 
 
 # -- images in the forward pass ------------------------------------------------------------------------------
