@@ -134,11 +134,23 @@ _KNOWN_SUPPORTED = (
 )
 
 
-def _unrecognised(data: bytes, label: str) -> InputError:
+def _format_of(data: bytes) -> str | None:
     for offset, sig, name in _KNOWN_SUPPORTED:
         if data[offset:offset + len(sig)] == sig:
-            return InputError(f"{label}: truncated or corrupt {name} data ({len(data)} bytes; Pillow cannot read "
-                              "its header)")
+            return name
+    return None
+
+
+def _broken(label: str, e: Exception, fmt: str | None) -> InputError:
+    what = "truncated" if "truncated" in str(e).lower() or isinstance(e, EOFError) else "corrupt"
+    return InputError(f"{label}: {what} {fmt + ' ' if fmt else ''}image data ({e})")
+
+
+def _unrecognised(data: bytes, label: str) -> InputError:
+    name = _format_of(data)
+    if name is not None:
+        return InputError(f"{label}: truncated or corrupt {name} data ({len(data)} bytes; Pillow cannot read "
+                          "its header)")
     for offset, sig, name in _KNOWN_UNSUPPORTED:
         if data[offset:offset + len(sig)].lower() == sig.lower():
             return InputError(f"{label}: {name} images are not supported (Pillow cannot decode them); "
@@ -168,7 +180,7 @@ def _decode(data: bytes, label: str, max_bytes: int):
         except Image.UnidentifiedImageError:
             raise _unrecognised(data, label) from None
         except (OSError, SyntaxError, ValueError, EOFError) as e:
-            raise InputError(f"{label}: corrupt image data ({e})") from None
+            raise _broken(label, e, _format_of(data)) from None
         w, h = img.size
         if limit and w * h > limit:
             raise _bomb(label, w * h, limit)
@@ -179,9 +191,7 @@ def _decode(data: bytes, label: str, max_bytes: int):
         except (Image.DecompressionBombError, Image.DecompressionBombWarning):
             raise _bomb(label, w * h, limit) from None
         except (OSError, SyntaxError, ValueError, EOFError) as e:
-            what = "truncated" if "truncated" in str(e) or isinstance(e, EOFError) else "corrupt"
-            fmt = f"{img.format} " if img.format else ""
-            raise InputError(f"{label}: {what} {fmt}image data ({e})") from None
+            raise _broken(label, e, img.format or _format_of(data)) from None
         try:
             from PIL import ImageOps
 
