@@ -1,0 +1,208 @@
+"""Gemma 3 / Gemma 4 vision (issue 17) against transformers on the tiny multimodal checkpoints: the towers
+(``get_image_features``), prefill logits and greedy tokens with one image, two images, and image / text / image,
+image tokens' bidirectional attention (Gemma 3 on every layer, Gemma 4 on sliding layers with
+``use_bidirectional_attention: "vision"``), Gemma 4's per-layer inputs (E2B) and MoE with images, the layout of the
+vision component, ``expand_image_tokens``.
+
+The images are made by transformers' own PIL image processors (``pixel_values`` and the rest become ``ImageInput``
+fields), so these tests do not depend on Lumen's preprocessors. Tolerance: f32 on both sides, 1e-4 (towers: 1.4e-6
+measured), except the logits of the E2B variant with bidirectional image tokens: 2e-4. Its image prompts measured
+3e-5 to 1.4e-4 over four seeds, where text-only prompts of the same length measure 1.1e-5 to 1.4e-5 and the same
+image prompts fed transformers' own image features 0.9e-5 to 5.4e-5: the per-layer-input text model amplifies the
+f32 rounding of the image rows (a wrong mask or scale moves logits by 1e-2 or more).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import lumen_core as lumen
+from lumen_core.errors import InputError
+from lumen_core.images import ImageInput
+
+TOL = 1e-4
+STEPS = 8
+CONTEXT = 256
+TEXT_IDS = (3, 850)  # ordinary tokens of the tiny vocabulary (the special tokens sit above)
+
+MOE = {"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 32}
+K_EQ_V = {"attention_k_eq_v": True, "num_global_key_value_heads": 1}
+E2B = {"hidden_size_per_layer_input": 8, "num_kv_shared_layers": 2, "use_double_wide_mlp": True}
+BIDI = {"use_bidirectional_attention": "vision"}
+
+VARIANTS = {  # name: (kind, text config overrides, logits tolerance)
+    "g4-mm": ("gemma4_mm", {}, TOL),
+    "g4-mm-bidirectional": ("gemma4_mm", BIDI, TOL),
+    "g4-mm-e2b-bidirectional": ("gemma4_mm", {**E2B, **BIDI}, 2e-4),
+    "g4-mm-moe-k-eq-v": ("gemma4_mm", {**MOE, **K_EQ_V}, TOL),
+    "g3-vl": ("gemma3_vl", {}, TOL),
+}
+SIZES = ((40, 56), (64, 32), (48, 48))  # Gemma 4: 63, 55 and 36 soft tokens; Gemma 3 resizes each to 16x16
+
+
+def pictures(n: int, seed: int = 0) -> list:
+    rng = np.random.RandomState(seed)
+    return [Image.fromarray(rng.randint(0, 256, (*SIZES[i % len(SIZES)], 3)).astype(np.uint8)) for i in range(n)]
+
+
+class Case:
+    """One tiny checkpoint: transformers' model, Lumen's engine (loaded with a vision block) and how its family's
+    processor turns pictures into tower inputs."""
+
+    def __init__(self, path, tol: float = TOL):
+        from transformers import AutoModelForImageTextToText
+
+        self.path, self.tol = path, tol
+        self.ref = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+        self.engine = lumen.load({"model": {"path": str(path), "compute": "cpu", "store": "ram",
+                                            "hidden-layers": {"kv-cache": {"context-size": CONTEXT}}},
+                                  "vision": {"compute": "cpu"}}, progress=False)
+        self.arch, self.model = self.engine.arch, self.engine.model
+        self.gemma4 = self.arch.model_type == "gemma4"
+
+    def process(self, pics):
+        """(the ImageInputs, transformers' image kwargs)."""
+        if self.gemma4:
+            from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
+
+            out = Gemma4ImageProcessorPil(patch_size=4, max_soft_tokens=70, pooling_kernel_size=2)(
+                images=pics, return_tensors="pt")
+            inputs = [ImageInput(out["pixel_values"][i].numpy(), (), int(out["num_soft_tokens_per_image"][i]),
+                                 {"positions": out["image_position_ids"][i].numpy()}) for i in range(len(pics))]
+            return inputs, {"pixel_values": out["pixel_values"], "image_position_ids": out["image_position_ids"]}
+        from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+        out = Gemma3ImageProcessorPil(size={"height": 16, "width": 16})(images=pics, return_tensors="pt")
+        tokens = self.arch.config["mm_tokens_per_image"]
+        return [ImageInput(out["pixel_values"][i].numpy(), (), tokens) for i in range(len(pics))], \
+            {"pixel_values": out["pixel_values"]}
+
+    def prompt(self, layout: list, seed: int = 0):
+        """``layout``: text lengths (int) and images ("I"), in order -> (ImageInputs, ids with the placeholders
+        expanded, transformers' kwargs)."""
+        rng = np.random.RandomState(seed)
+        n = sum(1 for part in layout if part == "I")
+        inputs, kwargs = self.process(pictures(n, seed))
+        ids = []
+        for part in layout:
+            ids += [self.arch.placeholder_id] if part == "I" else rng.randint(*TEXT_IDS, part).tolist()
+        ids = self.arch.expand_image_tokens(ids, inputs)
+        types = torch.tensor([[int(t == self.arch.image_token_id) for t in ids]])
+        kwargs[("mm_token_type_ids" if self.gemma4 else "token_type_ids")] = types
+        return inputs, ids, kwargs
+
+    def media(self, inputs):
+        return list(zip(inputs, self.model.encode_images(inputs), strict=True))
+
+
+@pytest.fixture(scope="module", params=list(VARIANTS))
+def case(request, tiny_checkpoint):
+    kind, overrides, tol = VARIANTS[request.param]
+    return Case(tiny_checkpoint(kind, **overrides), tol)
+
+
+LAYOUTS = {"one image": [10, "I", 6], "two images": [5, "I", "I", 4], "image text image": [4, "I", 12, "I", 3]}
+
+
+def test_towers_match_transformers(case):
+    inputs, kwargs = case.process(pictures(3))
+    with torch.no_grad():
+        if case.gemma4:
+            theirs = case.ref.model.get_image_features(kwargs["pixel_values"], kwargs["image_position_ids"])
+        else:
+            theirs = case.ref.model.get_image_features(kwargs["pixel_values"])
+    theirs = [t.numpy() for t in theirs.pooler_output]
+    ours = case.model.encode_images(inputs)
+    for image, o, t in zip(inputs, ours, theirs, strict=True):
+        assert o.shape == t.shape == (image.num_tokens, case.arch.args.hidden_size)
+        assert np.abs(o - t).max() <= TOL
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_prefill_logits_match_transformers(case, layout):
+    inputs, ids, kwargs = case.prompt(LAYOUTS[layout])
+    ours = case.model.forward(ids, case.model.new_cache(CONTEXT), all_logits=True, images=case.media(inputs))
+    with torch.no_grad():
+        theirs = case.ref(input_ids=torch.tensor([ids]), **kwargs).logits[0].numpy()
+    assert ours.shape == theirs.shape
+    assert np.abs(ours - theirs).max() <= case.tol
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_greedy_tokens_match_transformers_generate(case, layout):
+    inputs, ids, kwargs = case.prompt(LAYOUTS[layout], seed=1)
+    with torch.no_grad():
+        out = case.ref.generate(torch.tensor([ids]), **kwargs, max_new_tokens=STEPS, do_sample=False,
+                                output_logits=True, return_dict_in_generate=True, eos_token_id=None, pad_token_id=0)
+    expected = out.sequences[0, len(ids):].tolist()
+    cache = case.model.new_cache(CONTEXT)
+    logits, got = case.model.forward(ids, cache, images=case.media(inputs)), []
+    for step in range(STEPS):
+        assert np.abs(logits[-1] - out.logits[step][0].numpy()).max() <= case.tol, f"step {step}"
+        got.append(int(np.argmax(logits[-1])))
+        logits = case.model.forward([got[-1]], cache)
+    assert got == expected
+
+
+def test_text_before_the_images_in_another_forward(case):
+    # The image blocks are positions in the whole sequence: a prefill in two calls (text, then the images) equals
+    # one pass.
+    inputs, ids, _ = case.prompt(LAYOUTS["image text image"], seed=2)
+    media = case.media(inputs)
+    whole = case.model.forward(ids, case.model.new_cache(CONTEXT), all_logits=True, images=media)
+    cache = case.model.new_cache(CONTEXT)
+    first = case.model.forward(ids[:3], cache, all_logits=True)
+    rest = case.model.forward(ids[3:], cache, all_logits=True, images=media)
+    assert np.abs(whole - np.concatenate([first, rest])).max() <= TOL
+
+
+def test_a_text_only_prompt_is_unchanged_by_the_vision_tower(case):
+    ids = np.random.RandomState(3).randint(*TEXT_IDS, 30).tolist()
+    ours = case.model.forward(ids, case.model.new_cache(CONTEXT), all_logits=True)
+    with torch.no_grad():
+        theirs = case.ref(input_ids=torch.tensor([ids])).logits[0].numpy()
+    assert np.abs(ours - theirs).max() <= TOL
+
+
+def test_layout_puts_the_tower_in_the_vision_component(case):
+    arch, report = case.arch, case.engine.report
+    assert arch.has_vision() and arch.vision
+    assert arch.components()[0] == ("vision", None)
+    names = case.engine.weights[("vision", None)]
+    assert names and all("vision" in n or "multi_modal_projector" in n for n in names)
+    assert "bidirectional_attention" in arch.required_ops(("vision", None))
+    assert "concat" in arch.required_ops(("input-layer", None))
+    skipped = getattr(report, "skipped", {}) or {}
+    if not case.gemma4:  # SigLIP's pooling head: skipped by name, never loaded
+        assert not any(".head." in n for n in names)
+        heads = [n for n in skipped if ".head." in n]
+        assert heads and all("pooling head" in skipped[n] for n in heads)
+
+
+def test_expand_image_tokens(case):
+    arch = case.arch
+    inputs, _ = case.process(pictures(2))
+    ids = [5, arch.placeholder_id, 6, arch.placeholder_id]
+    out = arch.expand_image_tokens(ids, inputs)
+    c = arch.config
+    if case.gemma4:
+        boi, eoi = c["boi_token_id"], c["eoi_token_id"]
+    else:
+        boi, eoi = c["boi_token_index"], c["eoi_token_index"]
+    runs = [[boi] + [arch.image_token_id] * image.num_tokens + [eoi] for image in inputs]
+    assert out == [5, *runs[0], 6, *runs[1]]
+    with pytest.raises(InputError, match="2 image placeholder"):
+        arch.expand_image_tokens(ids, inputs[:1])
+
+
+def test_images_that_do_not_fit_their_runs_are_refused(case):
+    inputs, ids, _ = case.prompt(LAYOUTS["two images"])
+    media = case.media(inputs)
+    with pytest.raises(InputError, match="run"):
+        case.model.forward(ids, case.model.new_cache(CONTEXT), images=media[:1])
+    if case.gemma4:  # different token counts: the first run does not fit the second image
+        with pytest.raises(InputError, match="image 1"):
+            case.model.forward(ids, case.model.new_cache(CONTEXT), images=media[::-1])
