@@ -206,3 +206,37 @@ def test_images_that_do_not_fit_their_runs_are_refused(case):
     if case.gemma4:  # different token counts: the first run does not fit the second image
         with pytest.raises(InputError, match="image 1"):
             case.model.forward(ids, case.model.new_cache(CONTEXT), images=media[::-1])
+
+
+PREPROCESSOR = {"gemma4_mm": {"patch_size": 4, "max_soft_tokens": 70, "pooling_kernel_size": 2},
+                "gemma3_vl": {"size": {"height": 16, "width": 16}}}
+
+
+@pytest.mark.parametrize("kind", list(PREPROCESSOR))
+def test_engine_generates_with_images_as_transformers(kind, tiny_checkpoint, tmp_path):
+    # The whole path: lumen.load with a vision block, the checkpoint's preprocessor_config.json, Lumen's own
+    # preprocessor, the placeholders expanded, the tower, the prefill and greedy decode.
+    import json
+    import shutil
+
+    from lumen_core.sampling import SamplingParams
+
+    path = tmp_path / kind
+    shutil.copytree(tiny_checkpoint(kind), path)
+    (path / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR[kind]))
+    case = Case(path)
+    pics = pictures(2, seed=5)
+    rng = np.random.RandomState(5)
+    text = [rng.randint(*TEXT_IDS, n).tolist() for n in (4, 7, 3)]
+    ph = case.arch.placeholder_id
+    prompt = text[0] + [ph] + text[1] + [ph] + text[2]
+    got = list(case.engine.generate_tokens(prompt, STEPS, SamplingParams(temperature=0.0), images=pics))
+    inputs, kwargs = case.process(pics)
+    ids = case.arch.expand_image_tokens(prompt, inputs)
+    kwargs[("mm_token_type_ids" if case.gemma4 else "token_type_ids")] = \
+        torch.tensor([[int(t == case.arch.image_token_id) for t in ids]])
+    with torch.no_grad():
+        out = case.ref.generate(torch.tensor([ids]), **kwargs, max_new_tokens=STEPS, do_sample=False,
+                                eos_token_id=None, pad_token_id=0)
+    assert got == out[0, len(ids):].tolist()
+    assert case.engine.stats.images == 2 and case.engine.stats.prompt_tokens == len(ids)
