@@ -301,13 +301,17 @@ def rescale_normalize(rgb: np.ndarray, rescale: float | None, mean=None, std=Non
     """A uint8 ``(H, W, C)`` array as float32 ``(C, H, W)``: times ``rescale`` (in float64, then rounded to
     float32, as transformers rescales; None: no rescale), then ``(x - mean) / std`` per channel in float32 when
     ``mean`` is given."""
-    chw = np.transpose(rgb, (2, 0, 1))
-    x = (chw.astype(np.float64) * rescale).astype(np.float32) if rescale is not None else chw.astype(np.float32)
-    if mean is not None:
-        m = np.asarray(mean, dtype=np.float32).reshape(-1, 1, 1)
-        s = np.asarray(std, dtype=np.float32).reshape(-1, 1, 1)
-        x = (x - m) / s
-    return np.ascontiguousarray(x, dtype=np.float32)
+    channels = rgb.shape[2]
+    m = np.broadcast_to(np.asarray(mean if mean is not None else 0.0, dtype=np.float32), (channels,))
+    s = np.broadcast_to(np.asarray(std if mean is not None else 1.0, dtype=np.float32), (channels,))
+    x = np.empty((channels, *rgb.shape[:2]), dtype=np.float32)
+    for c in range(channels):  # a channel at a time: the float64 step stays one plane
+        plane = rgb[:, :, c]
+        x[c] = (plane.astype(np.float64) * rescale).astype(np.float32) if rescale is not None else plane
+        if mean is not None:
+            x[c] -= m[c]
+            x[c] /= s[c]
+    return x
 
 
 # -- reading preprocessor_config.json ------------------------------------------------------------------------------

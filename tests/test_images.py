@@ -12,6 +12,7 @@ Gemma 3's (896 x 896 SigLIP, with its nulls), Gemma 4's (280 soft tokens), plus 
 from __future__ import annotations
 
 import base64
+import copy
 import io
 import json
 
@@ -147,7 +148,8 @@ def _reference(cls, config: dict | None):
     # transformers 5.23 keeps an explicit null as None (Gemma 3's do_convert_rgb: null turns the RGB conversion
     # off, so its processor fails on any non-RGB image); Lumen reads null as the class default. Compared with
     # the nulls dropped; test_gemma3_released_config_verbatim checks RGB images with them kept.
-    return cls.from_dict({k: v for k, v in (config or {}).items() if v is not None})
+    # (deep-copied: Qwen2VLImageProcessor's __init__ writes min/max pixels into the size dict it is given)
+    return cls.from_dict(copy.deepcopy({k: v for k, v in (config or {}).items() if v is not None}))
 
 
 def _close(ours: np.ndarray, theirs, what: str) -> float:
@@ -239,7 +241,7 @@ def test_gemma3_matches_transformers(images, gemma3_pairs, config, name):
 
 def test_gemma3_released_config_verbatim(images):
     """With its nulls kept, transformers' processor gives the same values on RGB images."""
-    ours, ref = Gemma3ImageProcessor(GEMMA3), Gemma3ImageProcessorPil.from_dict(GEMMA3)
+    ours, ref = Gemma3ImageProcessor(GEMMA3), Gemma3ImageProcessorPil.from_dict(copy.deepcopy(GEMMA3))
     for name in ("rgb-320x240", "jpeg", "webp", "6000x200"):
         _close(ours.preprocess(images[name]).pixels, np.asarray(ref(images[name])["pixel_values"])[0], name)
 
