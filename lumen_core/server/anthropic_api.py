@@ -6,7 +6,14 @@ An Anthropic request is turned into the OpenAI-style conversation the chat templ
 * ``system`` (a string or text blocks) -> a ``system`` message.
 * user blocks: ``text`` -> user message text; ``tool_result`` -> a ``{"role": "tool"}`` message, in the order the
   blocks come (Anthropic puts the results first, so they directly follow the assistant's tool calls);
-  ``is_error`` results are prefixed with ``Error:``. ``image`` / ``document`` blocks -> 400 (no vision).
+  ``is_error`` results are prefixed with ``Error:``. ``image`` blocks (in user messages and in a tool_result's
+  content) -> the engine's ``{"type": "image", "image": ...}`` parts in place, between the text parts (consecutive
+  texts joined by newlines, as without images): a ``base64`` source (``media_type`` image/jpeg, image/png,
+  image/gif or image/webp) decoded to bytes, a ``url`` source fetched by the server (``fetch.py``). A model
+  loaded without a vision tower, a malformed source, a URL that cannot be fetched, a bad image: a 400 naming
+  the field, before anything is queued (``vision.py``). ``document`` blocks -> 400.
+* ``count_tokens`` counts each image as the tokens it becomes (preprocessed, not encoded: the tower does not run),
+  so it needs the vision tower too.
 * assistant blocks: ``text`` -> content, ``thinking`` -> ``reasoning_content``, ``tool_use`` -> ``tool_calls``
   (arguments as a dict, as the templates want); ``redacted_thinking`` is dropped.
 * ``tools`` -> OpenAI-style function tools. ``tool_choice``: ``auto`` passes every tool; ``any`` passes every tool
@@ -31,12 +38,15 @@ An Anthropic request is turned into the OpenAI-style conversation the chat templ
 * ``max_tokens`` may not exceed the context left after the prompt (a 400 naming it, as OpenAI does); a client that
   disconnects cancels its generation, streamed or not.
 
-Not supported: images and documents (400), server tools (400), a final assistant message as a prefill (400).
+Not supported: documents (400), server tools (400), a final assistant message as a prefill (400).
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
+import re
 import secrets
 from contextlib import aclosing
 from typing import Any, Literal
@@ -44,13 +54,14 @@ from typing import Any, Literal
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+from starlette.concurrency import run_in_threadpool
 
 from ..chat import Content, Reasoning, ToolCall
 from ..engine import sampling_params
 from ..errors import InputError
 from ..sampling import SamplingError
 from ..tokenizer import StopMatcher
-from . import checks
+from . import checks, vision
 from .app import APIError, JobStream, check_model, client_gone, submit
 from .service import Usage
 
@@ -112,23 +123,73 @@ class MessagesRequest(CountTokensRequest):
 
 # --- conversion ---------------------------------------------------------------------------------------------
 
-_NO_VISION = "{kind} blocks are not supported (no vision): this server runs a text-only chat"
+MEDIA_TYPES = ("image/jpeg", "image/png", "image/gif", "image/webp")  # Anthropic's
 
 
 def _bad(message: str) -> APIError:
     return APIError(400, message, "invalid_request_error")
 
 
-def _block_text(block: dict, where: str) -> str:
+def _block_text(block, where: str) -> str:
+    if not isinstance(block, dict):
+        raise _bad(f"{where}: a content block must be an object, got {type(block).__name__}")
     kind = block.get("type")
-    if kind in ("image", "document"):
-        raise _bad(_NO_VISION.format(kind=kind) + f" ({where})")
+    if kind == "image":
+        raise _bad(f"{where}: image blocks are taken in user messages and in tool_result content only")
+    if kind == "document":
+        raise _bad(f"{where}: document blocks are not supported; send the document's text as a text block")
     if kind != "text":
         raise _bad(f"{where}: unsupported content block type {kind!r} here")
     text = block.get("text")
     if not isinstance(text, str):
         raise _bad(f"{where}: a text block needs a string 'text'")
     return text
+
+
+def _image_block(block: dict, where: str, refs: list[vision.ImageRef]) -> dict:
+    """An image block -> the engine's image part (base64 data decoded to bytes; a URL fetched later), recorded in
+    ``refs``; a malformed source is a 400 naming its field."""
+    source = block.get("source")
+    if not isinstance(source, dict):
+        raise _bad(f'{where}.source: an image block needs a source object, {{"type": "base64", "media_type": '
+                   '"image/png", "data": "..."}} or {"type": "url", "url": "https://..."}')
+    kind = source.get("type")
+    if kind == "base64":
+        media = source.get("media_type")
+        if media not in MEDIA_TYPES:
+            raise _bad(f"{where}.source.media_type: {media!r} is not an image type taken here; expected one of "
+                       f"{', '.join(MEDIA_TYPES)}")
+        data = source.get("data")
+        if not isinstance(data, str) or not data.strip():
+            raise _bad(f"{where}.source.data: the image's base64 data (a non-empty string) is required")
+        try:
+            raw = base64.b64decode(re.sub(r"\s+", "", data), validate=True)
+        except (binascii.Error, ValueError) as exc:
+            raise _bad(f"{where}.source.data: not valid base64 ({exc})") from None
+        return vision.image_part(raw, f"{where}.source.data", refs)
+    if kind == "url":
+        url = source.get("url")
+        if not isinstance(url, str) or not url.strip():
+            raise _bad(f"{where}.source.url: an http(s) URL (a non-empty string) is required")
+        return vision.url_part(url.strip(), f"{where}.source.url", refs)
+    if kind == "file":
+        raise _bad(f"{where}.source: file sources (the Files API) are not supported; send base64 data or a url")
+    raise _bad(f"{where}.source.type: {kind!r}; expected base64 or url")
+
+
+def _add_text(parts: list[dict], text: str) -> None:
+    """A text appended to a content's parts: joined by a newline to a text part just before it."""
+    if parts and parts[-1]["type"] == "text":
+        parts[-1]["text"] += "\n" + text
+    else:
+        parts.append({"type": "text", "text": text})
+
+
+def _joined(parts: list[dict]) -> str | list[dict]:
+    """A content's parts as the chat template takes them: the text alone without images, else the parts."""
+    if all(p["type"] == "text" for p in parts):
+        return parts[0]["text"] if parts else ""
+    return parts
 
 
 def _system_text(system) -> str | None:
@@ -139,21 +200,35 @@ def _system_text(system) -> str | None:
     return "\n".join(_block_text(b, f"system[{i}]") for i, b in enumerate(system)) or None
 
 
-def _tool_result_text(block: dict, where: str) -> str:
+def _tool_result_content(block: dict, where: str, refs: list[vision.ImageRef]) -> str | list[dict]:
+    """A tool_result's content: its text, or text and image parts (images taken as in a user message)."""
     content = block.get("content", "")
     if content is None:
         content = ""
     if isinstance(content, list):
-        content = "\n".join(_block_text(b, f"{where}.content[{i}]") for i, b in enumerate(content))
+        parts: list[dict] = []
+        for i, b in enumerate(content):
+            if isinstance(b, dict) and b.get("type") == "image":
+                parts.append(_image_block(b, f"{where}.content[{i}]", refs))
+            else:
+                _add_text(parts, _block_text(b, f"{where}.content[{i}]"))
+        content = _joined(parts)
     elif not isinstance(content, str):
-        raise _bad(f"{where}: tool_result content must be a string or a list of text blocks")
+        raise _bad(f"{where}: tool_result content must be a string or a list of text and image blocks")
     if block.get("is_error"):
-        content = "Error: " + content
+        if isinstance(content, str):
+            content = "Error: " + content
+        elif content[0]["type"] == "text":
+            content[0]["text"] = "Error: " + content[0]["text"]
+        else:
+            content.insert(0, {"type": "text", "text": "Error:"})
     return content
 
 
-def to_openai_messages(messages: list[MessageParam], system) -> list[dict]:
-    """Anthropic messages (+ system) -> the OpenAI-style list the chat templates render."""
+def to_openai_messages(messages: list[MessageParam], system, refs: list[vision.ImageRef] | None = None) -> list[dict]:
+    """Anthropic messages (+ system) -> the OpenAI-style list the chat templates render; image blocks become the
+    engine's image parts in place, recorded in ``refs`` (a list to fill) in prompt order."""
+    refs = [] if refs is None else refs
     out: list[dict] = []
     sys_text = _system_text(system)
     if sys_text is not None:
@@ -169,21 +244,24 @@ def to_openai_messages(messages: list[MessageParam], system) -> list[dict]:
             out.append({"role": msg.role, "content": msg.content})
             continue
         if msg.role == "user":
-            texts: list[str] = []
+            parts: list[dict] = []
             for i, block in enumerate(msg.content):
-                if block.get("type") == "tool_result":
-                    if texts:
-                        out.append({"role": "user", "content": "\n".join(texts)})
-                        texts = []
+                kind = block.get("type")
+                if kind == "tool_result":
+                    if parts:
+                        out.append({"role": "user", "content": _joined(parts)})
+                        parts = []
                     tool_id = block.get("tool_use_id")
                     if not isinstance(tool_id, str):
                         raise _bad(f"{where}.content[{i}]: a tool_result needs a string 'tool_use_id'")
                     out.append({"role": "tool", "tool_call_id": tool_id,
-                                "content": _tool_result_text(block, f"{where}.content[{i}]")})
+                                "content": _tool_result_content(block, f"{where}.content[{i}]", refs)})
+                elif kind == "image":
+                    parts.append(_image_block(block, f"{where}.content[{i}]", refs))
                 else:
-                    texts.append(_block_text(block, f"{where}.content[{i}]"))
-            if texts or not msg.content:
-                out.append({"role": "user", "content": "\n".join(texts)})
+                    _add_text(parts, _block_text(block, f"{where}.content[{i}]"))
+            if parts or not msg.content:
+                out.append({"role": "user", "content": _joined(parts)})
             continue
         texts, reasoning, calls = [], [], []
         for i, block in enumerate(msg.content):
@@ -253,7 +331,8 @@ class _Prepared:
         check_model(app, req.model)
         engine = app.state.engine
         self.engine = engine
-        self.messages = to_openai_messages(req.messages, req.system)
+        self.refs: list[vision.ImageRef] = []
+        self.messages = to_openai_messages(req.messages, req.system, self.refs)
         self.tools = to_openai_tools(req.tools, req.tool_choice)
         template = checks.require_chat_template(engine, self.tools, "/v1/messages")
         self.think = _think(engine, req.thinking, template)
@@ -265,13 +344,30 @@ class _Prepared:
                        f"type {choice.type!r} cannot be honoured; use type 'auto'")
         try:
             prompt = engine.chat_prompt_and_parser(self.messages, self.tools, self.think, None, self.force)[0]
-            self.input_tokens = len(checks.encode(engine, prompt, chat=True))
+            self.ids = checks.encode(engine, prompt, chat=True)
         except APIError:
             raise
         except InputError as exc:
             raise _bad(str(exc)) from exc
         except Exception as exc:  # a template that refuses the conversation (raise_exception in jinja)
             raise _bad(f"the chat template could not render this conversation: {exc}") from exc
+        self.input_tokens = len(self.ids)  # the text's; ``prepare`` counts the images' tokens in
+
+    async def measure_images(self, app: FastAPI) -> None:
+        """Images checked, fetched and decoded (a 400 naming the field, before anything is queued), and their
+        tokens counted in ``input_tokens``."""
+        if not self.refs:
+            return
+        images = await vision.load_images(app, self.refs, param=None)
+        ids = await run_in_threadpool(vision.expand, self.engine, self.ids, images, None)
+        self.input_tokens = len(ids)
+
+
+async def prepare(app: FastAPI, req: CountTokensRequest) -> _Prepared:
+    """The request converted, rendered and measured, images included."""
+    prep = _Prepared(app, req)
+    await prep.measure_images(app)
+    return prep
 
 
 # --- generation ---------------------------------------------------------------------------------------------
@@ -423,7 +519,7 @@ class _StreamBlocks:
 
 async def _create(request: Request, req: MessagesRequest):
     app, model = request.app, request.app.state.model_name
-    prep = _Prepared(app, req)
+    prep = await prepare(app, req)
     checks.check_length(prep.engine, prep.input_tokens, "messages")
     checks.check_max_tokens(prep.engine, app.state.limits.max_tokens, prep.input_tokens, req.max_tokens,
                             "max_tokens", "messages")
@@ -500,4 +596,4 @@ def mount(app: FastAPI) -> None:
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(req: CountTokensRequest):
-        return {"input_tokens": _Prepared(app, req).input_tokens}
+        return {"input_tokens": (await prepare(app, req)).input_tokens}

@@ -5,8 +5,8 @@ silently dropped. A few fields OpenAI clients commonly send are declared and ign
 nothing about the reply (``user``, ``metadata``, ``store``, ``service_tier``, ``prompt_cache_key``,
 ``safety_identifier``). Options this server cannot honour are refused with a 400 naming them: ``n`` other than
 1, ``logprobs``/``top_logprobs``, non-zero ``frequency_penalty``/``presence_penalty``, a non-empty
-``logit_bias``, a ``response_format`` other than ``text``, non-text content parts; for completions ``echo``,
-``suffix``, ``best_of`` > 1 and ``logprobs``.
+``logit_bias``, a ``response_format`` other than ``text``, content parts other than text and ``image_url``; for
+completions ``echo``, ``suffix``, ``best_of`` > 1 and ``logprobs``.
 
 Behaviour worth knowing:
 
@@ -27,6 +27,13 @@ Behaviour worth knowing:
   the reply with a tool call (the format's call opener is written after the prompt, closing an open reasoning
   block: ``Engine.chat(force_tool=...)``). The arguments are not grammar-constrained: a model that writes a
   malformed call gets it back as content. ``parallel_tool_calls: false`` keeps only the first call.
+* Images: ``{"type": "image_url", "image_url": {"url": ..., "detail": ...}}`` parts in user messages, the URL a
+  ``data:image/...;base64,...`` URI or an http(s) URL (fetched by the server: ``fetch.py``); ``detail`` (``auto``,
+  ``low``, ``high``) is accepted and changes nothing, the preprocessing follows the checkpoint's processor config.
+  They become the engine's ``{"type": "image", "image": ...}`` parts in place, between the text parts (consecutive
+  text parts joined by newlines, as a text-only content is). A model loaded without a vision tower, a URL that
+  cannot be fetched, a bad image: a 400 naming the field, before anything is queued (``vision.py``). Usage and the
+  context check count each image's tokens.
 * ``finish_reason`` is ``tool_calls`` when the reply made calls, else ``length`` when ``max_tokens`` or the
   context ran out, else ``stop``.
 * A prompt longer than the context (or a bad sampling value, a ``max_tokens`` past the context left after it,
@@ -53,7 +60,7 @@ from ..chat import Content, Reasoning, ToolCall, collect
 from ..engine import sampling_params
 from ..errors import InputError
 from ..sampling import SamplingError
-from . import checks
+from . import checks, vision
 from .app import APIError, JobStream, check_model, client_gone, submit
 from .service import Job, Usage
 
@@ -75,6 +82,7 @@ class _Loose(BaseModel):
 class ContentPart(_Loose):
     type: str
     text: str | None = None
+    image_url: Any = None  # {"url": ..., "detail": ...}: checked by _content, whose 400 names the field
 
 
 class FunctionCallIn(_Loose):
@@ -257,23 +265,61 @@ def _max_tokens_param(req: _Common) -> str:
 # --- chat ----------------------------------------------------------------------------------------------
 
 
-def _text(content, where: str) -> str | None:
+DETAILS = ("auto", "low", "high")
+
+
+def _content(content, where: str, role: str, refs: list[vision.ImageRef]) -> str | list | None:
+    """A message's content for the chat template: a string, or (a list of parts) its text parts joined by newlines;
+    with ``image_url`` parts (user messages only), a list of text parts (consecutive ones joined likewise) and the
+    engine's image parts ``{"type": "image", "image": SOURCE}`` in their order, each recorded in ``refs``."""
     if content is None or isinstance(content, str):
         return content
-    texts = []
-    for part in content:
-        _refuse(part.type != "text" or part.text is None, "messages",
-                f"{where}: content part type {part.type!r} is not supported (text parts only)")
-        texts.append(part.text)
-    return "\n".join(texts)
+    parts: list[dict] = []
+    for j, part in enumerate(content):
+        field = f"{where}.content[{j}]"
+        if part.type == "text" and part.text is not None:
+            if parts and parts[-1]["type"] == "text":
+                parts[-1]["text"] += "\n" + part.text
+            else:
+                parts.append({"type": "text", "text": part.text})
+        elif part.type == "image_url":
+            _refuse(role != "user", "messages", f"{field}: image_url parts are taken in user messages only, not in "
+                    f"a {role} message")
+            parts.append(_image(part.image_url, field + ".image_url", refs))
+        elif part.type == "text":
+            raise APIError(400, f"{field}: a text part needs a string 'text'", param="messages")
+        else:
+            raise APIError(400, f"{field}: content part type {part.type!r} is not supported (text and image_url "
+                           "parts only)", param="messages")
+    if all(p["type"] == "text" for p in parts):
+        return "\n".join(p["text"] for p in parts)
+    return parts
 
 
-def _messages(messages: list[Message]) -> list[dict]:
+def _image(image_url, field: str, refs: list[vision.ImageRef]) -> dict:
+    """An ``image_url`` object -> the engine's image part: a ``data:`` URI as it is (the image loader decodes it),
+    an http(s) URL to fetch; anything else is a 400 naming the field."""
+    _refuse(not isinstance(image_url, dict), "messages",
+            f'{field} must be an object {{"url": "data:image/png;base64,..." or "https://...", "detail": "auto"}}')
+    url, detail = image_url.get("url"), image_url.get("detail")
+    _refuse(not isinstance(url, str) or not url.strip(), "messages",
+            f"{field}.url: a string is required, a data:image/...;base64,... URI or an http(s) URL")
+    _refuse(detail is not None and detail not in DETAILS, "messages",
+            f"{field}.detail: {detail!r}; expected one of {', '.join(DETAILS)}")
+    if url.lstrip()[:5].lower() == "data:":
+        return vision.image_part(url, field + ".url", refs)
+    return vision.url_part(url.strip(), field + ".url", refs, "messages")
+
+
+def _messages(messages: list[Message], refs: list[vision.ImageRef] | None = None) -> list[dict]:
+    """OpenAI messages -> the conversation the chat templates render; image parts become the engine's, recorded in
+    ``refs`` (a list to fill) in prompt order."""
+    refs = [] if refs is None else refs
     out = []
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
         msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role,
-                               "content": _text(m.content, where)}
+                               "content": _content(m.content, where, m.role, refs)}
         if m.role == "assistant":
             reasoning = m.reasoning_content if m.reasoning_content is not None else m.reasoning
             if reasoning is not None:
@@ -347,11 +393,11 @@ def _think(engine, req: ChatRequest, template: str) -> bool | None:
     return think
 
 
-def _prompt_tokens(engine, messages, tools, think, force) -> int:
-    """Render and measure the prompt as Engine.chat will; too long is a 400 (APIError), and so is an InputError
-    (a template refusal) at the caller."""
+def _prompt_tokens(engine, messages, tools, think, force, images=()) -> int:
+    """Render and measure the prompt as Engine.chat will, each image as its tokens (``images``: preprocessed, in
+    prompt order); too long is a 400 (APIError), and so is an InputError (a template refusal) at the caller."""
     prompt = engine.chat_prompt_and_parser(messages, tools, think, None, force)[0]
-    n = len(checks.encode(engine, prompt, chat=True))
+    n = len(vision.expand(engine, checks.encode(engine, prompt, chat=True), list(images)))
     checks.check_length(engine, n, "messages")
     return n
 
@@ -381,14 +427,16 @@ async def chat_completions(req: ChatRequest, request: Request):
             "max_tokens and max_completion_tokens disagree; send one")
     sampling = _sampling(engine, req)
     stop = _stops(req.stop)
-    messages, tools, force = _messages(req.messages), _tools(req), _force(req)
+    refs: list[vision.ImageRef] = []
+    messages, tools, force = _messages(req.messages, refs), _tools(req), _force(req)
     template = checks.require_chat_template(engine, tools, "/v1/chat/completions")
     think = _think(engine, req, template)
     _refuse(bool(force) and not checks.can_force_tool_call(engine), "tool_choice",
             "tool_choice: this model's chat format has no tool-call syntax to start a call with, so a call cannot "
             "be required; use tool_choice 'auto'")
+    images = await vision.load_images(app, refs)  # no vision tower, a bad or unreachable image: a 400 here
     try:
-        n = await run_in_threadpool(_prompt_tokens, engine, messages, tools, think, force)
+        n = await run_in_threadpool(_prompt_tokens, engine, messages, tools, think, force, images)
     except InputError as exc:
         raise APIError(400, str(exc)) from exc
     checks.check_max_tokens(engine, app.state.limits.max_tokens, n, max_tokens, _max_tokens_param(req), "messages")

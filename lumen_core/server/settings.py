@@ -12,6 +12,16 @@ Limits (``server-parameters`` keys / ``lumen serve`` options; docs/server.md say
 * ``max-tokens-limit`` (none): the most tokens one request may ask for. Whatever it says, ``max_tokens`` may not
   exceed the context left after the prompt (OpenAI's 400 "max_tokens is too large").
 
+Images (issue 17; ``Limits`` fields, given to ``create_app``; no ``server-parameters`` key or ``lumen serve`` option
+yet, so ``lumen serve`` runs with these defaults):
+
+* ``fetch_timeout`` (10 s): the most one image URL's fetch may take, from the DNS lookup to the last byte; past it
+  the request is a 400 naming the URL.
+* ``fetch_max_bytes`` (20 MiB, the image loader's own limit on one image): a URL whose body is larger is a 400; the
+  body is read in chunks and the fetch stops at the first byte past the limit.
+* ``max_images`` (32): images in one request (URLs and inline data together); more is a 400. With the fetch limit
+  it bounds what one request may make the server hold (32 x 20 MiB) and encode.
+
 Which API (``server-parameters.server-api`` / ``--server-api``, ``ServerAPI``): ``openai`` or ``anthropic`` serves only
 that API's routes, the other API's answer 404 in their own API's error shape, saying why and how to serve both;
 absent, both APIs. /health, /metrics and /v1/models are always served (both APIs have /v1/models).
@@ -25,6 +35,9 @@ DEFAULT_MAX_QUEUE = 64
 DEFAULT_REQUEST_TIMEOUT = 600.0
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 MIN_BODY_BYTES = 1024  # below this not even a short request fits
+DEFAULT_FETCH_TIMEOUT = 10.0
+DEFAULT_FETCH_MAX_BYTES = 20 * 1024 * 1024  # lumen_core.images.MAX_IMAGE_BYTES: the loader takes no more
+DEFAULT_MAX_IMAGES = 32
 
 
 @dataclass(frozen=True)
@@ -33,6 +46,9 @@ class Limits:
     request_timeout: float = DEFAULT_REQUEST_TIMEOUT  # seconds; 0 = no limit
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_tokens: int | None = None  # None: only the context left after the prompt
+    fetch_timeout: float = DEFAULT_FETCH_TIMEOUT  # seconds one image URL may take to fetch, all of it
+    fetch_max_bytes: int = DEFAULT_FETCH_MAX_BYTES  # the largest image a URL may give
+    max_images: int = DEFAULT_MAX_IMAGES  # images in one request
 
     def __post_init__(self):
         _need(_is_int(self.max_queue) and self.max_queue >= 0, "max_queue", self.max_queue, "an integer >= 0")
@@ -43,11 +59,18 @@ class Limits:
               self.max_body_bytes, f"an integer >= {MIN_BODY_BYTES}")
         _need(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1), "max_tokens",
               self.max_tokens, "an integer >= 1, or None")
+        _need(isinstance(self.fetch_timeout, int | float) and not isinstance(self.fetch_timeout, bool)
+              and 0 < self.fetch_timeout < float("inf"), "fetch_timeout", self.fetch_timeout,
+              "a number of seconds > 0")
+        _need(_is_int(self.fetch_max_bytes) and self.fetch_max_bytes >= 1, "fetch_max_bytes", self.fetch_max_bytes,
+              "an integer >= 1")
+        _need(_is_int(self.max_images) and self.max_images >= 0, "max_images", self.max_images, "an integer >= 0")
 
     @classmethod
     def from_parameters(cls, params: dict, **given) -> Limits:
         """``Config.server_parameters()`` with the options given on the command line (None: not given) on top."""
-        names = ("max_queue", "request_timeout", "max_body_bytes", "max_tokens")
+        names = ("max_queue", "request_timeout", "max_body_bytes", "max_tokens", "fetch_timeout", "fetch_max_bytes",
+                 "max_images")
         values = {name: params[name] for name in names if name in params}
         values.update({name: value for name, value in given.items() if value is not None})
         return cls(**values)
