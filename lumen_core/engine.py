@@ -160,7 +160,8 @@ class Engine:
                 + ("" if self.arch.has_vision() else f"; and {self.config.model_path} has no vision tower at all"))
         if self._image_processor is None:
             self._image_processor = self.arch.image_processor(self._preprocessor_config)
-        return [self._image_processor.preprocess(image) for image in images_from(list(images))]
+        return [self._image_processor.preprocess(image, label=f"image {i}")
+                for i, image in enumerate(images_from(list(images)), 1)]
 
     def with_images(self, prompt_ids: list[int], images: list | None) -> tuple[list[int], list | None]:
         """The prompt with each image's placeholder expanded into its tokens, and the ``(ImageInput, embeddings)``
