@@ -240,3 +240,38 @@ def test_engine_generates_with_images_as_transformers(kind, tiny_checkpoint, tmp
                                 eos_token_id=None, pad_token_id=0)
     assert got == out[0, len(ids):].tolist()
     assert case.engine.stats.images == 2 and case.engine.stats.prompt_tokens == len(ids)
+
+
+def test_gemma4_tower_with_gqa_clipped_linears_and_standardize(make_tiny, tmp_path):
+    # What the tiny checkpoint leaves at its defaults: one KV head for two query heads, two layers, clipped linears
+    # (the clip ranges set to ±0.3-0.4, so they bite) and the standardization after the pooler.
+    import shutil
+
+    import transformers
+
+    base = make_tiny.make("gemma4_mm", tmp_path / "base", vision_config={"use_clipped_linears": True,
+                                                                         "standardize": True})
+    cfg = transformers.AutoConfig.from_pretrained(base)
+    cfg.vision_config.num_key_value_heads, cfg.vision_config.num_hidden_layers = 1, 2
+    model = transformers.Gemma4ForConditionalGeneration(cfg).float().eval()
+    make_tiny.randomise(model, 0)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, buf in model.model.vision_tower.named_buffers():
+            if name.endswith(("input_min", "output_min", "input_max", "output_max")):
+                sign = -1.0 if name.endswith("min") else 1.0
+                buf.fill_(sign * (0.3 + 0.1 * torch.rand((), generator=gen).item()))
+            elif name.endswith("std_bias"):
+                buf.copy_(0.1 * torch.randn(buf.shape, generator=gen))
+            elif name.endswith("std_scale"):
+                buf.copy_(1 + 0.1 * torch.randn(buf.shape, generator=gen))
+    path = tmp_path / "model"
+    shutil.copytree(base, path)
+    model.save_pretrained(path)
+    case = Case(path)
+    assert "clamp" in case.arch.required_ops(("vision", None))
+    inputs, kwargs = case.process(pictures(3))
+    with torch.no_grad():
+        theirs = case.ref.model.get_image_features(kwargs["pixel_values"], kwargs["image_position_ids"]).pooler_output
+    for ours, t in zip(case.model.encode_images(inputs), theirs, strict=True):
+        assert np.abs(ours - t.numpy()).max() <= TOL

@@ -114,24 +114,26 @@ class Gemma4Tower:
         y = ops.linear(x, weight)
         return y if out is None else ops.clamp(y, *out)
 
-    def _rope(self, x, positions, heads: int):
-        """The 2-D RoPE on x (T, heads, D): dims [:D/2] rotate with the x position, [D/2:] with y, each half in
-        rotate-half pairs. Each head's two halves become rows of their own with their own position, so one
+    def _rope_tables(self, positions, heads: int):
+        """cos, sin for the 2-D RoPE of (T, heads, D): dims [:D/2] rotate with the x position, [D/2:] with y, each
+        half in rotate-half pairs. Each head's two halves become rows of their own with their own position, so one
         ``rope_tables`` / ``apply_rope`` does both axes (both use the same frequencies)."""
-        T, D = x.shape[0], x.shape[-1]
         pos = [p for xy in positions for _ in range(heads) for p in xy]  # (t, head, half) order
-        cos, sin = self.ops.rope_tables(pos, self.inv_freq)
-        return self.ops.apply_rope(x.reshape(T * heads * 2, 1, D // 2), cos, sin).reshape(T, heads, D)
+        return self.ops.rope_tables(pos, self.inv_freq)
 
-    def _layer(self, x, layer, positions):
+    def _rope(self, x, tables):
+        T, heads, D = x.shape
+        return self.ops.apply_rope(x.reshape(T * heads * 2, 1, D // 2), *tables).reshape(T, heads, D)
+
+    def _layer(self, x, layer, ropes):
         ops, eps, T = self.ops, self.eps, x.shape[0]
         H, Hkv, D = self.heads, self.kv_heads, self.head_dim
         n_in, n_post_attn, n_pre_ff, n_post_ff = layer["norms"]
         h = ops.rms_norm(x, n_in, eps)
         q = self._rope(ops.rms_norm(self._apply(h, layer["q_proj"]).reshape(T, H, D), layer["q_norm"], eps),
-                       positions, H)
+                       ropes[0])
         k = self._rope(ops.rms_norm(self._apply(h, layer["k_proj"]).reshape(T, Hkv, D), layer["k_norm"], eps),
-                       positions, Hkv)
+                       ropes[1])
         v = ops.rms_norm(self._apply(h, layer["v_proj"]).reshape(T, Hkv, D), None, eps)
         o = self._apply(ops.bidirectional_attention(q, k, v, 1.0).reshape(T, H * D), layer["o_proj"])
         x = x + ops.rms_norm(o, n_post_attn, eps)
@@ -155,8 +157,10 @@ class Gemma4Tower:
         x = ops.linear((x - 0.5) * 2.0, self.input_proj)
         xs, ys = [p[0] for p in positions], [p[1] for p in positions]
         x = x + (ops.gather(self.pos_table[0], xs) + ops.gather(self.pos_table[1], ys))
+        q_tables = self._rope_tables(positions, self.heads)
+        ropes = (q_tables, q_tables if self.kv_heads == self.heads else self._rope_tables(positions, self.kv_heads))
         for layer in self.layers:
-            x = self._layer(x, layer, positions)
+            x = self._layer(x, layer, ropes)
         x = _pool(ops, x, rows, cols, k) * (self.hidden ** 0.5)
         if self.std is not None:
             x = (x - self.std[0]) * self.std[1]
