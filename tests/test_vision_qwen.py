@@ -309,3 +309,38 @@ def _cfg(path):
 
     c = json.loads((path / "config.json").read_text())
     return SimpleNamespace(**{k: c[k] for k in ("vision_start_token_id", "image_token_id", "vision_end_token_id")})
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_engine_generates_with_images_as_transformers(kind, tiny_checkpoint, tmp_path):
+    """The whole path: lumen.load with a vision block and the checkpoint's preprocessor_config.json, Lumen's own
+    preprocessor, the placeholders expanded, the tower, the prefill and greedy decode: transformers' tokens."""
+    import json
+    import shutil
+
+    from transformers import AutoModelForImageTextToText
+
+    from lumen_core.sampling import SamplingParams
+
+    path = tmp_path / kind
+    shutil.copytree(tiny_checkpoint(KINDS[kind], vision_config=VISION), path)
+    (path / "preprocessor_config.json").write_text(json.dumps(
+        {"patch_size": 4, "temporal_patch_size": 2, "merge_size": 2,
+         "size": {"shortest_edge": 64, "longest_edge": 64 * 64}}))
+    engine = lumen.load({"model": {"path": str(path), "compute": "cpu", "store": "ram",
+                                   "hidden-layers": {"kv-cache": {"context-size": CONTEXT}}},
+                         "vision": {"compute": "cpu"}}, progress=False)
+    cfg = _cfg(path)
+    ids = prompt(cfg, 2)
+    got = list(engine.generate_tokens(ids, DECODE_STEPS, SamplingParams(temperature=0.0),
+                                      images=pictures(["tall", "wide"], seed=3)))
+    pixels, grid, inputs = processed(["tall", "wide"], seed=3)
+    ids = engine.arch.expand_image_tokens(ids, inputs)
+    ref = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+    t = torch.tensor([ids])
+    with torch.no_grad():
+        out = ref.generate(input_ids=t, pixel_values=pixels, image_grid_thw=grid,
+                           mm_token_type_ids=(t == cfg.image_token_id).int(), max_new_tokens=DECODE_STEPS,
+                           do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert got == out[0, len(ids):].tolist()
+    assert engine.stats.images == 2 and engine.stats.prompt_tokens == len(ids)
