@@ -139,6 +139,28 @@ def check_vision(config, arch: Architecture, ckpt) -> None:
     arch.vision = True
 
 
+VISION_SCORES_BOUND = 1 << 30  # a tower's attention scores are computed in blocks of at most this (cuda; cpu: less)
+
+
+def _vision_activations(arch: Architecture, ckpt, registry, place, plan: Plan) -> None:
+    """A plan row for the vision tower's working memory on its largest image: per patch its hidden state, q/k/v and
+    MLP activations in f32 (4 x hidden + intermediate), plus one block of attention scores (heads x patches^2,
+    computed in blocks of at most ``VISION_SCORES_BOUND``). An estimate, said so; none where the family does not
+    say its largest image."""
+    reader = getattr(ckpt, "preprocessor_config", None)
+    processor = arch.image_processor(reader() if reader is not None else None)
+    patches = getattr(processor, "max_patches", None)
+    vc = arch.config.get("vision_config") or {}
+    hidden, inter = vc.get("hidden_size"), vc.get("intermediate_size")
+    heads = vc.get("num_attention_heads", vc.get("num_heads"))
+    if not all(isinstance(v, int) and v > 0 for v in (patches, hidden, inter, heads)):
+        return
+    nbytes = patches * (4 * hidden + inter) * 4 + min(heads * patches * patches * 4, VISION_SCORES_BOUND)
+    store = "vram" if "vram" in registry.backend_class(place.backend).stores else "ram"
+    plan.entries.append(PlanEntry(f"vision activations (largest image: {patches} patches, estimate)", place.backend,
+                                  place.device, store, "f32", nbytes, kind="cache"))
+
+
 def check_fp8_attention(config, placements: dict) -> None:
     """LumenLLM's ``attention.compute-quantization: fp8`` (attention computed in FP8 MMA; the fp8 KV cache it needs
     is checked by the config) runs where the backend has it: no Lumen backend has it yet, so it is refused naming
@@ -288,6 +310,8 @@ def make_plan(config, arch: Architecture, ckpt, registry) -> tuple[Plan, dict]:
                 PlanEntry(f"cache.layers.{comp[1]}", p.backend, p.device,
                           kv.store or kv_home(registry.backend_class(p.backend), p.store), kv_fmt, cache, kind="cache")
             )
+    if ("vision", None) in placements:
+        _vision_activations(arch, ckpt, registry, placements[("vision", None)], plan)
     for device, fmts in sorted(converted.items()):
         if fmts:
             pairs = ", ".join(f"{f} -> {to}" for f, to in sorted(fmts.items()))

@@ -67,12 +67,18 @@ class Gemma3ImageProcessor:
                 or not all(_int(v) and v > 0 for v in size.values())):
             raise cfg.error("size", f"is {size!r}; Gemma 3 takes {{\"height\": H, \"width\": W}} (896 x 896)")
         self.height, self.width = size["height"], size["width"]
+        self.patch_size = _int(vision.get("patch_size")) or 14  # SigLIP's: for the plan's activation estimate
         if mm_tokens_per_image is not None:
             if not _int(mm_tokens_per_image) or mm_tokens_per_image < 1:
                 raise InputError(f"mm_tokens_per_image is {mm_tokens_per_image!r}; expected a positive integer")
             self.num_image_tokens = mm_tokens_per_image
         else:
             self.num_image_tokens = cfg.integer("image_seq_length", GEMMA3_TOKENS)
+
+    @property
+    def max_patches(self) -> int:
+        """Patches the tower sees for one image (every image: the input is a fixed square)."""
+        return (self.height // self.patch_size) * (self.width // self.patch_size)
 
     def preprocess(self, image, label: str = "image") -> ImageInput:
         """One decoded PIL image as an ``ImageInput`` for Gemma 3's SigLIP tower: ``(3, H, W)`` float32."""

@@ -93,6 +93,11 @@ class ImageProcessor:
             return height, width
         return smart_resize(height, width, self.factor, self.min_pixels, self.max_pixels)
 
+    @property
+    def max_patches(self) -> int:
+        """Patches the tower sees for the largest image (``max_pixels``; a still image is one temporal patch)."""
+        return self.max_pixels // self.patch_size**2
+
     def num_tokens(self, height: int, width: int) -> int:
         """How many ``<|image_pad|>`` tokens an image of ``height x width`` pixels becomes."""
         h, w = self.target_size(height, width)
