@@ -425,3 +425,76 @@ def test_bad_images_are_400s_with_the_loaders_message(vl_server, files):
         message = _oa_error(oa, oa_image(files + path))
         assert message.startswith(f"messages[0].content[0].image_url.url ({files + path}): ") and reason in message
     assert "at most 4 per request" in _oa_error(oa, *[oa_image(DATA_URI)] * 5)
+
+
+# --- end to end: the tiny Qwen 3.5 with its vision tower ------------------------------------------------------------
+
+RED, BLUE = png(40, 30, (200, 40, 30)), png(56, 28, (20, 60, 220))
+
+
+def _direct(engine, messages, think=None):
+    """(content, reasoning, prompt tokens) of Engine.chat itself, greedy, 8 tokens."""
+    from lumen_core.chat import collect
+
+    content, reasoning, _ = collect(list(engine.chat(messages, think=think, max_tokens=8, temperature=0)))
+    return content, reasoning, engine.stats.prompt_tokens
+
+
+def test_openai_image_replies_equal_the_engines(vl_server, vl_engine, files):
+    oa, _ = _clients(vl_server)
+    b64 = base64.b64encode(BLUE).decode()
+    parts = [{"type": "text", "text": "Compare"}, oa_image(files + "/cat.png", detail="high"),
+             {"type": "text", "text": "with"}, oa_image("data:image/png;base64," + b64)]
+    reply = oa.chat.completions.create(model="tiny", messages=[{"role": "user", "content": parts}], max_tokens=8,
+                                       temperature=0)
+    content, reasoning, n = _direct(vl_engine, [{"role": "user", "content": [
+        {"type": "text", "text": "Compare"}, {"type": "image", "image": PNG}, {"type": "text", "text": "with"},
+        {"type": "image", "image": BLUE}]}])
+    message = reply.choices[0].message
+    assert (message.content or "", getattr(message, "reasoning_content", None) or "") == (content, reasoning)
+    assert reply.usage.prompt_tokens == n > 60  # the images' tokens counted (the text alone is ~20)
+    # the images in the other order: another prompt, the same count; streamed = whole
+    swapped = [parts[0], parts[3], parts[2], parts[1]]
+    chunks = list(oa.chat.completions.create(model="tiny", messages=[{"role": "user", "content": swapped}],
+                                             max_tokens=8, temperature=0, stream=True,
+                                             stream_options={"include_usage": True}))
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    content, _, n2 = _direct(vl_engine, [{"role": "user", "content": [
+        {"type": "text", "text": "Compare"}, {"type": "image", "image": BLUE}, {"type": "text", "text": "with"},
+        {"type": "image", "image": PNG}]}])
+    assert streamed == content and chunks[-1].usage.prompt_tokens == n2 == n
+
+
+def test_anthropic_image_replies_equal_the_engines(vl_server, vl_engine, files):
+    _, an = _clients(vl_server)
+    blocks = [an_url(files + "/cat.png"), {"type": "text", "text": "What is it?"}]
+    msg = an.messages.create(model="tiny", max_tokens=8, messages=user(*blocks), extra_body={"temperature": 0})
+    content, reasoning, n = _direct(vl_engine, [{"role": "user", "content": [
+        {"type": "image", "image": PNG}, {"type": "text", "text": "What is it?"}]}], think=False)
+    assert "".join(b.text for b in msg.content if b.type == "text") == content
+    assert msg.usage.input_tokens == n
+    assert an.messages.count_tokens(model="tiny", messages=user(*blocks)).input_tokens == n
+    # base64, and an image inside a tool result
+    tool_turns = [{"role": "user", "content": "Look at the picture"},
+                  {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "camera", "input": {}}]},
+                  {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1",
+                                                "content": [{"type": "text", "text": "snap"},
+                                                            an_image(base64.b64encode(BLUE).decode())]}]}]
+    tools = [{"name": "camera", "description": "Takes a picture", "input_schema": {"type": "object",
+                                                                                   "properties": {}}}]
+    msg = an.messages.create(model="tiny", max_tokens=8, messages=tool_turns, tools=tools,
+                             extra_body={"temperature": 0})
+    from lumen_core.chat import collect
+
+    events = list(vl_engine.chat([
+        {"role": "user", "content": "Look at the picture"},
+        {"role": "assistant", "content": "", "tool_calls": [{"id": "t1", "type": "function",
+                                                             "function": {"name": "camera", "arguments": {}}}]},
+        {"role": "tool", "tool_call_id": "t1", "content": [{"type": "text", "text": "snap"},
+                                                           {"type": "image", "image": BLUE}]}],
+        tools=[{"type": "function", "function": {"name": "camera",  # the server's key order, as the template dumps it
+                                                 "parameters": {"type": "object", "properties": {}},
+                                                 "description": "Takes a picture"}}],
+        think=False, max_tokens=8, temperature=0))
+    assert "".join(b.text for b in msg.content if b.type == "text") == collect(events)[0]
+    assert msg.usage.input_tokens == vl_engine.stats.prompt_tokens
