@@ -167,6 +167,13 @@ def test_tower_shape_check_names_the_vision_key(tiny_checkpoint):
     arch.vision_args.intermediate_size += 1
     with pytest.raises(CheckpointError, match="vision_config.intermediate_size"):
         arch.check_checkpoint(ckpt)
+    from lumen_core.loader import load_component
+
+    backend = registry.backend_class("cpu")("cpu", registry)
+    layout = arch.layout(ckpt.tensors)
+    weights = {c: load_component(ckpt, arch, backend, "ram", names, {}) for c, names in layout.needs.items()}
+    with pytest.raises(CheckpointError, match="vision_config.intermediate_size"):  # and when the tower is built
+        arch.build(weights, {c: backend for c in arch.components()}, SimpleNamespace(type_k="f32", type_v="f32"))
 
 
 def test_tower_on_bf16_weights(tiny_checkpoint, tmp_path):

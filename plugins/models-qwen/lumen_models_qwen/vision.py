@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from lumen_core.architecture import ConfigValueError, read_float, read_int
 from lumen_core.backend import Weight
+from lumen_core.errors import CheckpointError
 
 LN_EPS = 1e-6  # transformers' Qwen3.5 vision LayerNorms
 ACTIVATIONS = {"gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "gelu_fast": "gelu_tanh", "gelu": "gelu"}
@@ -177,6 +178,10 @@ class VisionTower:
         def w(name):
             return weights[prefix + name]
 
+        for name, (shape, keys) in args.shapes(prefix).items():  # a tower the vision config does not describe
+            if tuple(weights[name].shape) != shape:
+                raise CheckpointError(f"tensor {name!r} has shape {tuple(weights[name].shape)}, but the config "
+                                      f"implies {shape} from {', '.join(keys)}: the config does not match the weights")
         backend.use()
         kernel = w("patch_embed.proj.weight")  # (H, C, T, P, P): the Conv3d over one patch is a linear
         self.patch = Weight(kernel.reshape(args.hidden_size, args.patch_dim), "f32",
