@@ -275,3 +275,25 @@ def test_gemma4_tower_with_gqa_clipped_linears_and_standardize(make_tiny, tmp_pa
         theirs = case.ref.model.get_image_features(kwargs["pixel_values"], kwargs["image_position_ids"]).pooler_output
     for ours, t in zip(case.model.encode_images(inputs), theirs, strict=True):
         assert np.abs(ours - t.numpy()).max() <= TOL
+
+
+@pytest.mark.parametrize("kind", ["gemma4_mm", "gemma3_vl"])
+def test_a_vision_config_that_does_not_match_the_tower_is_refused_by_key(kind, tiny_checkpoint, tmp_path):
+    import json
+    import shutil
+
+    from lumen_core.errors import CheckpointError, LumenError
+
+    path = tmp_path / kind
+    shutil.copytree(tiny_checkpoint(kind), path)
+    config = json.loads((path / "config.json").read_text())
+    config["vision_config"]["intermediate_size"] = 65
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=r"mlp\..*has shape .*vision_config.intermediate_size"):
+        lumen.load({"model": {"path": str(path), "compute": "cpu"}, "vision": {"compute": "cpu"}}, progress=False)
+    config["vision_config"]["intermediate_size"] = 64
+    config["vision_config"]["num_hidden_layers"] = 2  # the file has one layer: layer 1's tensors are missing
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(LumenError, match=r"encoder\.layers\.1\."):
+        lumen.load({"model": {"path": str(path), "compute": "cpu"}, "vision": {"compute": "cpu"}}, progress=False)
+    lumen.load({"model": {"path": str(path), "compute": "cpu"}}, progress=False)  # text alone needs no tower

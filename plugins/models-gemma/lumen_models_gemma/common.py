@@ -140,9 +140,10 @@ class GemmaArchitecture(Architecture):
     def has_vision(self) -> bool:
         return bool(self.config.get("vision_config")) and not self._is_gguf()
 
-    def is_vision_tensor(self, name: str) -> bool:
-        """A tensor the vision component loads (the tower, its projector / embedder), when ``self.vision``."""
-        return vision_key(name) is not None
+    def vision_tensors(self, names) -> dict:
+        """``{tensor: (shape, config keys)}`` the vision component loads (the tower, its projector / embedder), as
+        the ``vision_config`` sizes them; used when ``self.vision``."""
+        raise NotImplementedError
 
     def vision_tower(self, weights: dict, backend):
         raise NotImplementedError
@@ -194,8 +195,12 @@ class GemmaArchitecture(Architecture):
             needs[("layer", i)] = [f"{p}layers.{i}.{n}" for n in self.layer_tensors(i)]
             if self.expert_tensors(i):
                 needs[("experts", i)] = [f"{p}layers.{i}.{n}" for n in self.expert_tensors(i)]
+        # The tower's shapes are checked whenever the checkpoint has one (a vision_config that disagrees with its
+        # weights is a damaged checkpoint, as transformers would refuse it); loaded only with a vision block.
+        tower = self.has_vision() and any(vision_key(n) is not None for n in names)
+        self._vision_shapes = self.vision_tensors(names) if tower or self.vision else {}
         if self.vision:
-            needs[("vision", None)] = sorted(n for n in names if self.is_vision_tensor(n))
+            needs[("vision", None)] = list(self._vision_shapes)
         needed = {n for ns in needs.values() for n in ns}
         skipped = {n: r for n in names - needed if (r := self.skip_reason(n))}
         return TensorLayout(needs, skipped)
@@ -230,7 +235,7 @@ class GemmaArchitecture(Architecture):
             out[L + "mlp.gate_proj.weight"] = ((rows, hidden), mlp_keys)
             out[L + "mlp.up_proj.weight"] = ((rows, hidden), mlp_keys)
             out[L + "mlp.down_proj.weight"] = ((hidden, rows), mlp_keys)
-        return out
+        return {**out, **getattr(self, "_vision_shapes", {})}
 
     def norm_weight_offset(self, name: str) -> float | None:
         """Every Gemma norm weight multiplies by ``w + norm_offset`` (``rms_norm``'s offset); the vision tower's

@@ -140,9 +140,10 @@ class Gemma3(GemmaArchitecture):
         wrap = list(self.image_wrap_ids)
         return wrap + [self.placeholder_id] + [self.image_token_id] * image.num_tokens + [eoi] + wrap
 
-    def is_vision_tensor(self, name: str) -> bool:
-        key = vision_key(name)
-        return key is not None and not key.startswith("vision_tower.head.")
+    def vision_tensors(self, names) -> dict:
+        from .vision import siglip_tensors
+
+        return siglip_tensors(self.config, names)
 
     def skip_reason(self, name: str) -> str | None:
         key = vision_key(name)

@@ -217,6 +217,11 @@ class Gemma4(GemmaArchitecture):
         # full layers stay causal (and without it every layer is causal)
         return self.args.use_bidirectional_attention == "vision" and spec.type == "sliding_attention"
 
+    def vision_tensors(self, names) -> dict:
+        from .vision import gemma4_tensors
+
+        return gemma4_tensors(self.config, names)
+
     def vision_tower(self, weights: dict, backend):
         from .vision import Gemma4Tower
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from lumen_core.architecture import read_int
 from lumen_core.errors import InputError, PlanError
 
 
@@ -33,6 +34,80 @@ def vision_key(name: str) -> str | None:
         if rest.startswith(start):
             return rest.replace("vision_tower.vision_model.", "vision_tower.", 1)
     return None
+
+
+def _prefix(names, candidates, probe: str) -> str:
+    """Where a checkpoint keeps a module: the first candidate prefix with ``probe`` under it (else the first)."""
+    return next((c for c in candidates if c + probe in names), candidates[0])
+
+
+def _vint(vc: dict, key: str, default: int) -> int:
+    return read_int(vc, key, 1, default, label="vision_config." + key)
+
+
+def gemma4_tensors(config: dict, names) -> dict:
+    """``{tensor: (shape, config keys)}`` of Gemma 4's vision tower and embedder, as ``vision_config`` sizes them:
+    the tensors the vision component needs (a missing one is refused before loading, a wrong shape names the
+    keys)."""
+    vc, text = config.get("vision_config") or {}, config.get("text_config") or {}
+    H, I = _vint(vc, "hidden_size", 768), _vint(vc, "intermediate_size", 3072)
+    heads = _vint(vc, "num_attention_heads", 12)
+    kv, hd = _vint(vc, "num_key_value_heads", heads), _vint(vc, "head_dim", H // heads)
+    P, S = _vint(vc, "patch_size", 16), _vint(vc, "position_embedding_size", 10 * 1024)
+    k = "vision_config."
+    hid, mlp, att = (k + "hidden_size",), (k + "hidden_size", k + "intermediate_size"), \
+        (k + "num_attention_heads", k + "num_key_value_heads", k + "head_dim", k + "hidden_size")
+    p = _prefix(names, ("model.vision_tower.", "vision_tower."), "patch_embedder.input_proj.weight")
+    e = _prefix(names, ("model.embed_vision.", "embed_vision."), "embedding_projection.weight")
+    out = {p + "patch_embedder.input_proj.weight": ((H, 3 * P * P), hid + (k + "patch_size",)),
+           p + "patch_embedder.position_embedding_table": ((2, S, H), (k + "position_embedding_size",) + hid),
+           e + "embedding_projection.weight": ((text.get("hidden_size"), H), ("hidden_size",) + hid)}
+    if vc.get("standardize", False):
+        out.update({p + "std_bias": ((H,), hid), p + "std_scale": ((H,), hid)})
+    linears = {"self_attn.q_proj": (heads * hd, H), "self_attn.k_proj": (kv * hd, H), "self_attn.v_proj": (kv * hd, H),
+               "self_attn.o_proj": (H, heads * hd), "mlp.gate_proj": (I, H), "mlp.up_proj": (I, H),
+               "mlp.down_proj": (H, I)}
+    for i in range(_vint(vc, "num_hidden_layers", 16)):
+        L = f"{p}encoder.layers.{i}."
+        for n in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                  "post_feedforward_layernorm"):
+            out[f"{L}{n}.weight"] = ((H,), hid)
+        out[L + "self_attn.q_norm.weight"] = out[L + "self_attn.k_norm.weight"] = ((hd,), (k + "head_dim",))
+        for n, shape in linears.items():
+            out[f"{L}{n}.linear.weight"] = (shape, att if n.startswith("self_attn") else mlp)
+            if vc.get("use_clipped_linears", False):
+                for b in ("input_min", "input_max", "output_min", "output_max"):
+                    out[f"{L}{n}.{b}"] = ((), (k + "use_clipped_linears",))
+    return out
+
+
+def siglip_tensors(config: dict, names) -> dict:
+    """``{tensor: (shape, config keys)}`` of Gemma 3's SigLIP tower (without its unused pooling head) and its
+    multi-modal projector."""
+    vc, text = config.get("vision_config") or {}, config.get("text_config") or {}
+    H, I = _vint(vc, "hidden_size", 768), _vint(vc, "intermediate_size", 3072)
+    C, P, size = _vint(vc, "num_channels", 3), _vint(vc, "patch_size", 16), _vint(vc, "image_size", 224)
+    k = "vision_config."
+    hid, mlp = (k + "hidden_size",), (k + "hidden_size", k + "intermediate_size")
+    p = _prefix(names, ("vision_tower.vision_model.", "model.vision_tower.vision_model.", "vision_tower.",
+                        "model.vision_tower."), "embeddings.patch_embedding.weight")
+    m = _prefix(names, ("multi_modal_projector.", "model.multi_modal_projector."), "mm_soft_emb_norm.weight")
+    out = {p + "embeddings.patch_embedding.weight": ((H, C, P, P), hid + (k + "num_channels", k + "patch_size")),
+           p + "embeddings.patch_embedding.bias": ((H,), hid),
+           p + "embeddings.position_embedding.weight": (((size // P) ** 2, H),
+                                                        (k + "image_size", k + "patch_size") + hid),
+           p + "post_layernorm.weight": ((H,), hid), p + "post_layernorm.bias": ((H,), hid),
+           m + "mm_input_projection_weight": ((H, text.get("hidden_size")), hid + ("hidden_size",)),
+           m + "mm_soft_emb_norm.weight": ((H,), hid)}
+    shapes = {"layer_norm1": (H,), "layer_norm2": (H,), "self_attn.q_proj": (H, H), "self_attn.k_proj": (H, H),
+              "self_attn.v_proj": (H, H), "self_attn.out_proj": (H, H), "mlp.fc1": (I, H), "mlp.fc2": (H, I)}
+    for i in range(_vint(vc, "num_hidden_layers", 12)):
+        L = f"{p}encoder.layers.{i}."
+        for n, shape in shapes.items():
+            keys = mlp if n.startswith("mlp") else hid
+            out[f"{L}{n}.weight"] = (shape, keys)
+            out[f"{L}{n}.bias"] = ((shape[0],), keys)
+    return out
 
 
 def _weights(weights: dict) -> dict:
