@@ -160,6 +160,9 @@ class Engine:
                 + ("" if self.arch.has_vision() else f"; and {self.config.model_path} has no vision tower at all"))
         if self._image_processor is None:
             self._image_processor = self.arch.image_processor(self._preprocessor_config)
+            if self._image_processor is None:
+                raise InputError(f"the {self.arch.model_type} architecture loaded a vision tower but has no image "
+                                 f"preprocessor for {self.config.model_path}, so it cannot take images")
         return [self._image_processor.preprocess(image, label=f"image {i}")
                 for i, image in enumerate(images_from(list(images)), 1)]
 

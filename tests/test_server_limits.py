@@ -415,3 +415,19 @@ def test_a_json_value_of_the_wrong_type_is_a_400_naming_the_field(server, route,
     body = r.json()
     message = body["error"]["message"]
     assert field in message, message
+
+
+def test_image_limits_come_from_the_config_and_the_options():
+    from lumen_core.config import load_config
+    from lumen_core.server.settings import Limits
+
+    config = load_config({"model": {"path": "m"}, "server-parameters": {"fetch-timeout": 2.5, "fetch-max-bytes": 1000,
+                                                                        "max-images": 3}})
+    limits = Limits.from_parameters(config.server_parameters())
+    assert (limits.fetch_timeout, limits.fetch_max_bytes, limits.max_images) == (2.5, 1000, 3)
+    assert Limits.from_parameters(config.server_parameters(), max_images=0, fetch_timeout=None).max_images == 0
+    from lumen_core.errors import ConfigError
+
+    with pytest.raises(ConfigError) as info:
+        load_config({"model": {"path": "m"}, "server-parameters": {"fetch-timeout": 0}})
+    assert info.value.path == "server-parameters.fetch-timeout"

@@ -12,8 +12,8 @@ Limits (``server-parameters`` keys / ``lumen serve`` options; docs/server.md say
 * ``max-tokens-limit`` (none): the most tokens one request may ask for. Whatever it says, ``max_tokens`` may not
   exceed the context left after the prompt (OpenAI's 400 "max_tokens is too large").
 
-Images (issue 17; ``Limits`` fields, given to ``create_app``; no ``server-parameters`` key or ``lumen serve`` option
-yet, so ``lumen serve`` runs with these defaults):
+Images (issue 17; ``server-parameters`` keys ``fetch-timeout``, ``fetch-max-bytes``, ``max-images``; ``lumen serve``
+options ``--fetch-timeout``, ``--max-images``):
 
 * ``fetch_timeout`` (10 s): the most one image URL's fetch may take, from the DNS lookup to the last byte; past it
   the request is a 400 naming the URL.

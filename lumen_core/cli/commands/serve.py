@@ -39,6 +39,11 @@ def serve(
     max_tokens_limit: Annotated[int | None, Opt(min=1, help="Most tokens one request may ask for (default: "
                                                 "server-parameters.max-tokens-limit, else only the context left "
                                                 "after the prompt).")] = None,
+    fetch_timeout: Annotated[float | None, Opt(min=0.001, help="Seconds one image URL's fetch may take, all of "
+                                               "it; past it a 400 (default: server-parameters.fetch-timeout, else "
+                                               "10).")] = None,
+    max_images: Annotated[int | None, Opt(min=0, help="Images in one request; more is a 400 (default: "
+                                          "server-parameters.max-images, else 32).")] = None,
     server_api: Annotated[APIChoice | None, Opt("--server-api", help="Serve only this API (both: both, whatever "
                                                 "the config says); the other API's routes answer 404 saying why "
                                                 "(default: server-parameters.server-api, else both).")] = None,
@@ -67,7 +72,8 @@ def serve(
     cfg = config_from_path_or_model(config)
     params = cfg.server_parameters()  # a bad api-keys entry is a ConfigError naming it, before the weights
     limits = Limits.from_parameters(params, max_queue=max_queue, request_timeout=request_timeout,
-                                    max_body_bytes=max_body_bytes, max_tokens=max_tokens_limit)
+                                    max_body_bytes=max_body_bytes, max_tokens=max_tokens_limit,
+                                    fetch_timeout=fetch_timeout, max_images=max_images)
     api = ServerAPI.from_parameters(params, server_api.value if server_api else None)
     keys = api_key if api_key else params.get("api_keys", [])
     host = host or params.get("host", "127.0.0.1")
