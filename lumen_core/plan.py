@@ -137,6 +137,7 @@ def check_vision(config, arch: Architecture, ckpt) -> None:
         raise ConfigError("vision", f"{ckpt.path} is {what}: there is no vision tower to load",
                           "remove the 'vision' block, or point model.path at a multimodal checkpoint")
     arch.vision = True
+    arch.check_checkpoint(ckpt)  # again, with the tower's tensors: wrong shapes are refused before any weight loads
 
 
 VISION_SCORES_BOUND = 1 << 30  # a tower's attention scores are computed in blocks of at most this (cuda; cpu: less)
