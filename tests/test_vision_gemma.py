@@ -297,3 +297,28 @@ def test_a_vision_config_that_does_not_match_the_tower_is_refused_by_key(kind, t
     with pytest.raises(LumenError, match=r"encoder\.layers\.1\."):
         lumen.load({"model": {"path": str(path), "compute": "cpu"}, "vision": {"compute": "cpu"}}, progress=False)
     lumen.load({"model": {"path": str(path), "compute": "cpu"}}, progress=False)  # text alone needs no tower
+
+
+@pytest.mark.parametrize("kind", ["gemma4_mm", "gemma3_vl"])
+def test_towers_on_bf16_weights_mapped_from_the_file(kind, tiny_checkpoint, tmp_path):
+    # Released checkpoints are bf16: the kernels stay bf16 (SigLIP's patch kernel reshaped, the projector
+    # transposed on load), here read through store mmap, against transformers in f32 over the same rounded values.
+    import shutil
+
+    from transformers import AutoModelForImageTextToText
+
+    path = tmp_path / kind
+    shutil.copytree(tiny_checkpoint(kind), path)
+    AutoModelForImageTextToText.from_pretrained(path, dtype=torch.bfloat16).save_pretrained(path)
+    case = Case.__new__(Case)
+    case.ref = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+    case.engine = lumen.load({"model": {"path": str(path), "compute": "cpu", "store": "mmap"},
+                              "vision": {"compute": "cpu", "store": "mmap"}}, progress=False)
+    case.arch, case.model, case.gemma4 = case.engine.arch, case.engine.model, kind == "gemma4_mm"
+    assert {w.format for w in case.engine.weights[("vision", None)].values() if hasattr(w, "format")} == {"bf16"}
+    inputs, kwargs = case.process(pictures(2))
+    with torch.no_grad():
+        extra = (kwargs["image_position_ids"],) if case.gemma4 else ()
+        theirs = case.ref.model.get_image_features(kwargs["pixel_values"], *extra).pooler_output
+    for ours, t in zip(case.model.encode_images(inputs), theirs, strict=True):
+        assert np.abs(ours - t.numpy()).max() <= TOL
