@@ -322,3 +322,23 @@ def test_towers_on_bf16_weights_mapped_from_the_file(kind, tiny_checkpoint, tmp_
         theirs = case.ref.model.get_image_features(kwargs["pixel_values"], *extra).pooler_output
     for ours, t in zip(case.model.encode_images(inputs), theirs, strict=True):
         assert np.abs(ours - t.numpy()).max() <= TOL
+
+
+@pytest.mark.parametrize("kind", ["gemma4_mm", "gemma3_vl"])
+def test_a_multimodal_config_without_the_tower_tensors_has_no_vision(kind, tiny_checkpoint, tmp_path):
+    import shutil
+
+    from lumen_models_gemma.vision import vision_key
+    from safetensors.numpy import load_file, save_file
+
+    from lumen_core.errors import LumenError
+
+    path = tmp_path / kind
+    shutil.copytree(tiny_checkpoint(kind), path)
+    tensors = load_file(path / "model.safetensors")
+    save_file({n: t for n, t in tensors.items() if vision_key(n) is None}, path / "model.safetensors",
+              metadata={"format": "pt"})
+    with pytest.raises(LumenError, match="no vision tower"):
+        lumen.load({"model": {"path": str(path), "compute": "cpu"}, "vision": {"compute": "cpu"}}, progress=False)
+    engine = lumen.load({"model": {"path": str(path), "compute": "cpu"}}, progress=False)
+    assert not engine.arch.has_vision()

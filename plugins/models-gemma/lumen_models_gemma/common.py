@@ -137,12 +137,17 @@ class GemmaArchitecture(Architecture):
     # -- vision (issue 17) -----------------------------------------------------------------------------------
     image_token_key = ("image_token_id", None)  # the config key of the image soft token (and its default)
 
+    tower_present = True  # the checkpoint holds the tower's tensors (``layout`` looks)
+
     def has_vision(self) -> bool:
-        return bool(self.config.get("vision_config")) and not self._is_gguf()
+        """A ``vision_config`` and the tower's tensors (known once ``layout`` has seen the names, which
+        ``from_checkpoint`` does); never a GGUF file (llama.cpp keeps the tower in a separate mmproj file)."""
+        return bool(self.config.get("vision_config")) and self.tower_present and not self._is_gguf()
 
     def vision_tensors(self, names) -> dict:
         """``{tensor: (shape, config keys)}`` the vision component loads (the tower, its projector / embedder), as
-        the ``vision_config`` sizes them; used when ``self.vision``."""
+        the ``vision_config`` sizes them: loaded with a vision block, their shapes checked whenever the checkpoint
+        has a tower."""
         raise NotImplementedError
 
     def vision_tower(self, weights: dict, backend):
@@ -197,7 +202,8 @@ class GemmaArchitecture(Architecture):
                 needs[("experts", i)] = [f"{p}layers.{i}.{n}" for n in self.expert_tensors(i)]
         # The tower's shapes are checked whenever the checkpoint has one (a vision_config that disagrees with its
         # weights is a damaged checkpoint, as transformers would refuse it); loaded only with a vision block.
-        tower = self.has_vision() and any(vision_key(n) is not None for n in names)
+        self.tower_present = any(vision_key(n) is not None for n in names)
+        tower = self.has_vision()
         self._vision_shapes = self.vision_tensors(names) if tower or self.vision else {}
         if self.vision:
             needs[("vision", None)] = list(self._vision_shapes)
