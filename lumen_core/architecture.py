@@ -220,9 +220,10 @@ class Architecture(ABC):
         from .tensors import logical_shape
 
         layout = self.layout(ckpt.tensors)
+        tower = set(layout.needs.get(("vision", None), ()))  # a vision tower's own "layers.N" are not the model's
         first: dict[int, str] = {}  # layer index -> a tensor of it
         for name in ckpt.tensors:
-            m = None if name in layout.skipped else LAYER_INDEX.search(name)
+            m = None if name in layout.skipped or name in tower else LAYER_INDEX.search(name)
             if m:
                 first.setdefault(int(m.group(1)), name)
         have = max(first) + 1 if first else 0

@@ -32,3 +32,12 @@ def test_the_tower_is_a_placed_row_with_its_activations(kind, tiny_checkpoint):
     _, _, _, text_plan, text = prepare({"model": {"path": path}})
     assert "vision" not in {e.component for e in text_plan.entries}
     assert any("vision" in reason for reason in text["layout"].skipped.values())
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5_vl"])  # (the tiny Gemma towers' depth is fixed by make_tiny_checkpoint)
+def test_a_tower_deeper_than_the_text_model_is_not_a_layer_count_mismatch(kind, tiny_checkpoint):
+    """The tower's own blocks are named ``...layers.N`` too: with the vision block on, the layer-count check counts
+    the text model's layers only (here a 4-layer text model under a 6-block tower)."""
+    path = str(tiny_checkpoint(kind, vision_config={"depth": 6}))
+    plan = prepare({"model": {"path": path}, "vision": {"compute": "cpu"}})[3]
+    assert "vision" in {e.component for e in plan.entries}
