@@ -48,6 +48,9 @@ def test_bidirectional_attention(backends, heads):
     q, k, v = rand(rng, 150, H, 32), rand(rng, 150, Hkv, 32), rand(rng, 150, Hkv, 24)
     want = cpu.ops.bidirectional_attention(q, k, v, 32 ** -0.5)
     close(gpu.ops.bidirectional_attention(*map(gpu.tensor, (q, k, v)), 32 ** -0.5), want)
+    from lumen_cuda import vision_ops  # the cuBLAS path the flash kernel falls back to
+
+    close(vision_ops._bidirectional_cublas(*map(gpu.tensor, (q, k, v)), 32 ** -0.5), want)
 
 
 @pytest.mark.gpu

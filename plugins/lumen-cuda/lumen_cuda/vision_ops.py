@@ -42,8 +42,21 @@ def gelu_tanh(x):
 
 def bidirectional_attention(q, k, v, scale: float):
     """softmax(q kᵀ · scale) v, every query over every key: q (T, H, D), k (S, Hkv, D), v (S, Hkv, Dv) -> (T, H, Dv);
-    query head h reads KV head h // (H / Hkv). cuBLAS batched GEMMs, queries in blocks under ``_ATTENTION_BYTES``."""
+    query head h reads KV head h // (H / Hkv). The flash kernel (lumen_cuda.flash) with the queries placed after
+    every key, so its causal mask hides none; where it declines, cuBLAS batched GEMMs with the queries in blocks
+    under ``_ATTENTION_BYTES``."""
+    from . import flash
+
     q, k, v = _f32(q), _f32(k), _f32(v)
+    T, H, _ = q.shape
+    S, Hkv, Dv = v.shape
+    out = flash.attend(q, k.transpose(1, 0, 2), v.transpose(1, 0, 2), S, 0, scale, None, None)
+    if out is not None:
+        return out
+    return _bidirectional_cublas(q, k, v, scale)
+
+
+def _bidirectional_cublas(q, k, v, scale: float):
     T, H, _ = q.shape
     S, Hkv, Dv = v.shape
     group = H // Hkv
