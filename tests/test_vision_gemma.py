@@ -358,3 +358,29 @@ def test_a_multimodal_config_without_the_tower_tensors_has_no_vision(kind, tiny_
         lumen.load({"model": {"path": str(path), "compute": "cpu"}, "vision": {"compute": "cpu"}}, progress=False)
     engine = lumen.load({"model": {"path": str(path), "compute": "cpu"}}, progress=False)
     assert not engine.arch.has_vision()
+
+
+def test_a_released_config_saying_rope_type_default_is_the_axial_rope(tiny_checkpoint, tmp_path):
+    """Gemma 4's published vision_config says rope_parameters {"rope_type": "default", "rope_theta": 100.0}; that is
+    the tower's axial 2-D RoPE (transformers rewrites it so): the same embeddings as the checkpoint saved by
+    transformers (which writes "axial")."""
+    import json
+    import shutil
+
+    import numpy as np
+
+    import lumen_core as lumen
+
+    src = tiny_checkpoint("gemma4_mm")
+    dst = tmp_path / "released"
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["vision_config"]["rope_parameters"] = {"rope_type": "default", "rope_theta": 100.0}
+    (dst / "config.json").write_text(json.dumps(cfg))
+    from PIL import Image
+
+    image = Image.fromarray((np.random.RandomState(0).rand(40, 56, 3) * 255).astype("uint8"))
+    got = [lumen.load({"model": {"path": str(p)}, "vision": {"compute": "cpu"}}, progress=False)
+           for p in (src, dst)]
+    a, b = (e.model.encode_images(e.images_in([image]))[0] for e in got)
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

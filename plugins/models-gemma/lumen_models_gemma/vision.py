@@ -148,8 +148,10 @@ class Gemma4Tower:
         if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
             raise PlanError(f"vision_config.hidden_activation {act!r} is not supported (Gemma 4 uses tanh GELU)")
         rope = vc.get("rope_parameters") or {}
-        if rope.get("rope_type", "axial") != "axial":
-            raise PlanError(f"vision_config.rope_parameters.rope_type {rope.get('rope_type')!r}: only 'axial'")
+        # released configs say "default": for this tower that means its axial 2-D RoPE (transformers reads it so)
+        if rope.get("rope_type", "axial") not in ("axial", "default"):
+            raise PlanError(f"vision_config.rope_parameters.rope_type {rope.get('rope_type')!r}: only 'axial' "
+                            "(or 'default', which is axial for Gemma 4's vision tower)")
         theta, spatial = rope.get("rope_theta", 100.0), self.head_dim // 2
         self.inv_freq = [1.0 / theta ** (i / spatial) for i in range(0, spatial, 2)]
         self.clipped = bool(vc.get("use_clipped_linears", False))
