@@ -350,6 +350,12 @@ class Architecture(ABC):
         ``preprocess(pil_image) -> lumen_core.images.ImageInput``; None when the family has no vision."""
         return None
 
+    def image_text(self, text: str) -> str:
+        """The prompt text with what the family's HF processor writes around each image placeholder before it
+        tokenizes (Gemma 3: a blank line before and after the image); the engine calls it on a prompt with images,
+        before encoding. Default: the text as it is."""
+        return text
+
     def expand_image_tokens(self, ids: list[int], images: list) -> list[int]:
         """The prompt ``ids`` with each image's placeholder expanded into the image's tokens, as the family's
         HF processor does (e.g. Qwen: one ``<|image_pad|>`` becomes ``num_tokens`` of them); ``images`` are the

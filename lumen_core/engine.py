@@ -273,6 +273,8 @@ class Engine:
         max_tokens = defaults.get("max_tokens", 256) if max_tokens is None else max_tokens
         stop = stop if stop is not None else defaults.get("stop", [])
         params = sampling_params(defaults, sampling)
+        if images and isinstance(prompt, str):
+            prompt = self.arch.image_text(prompt)  # what the family's processor writes around an image
         ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         decoder, matcher = StreamDecoder(self.tokenizer), StopMatcher(stop)
         media = {"images": images} if images else {}  # text-only calls keep generate_tokens' text-only signature
@@ -309,8 +311,10 @@ class Engine:
         stops = list(defaults.get("stop", []) if stop is None else stop)
         decoder = StreamDecoder(self.tokenizer, skip_special_tokens=False)
         matcher = StopMatcher(stops + list(fmt.stop))
-        ids = self.encode(prompt, add_special_tokens=False)
         images = images_of(messages)
+        if images:
+            prompt = self.arch.image_text(prompt)
+        ids = self.encode(prompt, add_special_tokens=False)
         media = {"images": images} if images else {}  # text-only calls keep generate_tokens' text-only signature
         for tok in self.generate_tokens(ids, max_tokens, sampling_params(defaults, sampling), **media):
             text, stopped = matcher.push(decoder.push(tok))

@@ -384,3 +384,31 @@ def test_a_released_config_saying_rope_type_default_is_the_axial_rope(tiny_check
            for p in (src, dst)]
     a, b = (e.model.encode_images(e.images_in([image]))[0] for e in got)
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_gemma3_prompt_ids_with_an_image_are_what_its_processor_tokenizes(tiny_checkpoint):
+    """transformers' Gemma3Processor replaces each <start_of_image> of the text with "\\n\\n<start_of_image>" + the
+    soft tokens + "<end_of_image>\\n\\n" and then tokenizes the whole text (the blank lines merge with the newlines
+    around them). Lumen writes the blank lines into the text (Gemma3.image_text) and expands the tokens between:
+    the same ids as the HF tokenizer gives that processor text."""
+    import numpy as np
+    from PIL import Image
+    from transformers import AutoTokenizer
+
+    import lumen_core as lumen
+
+    path = tiny_checkpoint("gemma3_vl")
+    engine = lumen.load({"model": {"path": str(path)}, "vision": {"compute": "cpu"}}, progress=False)
+    image = Image.fromarray((np.random.RandomState(0).rand(40, 56, 3) * 255).astype("uint8"))
+    n = engine.arch.config["mm_tokens_per_image"]
+    tok = AutoTokenizer.from_pretrained(path)
+    for text in ("Look:\n<start_of_image>\nWhat is it?", "<start_of_image>Describe.", "A\n\n<start_of_image>\n\nB"):
+        full = text.replace("<start_of_image>",
+                            "\n\n<start_of_image>" + "<image_soft_token>" * n + "<end_of_image>\n\n")
+        want = tok(full)["input_ids"]
+        got, _ = engine.with_images(engine.encode(engine.arch.image_text(text)), [image])
+        assert got == want, text
+    # generate() applies it: the prompt it runs is that one
+    list(engine.generate("Look:\n<start_of_image>\nWhat is it?", images=[image], max_tokens=1, temperature=0.0))
+    assert engine.stats.prompt_tokens == len(tok("Look:\n" + "\n\n<start_of_image>" + "<image_soft_token>" * n
+                                                 + "<end_of_image>\n\n" + "\nWhat is it?")["input_ids"])

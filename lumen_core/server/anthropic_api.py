@@ -344,6 +344,8 @@ class _Prepared:
                        f"type {choice.type!r} cannot be honoured; use type 'auto'")
         try:
             prompt = engine.chat_prompt_and_parser(self.messages, self.tools, self.think, None, self.force)[0]
+            if self.refs:  # as Engine.chat: what the family's processor writes around an image (Gemma 3)
+                prompt = engine.arch.image_text(prompt)
             self.ids = checks.encode(engine, prompt, chat=True)
         except APIError:
             raise

@@ -397,6 +397,8 @@ def _prompt_tokens(engine, messages, tools, think, force, images=()) -> int:
     """Render and measure the prompt as Engine.chat will, each image as its tokens (``images``: preprocessed, in
     prompt order); too long is a 400 (APIError), and so is an InputError (a template refusal) at the caller."""
     prompt = engine.chat_prompt_and_parser(messages, tools, think, None, force)[0]
+    if images:  # as Engine.chat: what the family's processor writes around an image (Gemma 3)
+        prompt = engine.arch.image_text(prompt)
     n = len(vision.expand(engine, checks.encode(engine, prompt, chat=True), list(images)))
     checks.check_length(engine, n, "messages")
     return n

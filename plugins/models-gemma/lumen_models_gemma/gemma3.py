@@ -67,6 +67,9 @@ def check_supported(a) -> None:
         raise CheckpointError("use_bidirectional_attention: this is an embedding model, not a generative one")
 
 
+BOI = "<start_of_image>"  # Gemma 3's image placeholder (boi_token)
+
+
 class Gemma3(GemmaArchitecture):
     model_type = "gemma3"
     norm_offset = 1.0
@@ -134,6 +137,12 @@ class Gemma3(GemmaArchitecture):
     @property
     def placeholder_id(self) -> int:
         return self.config.get("boi_token_index", self.config.get("boi_token_id", 255_999))
+
+    def image_text(self, text: str) -> str:
+        """transformers' Gemma3Processor replaces each <start_of_image> with "\n\n<start_of_image>{soft tokens}
+        <end_of_image>\n\n" and then tokenizes: the blank lines are text (they merge with neighbouring newlines),
+        so they go in here, around the placeholder, and expand_image_tokens adds the tokens between."""
+        return text.replace(BOI, f"\n\n{BOI}\n\n")
 
     def image_run(self, image) -> list[int]:
         eoi = self.config.get("eoi_token_index", self.config.get("eoi_token_id", 256_000))
