@@ -56,7 +56,8 @@ from pathlib import Path
 from _timing import Probe, limit_threads, machine, quiet_pause
 
 # Published shapes. Sources: the config.json of Qwen/Qwen3.5-9B and google/gemma-4-26B-A4B-it on the Hugging Face
-# hub (as mirrored in public repositories' fixtures) and ../shared/REFERENCE.md for the text shapes.
+# hub (as mirrored in public repositories' fixtures); the text shapes from the team's reference notes
+# (REFERENCE.md, kept outside this repository).
 MODELS = {
     "qwen3.5-9b": {
         "family": "qwen",
