@@ -498,3 +498,27 @@ def test_anthropic_image_replies_equal_the_engines(vl_server, vl_engine, files):
         think=False, max_tokens=8, temperature=0))
     assert "".join(b.text for b in msg.content if b.type == "text") == collect(events)[0]
     assert msg.usage.input_tokens == vl_engine.stats.prompt_tokens
+
+
+def test_with_url_fetching_off_an_image_url_is_a_400_and_nothing_is_fetched(vl_engine, monkeypatch, files):
+    """server-parameters.fetch-image-urls false (lumen serve --no-fetch-image-urls): an image URL is refused before
+    anything is opened (the local file server below would have answered); inline images still work."""
+    import lumen_core.server.vision as server_vision
+
+    opened: list = []
+    monkeypatch.setattr(server_vision, "fetch_image", lambda *a, **k: opened.append(a) or b"")
+    srv = Server(vl_engine, limits=Limits(fetch_urls=False))
+    try:
+        oa, an = _clients(srv)
+        message = _oa_error(oa, TEXT, oa_image(files + "/ok.png"))
+        assert message.startswith("messages[0].content[1].image_url.url: this server does not fetch image URLs")
+        assert "fetch-image-urls is false" in message and "inline" in message
+        assert "does not fetch image URLs" in _an_error(an, an_url(files + "/ok.png"), TEXT)
+        assert opened == []
+    finally:
+        srv.stop()
+    from lumen_core.config import load_config
+
+    config = load_config({"model": {"path": "m"}, "server-parameters": {"fetch-image-urls": False}})
+    assert Limits.from_parameters(config.server_parameters()).fetch_urls is False
+    assert Limits.from_parameters(config.server_parameters(), fetch_urls=True).fetch_urls is True

@@ -19,6 +19,8 @@ options ``--fetch-timeout``, ``--max-images``):
   the request is a 400 naming the URL.
 * ``fetch_max_bytes`` (20 MiB, the image loader's own limit on one image): a URL whose body is larger is a 400; the
   body is read in chunks and the fetch stops at the first byte past the limit.
+* ``fetch-image-urls`` (true): false makes every image URL a 400 (images inline only, data URIs / base64), so no
+  request can make the server open a connection (a server that takes requests from untrusted clients).
 * ``max_images`` (32): images in one request (URLs and inline data together); more is a 400. With the fetch limit
   it bounds what one request may make the server hold (32 x 20 MiB) and encode.
 
@@ -49,6 +51,7 @@ class Limits:
     fetch_timeout: float = DEFAULT_FETCH_TIMEOUT  # seconds one image URL may take to fetch, all of it
     fetch_max_bytes: int = DEFAULT_FETCH_MAX_BYTES  # the largest image a URL may give
     max_images: int = DEFAULT_MAX_IMAGES  # images in one request
+    fetch_urls: bool = True  # False: an image URL is a 400 (images inline only): no request makes the server fetch
 
     def __post_init__(self):
         _need(_is_int(self.max_queue) and self.max_queue >= 0, "max_queue", self.max_queue, "an integer >= 0")
@@ -65,12 +68,13 @@ class Limits:
         _need(_is_int(self.fetch_max_bytes) and self.fetch_max_bytes >= 1, "fetch_max_bytes", self.fetch_max_bytes,
               "an integer >= 1")
         _need(_is_int(self.max_images) and self.max_images >= 0, "max_images", self.max_images, "an integer >= 0")
+        _need(isinstance(self.fetch_urls, bool), "fetch_urls", self.fetch_urls, "true or false")
 
     @classmethod
     def from_parameters(cls, params: dict, **given) -> Limits:
         """``Config.server_parameters()`` with the options given on the command line (None: not given) on top."""
         names = ("max_queue", "request_timeout", "max_body_bytes", "max_tokens", "fetch_timeout", "fetch_max_bytes",
-                 "max_images")
+                 "max_images", "fetch_urls")
         values = {name: params[name] for name in names if name in params}
         values.update({name: value for name, value in given.items() if value is not None})
         return cls(**values)

@@ -87,6 +87,9 @@ async def load_images(app, refs: list[ImageRef], param: str | None = "messages")
         raise APIError(400, f"the request holds {len(refs)} images; this server takes at most {limits.max_images} "
                        "per request", param=param)
     fetching = [ref for ref in refs if ref.url is not None and isinstance(ref.part["image"], str)]
+    if fetching and not limits.fetch_urls:
+        raise APIError(400, f"{fetching[0].field}: this server does not fetch image URLs (server-parameters."
+                       "fetch-image-urls is false); send the image inline (a data: URI, or base64)", param=param)
     if fetching:
         bodies = await asyncio.gather(*(run_in_threadpool(fetch_image, ref.url, limits.fetch_timeout,
                                                           limits.fetch_max_bytes) for ref in fetching),

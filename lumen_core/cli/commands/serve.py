@@ -44,6 +44,10 @@ def serve(
                                                "10).")] = None,
     max_images: Annotated[int | None, Opt(min=0, help="Images in one request; more is a 400 (default: "
                                           "server-parameters.max-images, else 32).")] = None,
+    fetch_image_urls: Annotated[bool | None, Opt("--fetch-image-urls/--no-fetch-image-urls",
+                                                 help="Fetch http(s) image URLs of requests; --no-fetch-image-urls: "
+                                                      "images inline only, the server opens no connection (default: "
+                                                      "server-parameters.fetch-image-urls, else fetch).")] = None,
     server_api: Annotated[APIChoice | None, Opt("--server-api", help="Serve only this API (both: both, whatever "
                                                 "the config says); the other API's routes answer 404 saying why "
                                                 "(default: server-parameters.server-api, else both).")] = None,
@@ -73,7 +77,8 @@ def serve(
     params = cfg.server_parameters()  # a bad api-keys entry is a ConfigError naming it, before the weights
     limits = Limits.from_parameters(params, max_queue=max_queue, request_timeout=request_timeout,
                                     max_body_bytes=max_body_bytes, max_tokens=max_tokens_limit,
-                                    fetch_timeout=fetch_timeout, max_images=max_images)
+                                    fetch_timeout=fetch_timeout, max_images=max_images,
+                                    fetch_urls=fetch_image_urls)
     api = ServerAPI.from_parameters(params, server_api.value if server_api else None)
     keys = api_key if api_key else params.get("api_keys", [])
     host = host or params.get("host", "127.0.0.1")
