@@ -398,6 +398,37 @@ class Model(ABC):
         runner that feeds ids from device memory writes this value there."""
         return token
 
+    def forward_batch(self, segments: list[tuple[list[int], Any]]):
+        """One step over several sequences: ``segments`` is ``[(ids, cache)]``, each a different sequence (a
+        decode step's one token, or a chunk of a prompt), each run after its own ``cache.pos``. Returns the host
+        f32 logits of each segment's last token, ``(len(segments), vocab)``, equal to what ``forward`` gives each
+        alone (f32: to the last bits of a GEMM's reduction order). This default runs them one by one; a model
+        overrides it to share the weight reads (one GEMM of every segment's rows: ``Segmented`` for the token
+        mixers, whose state is per sequence)."""
+        import numpy as np
+
+        return np.concatenate([np.asarray(self.forward(list(ids), cache), dtype=np.float32)[-1:]
+                               for ids, cache in segments])
+
+
+@dataclass
+class Segmented:
+    """A token mixer's view of a batched forward: rows ``spans[i] = (first, end)`` of the call belong to sequence
+    ``i``, whose state for this layer is ``states[i]`` and whose first row sits at cache position ``starts[i]``.
+    Projections and norms run over all rows at once; the per-sequence part (attention over its KV cache, the
+    recurrent step) runs per span through ``each``."""
+
+    spans: list[tuple[int, int]]
+    states: list
+    starts: list[int]
+
+    def each(self, ops, fn, *arrays):
+        """``fn(*slices, state, start)`` per sequence (each array sliced to its rows), the results concatenated
+        along the first axis (``ops.concat``)."""
+        out = [fn(*(a[first:end] for a in arrays), state, start)
+               for (first, end), state, start in zip(self.spans, self.states, self.starts, strict=True)]
+        return out[0] if len(out) == 1 else ops.concat(out)
+
 
 def tensor_label(ckpt, name: str) -> str:
     """A tensor's name for an error; a renamed GGUF tensor also by its name in the file."""

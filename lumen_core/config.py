@@ -580,6 +580,8 @@ class KVCacheConfig:
     type_k: str
     type_v: str
     allow_beyond_trained_context: bool = False
+    sequences: int = 1  # generations held at once (the server's batch), each with a full cache
+    prefix_cache_mb: float = 0.0  # host RAM for the prefix cache (0: off)
 
 
 def _expanduser(text: str, where: str) -> Path:
@@ -713,7 +715,8 @@ class Config:
         kv = self.raw["model"].get("hidden-layers", {}).get("kv-cache", {})
         return KVCacheConfig(kv.get("context-size"), kv.get("store"),
                              kv.get("type-k", DEFAULT_KV_TYPE), kv.get("type-v", DEFAULT_KV_TYPE),
-                             kv.get("allow-beyond-trained-context", False))
+                             kv.get("allow-beyond-trained-context", False), kv.get("sequences", 1),
+                             kv.get("prefix-cache-mb", 0.0))
 
     def sampling_defaults(self) -> dict:
         params = self.raw["model"].get("other-parameters", {})

@@ -6,9 +6,10 @@ from __future__ import annotations
 import math
 import os
 import sys
+import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -38,6 +39,9 @@ class Stats:
     finish_reason: str = ""
     images: int = 0
     image_seconds: float = 0.0  # preprocessing and the vision tower, before the prefill
+    cached_tokens: int = 0  # prompt tokens taken from the prefix cache instead of prefilled
+    # per generated token (EOS included) when the generation asked for logprobs: lumen_core.logprobs.TokenLogprob
+    token_logprobs: list = field(default_factory=list)
 
     def summary(self) -> str:
         pre = self.prompt_tokens / self.prefill_seconds if self.prefill_seconds else 0.0
@@ -57,17 +61,39 @@ class Engine:
         self.config, self.arch, self.model, self.tokenizer = config, arch, model, tokenizer
         self.plan, self.report = plan, report
         self.context_size = plan.context_size
-        self.stats = Stats()
+        # per thread: the server runs several generations at once (one thread each), each with its own stats and
+        # stop check
+        self._local = threading.local()
+        self.batcher = None  # a running lumen_core.batching.Batcher: generations then share its batched steps
         self.backends: dict = {}
         self._runner = None  # the backend's DecodeRunner, prepared on the first generation (False: none)
         self._template_noted = False  # the stderr note about a template the checkpoint did not carry
         self._image_processor = None  # built on the first image, from the checkpoint's preprocessor config
         self._preprocessor_config: dict | None = None
         self._image_stats = (0, 0.0)
-        # checked once per generated token: True ends the generation (finish "cancelled"). The server sets it for
-        # the job it runs (a client that left, a time limit): a reply that yields no event for many tokens (a long
-        # tool call) still stops within a token
-        self.should_stop = None
+
+    @property
+    def stats(self) -> Stats:
+        """The statistics of this thread's last generation (prompt and generated tokens, times, finish reason)."""
+        st = getattr(self._local, "stats", None)
+        if st is None:
+            st = self._local.stats = Stats()
+        return st
+
+    @stats.setter
+    def stats(self, value: Stats) -> None:
+        self._local.stats = value
+
+    @property
+    def should_stop(self):
+        """Checked once per generated token: True ends the generation (finish "cancelled"). The server sets it
+        (per thread) for the job it runs (a client that left, a time limit): a reply that yields no event for many
+        tokens (a long tool call) still stops within a token."""
+        return getattr(self._local, "should_stop", None)
+
+    @should_stop.setter
+    def should_stop(self, fn) -> None:
+        self._local.should_stop = fn
 
     @classmethod
     def load(cls, source, progress: bool | Progress = True, chat_template: str | os.PathLike | None = None,
@@ -180,25 +206,41 @@ class Engine:
         return ids, media
 
     def generate_tokens(self, prompt_ids: list[int], max_tokens: int = 256,
-                        params: SamplingParams | None = None, images: list | None = None) -> Iterator[int]:
+                        params: SamplingParams | None = None, images: list | None = None,
+                        logprobs: int | None = None, constraint=None) -> Iterator[int]:
         """Yield new token ids until EOS, ``max_tokens`` or the context is full. ``images``: for a model with a
-        vision tower, one image per placeholder in the prompt, in order (paths, bytes, PIL images, data URIs)."""
+        vision tower, one image per placeholder in the prompt, in order (paths, bytes, PIL images, data URIs).
+        ``logprobs``: record each generated token's logprob with that many most likely alternatives (0: the
+        token's own only) in ``stats.token_logprobs``. ``constraint``: an object with ``mask(row) -> row`` (the
+        logits with the tokens it forbids at -inf) and ``advance(token)`` (a grammar: ``lumen_core.grammar``).
+
+        With a running ``batcher`` (the server, ``kv-cache.sequences`` > 1) the generation joins its batch: the
+        tokens are the same, computed in steps shared with the other running generations."""
         params = params or SamplingParams(temperature=0.0)
         params.validate()
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
             raise InputError(f"max_tokens must be an integer >= 1, got {max_tokens!r}")
+        if logprobs is not None and (not isinstance(logprobs, int) or isinstance(logprobs, bool) or logprobs < 0):
+            raise InputError(f"logprobs must be an integer >= 0 (alternatives per token), got {logprobs!r}")
         self._image_stats = (0, 0.0)
-        prompt_ids, media = self.with_images(prompt_ids, images)
+        prompt_ids, media = self.exclusive(lambda: self.with_images(prompt_ids, images)) if images else \
+            (list(prompt_ids), None)
         self.check_length(len(prompt_ids))
-        # a prompt with images decodes op by op: the replayed step's positions assume text-only prompts
-        eos, runner = self._eos(), (None if media else self.decode_runner())
+        self.stats = st = Stats(prompt_tokens=len(prompt_ids), images=self._image_stats[0],
+                                image_seconds=self._image_stats[1])
+        if self.batcher is not None:
+            yield from self.batcher.generate(prompt_ids, media, max_tokens, params, st, logprobs, constraint,
+                                             self.should_stop)
+            return
+        # a prompt with images decodes op by op: the replayed step's positions assume text-only prompts; logprobs
+        # and a grammar read (and mask) every row on the host
+        on_host = media or logprobs is not None or constraint is not None
+        eos, runner = self._eos(), (None if on_host else self.decode_runner())
         if runner:  # logits stay on the device; the backend samples them and replays its decode step
             runner.reset()
             cache, sample, host = runner.cache, runner.sampler(params), False
         else:
             cache, sample, host = self.model.new_cache(self.context_size), make_sampler(params), True
-        self.stats = st = Stats(prompt_tokens=len(prompt_ids), images=self._image_stats[0],
-                                image_seconds=self._image_stats[1])
         seen = list(prompt_ids)
 
         def next_token(logits) -> int:
@@ -206,7 +248,10 @@ class Engine:
                 return sample(logits[-1], seen)
             row = np.asarray(logits[-1], dtype=np.float32)  # the row the sampler reads: checking it costs ~0.1 ms
             check_logits(row, st.generated_tokens + 1, self.config.model_path)
-            return sample(row, seen)
+            tok, lp = pick_token(row, sample, seen, logprobs, constraint)
+            if lp is not None:
+                st.token_logprobs.append(lp)
+            return tok
 
         t0 = time.perf_counter()
         if media:
@@ -247,6 +292,36 @@ class Engine:
                 chain.close()
         st.decode_seconds = time.perf_counter() - t1
 
+    def start_batching(self, sequences: int | None = None):
+        """Run generations in shared batched steps from now on (``lumen_core.batching.Batcher``): up to
+        ``sequences`` at once (default: the config's ``kv-cache.sequences``, which the plan counted). Idempotent;
+        ``stop_batching`` ends it."""
+        from .batching import Batcher
+
+        if self.batcher is None:
+            self.batcher = Batcher(self, sequences or self.config.kv_cache().sequences)
+        return self.batcher
+
+    def exclusive(self, fn):
+        """``fn()`` with the model to itself: on the batcher's thread between two steps while batching runs, else
+        here (the vision tower, scoring a prompt)."""
+        return self.batcher.call(fn) if self.batcher is not None else fn()
+
+    def close(self) -> None:
+        """Stop batching and release what the backends hold for this engine (device memory, pinned host memory);
+        the engine cannot run after."""
+        self.stop_batching()
+        for backend in {id(b): b for b in self.backends.values()}.values():
+            close = getattr(backend, "close", None)
+            if close is not None:
+                close()
+        self._runner = None
+
+    def stop_batching(self) -> None:
+        if self.batcher is not None:
+            self.batcher.close()
+            self.batcher = None
+
     def decode_runner(self):
         """The backend's replayable decode step (a CUDA graph), when every component sits on one backend that
         has one, or every other component is a layer's routed experts on a backend it names in ``graph_guests``
@@ -265,7 +340,8 @@ class Engine:
         return self._runner
 
     def generate(self, prompt: str | list[int], max_tokens: int | None = None, stop: list[str] | None = None,
-                 images: list | None = None, **sampling) -> Iterator[str]:
+                 images: list | None = None, logprobs: int | None = None, constraint=None,
+                 **sampling) -> Iterator[str]:
         """Stream the newly generated text. ``sampling``: temperature, top_k, top_p, min_p, seed, ...
         ``images``: one per image placeholder the prompt holds (Qwen: ``<|vision_start|><|image_pad|><|vision_end|>``),
         as paths, bytes, PIL images or data URIs; needs the config's ``vision`` block."""
@@ -277,8 +353,9 @@ class Engine:
             prompt = self.arch.image_text(prompt)  # what the family's processor writes around an image
         ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         decoder, matcher = StreamDecoder(self.tokenizer), StopMatcher(stop)
-        media = {"images": images} if images else {}  # text-only calls keep generate_tokens' text-only signature
-        for tok in self.generate_tokens(ids, max_tokens, params, **media):
+        # text-only calls keep generate_tokens' text-only signature
+        extra = _extras(images=images, logprobs=logprobs, constraint=constraint)
+        for tok in self.generate_tokens(ids, max_tokens, params, **extra):
             text, stopped = matcher.push(decoder.push(tok))
             if text:
                 yield text
@@ -297,7 +374,7 @@ class Engine:
 
     def chat(self, messages: list[dict], tools: list[dict] | None = None, think: bool | None = None,
              max_tokens: int | None = None, stop: list[str] | None = None, call_ids=None,
-             force_tool: bool | str = False, **sampling):
+             force_tool: bool | str = False, logprobs: int | None = None, constraint=None, **sampling):
         """Answer a conversation, streamed as chat events: ``Reasoning``, ``Content`` and whole ``ToolCall``
         events (lumen_core.chat), parsed with the model family's chat format. ``think`` switches the template's
         thinking (an error on a template without the switch); the tags reach the parser because the reply is
@@ -315,8 +392,9 @@ class Engine:
         if images:
             prompt = self.arch.image_text(prompt)
         ids = self.encode(prompt, add_special_tokens=False)
-        media = {"images": images} if images else {}  # text-only calls keep generate_tokens' text-only signature
-        for tok in self.generate_tokens(ids, max_tokens, sampling_params(defaults, sampling), **media):
+        # text-only calls keep generate_tokens' text-only signature
+        extra = _extras(images=images, logprobs=logprobs, constraint=constraint)
+        for tok in self.generate_tokens(ids, max_tokens, sampling_params(defaults, sampling), **extra):
             text, stopped = matcher.push(decoder.push(tok))
             yield from parser.push(text)
             if stopped:
@@ -386,6 +464,11 @@ class Engine:
         return set(self.tokenizer.eos_ids) if self.tokenizer else set()
 
 
+def _extras(**options) -> dict:
+    """The options of a generation that are given (images: non-empty), to pass on by name."""
+    return {k: v for k, v in options.items() if v is not None and (k != "images" or v)}
+
+
 IMAGE_PARTS = ("image", "image_url", "input_image")
 
 
@@ -438,6 +521,19 @@ def check_logits(row: np.ndarray, n: int, model_path, doing: str = "generating")
         f"the model produced non-finite logits at token {n} ({doing}; {bad} of {row.size} are NaN or infinite): the "
         f"checkpoint looks corrupt; {_check_hint(model_path)}"
     )
+
+
+def pick_token(row: np.ndarray, sample, seen, logprobs: int | None = None, constraint=None):
+    """(token, its TokenLogprob or None): ``sample`` draws from the host row of logits, after ``constraint``'s
+    mask; the logprob is of the raw row (what the model gives the token, as ``lumen perplexity`` scores it); the
+    constraint then advances past the token."""
+    from .logprobs import token_logprob
+
+    tok = sample(row if constraint is None else constraint.mask(row), seen)
+    lp = None if logprobs is None else token_logprob(row, tok, logprobs)
+    if constraint is not None:
+        constraint.advance(tok)
+    return tok, lp
 
 
 def _check_hint(model_path) -> str:

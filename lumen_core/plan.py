@@ -305,7 +305,7 @@ def make_plan(config, arch: Architecture, ckpt, registry) -> tuple[Plan, dict]:
         # a layer's KV cache (or recurrent state) lives with its token mixer: after the mixer's row when it has one
         if comp[0] == "layer" and ("attention", comp[1]) not in placements or comp[0] == "attention":
             kv_bytes = (KV_BYTES[kv.type_k] + KV_BYTES[kv.type_v]) / 2
-            cache = arch.cache_bytes(comp[1], context, kv_bytes)
+            cache = arch.cache_bytes(comp[1], context, kv_bytes) * kv.sequences  # one per generation held at once
             kv_fmt = kv.type_k if kv.type_k == kv.type_v else f"{kv.type_k}/{kv.type_v}"
             plan.entries.append(
                 PlanEntry(f"cache.layers.{comp[1]}", p.backend, p.device,
@@ -318,6 +318,9 @@ def make_plan(config, arch: Architecture, ckpt, registry) -> tuple[Plan, dict]:
             pairs = ", ".join(f"{f} -> {to}" for f, to in sorted(fmts.items()))
             placement_notes.append(f"{device}: weights converted on load ({pairs}): this backend has no kernel that "
                                    "reads them as stored; the plan counts the converted bytes")
+    if kv.sequences > 1:
+        context_notes.append(f"kv-cache.sequences {kv.sequences}: every cache row counts {kv.sequences} caches of "
+                             f"{context} tokens (one per generation held at once: the server's batch)")
     plan.notes = (config.range_notes(arch.num_layers) + placement_notes + context_notes
                   + _no_effect_notes(config, components)
                   + _expert_cache(config, arch, registry, placements, plan))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from lumen_core.architecture import Model
+from lumen_core.architecture import Model, Segmented
 from lumen_core.errors import InputError, PlanError
 
 from .common import NORMS, round_to_format
@@ -47,15 +47,23 @@ class Attention:
         else:
             q, k, *v = ops.linear_group(h, [self.q, self.k] + ([] if self.v is None else [self.v]))
         q = ops.apply_rope(ops.rms_norm(q.reshape(T, H, D), self.q_norm, eps, off), cos, sin)
+        batched = isinstance(state, Segmented)  # several sequences: each attends over its own cache
         if s.shared_from is not None:
-            o = ops.attention_shared(q, state, start, arch.attn_scale, s.window, **image)
+            if batched:
+                o = state.each(ops, lambda q, st, s0: ops.attention_shared(q, st, s0, arch.attn_scale, s.window), q)
+            else:
+                o = ops.attention_shared(q, state, start, arch.attn_scale, s.window, **image)
         else:
             k = k.reshape(T, s.kv_heads, D)
             v = k if self.v is None else v[0].reshape(T, s.kv_heads, D)
             k = ops.apply_rope(ops.rms_norm(k, self.k_norm, eps, off), cos, sin)
             if arch.v_norm:
                 v = ops.rms_norm(v, None, eps)
-            o = ops.attention(q, k, v, state, start, arch.attn_scale, s.window, **image)
+            if batched:
+                o = state.each(ops, lambda q, k, v, st, s0: ops.attention(q, k, v, st, s0, arch.attn_scale, s.window),
+                               q, k, v)
+            else:
+                o = ops.attention(q, k, v, state, start, arch.attn_scale, s.window, **image)
         return ops.linear(o.reshape(T, H * D), self.o)
 
 
@@ -249,6 +257,35 @@ class GemmaModel(Model):
 
     def input_id(self, token: int) -> int:
         return self.id_map.get(token, token)
+
+    def forward_batch(self, segments):
+        """Several sequences in one pass (``Model.forward_batch``): every row goes through the projections, norms
+        and MLPs together; attention runs per sequence on its own cache (KV-shared layers too)."""
+        ids, spans, positions, caches = [], [], [], []
+        for seg, cache in segments:
+            spans.append((len(ids), len(ids) + len(seg)))
+            ids += list(seg)
+            positions += range(cache.pos, cache.pos + len(seg))
+            caches.append(cache)
+        x, per_layer = self.embed_inputs(ids)
+        starts, ropes = [c.pos for c in caches], {}
+        for i, layer in enumerate(self.layers):
+            b = layer.backend
+            x = b.take(x)
+            key = (b, layer.spec.type)
+            if key not in ropes:
+                ropes[key] = b.ops.rope_tables(positions, self.arch.inv_freq[layer.spec.type])
+            pl = None if per_layer is None else b.take(per_layer)[:, i]
+            x = layer(x, Segmented(spans, [c.layers[i] for c in caches], starts), None, ropes[key], pl)
+        for (first, end), cache in zip(spans, caches, strict=True):
+            cache.pos += end - first
+        ob = self.out_backend
+        x = ob.take(x)
+        x = x[-1:] if len(spans) == 1 else ob.ops.concat([x[end - 1:end] for _, end in spans])
+        logits = ob.ops.linear(ob.ops.rms_norm(x, self.norm, self.args.rms_norm_eps, self.arch.norm_offset), self.head)
+        if self.arch.final_softcap:
+            logits = ob.ops.softcap(logits, self.arch.final_softcap)
+        return ob.to_host(logits)
 
     def forward(self, ids, cache: Cache, all_logits: bool = False, host: bool = True, images=None):
         start, T = cache.pos, len(ids)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from lumen_core.architecture import Model
+from lumen_core.architecture import Model, Segmented
 from lumen_core.errors import InputError
 
 
@@ -44,7 +44,10 @@ class FullAttention:
         v = v.reshape(T, Hkv, D)
         cos, sin = rope
         q, k = ops.apply_rope(q, cos, sin), ops.apply_rope(k, cos, sin)
-        o = ops.attention(q, k, v, state, start, D ** -0.5)
+        if isinstance(state, Segmented):  # several sequences: each attends over its own cache
+            o = state.each(ops, lambda q, k, v, st, s0: ops.attention(q, k, v, st, s0, D ** -0.5), q, k, v)
+        else:
+            o = ops.attention(q, k, v, state, start, D ** -0.5)
         return ops.linear(o.reshape(T, H * D) * ops.sigmoid(gate), self.o)
 
 
@@ -68,9 +71,11 @@ class GatedDeltaNet:
         a, ops, T = self.a, self.ops, h.shape[0]
         Hk, Dk = a.linear_num_key_heads, a.linear_key_head_dim
         Hv, Dv = a.linear_num_value_heads, a.linear_value_head_dim
-        conv_state, delta_state = state
         qkv, z, b, a_in = ops.linear_group(h, [self.qkv, self.z, self.in_b, self.in_a])
-        x = ops.causal_conv1d(qkv, self.conv, conv_state)  # (T, 2*Hk*Dk + Hv*Dv)
+        if isinstance(state, Segmented):  # several sequences: each convolves and recurs over its own state
+            x = state.each(ops, lambda qkv, st, _: ops.causal_conv1d(qkv, self.conv, st[0]), qkv)
+        else:
+            x = ops.causal_conv1d(qkv, self.conv, state[0])  # (T, 2*Hk*Dk + Hv*Dv)
         kd = Hk * Dk
         q, k = x[:, :kd].reshape(T, Hk, Dk), x[:, kd:2 * kd].reshape(T, Hk, Dk)
         v = x[:, 2 * kd:].reshape(T, Hv, Dv)
@@ -82,7 +87,11 @@ class GatedDeltaNet:
             q = q.reshape(T, 1, kd).repeat(Hv // Hk, axis=1).reshape(T, Hv, Dk)
             k = k.reshape(T, 1, kd).repeat(Hv // Hk, axis=1).reshape(T, Hv, Dk)
         g, beta = ops.gdn_gates(a_in, b, self.neg_a, self.dt_bias)  # log decay (<= 0), write strength (T, Hv)
-        o = ops.gated_delta_rule(q, k, v, g, beta, delta_state)  # (T, Hv, Dv)
+        if isinstance(state, Segmented):
+            o = state.each(ops, lambda q, k, v, g, beta, st, _: ops.gated_delta_rule(q, k, v, g, beta, st[1]),
+                           q, k, v, g, beta)
+        else:
+            o = ops.gated_delta_rule(q, k, v, g, beta, state[1])  # (T, Hv, Dv)
         o = ops.rms_norm_gated(o, z.reshape(T, Hv, Dv), self.norm, a.rms_norm_eps)
         return ops.linear(o.reshape(T, Hv * Dv), self.out)
 
@@ -240,6 +249,39 @@ class QwenModel(Model):
             r.extend(range(cur, cur + T - i))
         cur += T - i
         return rows, cur
+
+    def forward_batch(self, segments):
+        """Several sequences in one pass (``Model.forward_batch``): the rows of every segment go through each
+        projection, norm and MLP together; attention and the Gated-DeltaNet step run per sequence on its cache."""
+        ids, spans, positions, caches = [], [], [], []
+        for seg, cache in segments:
+            if cache.pos == 0:
+                cache.rope_offset = 0
+            first = cache.pos + cache.rope_offset
+            spans.append((len(ids), len(ids) + len(seg)))
+            ids += list(seg)
+            positions += range(first, first + len(seg))
+            caches.append(cache)
+        self.in_backend.use()
+        x = self.in_backend.ops.embedding(ids, self.embed)
+        ropes = {}
+
+        def rope(b):
+            if b not in ropes:
+                ropes[b] = b.ops.rope_tables(positions, self.inv_freq)
+            return ropes[b]
+
+        starts = [c.pos for c in caches]
+        for i, layer in enumerate(self.layers):
+            x = layer.backend.take(x)
+            x = layer(x, Segmented(spans, [c.layers[i] for c in caches], starts), None, rope)
+        for (first, end), cache in zip(spans, caches, strict=True):
+            cache.pos += end - first
+        ob = self.out_backend
+        x = ob.take(x)
+        x = x[-1:] if len(spans) == 1 else ob.ops.concat([x[end - 1:end] for _, end in spans])
+        x = ob.ops.rms_norm(x, self.norm, self.args.rms_norm_eps, 1.0)
+        return ob.to_host(ob.ops.linear(x, self.head))
 
     def forward(self, ids, cache: Cache, all_logits: bool = False, host: bool = True, images=None):
         start, T = cache.pos, len(ids)
