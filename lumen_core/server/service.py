@@ -31,6 +31,8 @@ from .settings import Limits
 class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens the prefix cache supplied (OpenAI cached_tokens, Anthropic cache_read)
+    token_logprobs: list = field(default_factory=list)  # lumen_core.logprobs.TokenLogprob per generated token
     finish_reason: str = "stop"  # stop | length | cancelled (the API layer adds tool_calls)
     timed_out: bool = False  # stopped by the request timeout (finish_reason is then "length")
 
@@ -221,6 +223,8 @@ class Service:
         stats, usage = self.engine.stats, job.usage
         usage.prompt_tokens = stats.prompt_tokens
         usage.completion_tokens = stats.generated_tokens
+        usage.cached_tokens = stats.cached_tokens
+        usage.token_logprobs = stats.token_logprobs
         if usage.timed_out:
             usage.finish_reason = "length"
         elif usage.finish_reason != "cancelled":
