@@ -131,6 +131,9 @@ class Batcher:
                     stats.finish_reason = "stop"
                     break
                 yield tok
+                if should_stop is not None and should_stop():  # as a solo run checks, after each token
+                    stats.finish_reason = "cancelled"
+                    break
         finally:
             seq.cancelled.set()  # the caller is done with it: it leaves the batch at the next step
             with self._cond:

@@ -1,16 +1,19 @@
-"""One loaded engine shared by every request: a FIFO queue served by one worker thread.
+"""One loaded engine shared by every request: a FIFO queue served by worker threads.
 
-The engine (its weights, its decode graph) is not re-entrant, so requests run one at a time in arrival order;
-each gets its own cache (the engine makes one per generation), so a request's output never depends on the
-others: N concurrent greedy clients get exactly what each would get alone. Events travel from the worker to the
-request's asyncio task through ``loop.call_soon_threadsafe``.
+With ``kv-cache.sequences`` 1 (the default) one worker runs the requests one at a time in arrival order (on CUDA
+through the captured decode graph). With ``sequences`` N > 1 the engine batches (``lumen_core.batching``): N
+workers each run one request's generation, and the engine's batcher computes the running generations' tokens in
+shared steps; requests join and leave the batch between decode steps. Either way each request has its own cache,
+so a request's output never depends on the others: N concurrent greedy clients get exactly what each would get
+alone. Events travel from a worker to the request's asyncio task through ``loop.call_soon_threadsafe``.
 
-A route ``submit``s its generation (refused with ``QueueFull`` when ``Limits.max_queue`` generations already wait:
-before any response has started) and then reads it with ``events`` (a streamed reply) or ``collect`` (a whole
-one). A generation is cancelled when the request is done with it: a streamed reply's client went away, or a whole
-reply's client disconnected while it waited (``collect`` watches for that). The worker checks between events
-and closes the generation; one cancelled while still queued is skipped. A generation that runs past
-``Limits.request_timeout`` is stopped the same way and reported as cut short (``finish_reason`` "length").
+A route ``submit``s its generation (refused with ``QueueFull`` when ``Limits.max_queue`` generations already wait
+behind the running ones: before any response has started) and then reads it with ``events`` (a streamed reply) or
+``collect`` (a whole one). A generation is cancelled when the request is done with it: a streamed reply's client
+went away, or a whole reply's client disconnected while it waited (``collect`` watches for that). The worker
+checks between events, and the engine after every token, and closes the generation (it leaves the batch at the
+next step); one cancelled while still queued is skipped. A generation that runs past ``Limits.request_timeout`` is
+stopped the same way and reported as cut short (``finish_reason`` "length").
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ class Job:
     cancelled: threading.Event = field(default_factory=threading.Event)
     usage: Usage = field(default_factory=Usage)
     queued_at: float = field(default_factory=time.perf_counter)
+    started: float = 0.0  # when a worker took it
 
     def cancel(self) -> None:
         """Stop the generation before its next event (a no-op once it finished)."""
@@ -67,14 +71,54 @@ class ClientGone(Exception):
 _DONE = object()
 
 
+# Histogram bucket bounds (seconds): time to first token spans a cached short prompt to a long prefill; the gap
+# between tokens a fast GPU step to a CPU one.
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0)
+
+
+@dataclass
+class Histogram:
+    bounds: tuple
+    counts: list = field(default_factory=list)  # per bound: observations <= it (cumulative at output)
+    total: float = 0.0
+    n: int = 0
+
+    def __post_init__(self):
+        self.counts = [0] * len(self.bounds)
+
+    def observe(self, value: float, times: int = 1) -> None:
+        for i, bound in enumerate(self.bounds):
+            if value <= bound:
+                self.counts[i] += times
+                break
+        self.total += value * times
+        self.n += times
+
+    def lines(self, name: str, help_text: str) -> list[str]:
+        out = [f"# HELP {name} {help_text}", f"# TYPE {name} histogram"]
+        running = 0
+        for bound, count in zip(self.bounds, self.counts, strict=True):
+            running += count
+            out.append(f'{name}_bucket{{le="{bound:g}"}} {running}')
+        out += [f'{name}_bucket{{le="+Inf"}} {self.n}', f"{name}_sum {self.total:.6f}", f"{name}_count {self.n}"]
+        return out
+
+
 @dataclass
 class Metrics:
     requests: dict = field(default_factory=dict)  # (route, status) -> count
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens the prefix cache supplied
     latency_sum: float = 0.0
     latency_count: int = 0
     timeouts: int = 0
+    queue_wait_sum: float = 0.0  # seconds generations waited for a worker
+    queue_wait_count: int = 0
+    ttft: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
+    itl: Histogram = field(default_factory=lambda: Histogram(ITL_BUCKETS))
+    engine: object = None  # the engine (its batcher and prefix cache report themselves)
 
     def prometheus(self, queue_depth: int) -> str:
         lines = ["# HELP lumen_requests_total HTTP requests by route and status.",
@@ -93,7 +137,29 @@ class Metrics:
                   "# HELP lumen_request_timeouts_total Generations stopped by the request timeout.",
                   "# TYPE lumen_request_timeouts_total counter", f"lumen_request_timeouts_total {self.timeouts}",
                   "# HELP lumen_queue_depth Generations waiting or running.", "# TYPE lumen_queue_depth gauge",
-                  f"lumen_queue_depth {queue_depth}"]
+                  f"lumen_queue_depth {queue_depth}",
+                  "# HELP lumen_queue_wait_seconds Time a generation waited for a free place (summary).",
+                  "# TYPE lumen_queue_wait_seconds summary",
+                  f"lumen_queue_wait_seconds_sum {self.queue_wait_sum:.6f}",
+                  f"lumen_queue_wait_seconds_count {self.queue_wait_count}",
+                  "# HELP lumen_cached_prompt_tokens_total Prompt tokens taken from the prefix cache, not prefilled.",
+                  "# TYPE lumen_cached_prompt_tokens_total counter",
+                  f"lumen_cached_prompt_tokens_total {self.cached_tokens}"]
+        lines += self.ttft.lines("lumen_time_to_first_token_seconds",
+                                 "From queueing to the first generated token (queue wait, prefill).")
+        lines += self.itl.lines("lumen_inter_token_latency_seconds",
+                                "Time between two generated tokens (each request's mean, once per token).")
+        batcher = getattr(self.engine, "batcher", None)
+        if batcher is not None:
+            lines += ["# HELP lumen_batch_size Generations in the running batch now.", "# TYPE lumen_batch_size gauge",
+                      f"lumen_batch_size {batcher.running}",
+                      "# HELP lumen_batch_steps_total Batched forward steps run.",
+                      "# TYPE lumen_batch_steps_total counter", f"lumen_batch_steps_total {batcher.steps}",
+                      "# HELP lumen_batch_rows_total Sequences summed over batched steps (/ steps = mean batch size).",
+                      "# TYPE lumen_batch_rows_total counter", f"lumen_batch_rows_total {batcher.batch_sizes}"]
+        prefix = getattr(self.engine, "prefix_cache", None)
+        if prefix is not None:
+            lines += prefix.metric_lines()
         return "\n".join(lines) + "\n"
 
 
@@ -102,27 +168,35 @@ class Service:
         self.engine = engine
         self.limits = limits or Limits()
         self.metrics = Metrics()
+        self.metrics.engine = engine
         self.routes: set[str] = set()  # the app's route paths (metrics label values)
         self._jobs: queue.Queue[Job | None] = queue.Queue()
         self._depth = 0
         self._lock = threading.Lock()
-        self._worker = threading.Thread(target=self._serve, name="lumen-engine", daemon=True)
-        self._worker.start()
+        kv = getattr(getattr(engine, "config", None), "kv_cache", None)
+        self.workers = max(1, kv().sequences) if kv is not None else 1
+        if self.workers > 1:  # several generations at once: the engine batches their steps
+            engine.start_batching(self.workers)
+        self._threads = [threading.Thread(target=self._serve, name=f"lumen-engine-{i}", daemon=True)
+                         for i in range(self.workers)]
+        for thread in self._threads:
+            thread.start()
 
     @property
     def queue_depth(self) -> int:
         return self._depth
 
     def close(self) -> None:
-        self._jobs.put(None)
+        for _ in self._threads:
+            self._jobs.put(None)
 
     def submit(self, run: Callable[[], Iterator], usage: Usage | None = None) -> Job:
         """Queue ``run`` (a generator function of the engine); QueueFull when ``max_queue`` jobs wait behind the
         running one. Call it before the response starts, so a refusal is a 429, and read the job with ``events``
         or ``collect``."""
         with self._lock:
-            waiting = max(self._depth - 1, 0)  # the one at the front runs
-            if self._depth > 0 and waiting >= self.limits.max_queue:
+            waiting = max(self._depth - self.workers, 0)  # the ones at the front run
+            if self._depth >= self.workers and waiting >= self.limits.max_queue:
                 raise QueueFull(waiting, self.retry_after())
             self._depth += 1
         job = Job(run, asyncio.get_running_loop(), asyncio.Queue(), usage=usage or Usage())
@@ -188,6 +262,9 @@ class Service:
                 job.loop.call_soon_threadsafe(job.out.put_nowait, _DONE)
 
     def _run(self, job: Job) -> None:
+        job.started = time.perf_counter()
+        self.metrics.queue_wait_sum += job.started - job.queued_at
+        self.metrics.queue_wait_count += 1
         timeout = self.limits.request_timeout
         deadline = time.monotonic() + timeout if timeout else math.inf
 
@@ -220,6 +297,10 @@ class Service:
             self._account(job)
 
     def _account(self, job: Job) -> None:
+        with self._lock:  # workers finish concurrently when the engine batches
+            self._account_locked(job)
+
+    def _account_locked(self, job: Job) -> None:
         stats, usage = self.engine.stats, job.usage
         usage.prompt_tokens = stats.prompt_tokens
         usage.completion_tokens = stats.generated_tokens
@@ -231,3 +312,9 @@ class Service:
             usage.finish_reason = "length" if stats.finish_reason == "length" else "stop"
         self.metrics.prompt_tokens += stats.prompt_tokens
         self.metrics.completion_tokens += stats.generated_tokens
+        self.metrics.cached_tokens += stats.cached_tokens
+        if stats.generated_tokens:
+            self.metrics.ttft.observe(job.started - job.queued_at + stats.prefill_seconds)
+        if stats.generated_tokens > 1 and stats.decode_seconds > 0:
+            gaps = stats.generated_tokens - 1
+            self.metrics.itl.observe(stats.decode_seconds / gaps, gaps)

@@ -1,0 +1,85 @@
+"""`lumen serve` with ``kv-cache.sequences`` 4: concurrent clients (the real OpenAI and Anthropic SDKs, streamed and
+whole) share batched steps and each gets exactly what it gets alone; a client that hangs up leaves the batch;
+/metrics reports the batch, the queue wait and the latency histograms."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import anthropic
+import httpx
+import openai
+import pytest
+from server_util import Server
+
+import lumen_core as lumen
+
+PROMPTS = [f"Tell me about the number {i}." for i in range(8)]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_checkpoint):
+    engine = lumen.load({"model": {"path": str(tiny_checkpoint("qwen3_5")), "hidden-layers": {
+        "kv-cache": {"context-size": 1024, "sequences": 4}}}}, progress=False)
+    srv = Server(engine)
+    yield srv
+    srv.stop()
+    engine.close()
+
+
+def chat(client, prompt, stream, max_tokens=20):
+    kw = dict(model="tiny", messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens, temperature=0,
+              reasoning_effort="none")
+    if not stream:
+        return client.chat.completions.create(**kw).choices[0].message.content or ""
+    return "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **kw)
+                   if c.choices)
+
+
+def message(client, prompt, stream, max_tokens=20):
+    kw = dict(model="tiny", messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens,
+              extra_body={"temperature": 0})
+    if not stream:
+        return "".join(b.text for b in client.messages.create(**kw).content if b.type == "text")
+    with client.messages.stream(**kw) as s:
+        return "".join(s.text_stream)
+
+
+def test_concurrent_streams_equal_their_solo_outputs(server):
+    oa = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=120)
+    an = anthropic.Anthropic(base_url=server.url, api_key="x", max_retries=0, timeout=120)
+    alone = {p: (chat(oa, p, False), message(an, p, False)) for p in PROMPTS}
+    results, errors = {}, []
+
+    def client(i, prompt):
+        try:
+            results[i] = (chat(oa, prompt, i % 2 == 0), message(an, prompt, i % 2 == 1))
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(repr(exc))
+
+    threads = [threading.Thread(target=client, args=(i, p)) for i, p in enumerate(PROMPTS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not errors, errors
+    assert [results[i] for i in range(len(PROMPTS))] == [alone[p] for p in PROMPTS]
+    batcher = server.app.state.engine.batcher
+    assert batcher is not None and batcher.batch_sizes > batcher.steps  # requests really shared steps
+    metrics = httpx.get(server.url + "/metrics").text
+    assert "lumen_batch_steps_total" in metrics and "lumen_time_to_first_token_seconds_bucket" in metrics
+    assert "lumen_inter_token_latency_seconds_count" in metrics and "lumen_queue_wait_seconds_sum" in metrics
+
+
+def test_a_client_that_hangs_up_leaves_the_batch(server):
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "count"}], "max_tokens": 900, "stream": True,
+            "temperature": 0, "reasoning_effort": "none"}
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=60) as response:
+        for _ in response.iter_lines():
+            break
+    batcher = server.app.state.engine.batcher
+    deadline = time.time() + 30
+    while (batcher.running or server.app.state.service.queue_depth) and time.time() < deadline:
+        time.sleep(0.05)
+    assert batcher.running == 0 and server.app.state.service.queue_depth == 0
