@@ -30,6 +30,12 @@ import numpy as np
 
 from .sampling import SamplingParams, make_sampler
 
+
+def save_points(restored, length, *points):
+    from .engine import save_points as points_of
+
+    return points_of(restored, length, *points)
+
 PREFILL_CHUNK = 512  # prompt tokens per step while others decode
 
 
@@ -48,6 +54,9 @@ class Sequence:
     generated: int = 0
     next_input: int | None = None  # the token the next decode step feeds (None: still prefilling)
     seen: list = field(default_factory=list)
+    cached: int = 0  # prompt tokens restored from the prefix cache
+    save_at: int | None = None  # a prompt position to save a snapshot at (a chat's history end)
+    splits: list = field(default_factory=list)  # where the prefill stops to save snapshots, in order
 
     def __post_init__(self):
         self.sampler = make_sampler(self.params)
@@ -100,9 +109,10 @@ class Batcher:
             raise value
         return value
 
-    def generate(self, ids, media, max_tokens, params, stats, logprobs=None, constraint=None, should_stop=None):
+    def generate(self, ids, media, max_tokens, params, stats, logprobs=None, constraint=None, should_stop=None,
+                 save_at=None):
         """The tokens of one generation (see ``Engine.generate_tokens``), filling ``stats`` as a solo run does."""
-        seq = Sequence(list(ids), media, max_tokens, params, logprobs, constraint, should_stop)
+        seq = Sequence(list(ids), media, max_tokens, params, logprobs, constraint, should_stop, save_at=save_at)
         eos = self.engine._eos()
         t0 = time.perf_counter()
         t1 = None
@@ -121,6 +131,7 @@ class Batcher:
                     break
                 _, tok, lp = item
                 if t1 is None:
+                    stats.cached_tokens = seq.cached
                     t1 = time.perf_counter()
                     stats.prefill_seconds = t1 - t0  # time to the first token, queueing in the batch included
                     stats.finish_reason = "length"
@@ -178,6 +189,12 @@ class Batcher:
             try:
                 if prefill.cache is None:
                     prefill.cache = self.model.new_cache(self.engine.context_size)
+                    prefix = self.engine.prefix_cache
+                    if prefix is not None and not prefill.media:
+                        snap, split = prefix.lookup(prefill.ids)
+                        if snap is not None:
+                            prefill.cached = prefix.restore(snap, prefill.cache)
+                        prefill.splits = save_points(prefill.cached, len(prefill.ids), split, prefill.save_at)
                 if prefill.media:  # a prompt with images goes in whole, alone (the tower's embeddings replace rows)
                     logits = self.model.forward(prefill.ids, prefill.cache, images=prefill.media)
                     self._emit(prefill, np.asarray(logits[-1], dtype=np.float32))
@@ -188,7 +205,8 @@ class Batcher:
         done = None  # the prefilling sequence whose prompt this step completes
         if prefill is not None:
             fed = prefill.cache.pos
-            chunk = prefill.ids[fed:fed + PREFILL_CHUNK]
+            limit = next((p for p in prefill.splits if p > fed), len(prefill.ids))
+            chunk = prefill.ids[fed:min(fed + PREFILL_CHUNK, limit)]
             segments.append((chunk, prefill))
             done = prefill if fed + len(chunk) == len(prefill.ids) else None
         if not segments:
@@ -200,6 +218,10 @@ class Batcher:
         except BaseException as exc:  # noqa: BLE001 - every generation of the step gets the error
             self._fail([s for _, s in segments], exc)
             return
+        prefix = self.engine.prefix_cache
+        if prefix is not None and prefill is not None and (prefill.cache.pos in prefill.splits
+                                                           or prefill.cache.pos == len(prefill.ids)):
+            prefix.store(prefill.ids[:prefill.cache.pos], prefill.cache)  # a save point, or the whole prompt
         for (_, seq), row in zip(segments, rows, strict=True):
             if seq is prefill and seq is not done:
                 continue  # more of its prompt to go
@@ -211,7 +233,7 @@ class Batcher:
     def _fail(self, seqs, exc: BaseException) -> None:
         for seq in seqs:
             seq.out.put(exc)
-            self._release(seq)
+            self._release(seq, save=False)
 
     def _emit(self, seq: Sequence, row: np.ndarray) -> None:
         """Sample ``row`` for ``seq``, hand the token over, and end the sequence where a solo run would."""
@@ -236,7 +258,10 @@ class Batcher:
         seq.out.put(("end", reason))
         self._release(seq)
 
-    def _release(self, seq: Sequence) -> None:
+    def _release(self, seq: Sequence, save: bool = True) -> None:
         if seq in self._active:
             self._active.remove(seq)
+        prefix, cache = self.engine.prefix_cache, seq.cache
+        if save and prefix is not None and cache is not None and not seq.media and 0 < cache.pos <= len(seq.seen):
+            prefix.store(seq.seen[:cache.pos], cache)  # the prompt and the reply as the cache holds them
         seq.cache = None

@@ -21,6 +21,7 @@ from .errors import CheckpointError, ConfigError, InputError
 from .loader import load_weights
 from .plan import Plan, make_plan
 from .plugins import get_registry
+from .prefix_cache import PrefixCache
 from .progress import Progress
 from .sampling import SamplingParams, make_sampler
 from .tensors import LoadReport
@@ -65,6 +66,9 @@ class Engine:
         # stop check
         self._local = threading.local()
         self.batcher = None  # a running lumen_core.batching.Batcher: generations then share its batched steps
+        kv = config.kv_cache()
+        # snapshots of earlier prompts' caches that a prompt starting with the same tokens resumes from
+        self.prefix_cache = PrefixCache(int(kv.prefix_cache_mb * 1e6)) if kv.prefix_cache_mb else None
         self.backends: dict = {}
         self._runner = None  # the backend's DecodeRunner, prepared on the first generation (False: none)
         self._template_noted = False  # the stderr note about a template the checkpoint did not carry
@@ -207,12 +211,14 @@ class Engine:
 
     def generate_tokens(self, prompt_ids: list[int], max_tokens: int = 256,
                         params: SamplingParams | None = None, images: list | None = None,
-                        logprobs: int | None = None, constraint=None) -> Iterator[int]:
+                        logprobs: int | None = None, constraint=None, save_at: int | None = None) -> Iterator[int]:
         """Yield new token ids until EOS, ``max_tokens`` or the context is full. ``images``: for a model with a
         vision tower, one image per placeholder in the prompt, in order (paths, bytes, PIL images, data URIs).
         ``logprobs``: record each generated token's logprob with that many most likely alternatives (0: the
         token's own only) in ``stats.token_logprobs``. ``constraint``: an object with ``mask(row) -> row`` (the
         logits with the tokens it forbids at -inf) and ``advance(token)`` (a grammar: ``lumen_core.grammar``).
+        ``save_at``: a prompt position where the prefix cache (when on) saves a snapshot on the way: ``chat`` passes
+        where the conversation so far ends, which its next turn starts with.
 
         With a running ``batcher`` (the server, ``kv-cache.sequences`` > 1) the generation joins its batch: the
         tokens are the same, computed in steps shared with the other running generations."""
@@ -230,7 +236,7 @@ class Engine:
                                 image_seconds=self._image_stats[1])
         if self.batcher is not None:
             yield from self.batcher.generate(prompt_ids, media, max_tokens, params, st, logprobs, constraint,
-                                             self.should_stop)
+                                             self.should_stop, save_at)
             return
         # a prompt with images decodes op by op: the replayed step's positions assume text-only prompts; logprobs
         # and a grammar read (and mask) every row on the host
@@ -242,6 +248,8 @@ class Engine:
         else:
             cache, sample, host = self.model.new_cache(self.context_size), make_sampler(params), True
         seen = list(prompt_ids)
+        prefix = self.prefix_cache if not media else None  # image tokens are placeholders: never reused
+        snap, split = prefix.lookup(prompt_ids) if prefix is not None else (None, 0)
 
         def next_token(logits) -> int:
             if runner:
@@ -257,7 +265,15 @@ class Engine:
         if media:
             logits = self.model.forward(list(prompt_ids), cache, host=host, images=media)
         else:
-            logits = self.model.forward(list(prompt_ids), cache, host=host)
+            n = st.cached_tokens = prefix.restore(snap, cache) if snap is not None else 0
+            # a prefix shared with an earlier prompt, where a chat's history ends: saved on the way for later prompts
+            for point in save_points(n, len(prompt_ids), split, save_at) if prefix is not None else ():
+                self.model.forward(list(prompt_ids[n:point]), cache, host=host)
+                prefix.store(prompt_ids[:point], cache)
+                n = point
+            logits = self.model.forward(list(prompt_ids[n:]), cache, host=host)
+            if prefix is not None:
+                prefix.store(prompt_ids, cache)
         if runner:  # the device samples: bring the prefill's last row over once to check it (decode steps: not)
             backend = self.backends[("output-layer", None)]
             check_logits(np.asarray(backend.to_host(logits[-1]), dtype=np.float32), 1, self.config.model_path)
@@ -290,6 +306,8 @@ class Engine:
         finally:
             if chain is not None:
                 chain.close()
+            elif prefix is not None and cache.pos <= len(seen):  # the prompt and the reply as the cache holds them
+                prefix.store(seen[:cache.pos], cache)  # (a pipelined chain may have run ahead: not saved)
         st.decode_seconds = time.perf_counter() - t1
 
     def start_batching(self, sequences: int | None = None):
@@ -393,7 +411,8 @@ class Engine:
             prompt = self.arch.image_text(prompt)
         ids = self.encode(prompt, add_special_tokens=False)
         # text-only calls keep generate_tokens' text-only signature
-        extra = _extras(images=images, logprobs=logprobs, constraint=constraint)
+        extra = _extras(images=images, logprobs=logprobs, constraint=constraint,
+                        save_at=self._history_end(messages, tools, think, ids) if not images else None)
         for tok in self.generate_tokens(ids, max_tokens, sampling_params(defaults, sampling), **extra):
             text, stopped = matcher.push(decoder.push(tok))
             yield from parser.push(text)
@@ -404,6 +423,21 @@ class Engine:
             text, stopped = matcher.push(decoder.flush())
             yield from parser.push(text + ("" if stopped else matcher.flush()))
         yield from parser.flush()
+
+    def _history_end(self, messages, tools, think, ids) -> int | None:
+        """Where the conversation so far ends in the prompt ``ids`` (its tokens without the generation prompt), for
+        the prefix cache: a template may render the reply differently in the next turn (Qwen 3.5 drops the
+        reasoning), but the next turn starts with this. None without a prefix cache, or when it is no prefix."""
+        if self.prefix_cache is None:
+            return None
+        fmt = self.chat_format()
+        kwargs = {} if think is None else {fmt.thinking_kwarg: think}
+        try:
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=False, tools=tools, **kwargs)
+        except Exception:  # noqa: BLE001 - a template that needs the generation prompt: no anchor, no harm
+            return None
+        head = self.encode(text, add_special_tokens=False)
+        return len(head) if 0 < len(head) < len(ids) and ids[:len(head)] == head else None
 
     def _template(self):
         if self.tokenizer is None:
@@ -521,6 +555,12 @@ def check_logits(row: np.ndarray, n: int, model_path, doing: str = "generating")
         f"the model produced non-finite logits at token {n} ({doing}; {bad} of {row.size} are NaN or infinite): the "
         f"checkpoint looks corrupt; {_check_hint(model_path)}"
     )
+
+
+def save_points(restored: int, length: int, *points) -> list[int]:
+    """The positions a prefill stops at to save a snapshot: each of ``points`` (None/0: none) strictly between the
+    restored prefix and the prompt's end, in order."""
+    return sorted({p for p in points if p and restored < p < length})
 
 
 def pick_token(row: np.ndarray, sample, seen, logprobs: int | None = None, constraint=None):

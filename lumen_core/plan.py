@@ -318,6 +318,9 @@ def make_plan(config, arch: Architecture, ckpt, registry) -> tuple[Plan, dict]:
             pairs = ", ".join(f"{f} -> {to}" for f, to in sorted(fmts.items()))
             placement_notes.append(f"{device}: weights converted on load ({pairs}): this backend has no kernel that "
                                    "reads them as stored; the plan counts the converted bytes")
+    if kv.prefix_cache_mb:  # snapshots of earlier prompts' caches, in host RAM (lumen_core.prefix_cache)
+        plan.entries.append(PlanEntry("prefix cache", "cpu", "cpu", "ram", "-", int(kv.prefix_cache_mb * 1e6),
+                                      kind="cache"))
     if kv.sequences > 1:
         context_notes.append(f"kv-cache.sequences {kv.sequences}: every cache row counts {kv.sequences} caches of "
                              f"{context} tokens (one per generation held at once: the server's batch)")
