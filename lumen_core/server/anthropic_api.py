@@ -539,7 +539,7 @@ async def _create(request: Request, req: MessagesRequest):
         return JSONResponse({
             "id": msg_id, "type": "message", "role": "assistant", "model": model, "content": _blocks(events),
             "stop_reason": _stop_reason(usage, state, saw_tool), "stop_sequence": state.get("stop"),
-            "usage": {"input_tokens": prep.input_tokens, "output_tokens": usage.completion_tokens}})
+            "usage": _usage(prep, usage, usage.completion_tokens)})
 
     # Wait for the first event before answering, so that errors raised before any output still come back as an
     # HTTP error rather than inside a 200 stream; a client that leaves meanwhile cancels the generation.
@@ -562,7 +562,7 @@ async def _create(request: Request, req: MessagesRequest):
         yield _sse("message_start", {"type": "message_start", "message": {
             "id": msg_id, "type": "message", "role": "assistant", "model": model, "content": [],
             "stop_reason": None, "stop_sequence": None,
-            "usage": {"input_tokens": prep.input_tokens, "output_tokens": 0}}})
+            "usage": _usage(prep, usage, 0)}})
         yield _sse("ping", {"type": "ping"})
         blocks = _StreamBlocks()
         async with aclosing(stream) as it:
@@ -582,11 +582,19 @@ async def _create(request: Request, req: MessagesRequest):
         yield _sse("message_delta", {"type": "message_delta",
                                      "delta": {"stop_reason": _stop_reason(usage, state, blocks.saw_tool),
                                                "stop_sequence": state.get("stop")},
-                                     "usage": {"input_tokens": prep.input_tokens,
-                                               "output_tokens": usage.completion_tokens}})
+                                     "usage": _usage(prep, usage, usage.completion_tokens)})
         yield _sse("message_stop", {"type": "message_stop"})
 
     return JobStream(sse(), job)
+
+
+def _usage(prep, usage, output_tokens: int) -> dict:
+    """Anthropic's usage: ``input_tokens`` are the prompt tokens prefilled, ``cache_read_input_tokens`` those the
+    prefix cache supplied (their sum is the prompt); nothing is written to a cache on request
+    (``cache_creation_input_tokens`` 0: Lumen's prefix cache saves on its own)."""
+    cached = min(usage.cached_tokens, prep.input_tokens)
+    return {"input_tokens": prep.input_tokens - cached, "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": cached, "output_tokens": output_tokens}
 
 
 def mount(app: FastAPI) -> None:

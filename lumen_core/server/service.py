@@ -284,6 +284,8 @@ class Service:
             for event in gen:
                 if job.cancelled.is_set():
                     break
+                # known once the prompt is in: the reply's usage (even a stream's first event) can report it
+                job.usage.cached_tokens = getattr(self.engine.stats, "cached_tokens", 0)
                 job.loop.call_soon_threadsafe(job.out.put_nowait, event)  # what was made before a time limit is sent
                 if stop():
                     break
