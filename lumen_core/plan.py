@@ -450,7 +450,8 @@ def fit_advice(pool: str, entries: list[PlanEntry]) -> str:
     experts = sum(e.nbytes for e in mine if e.component.endswith(".experts"))
     wide_kv = sum(e.nbytes for e in mine if e.component.startswith("cache.") and e.format != "fp8")
     kv_tip = ("or lower hidden-layers.kv-cache.context-size (or kv-cache.sequences)" if not wide_kv else
-              f"or lower hidden-layers.kv-cache.context-size (or kv-cache.sequences), or make the KV cache ({gib(wide_kv)} here) fp8 with "
+              "or lower hidden-layers.kv-cache.context-size (or kv-cache.sequences), or make the KV cache "
+              f"({gib(wide_kv)} here) fp8 with "
               "hidden-layers.kv-cache: {type-k: fp8, type-v: fp8} (1 byte an element: half of bf16)")
     if pool.endswith(" VRAM"):
         device = pool.removesuffix(" VRAM")

@@ -1,6 +1,7 @@
-"""Continuous batching (lumen_core.batching): generations that share batched steps give exactly what each gives alone
-(greedy and seeded sampling, f32 on the CPU), join and leave between steps, respect the sequence cap, keep decoding
-while a long prompt prefills in chunks; ``forward_batch`` equals per-sequence ``forward``; the plan counts the caches."""
+"""Continuous batching (lumen_core.batching): generations that share batched steps give exactly what each gives
+alone (greedy and seeded sampling, f32 on the CPU), join and leave between steps, respect the sequence cap, keep
+decoding while a long prompt prefills in chunks; ``forward_batch`` equals per-sequence ``forward``; the plan counts
+the caches."""
 
 from __future__ import annotations
 

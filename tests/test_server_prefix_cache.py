@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import anthropic
 import httpx
-import openai
 import pytest
 from server_util import Server
 
@@ -37,7 +36,7 @@ def test_second_turn_reads_the_cache_anthropic(servers):
     clients = [anthropic.Anthropic(base_url=s.url, api_key="x", max_retries=0, timeout=120) for s in servers]
     messages = [{"role": "user", "content": "Name a colour."}]
     replies = []
-    for turn in range(2):
+    for _ in range(2):
         got = [c.messages.create(model="tiny", system=SYSTEM, messages=messages, max_tokens=12,
                                  extra_body={"temperature": 0}) for c in clients]
         assert [b.text for b in got[0].content] == [b.text for b in got[1].content]
