@@ -83,3 +83,27 @@ def test_a_client_that_hangs_up_leaves_the_batch(server):
     while (batcher.running or server.app.state.service.queue_depth) and time.time() < deadline:
         time.sleep(0.05)
     assert batcher.running == 0 and server.app.state.service.queue_depth == 0
+
+
+def test_serve_flags_set_the_batch_and_the_prefix_cache(capsys, monkeypatch, tiny_checkpoint, tmp_path):
+    import json
+
+    import uvicorn
+
+    from lumen_core.cli import main
+
+    seen = {}
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: seen.update(app=app, **kw))
+    path = tmp_path / "serve.json"
+    path.write_text(json.dumps({"model": {"path": str(tiny_checkpoint("qwen3_5")),
+                                          "hidden-layers": {"kv-cache": {"context-size": 256}}}}))
+    main(["serve", "--config", str(path), "--sequences", "3", "--prefix-cache-mb", "16"])
+    app = seen["app"]
+    try:
+        engine = app.state.engine
+        assert engine.batcher is not None and engine.batcher.sequences == 3 and app.state.service.workers == 3
+        assert engine.prefix_cache is not None and engine.prefix_cache.budget == 16_000_000
+        assert "3 sequence(s) at once, prefix cache 16 MB" in capsys.readouterr().err
+    finally:
+        app.state.service.close()
+        engine.close()

@@ -51,13 +51,23 @@ def serve(
     server_api: Annotated[APIChoice | None, Opt("--server-api", help="Serve only this API (both: both, whatever "
                                                 "the config says); the other API's routes answer 404 saying why "
                                                 "(default: server-parameters.server-api, else both).")] = None,
+    sequences: Annotated[int | None, Opt(min=1, max=4096, help="Generations run at once, batched in shared decode "
+                                         "steps (continuous batching), each with its own cache of the context size; "
+                                         "the plan counts them all (default: model.hidden-layers.kv-cache.sequences, "
+                                         "else 1: one at a time, through the CUDA decode graph on a GPU).")] = None,
+    prefix_cache_mb: Annotated[float | None, Opt(min=0, help="Host RAM (MB) for the prefix cache: a prompt that "
+                                                 "starts with an earlier one's tokens (the next chat turn, a shared "
+                                                 "system prompt) resumes from its snapshot; 0 = off (default: "
+                                                 "model.hidden-layers.kv-cache.prefix-cache-mb, else off).")] = None,
     chat_template: ChatTemplateOpt = None,
 ):
     """Serve the model over HTTP: OpenAI (/v1/chat/completions, /v1/completions, /v1/models) and Anthropic
     (/v1/messages, /v1/messages/count_tokens) APIs, /health and /metrics (Prometheus). With --server-api (or
     server-parameters.server-api) openai or anthropic, only that API's routes are served.
 
-    Requests share the loaded model through a queue, one generation at a time, each with its own cache.
+    Requests share the loaded model through a queue, each with its own cache: one generation at a time, or with
+    --sequences N up to N batched together (requests join and leave the batch between decode steps; more wait).
+    --prefix-cache-mb keeps snapshots of earlier prompts so a chat's next turn prefills only its new tokens.
     With API keys configured every route but /health needs `Authorization: Bearer KEY` or `x-api-key: KEY`.
     """
     import uvicorn
@@ -74,6 +84,11 @@ def serve(
             raise InputError(f"--api-key: {problem}; give the key itself, or leave --api-key out for no "
                              "authentication")
     cfg = config_from_path_or_model(config)
+    kv = cfg.raw["model"].setdefault("hidden-layers", {}).setdefault("kv-cache", {})
+    if sequences is not None:
+        kv["sequences"] = sequences
+    if prefix_cache_mb is not None:
+        kv["prefix-cache-mb"] = prefix_cache_mb
     params = cfg.server_parameters()  # a bad api-keys entry is a ConfigError naming it, before the weights
     limits = Limits.from_parameters(params, max_queue=max_queue, request_timeout=request_timeout,
                                     max_body_bytes=max_body_bytes, max_tokens=max_tokens_limit,
@@ -89,7 +104,9 @@ def serve(
                f"({api.describe()}; {'API keys required' if keys else 'no authentication'}; "
                f"queue {limits.max_queue}, timeout "
                f"{f'{limits.request_timeout:g} s' if limits.request_timeout else 'none'}, body "
-               f"{limits.max_body_bytes} bytes)", err=True)
+               f"{limits.max_body_bytes} bytes; {engine.config.kv_cache().sequences} sequence(s) at once, prefix "
+               f"cache {f'{engine.config.kv_cache().prefix_cache_mb:g} MB' if engine.prefix_cache else 'off'})",
+               err=True)
     uvicorn.run(app, host=host, port=port, log_level="warning")
 
 
