@@ -105,7 +105,7 @@ def serve(
                f"queue {limits.max_queue}, timeout "
                f"{f'{limits.request_timeout:g} s' if limits.request_timeout else 'none'}, body "
                f"{limits.max_body_bytes} bytes; {engine.config.kv_cache().sequences} sequence(s) at once, prefix "
-               f"cache {f'{engine.config.kv_cache().prefix_cache_mb:g} MB' if engine.prefix_cache else 'off'})",
+               f"cache {f'{engine.config.kv_cache().prefix_cache_mb:g} MB' if engine.prefix_cache is not None else 'off'})",
                err=True)
     uvicorn.run(app, host=host, port=port, log_level="warning")
 
