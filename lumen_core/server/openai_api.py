@@ -4,9 +4,10 @@ Requests are pydantic models that forbid unknown fields, so a misspelt or unsupp
 silently dropped. A few fields OpenAI clients commonly send are declared and ignored because they change
 nothing about the reply (``user``, ``metadata``, ``store``, ``service_tier``, ``prompt_cache_key``,
 ``safety_identifier``). Options this server cannot honour are refused with a 400 naming them: ``n`` other than
-1, ``logprobs``/``top_logprobs``, non-zero ``frequency_penalty``/``presence_penalty``, a non-empty
-``logit_bias``, a ``response_format`` other than ``text``, content parts other than text and ``image_url``; for
-completions ``echo``, ``suffix``, ``best_of`` > 1 and ``logprobs``.
+1, non-zero ``frequency_penalty``/``presence_penalty``, a non-empty ``logit_bias``, a ``response_format`` other
+than ``text``, content parts other than text and ``image_url``, ``top_logprobs`` past 20 (or without ``logprobs:
+true``); for completions ``suffix``, ``best_of`` > 1, ``logprobs`` past 5, ``max_tokens: 0`` without ``echo`` and
+more than one prompt.
 
 Behaviour worth knowing:
 
@@ -40,6 +41,29 @@ Behaviour worth knowing:
   messages the chat template refuses) is a 400 before anything is queued, for streaming requests too, so a client
   never gets a broken stream for them. Types are strict (``true`` is no integer) and a lone surrogate in any
   string is a 400 naming the field.
+* Logprobs (``lumen_core/logprobs.py``): a token's logprob is the float64 log-softmax of the raw logits (before
+  temperature and the sampling filters), what ``lumen perplexity`` gives the same token after the same text.
+  Chat ``logprobs: true`` (+ ``top_logprobs`` 0-20) gives ``choices[0].logprobs = {"content": [{"token",
+  "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}...]}...], "refusal": null}`` over every
+  generated token (reasoning and tool-call tokens included) except the trailing ones that wrote no text (the
+  end-of-turn token, a stop string's tokens). ``token``: the token's own text (a SentencePiece word's leading
+  space kept, special tokens as written); a token holding part of a UTF-8 character gives its raw bytes in
+  ``bytes`` and ``\\xNN`` for them in ``token``, as OpenAI does. Streamed, each chunk carries the tokens
+  generated since the previous chunk: the tokens of its text, and before them those whose text was held back (part
+  of a character, a possible stop string, a tag the chat parser waits on); a chunk with text and no new token
+  carries ``"content": []``, the role chunk ``null``; the tokens of a ``parallel_tool_calls: false`` call left out
+  ride with the next chunk. Streamed and whole replies list the same tokens.
+  Completions ``logprobs: 0..5`` gives the legacy ``{"tokens", "token_logprobs", "top_logprobs": [{token: logprob}],
+  "text_offset"}`` over every generated token, the end-of-turn and stop-string tokens included (a scoring harness
+  counts one entry per token); ``top_logprobs`` also holds the chosen token (up to ``logprobs`` + 1 entries, as
+  OpenAI), two tokens that read the same keep the likelier; ``text_offset``: where each token's text starts in the
+  reply's text, as the tokenizer's streamed decoding places it. ``echo: true`` writes the prompt before the reply,
+  and with ``logprobs`` scores its tokens too (the first one ``null``), in a first pass over a fresh cache
+  (``prompt_logprobs``); ``max_tokens: 0`` (with ``echo`` only) scores the prompt and generates nothing
+  (``finish_reason`` ``length``): lm-evaluation-harness's loglikelihood requests. The prompt may be token ids
+  (``[1, 2, 3]`` or ``[[1, 2, 3]]``, each in the model's vocabulary), as such harnesses send it; echoed, it is
+  their decoding. Streamed completions carry their tokens per chunk the same way; the tokens that wrote no text
+  come with the finishing chunk, and an echoed prompt's logprobs with the first chunk (the prompt's text).
 * Every generation runs through the shared `Service` queue (a full queue: 429 with Retry-After); a client that
   disconnects cancels its generation, streamed or not (the next token is not computed).
 """
@@ -49,6 +73,7 @@ from __future__ import annotations
 import json
 import secrets
 import time
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from fastapi import FastAPI, Request
@@ -57,8 +82,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from starlette.concurrency import run_in_threadpool
 
 from ..chat import Content, Reasoning, ToolCall, collect
-from ..engine import sampling_params
+from ..engine import Stats, sampling_params
 from ..errors import InputError
+from ..logprobs import Offsets, Scored, chat_logprobs, completion_logprobs, prompt_logprobs, with_logprobs
 from ..sampling import SamplingError
 from . import checks, vision
 from .app import APIError, JobStream, check_model, client_gone, submit
@@ -179,6 +205,7 @@ class ChatRequest(_Common):
 
 class CompletionRequest(_Common):
     prompt: str | list[Any]
+    max_tokens: int | None = Field(default=None, ge=0)  # 0: with echo, the prompt is scored and nothing generated
     echo: bool | None = None
     suffix: str | None = None
     best_of: int | None = None
@@ -412,12 +439,29 @@ def _force(req: ChatRequest) -> bool | str:
     return req.tool_choice == "required"
 
 
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit (chat); completions' legacy logprobs: 5
+
+
+def _chat_logprobs(req: ChatRequest) -> int | None:
+    """The alternatives per token a chat request asks for (``top_logprobs``, 0 when left out), or None when it asks
+    for no logprobs; ``top_logprobs`` without ``logprobs: true``, or past 20, is a 400 as OpenAI answers it."""
+    if req.top_logprobs is not None:
+        _refuse(req.logprobs is not True, "top_logprobs", "top_logprobs needs logprobs: true")
+        _refuse(not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS, "top_logprobs",
+                f"top_logprobs={req.top_logprobs} is out of range: expected 0 to {MAX_TOP_LOGPROBS}")
+    return (req.top_logprobs or 0) if req.logprobs else None
+
+
+def _chat_logprobs_field(engine, lps: list) -> dict:
+    return {"content": chat_logprobs(engine.tokenizer, lps), "refusal": None}
+
+
 async def chat_completions(req: ChatRequest, request: Request):
     app = request.app
     engine, service, model = app.state.engine, app.state.service, app.state.model_name
     check_model(app, req.model)
     _common_checks(req)
-    _refuse(bool(req.logprobs) or bool(req.top_logprobs), "logprobs", "logprobs are not supported")
+    top = _chat_logprobs(req)
     if req.response_format is not None and req.response_format.type != "text":
         raise APIError(400, f"response_format {req.response_format.type!r} is not supported (only 'text')",
                        param="response_format")
@@ -445,14 +489,19 @@ async def chat_completions(req: ChatRequest, request: Request):
     single_call = req.parallel_tool_calls is False
 
     def run():
-        return engine.chat(messages, tools=tools, think=think, max_tokens=max_tokens, stop=stop, force_tool=force,
-                           **sampling)
+        events = engine.chat(messages, tools=tools, think=think, max_tokens=max_tokens, stop=stop, force_tool=force,
+                             logprobs=top, **sampling)
+        return events if top is None else with_logprobs(engine, events)
 
     usage = Usage()
     job = submit(request, run, usage)
     cid, created = "chatcmpl-" + secrets.token_hex(12), int(time.time())
     if not req.stream:
         events = await _consume(request, job)
+        logprobs = None
+        if top is not None:  # the tokens that made no event (end of turn, a stop string) are left out
+            logprobs = _chat_logprobs_field(engine, [lp for s in events if s.event is not None for lp in s.logprobs])
+            events = [s.event for s in events if s.event is not None]
         content, reasoning, calls = collect(events)
         calls = calls[:1 if single_call else None]
         message: dict[str, Any] = {"role": "assistant", "content": content if content or not calls else None,
@@ -462,16 +511,22 @@ async def chat_completions(req: ChatRequest, request: Request):
                                       "function": {"name": c.name, "arguments": c.arguments_json}} for c in calls]
         return JSONResponse({
             "id": cid, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": 0, "message": message, "logprobs": None,
+            "choices": [{"index": 0, "message": message, "logprobs": logprobs,
                          "finish_reason": _finish(usage, bool(calls))}],
             "usage": _usage(usage), "system_fingerprint": None})
 
     include_usage = _include_usage(req)
 
+    pending: list = []  # logprobs of tokens generated since the last chunk that carried some
+
     def chunk(delta: dict, finish: str | None = None) -> str:
+        logprobs = None
+        if top is not None and (pending or (finish is None and "role" not in delta)):
+            logprobs = _chat_logprobs_field(engine, pending)
+            pending.clear()
         return _sse({"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
                      "system_fingerprint": None,
-                     "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]})
+                     "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]})
 
     async def body():
         stream = service.events(job)
@@ -480,6 +535,11 @@ async def chat_completions(req: ChatRequest, request: Request):
             yield chunk({"role": "assistant", "content": ""})
             try:
                 async for event in stream:
+                    if isinstance(event, Scored):
+                        if event.event is None:  # tokens that made no text (end of turn, a stop string): left out
+                            continue
+                        pending.extend(event.logprobs)
+                        event = event.event
                     if isinstance(event, Content):
                         yield chunk({"content": event.text})
                     elif isinstance(event, Reasoning):
@@ -493,7 +553,7 @@ async def chat_completions(req: ChatRequest, request: Request):
                 yield _sse_error(exc)
                 yield "data: [DONE]\n\n"
                 return
-            yield chunk({}, _finish(usage, n_calls > 0))
+            yield chunk({}, _finish(usage, n_calls > 0))  # with the logprobs of a call left out, if any
             if include_usage:
                 yield _sse({"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
                             "system_fingerprint": None, "choices": [], "usage": _usage(usage)})
@@ -507,61 +567,145 @@ async def chat_completions(req: ChatRequest, request: Request):
 # --- completions ---------------------------------------------------------------------------------------
 
 
+MAX_LOGPROBS = 5  # OpenAI's limit for completions' legacy logprobs
+
+
+@dataclass
+class _PromptScores:
+    """The first event of an echoed, scored prompt: each prompt token's logprob (None for the first)."""
+    logprobs: list
+
+
+def _prompt(prompt) -> str | list[int]:
+    """A completion's prompt: a string, or token ids (``[1, 2, 3]``: what lm-evaluation-harness sends), or a list
+    of exactly one of either."""
+    def ids(value) -> bool:
+        return isinstance(value, list) and bool(value) and all(
+            isinstance(i, int) and not isinstance(i, bool) for i in value)
+
+    if isinstance(prompt, str):
+        return prompt
+    if ids(prompt):
+        return list(prompt)
+    if len(prompt) == 1 and (isinstance(prompt[0], str) or ids(prompt[0])):
+        return prompt[0]
+    raise APIError(400, "prompt must be a string or a list of token ids (or a list of exactly one of them)",
+                   param="prompt")
+
+
+def _check_ids(engine, ids: list[int]) -> None:
+    if engine.tokenizer is None:
+        raise APIError(400, checks.NO_TOKENIZER)
+    vocab = engine.model.vocab_size or engine.arch.vocab_size or engine.tokenizer.vocab_size
+    bad = next((i for i in ids if not 0 <= i < vocab), None)
+    _refuse(bad is not None, "prompt", f"prompt: token id {bad} is not in this model's vocabulary (0 to {vocab - 1})")
+
+
 async def completions(req: CompletionRequest, request: Request):
     app = request.app
     engine, service, model = app.state.engine, app.state.service, app.state.model_name
     check_model(app, req.model)
     _common_checks(req)
-    for name, bad in (("echo", bool(req.echo)), ("suffix", req.suffix is not None),
-                      ("best_of", req.best_of not in (None, 1)), ("logprobs", req.logprobs is not None)):
+    for name, bad in (("suffix", req.suffix is not None), ("best_of", req.best_of not in (None, 1))):
         _refuse(bad, name, f"{name} is not supported")
-    prompt = req.prompt
-    if isinstance(prompt, list):
-        _refuse(len(prompt) != 1 or not isinstance(prompt[0], str), "prompt",
-                "prompt must be a string (or a list of exactly one string)")
-        prompt = prompt[0]
+    top, echo = req.logprobs, bool(req.echo)
+    _refuse(top is not None and not 0 <= top <= MAX_LOGPROBS, "logprobs",
+            f"logprobs={top} is out of range: expected 0 to {MAX_LOGPROBS} (the most likely tokens listed per token)")
+    _refuse(req.max_tokens == 0 and not echo, "max_tokens",
+            "max_tokens=0 generates nothing: it is for echo=true (the prompt scored, with logprobs)")
+    prompt = _prompt(req.prompt)
     sampling = _sampling(engine, req)
     stop = _stops(req.stop)
 
-    def measure() -> list[int]:
-        ids = checks.encode(engine, prompt)
+    def measure() -> tuple[list[int], str, list[int]]:
+        """(the prompt's ids, its text as echoed, where each of its tokens starts in that text)."""
+        if isinstance(prompt, str):
+            ids = checks.encode(engine, prompt)
+        else:
+            _check_ids(engine, ids := prompt)
         checks.check_length(engine, len(ids), "prompt")
-        return ids
+        if not echo or (top is None and isinstance(prompt, str)):
+            return ids, prompt if isinstance(prompt, str) else "", []
+        offsets = Offsets(engine.tokenizer)
+        starts = offsets.take(ids)
+        text = prompt if isinstance(prompt, str) else offsets.text()
+        return ids, text, [min(o, len(text)) for o in starts]
 
     try:
-        ids = await run_in_threadpool(measure)
+        ids, prompt_text, prompt_offsets = await run_in_threadpool(measure)
     except InputError as exc:
         raise APIError(400, str(exc)) from exc
     checks.check_max_tokens(engine, app.state.limits.max_tokens, len(ids), req.max_tokens, "max_tokens", "prompt")
+    head = prompt_text if echo else ""  # what the reply's text starts with
 
     def run():
-        return engine.generate(ids, max_tokens=req.max_tokens, stop=stop, **sampling)
+        if echo and top is not None:
+            yield _PromptScores(prompt_logprobs(engine, ids, top))
+        if req.max_tokens == 0:
+            if top is None:
+                engine.stats = Stats(prompt_tokens=len(ids), finish_reason="length")  # the usage
+            return
+        pieces = engine.generate(ids, max_tokens=req.max_tokens, stop=stop, logprobs=top, **sampling)
+        yield from (pieces if top is None else with_logprobs(engine, pieces))
 
     usage = Usage()
     job = submit(request, run, usage)
     cid, created = "cmpl-" + secrets.token_hex(12), int(time.time())
 
-    def obj(text: str, finish: str | None) -> dict:
+    def finish() -> str:
+        return "length" if req.max_tokens == 0 else _finish(usage, False)
+
+    def obj(text: str, finish: str | None, logprobs: dict | None = None) -> dict:
         return {"id": cid, "object": "text_completion", "created": created, "model": model,
-                "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}
+                "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
+
+    def legacy(lps: list, offsets: list[int]) -> dict:
+        return completion_logprobs(engine.tokenizer, lps, offsets)
 
     if not req.stream:
-        pieces = await _consume(request, job)
-        return JSONResponse({**obj("".join(pieces), _finish(usage, False)), "usage": _usage(usage)})
+        scores, generated, pieces = [], [], []
+        for item in await _consume(request, job):
+            if isinstance(item, _PromptScores):
+                scores = item.logprobs
+            elif isinstance(item, Scored):
+                generated += item.logprobs
+                pieces.append(item.event or "")
+            else:
+                pieces.append(item)
+        text = "".join(pieces)
+        logprobs = None
+        if top is not None:
+            offsets = Offsets(engine.tokenizer, len(head)).take([e.token for e in generated], len(head) + len(text))
+            logprobs = legacy(scores + generated, (prompt_offsets if echo else []) + offsets)
+        return JSONResponse({**obj(head + text, finish(), logprobs), "usage": _usage(usage)})
 
     include_usage = _include_usage(req)
 
     async def body():
         stream = service.events(job)
+        offsets, sent = Offsets(engine.tokenizer, len(head)), len(head)
         try:
             try:
-                async for piece in stream:
-                    yield _sse(obj(piece, None))
+                if echo and top is None:
+                    yield _sse(obj(head, None))
+                tail = None  # the logprobs of the tokens that made no text: with the last chunk
+                async for item in stream:
+                    if isinstance(item, _PromptScores):
+                        yield _sse(obj(head, None, legacy(item.logprobs, prompt_offsets)))
+                    elif isinstance(item, Scored) and item.event is None:
+                        tokens = [e.token for e in item.logprobs]
+                        tail = legacy(item.logprobs, offsets.take(tokens, sent))
+                    elif isinstance(item, Scored):
+                        sent += len(item.event)
+                        yield _sse(obj(item.event, None, legacy(item.logprobs,
+                                                               offsets.take([e.token for e in item.logprobs]))))
+                    else:
+                        yield _sse(obj(item, None))
             except Exception as exc:
                 yield _sse_error(exc)
                 yield "data: [DONE]\n\n"
                 return
-            yield _sse(obj("", _finish(usage, False)))
+            yield _sse(obj("", finish(), tail))
             if include_usage:
                 yield _sse({"id": cid, "object": "text_completion", "created": created, "model": model,
                             "choices": [], "usage": _usage(usage)})
