@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import anthropic
 import httpx
+import openai
 import pytest
 from server_util import Server
 
@@ -50,3 +51,21 @@ def test_second_turn_reads_the_cache_anthropic(servers):
     assert replies[1].usage.cache_read_input_tokens > len(SYSTEM.split())  # the history was not prefilled again
     metrics = httpx.get(cached.url + "/metrics").text
     assert "lumen_prefix_cache_hits_total 1" in metrics or "lumen_prefix_cache_hits_total 2" in metrics
+
+
+def test_second_turn_reads_the_cache_openai(servers):
+    cached, plain = servers
+    clients = [openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0, timeout=120) for s in servers]
+    messages = [{"role": "system", "content": SYSTEM + " (openai)"}, {"role": "user", "content": "Name a fruit."}]
+    usages = []
+    for _ in range(2):
+        got = [c.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0)
+               for c in clients]
+        assert got[0].choices[0].message.content == got[1].choices[0].message.content
+        assert got[0].usage.prompt_tokens == got[1].usage.prompt_tokens
+        assert got[1].usage.prompt_tokens_details.cached_tokens == 0
+        usages.append(got[0].usage)
+        messages = messages + [{"role": "assistant", "content": got[0].choices[0].message.content or "ok"},
+                               {"role": "user", "content": "Another?"}]
+    assert usages[0].prompt_tokens_details.cached_tokens == 0
+    assert usages[1].prompt_tokens_details.cached_tokens > len(SYSTEM.split())

@@ -256,8 +256,10 @@ def _include_usage(req: _Common) -> bool:
 
 
 def _usage(usage: Usage) -> dict:
+    """OpenAI's usage; ``prompt_tokens_details.cached_tokens``: prompt tokens the prefix cache supplied."""
     return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
-            "total_tokens": usage.prompt_tokens + usage.completion_tokens}
+            "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": min(usage.cached_tokens, usage.prompt_tokens)}}
 
 
 def _finish(usage: Usage, calls: bool) -> str:
