@@ -249,6 +249,22 @@ def chat_grammar(engine, messages: list[dict], tools: list[dict] | None = None, 
     return g.compile("\n".join([f"start: {prefix}{body}", *rules]))
 
 
+def reply_grammar(engine, messages: list[dict], tools: list[dict] | None = None, think: bool | None = None,
+                  force: bool | str = False, *, schema: dict | None = None, json_answer: bool = False,
+                  strict: bool = False) -> Grammar | None:
+    """What the servers constrain (``chat_grammar``'s arguments; ``strict``: a tool asked for it): a JSON answer and
+    strict tools always (a schema that cannot be enforced, or a family without a call grammar, is an InputError, so
+    a 400); a forced call's arguments wherever the family has a call grammar and the tools' schemas compile, else
+    (no strict tool) the call runs unconstrained, as it did before grammars."""
+    try:
+        return chat_grammar(engine, messages, tools, think, force, schema=schema, json_answer=json_answer,
+                            constrain_tools=strict)
+    except InputError:
+        if json_answer or schema is not None or strict or not force:
+            raise
+        return None
+
+
 def _reasoning_rest(g: Grammars, end: str, rules: list[str]) -> str:
     """Free text up to and including the reasoning block's end tag."""
     special = g.special_id(end)

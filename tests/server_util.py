@@ -51,7 +51,7 @@ def script(engine, monkeypatch, reply: str, prompts: list | None = None):
     Servers run generation on a worker thread, which calls this same engine object."""
     ids = engine.tokenizer.backend.encode(reply, add_special_tokens=False).ids
 
-    def fake(prompt_ids, max_tokens=256, params=None):
+    def fake(prompt_ids, max_tokens=256, params=None, **_):  # a constraint (forced calls) is not applied
         if prompts is not None:
             prompts.append(engine.tokenizer.decode(list(prompt_ids), skip_special_tokens=False))
         engine.stats = st = Stats(prompt_tokens=len(prompt_ids), finish_reason="length")
@@ -75,7 +75,7 @@ def slow(engine, monkeypatch, delay: float, produced: list, start: threading.Eve
     tok = engine.tokenizer.backend.encode(" word", add_special_tokens=False).ids[0]
     head = engine.tokenizer.backend.encode(first, add_special_tokens=False).ids if first else []
 
-    def fake(prompt_ids, max_tokens=256, params=None):
+    def fake(prompt_ids, max_tokens=256, params=None, **_):  # a constraint (forced calls) is not applied
         engine.stats = st = Stats(prompt_tokens=len(prompt_ids), finish_reason="length")
         if start is not None:
             start.wait(30)

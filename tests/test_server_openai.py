@@ -216,7 +216,7 @@ def test_malformed_json_is_a_400_in_openai_shape(server):
     ({"n": 2}, ["n=2"]),
     ({"logprobs": True, "top_logprobs": 21}, ["top_logprobs", "0 to 20"]),
     ({"frequency_penalty": 0.5}, ["frequency_penalty", "not supported"]),
-    ({"response_format": {"type": "json_object"}}, ["json_object"]),
+    ({"response_format": {"type": "xml"}}, ["xml", "json_schema"]),
     ({"temperature": -1}, ["temperature"]),
     ({"tool_choice": {"type": "function", "function": {"name": "nope"}}, "tools": WEATHER}, ["nope"]),
     ({"chat_template_kwargs": {"foo": 1}}, ["foo"]),

@@ -19,7 +19,9 @@ An Anthropic request is turned into the OpenAI-style conversation the chat templ
 * ``tools`` -> OpenAI-style function tools. ``tool_choice``: ``auto`` passes every tool; ``any`` passes every tool
   and starts the reply with a tool call; ``tool`` passes only the named one and starts the reply with a call to
   it (the format's call opener written after the prompt: ``Engine.chat(force_tool=...)``); ``none`` passes none.
-  The arguments are not grammar-constrained.
+  A forced call's input follows the tool's ``input_schema`` where the family has a call grammar (Qwen 3.5, Gemma 4;
+  ``lumen_core/grammar.py``), and always for a tool with ``"strict": true`` (a schema that cannot be enforced, or a
+  family without a call grammar: a 400).
 * ``thinking``: ``enabled`` / ``disabled`` switch the template's thinking (``enabled`` on a template without a
   switch is a 400; ``disabled`` there is a no-op). Absent means off, as with Anthropic's API; ``adaptive`` or
   ``between_tools``: the template's default. ``budget_tokens`` is accepted but not enforced (``max_tokens``
@@ -59,6 +61,7 @@ from starlette.concurrency import run_in_threadpool
 from ..chat import Content, Reasoning, ToolCall
 from ..engine import sampling_params
 from ..errors import InputError
+from ..grammar import reply_grammar
 from ..sampling import SamplingError
 from ..tokenizer import StopMatcher
 from . import checks, vision
@@ -404,16 +407,17 @@ def _sampling(engine, req: MessagesRequest) -> dict:
     return sampling
 
 
-def _runner(prep: _Prepared, req: MessagesRequest, state: dict):
+def _runner(prep: _Prepared, req: MessagesRequest, state: dict, structure=None):
     """The zero-arg generator function the Service runs on its worker: chat events, answer text cut at the
-    first stop sequence (``state["stop"]`` then names it)."""
+    first stop sequence (``state["stop"]`` then names it); ``structure``: the reply's grammar (``reply_grammar``)."""
     sampling = _sampling(prep.engine, req)
     stops = [s for s in (req.stop_sequences or []) if s]
 
     def run():
         matcher = _StopSequences(stops)
+        extra = {} if structure is None else {"constraint": structure.constraint()}  # one per generation
         for event in prep.engine.chat(prep.messages, tools=prep.tools, think=prep.think, max_tokens=req.max_tokens,
-                                      call_ids=_tool_ids(), force_tool=prep.force, **sampling):
+                                      call_ids=_tool_ids(), force_tool=prep.force, **extra, **sampling):
             if not stops:
                 yield event
                 continue
@@ -525,9 +529,15 @@ async def _create(request: Request, req: MessagesRequest):
     checks.check_length(prep.engine, prep.input_tokens, "messages")
     checks.check_max_tokens(prep.engine, app.state.limits.max_tokens, prep.input_tokens, req.max_tokens,
                             "max_tokens", "messages")
+    strict = bool(prep.tools) and any((t.model_extra or {}).get("strict") is True for t in req.tools or ())
+    try:  # before the queue: a schema that cannot be enforced is a 400
+        structure = await run_in_threadpool(reply_grammar, prep.engine, prep.messages, prep.tools, prep.think,
+                                            prep.force, strict=strict)
+    except InputError as exc:
+        raise _bad(str(exc)) from exc
     usage, state = Usage(), {}
     service = app.state.service
-    job = submit(request, _runner(prep, req, state), usage)
+    job = submit(request, _runner(prep, req, state, structure), usage)
     msg_id = _message_id()
 
     if not req.stream:

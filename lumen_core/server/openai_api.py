@@ -5,9 +5,9 @@ silently dropped. A few fields OpenAI clients commonly send are declared and ign
 nothing about the reply (``user``, ``metadata``, ``store``, ``service_tier``, ``prompt_cache_key``,
 ``safety_identifier``). Options this server cannot honour are refused with a 400 naming them: ``n`` other than
 1, non-zero ``frequency_penalty``/``presence_penalty``, a non-empty ``logit_bias``, a ``response_format`` other
-than ``text``, content parts other than text and ``image_url``, ``top_logprobs`` past 20 (or without ``logprobs:
-true``); for completions ``suffix``, ``best_of`` > 1, ``logprobs`` past 5, ``max_tokens: 0`` without ``echo`` and
-more than one prompt.
+than ``text``, ``json_object`` and ``json_schema``, content parts other than text and ``image_url``,
+``top_logprobs`` past 20 (or without ``logprobs: true``); for completions ``suffix``, ``best_of`` > 1, ``logprobs``
+past 5, ``max_tokens: 0`` without ``echo`` and more than one prompt.
 
 Behaviour worth knowing:
 
@@ -26,8 +26,14 @@ Behaviour worth knowing:
 * ``tool_choice``: ``auto`` (default) passes the tools; ``none`` renders the prompt without them; a named
   function passes only that tool and starts the reply with a call to it; ``required`` passes them all and starts
   the reply with a tool call (the format's call opener is written after the prompt, closing an open reasoning
-  block: ``Engine.chat(force_tool=...)``). The arguments are not grammar-constrained: a model that writes a
-  malformed call gets it back as content. ``parallel_tool_calls: false`` keeps only the first call.
+  block: ``Engine.chat(force_tool=...)``). ``parallel_tool_calls: false`` keeps only the first call.
+* Structured output (``lumen_core/grammar.py``, llguidance; docs/structured-output.md): ``response_format``
+  ``{"type": "json_object"}`` (any JSON object) or ``{"type": "json_schema", "json_schema": {"name", "schema",
+  "strict"}}`` constrains the answer, ``strict`` or not; the reasoning stays free (the grammar starts after the
+  reasoning block). A forced call's arguments (``required`` / a named function) follow the tool's ``parameters``
+  where the family has a call grammar (Qwen 3.5, Gemma 4; elsewhere the call runs unconstrained), and a tool with
+  ``"strict": true`` has them followed always (a family without one: a 400). A schema that cannot be enforced is a
+  400 naming the reason. An answer cut by ``max_tokens`` ends with ``finish_reason`` ``length`` (a cut document).
 * Images: ``{"type": "image_url", "image_url": {"url": ..., "detail": ...}}`` parts in user messages, the URL a
   ``data:image/...;base64,...`` URI or an http(s) URL (fetched by the server: ``fetch.py``); ``detail`` (``auto``,
   ``low``, ``high``) is accepted and changes nothing, the preprocessing follows the checkpoint's processor config.
@@ -84,6 +90,7 @@ from starlette.concurrency import run_in_threadpool
 from ..chat import Content, Reasoning, ToolCall, collect
 from ..engine import Stats, sampling_params
 from ..errors import InputError
+from ..grammar import reply_grammar
 from ..logprobs import Offsets, Scored, chat_logprobs, completion_logprobs, prompt_logprobs, with_logprobs
 from ..sampling import SamplingError
 from . import checks, vision
@@ -160,6 +167,7 @@ class StreamOptions(_Strict):
 
 class ResponseFormat(_Loose):
     type: str
+    json_schema: dict[str, Any] | None = None  # {"name", "schema", "strict", "description"}
 
 
 class _Common(_Strict):
@@ -454,6 +462,24 @@ def _chat_logprobs(req: ChatRequest) -> int | None:
     return (req.top_logprobs or 0) if req.logprobs else None
 
 
+def _response_format(req: ChatRequest) -> tuple[bool, dict | None]:
+    """(a JSON answer?, its schema or None: any object) from ``response_format``; a 400 names a bad one."""
+    rf = req.response_format
+    if rf is None or rf.type == "text":
+        return False, None
+    if rf.type == "json_object":
+        return True, None
+    _refuse(rf.type != "json_schema", "response_format", f"response_format type {rf.type!r} is not supported "
+            "(text, json_object or json_schema)")
+    spec = rf.json_schema
+    _refuse(not isinstance(spec, dict) or not isinstance(spec.get("name"), str), "response_format",
+            'response_format json_schema needs {"name": ..., "schema": {...}}')
+    schema = spec.get("schema")
+    _refuse(schema is not None and not isinstance(schema, dict), "response_format",
+            "response_format.json_schema.schema must be a JSON Schema object")
+    return True, schema
+
+
 def _chat_logprobs_field(engine, lps: list) -> dict:
     return {"content": chat_logprobs(engine.tokenizer, lps), "refusal": None}
 
@@ -464,9 +490,7 @@ async def chat_completions(req: ChatRequest, request: Request):
     check_model(app, req.model)
     _common_checks(req)
     top = _chat_logprobs(req)
-    if req.response_format is not None and req.response_format.type != "text":
-        raise APIError(400, f"response_format {req.response_format.type!r} is not supported (only 'text')",
-                       param="response_format")
+    json_answer, schema = _response_format(req)
     _refuse(req.modalities is not None and req.modalities != ["text"], "modalities",
             "only the text modality is supported")
     max_tokens = req.max_completion_tokens or req.max_tokens
@@ -489,10 +513,17 @@ async def chat_completions(req: ChatRequest, request: Request):
         raise APIError(400, str(exc)) from exc
     checks.check_max_tokens(engine, app.state.limits.max_tokens, n, max_tokens, _max_tokens_param(req), "messages")
     single_call = req.parallel_tool_calls is False
+    strict = any(t["function"].get("strict") is True for t in tools or ())
+    try:  # built before the queue: a schema that cannot be enforced is a 400 (the first one binds the tokenizer)
+        structure = await run_in_threadpool(reply_grammar, engine, messages, tools, think, force, schema=schema,
+                                            json_answer=json_answer, strict=strict)
+    except InputError as exc:
+        raise APIError(400, str(exc), param="response_format" if json_answer else "tools") from exc
 
     def run():
+        extra = {} if structure is None else {"constraint": structure.constraint()}  # one per generation
         events = engine.chat(messages, tools=tools, think=think, max_tokens=max_tokens, stop=stop, force_tool=force,
-                             logprobs=top, **sampling)
+                             logprobs=top, **extra, **sampling)
         return events if top is None else with_logprobs(engine, events)
 
     usage = Usage()
