@@ -31,6 +31,9 @@ class Weight:
     shape: tuple[int, ...]
     scale: Any = None  # fp8: per-block / per-channel / per-tensor scale (backend array)
     block: tuple[int, int] | None = None  # fp8 block size, e.g. (128, 128); None = per-channel/tensor
+    # where the backend keeps ``data`` ("vram", "ram", ...: the plan's store), set by the backend that made it; None
+    # where unknown (a Weight made by hand). Ops read it to choose a path instead of inferring it from the array type
+    store: str | None = None
 
     @property
     def nbytes(self) -> int:
@@ -111,6 +114,12 @@ class Backend(ABC):
         (the CUDA backend captures it as a CUDA graph), or None where this backend has none; raise
         NotImplementedError naming the reason where it has one but this model's step cannot use it. The engine
         asks when every component of a plan sits on this one backend instance."""
+        return None
+
+    def close(self) -> None:
+        """Release what this backend instance holds beyond the arrays it handed out (caches, page-locked pools,
+        captured graphs), now rather than when it is garbage-collected; the engine that owns it calls this when it
+        is dropped, and does not compute on it afterwards. Default: nothing."""
         return None
 
     def use(self) -> None:

@@ -37,6 +37,8 @@ def load_component(ckpt, arch: Architecture, backend, store: str, names: list[st
                 check_scales(name)
             out[name] = backend.weight(ckpt.read(name), weight_format(ckpt, name), store, scale=scale_arr,
                                        shape=logical_shape(ckpt, name))
+            if out[name].store is None:  # a Weight carries its store (the CUDA backend sets it itself)
+                out[name].store = store
         else:
             values = read_f32(name)
             check_finite(ckpt, name, values)

@@ -43,9 +43,10 @@ def test_cuda_registers_every_op_in_the_contract():
 
 
 def test_ops_that_take_a_weight_hand_host_weights_to_hostweights(monkeypatch):
-    """linear, embedding and linear_group are registered through ``_host_aware``: a Weight whose data is a numpy
-    array (kept in page-locked host RAM, store 'ram') goes to lumen_cuda.hostweights.dispatch, anything else to the
-    op itself; other ops are registered as they are. Stand-ins for the op and the module: no GPU needed."""
+    """linear, embedding and linear_group are registered through ``_host_aware``: a Weight whose store is 'ram'
+    (kept in page-locked host RAM) goes to lumen_cuda.hostweights.dispatch, anything else to the op itself, whatever
+    its array's type (the Weight says where it lives; the op does not sniff); other ops are registered as they are.
+    Stand-ins for the op and the module: no GPU needed."""
     import types
 
     import lumen_cuda
@@ -59,9 +60,11 @@ def test_ops_that_take_a_weight_hand_host_weights_to_hostweights(monkeypatch):
     fake.dispatch = lambda name, call, *args, **kwargs: f"host {name}"
     monkeypatch.setitem(sys.modules, "lumen_cuda.hostweights", fake)
     monkeypatch.setattr(lumen_cuda, "hostweights", fake, raising=False)
-    device, host = Weight(object(), "bf16", (2, 2)), Weight(np.zeros((2, 2), np.uint16), "bf16", (2, 2))
+    device, host = Weight(object(), "bf16", (2, 2), store="vram"), Weight(object(), "bf16", (2, 2), store="ram")
+    unknown = Weight(np.zeros((2, 2), np.uint16), "bf16", (2, 2))  # a numpy array, no store: not sniffed as host
     linear, group = lumen_cuda._host_aware("linear", op), lumen_cuda._host_aware("linear_group", op)
     assert (linear("x", device), linear("x", host), linear("x", w=host)) == ("op", "host linear", "op")
+    assert linear("x", unknown) == "op"
     assert lumen_cuda._host_aware("embedding", op)("ids", host) == "host embedding"
     assert (group("x", [device, device]), group("x", [device, host])) == ("op", "host linear_group")
     assert lumen_cuda._host_aware("rms_norm", op) is op

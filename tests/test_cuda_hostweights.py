@@ -63,20 +63,18 @@ def test_weights_in_host_ram_take_pinned_memory_not_vram_as_planned(tiny_checkpo
     below the all-VRAM figure."""
     import gc
 
-    from lumen_cuda import stream
-
     path = tiny_checkpoint("qwen3_5", hidden_size=1024, intermediate_size=4096, num_hidden_layers=4,
                            num_attention_heads=8, num_key_value_heads=2, head_dim=128, linear_num_key_heads=4,
                            linear_num_value_heads=8, linear_key_head_dim=128, linear_value_head_dim=128)
     gc.collect()
     pool = cp.get_default_memory_pool()
-    used0, pinned0 = pool.used_bytes(), stream.ARENA.allocated
+    used0 = pool.used_bytes()
     engine = lumen.load({"model": {"path": str(path), "compute": "cuda:0", "store": "ram",
                                    "hidden-layers": {"kv-cache": {"context-size": 1024}}}}, progress=False)
     list(engine.generate_tokens(list(range(5, 40)), 4))
     runner = engine.decode_runner()
     vram = pool.used_bytes() - used0 + (runner.pool.used_bytes() if runner else 0)
-    pinned = stream.ARENA.allocated - pinned0
+    pinned = engine.backends[("output-layer", None)].arena.allocated  # the engine's own arena (pinned.py)
     pools = engine.plan.pools()
     want_ram, want_vram = pools["host RAM"], pools.get("cuda:0 VRAM", 0)
     print(f"host weights: VRAM {vram / 1e6:.1f} MB (plan {want_vram / 1e6:.1f}), pinned {pinned / 1e6:.1f} MB "

@@ -8,8 +8,6 @@ Tolerance: f32 accumulation in another order: <= 1e-5 x max(1, max |reference|);
 
 from __future__ import annotations
 
-import sys
-
 import ml_dtypes
 import numpy as np
 import pytest
@@ -18,15 +16,6 @@ from gpu_util import close, host
 from lumen_core.plugins import get_registry
 
 pytest.importorskip("lumen_cuda")
-
-
-@pytest.fixture(autouse=True)
-def _forget_tables():
-    """lumen_cuda.moe caches pointer tables (keeping each test's expert lists alive): drop them after each test."""
-    yield
-    mod = sys.modules.get("lumen_cuda.moe")
-    if mod is not None:
-        mod.clear_cache()
 
 
 @pytest.fixture(scope="module")

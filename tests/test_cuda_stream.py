@@ -37,6 +37,13 @@ def run(model, ids):
     return greedy_run(model, ids, CONTEXT, STEPS)
 
 
+def expert_stats(engine) -> dict:
+    """The expert cache statistics of the backend the engine streams its routed experts through (each engine's
+    CUDABackend has a cache of its own)."""
+    backend = next(b for comp, b in engine.backends.items() if comp[0] == "experts")
+    return backend.expert_stats()
+
+
 def quantize(tiny_checkpoint, tmp_path_factory, fmt):
     from lumen_core.cli import main
 
@@ -62,13 +69,10 @@ def checkpoint(request, tiny_checkpoint, tmp_path_factory, cp):
 @pytest.mark.gpu
 @pytest.mark.parametrize("cache", [1, 64])  # 1: every prefill in passes, decode reads from host; 64: all resident
 def test_streamed_experts_equal_the_vram_run(checkpoint, cache):
-    from lumen_cuda import stream
-
     name, path = checkpoint
     ref = load(path)
     ids = np.random.RandomState(0).randint(3, ref.model.vocab_size, 40).tolist()
     want = run(ref.model, ids)
-    stream._CACHES.clear()
     streamed = load(path, compute="cuda:0", store="ram", cache=cache)
     stores = {e.component: e.store for e in streamed.plan.entries}
     experts = [c for c in stores if c.endswith(".experts")]
@@ -79,13 +83,13 @@ def test_streamed_experts_equal_the_vram_run(checkpoint, cache):
     errs = close(got[0], want[0], 1e-4), close(got[2], want[2], 1e-4)
     assert got[1] == want[1]
     assert np.isclose(streamed.perplexity(ids)["nll"], ref.perplexity(ids)["nll"], rtol=1e-4)
-    st = stream.stats()[0]
+    st = expert_stats(streamed)
     assert st["copied_bytes"] > 0 and st["misses"] > 0
     if cache == 1:  # at most one expert resident: decode reads the others from host memory
         assert st["host_read_bytes"] > 0
     else:  # everything fits: a second run of the same prompt copies nothing and hits
         assert run(streamed.model, ids)[1] == want[1]
-        st2 = stream.stats()[0]
+        st2 = expert_stats(streamed)
         assert st2["copied_bytes"] == st["copied_bytes"] and st2["hits"] > st["hits"]
     print(f"{name} cache {cache}: max |dlogit| prefill {errs[0]:.2e} decode {errs[1]:.2e}; {st}")
 
@@ -101,7 +105,6 @@ def test_streamed_experts_decode_through_the_graph_and_generate_the_same_text(ch
     _, path = checkpoint
     monkeypatch.setattr(stream, "REFRESH", 1)
     ref = load(path)
-    stream._CACHES.clear()
     streamed = load(path, compute="cuda:0", store="ram", cache=cache)
     prompt = list(range(5, 30))
     got, want = list(streamed.generate_tokens(prompt, 24)), list(ref.generate_tokens(prompt, 24))
@@ -111,7 +114,7 @@ def test_streamed_experts_decode_through_the_graph_and_generate_the_same_text(ch
     if "nvfp4" not in str(path):
         assert streamed.decode_runner()
     if cache == 2 and streamed.decode_runner():
-        assert stream.stats()[0]["swaps"] > 0
+        assert expert_stats(streamed)["swaps"] > 0
     if got != want:  # allowed only where the reference's two best logits tie to within the tolerance
         i = next(j for j, (a, b) in enumerate(zip(got, want, strict=False)) if a != b)
         logits = np.asarray(ref.model.forward(prompt + want[:i], ref.model.new_cache(CONTEXT))[-1], np.float64)
@@ -228,20 +231,18 @@ def test_memory_allocated_is_within_ten_percent_of_the_plan(placement, tiny_chec
     and not in the plan."""
     import gc
 
-    from lumen_cuda import stream
-
     path = tiny_checkpoint("qwen3_5_moe", hidden_size=1024, num_experts=32, num_experts_per_tok=4,
                            moe_intermediate_size=1024, shared_expert_intermediate_size=1024)
     gc.collect()
     pool = cp.get_default_memory_pool()
-    used0, pinned0 = pool.used_bytes(), stream.ARENA.allocated
+    used0 = pool.used_bytes()
     experts = {"compute": "cuda:0", "store": "ram", "cache": 16} if placement == "stream" else {}
     engine = lumen.load({"model": {"path": str(path), "compute": "cuda:0", "store": "vram", "hidden-layers": {
         "kv-cache": {"context-size": 1024}, **({"experts": experts} if experts else {})}}}, progress=False)
     list(engine.generate_tokens(list(range(5, 40)), 4))
     runner = engine.decode_runner()
     vram = pool.used_bytes() - used0 + (runner.pool.used_bytes() if runner else 0)
-    pinned = stream.ARENA.allocated - pinned0
+    pinned = engine.backends[("output-layer", None)].arena.allocated  # the engine's own arena
     pools = engine.plan.pools()
     want_vram, want_ram = pools.get("cuda:0 VRAM", 0), pools.get("host RAM", 0)
     print(f"{placement}: VRAM {vram / 1e6:.1f} MB (plan {want_vram / 1e6:.1f}), pinned {pinned / 1e6:.1f} MB "
@@ -257,8 +258,9 @@ def test_memory_allocated_is_within_ten_percent_of_the_plan(placement, tiny_chec
 @pytest.mark.gpu
 def test_a_dropped_engine_gives_its_vram_back(tiny_checkpoint, cp):
     """Loading, generating (the decode graph, fused projections, MoE pointer tables) and dropping an engine leaves
-    CuPy's pool where it was: the module caches hold weak references, so a second model fits where the first was
-    (a notebook that reloads with another config must not run out of VRAM)."""
+    CuPy's pool where it was: what an engine derives (graphs, fused weights, tables) is its own, so a second model
+    fits where the first was (a notebook that reloads with another config must not run out of VRAM).
+    tests/test_cuda_engines.py checks the same with ``Engine.close`` and streamed experts, and the pinned memory."""
     import gc
 
     path = tiny_checkpoint("qwen3_5_moe", hidden_size=1024, num_experts=32, num_experts_per_tok=4,

@@ -1,10 +1,13 @@
 """The page-locked arena of the cuda backend (lumen_cuda.pinned) takes what the plan counts for weights a GPU keeps
 in host RAM (``store: ram``), whatever an earlier load left in it. No GPU: the arena is given a stand-in allocator
 (anonymous memory, rounded to CuPy's 512-byte unit as CuPy's pinned pool rounds) and the loader runs the cuda backend's
-host-weight path against it, on a stand-in cuda:0. tests/test_cuda_hostweights.py measures the same on a GPU."""
+host-weight path against it, on a stand-in cuda:0. tests/test_cuda_hostweights.py measures the same on a GPU.
+Each CUDABackend (one per device per engine) has an arena of its own, which counts the bytes it still holds
+(``live``): a dropped engine's pinned memory is seen to go back."""
 
 from __future__ import annotations
 
+import gc
 import mmap
 
 import numpy as np
@@ -39,12 +42,16 @@ def _alloc(log: list):
 
 
 class _HostOnly:
-    """The cuda backend's weight path for store 'ram' (CUDABackend._host_weight: no device touched); small
-    tensors stay numpy."""
+    """The cuda backend's weight path for store 'ram' (CUDABackend._host_weight into ``arena``: no device touched);
+    small tensors stay numpy."""
+
+    def __init__(self, arena):
+        self.backend = CUDABackend.__new__(CUDABackend)
+        self.backend.arena = arena
 
     def weight(self, array, fmt, store, scale=None, shape=None):
         assert store == "ram"
-        return CUDABackend._host_weight(CUDABackend.__new__(CUDABackend), array, fmt, scale, shape)
+        return self.backend._host_weight(array, fmt, scale, shape)
 
     def tensor(self, array):
         return np.asarray(array, np.float32)
@@ -62,11 +69,11 @@ def _load_host_weights(path, arena, monkeypatch):
     from lumen_core.engine import prepare
     from lumen_core.loader import load_component
 
-    monkeypatch.setattr(pinned, "ARENA", arena)
     _, ckpt, arch, plan, resolved = prepare({"model": {"path": str(path), "compute": "cuda:0", "store": "ram",
                                                        "hidden-layers": {"kv-cache": {"context-size": 64}}}})
     shared: dict = {}
-    weights = {comp: load_component(ckpt, arch, _HostOnly(), resolved["placements"][comp].store, names, shared)
+    host = _HostOnly(arena)
+    weights = {comp: load_component(ckpt, arch, host, resolved["placements"][comp].store, names, shared)
                for comp, names in resolved["layout"].needs.items()}
     return plan, weights
 
@@ -85,26 +92,41 @@ def test_host_weights_take_the_page_locked_memory_the_plan_counts(tiny_checkpoin
     assert arena.allocated - want <= 0.02 * want, (arena.allocated, want)
     assert all(n % pinned.PAGE == 0 for n in log) and len(log) < 64
     w = next(iter(weights.values()))
-    some = next(v for v in w.values() if hasattr(v, "data") and isinstance(v.data, np.ndarray))
+    some = next(v for v in w.values() if hasattr(v, "data") and v.store == "ram")
+    assert isinstance(some.data, np.ndarray)
     assert some.data.flags.c_contiguous and some.data.ctypes.data % pinned.ALIGN == 0
 
 
 def test_a_load_takes_the_same_whatever_came_before_it(tiny_checkpoint, standin_gpu, monkeypatch):
     """The old arena's figure depended on how much of its current 32 MiB block an earlier load had left free
-    (335.5 vs 302.0 MB for the same model on the H200). Now each load begins afresh: the same sizes are asked for
-    (so CuPy's pinned pool can hand a dropped model's memory to its reload) and the same bytes taken."""
+    (335.5 vs 302.0 MB for the same model on the H200). Now each load (each CUDABackend) has an arena of its own:
+    the same sizes are asked for (so CuPy's pinned pool can hand a dropped model's memory to its reload) and the
+    same bytes taken, while an earlier engine's arena, partly filled, is still alive."""
     path = tiny_checkpoint("qwen3_5", **QWEN)
     log: list = []
-    arena = pinned.PinnedArena(_alloc(log))
-    for _ in range(3):
-        arena.copy(np.zeros(1000, np.uint8))  # an earlier load's small arrays: a partly filled block
+    earlier = pinned.PinnedArena(_alloc(log))
+    kept = [earlier.copy(np.zeros(1000, np.uint8)) for _ in range(3)]  # an earlier engine: a partly filled block
     sizes = []
     for _ in range(2):
-        arena.begin()  # CUDABackend.__init__
         start = len(log)
-        _load_host_weights(path, arena, monkeypatch)
+        _load_host_weights(path, pinned.PinnedArena(_alloc(log)), monkeypatch)
         sizes.append(log[start:])
-    assert sizes[0] == sizes[1]
+    assert sizes[0] == sizes[1] and kept
+
+
+def test_an_arena_counts_what_it_holds_until_its_arrays_are_gone(tiny_checkpoint, standin_gpu, monkeypatch):
+    """``live``: the bytes of allocations still held. Dropping a load's weights and closing its arena (what
+    CUDABackend.close does) brings it to 0: nothing of a dropped engine stays page-locked."""
+    path = tiny_checkpoint("qwen3_5", **QWEN)
+    arena = pinned.PinnedArena(_alloc([]))
+    plan, weights = _load_host_weights(path, arena, monkeypatch)
+    assert arena.live == arena.allocated > 50e6
+    del plan, weights
+    gc.collect()
+    assert 0 < arena.live <= pinned.BLOCK_MAX  # the block being filled is still the arena's
+    arena.close()
+    gc.collect()
+    assert arena.live == 0
 
 
 def test_large_arrays_get_their_own_allocation_and_small_ones_share_growing_blocks():
@@ -126,8 +148,9 @@ def test_large_arrays_get_their_own_allocation_and_small_ones_share_growing_bloc
     assert arena.block_size() == pinned.BLOCK_MAX
 
 
-def test_a_cuda_backend_begins_a_load(monkeypatch):
-    """CUDABackend.__init__ starts a load in the arena (tested without CuPy: the backend's CuPy is a stand-in)."""
+def test_each_cuda_backend_has_an_arena_of_its_own(monkeypatch):
+    """Two CUDABackends on one device (two engines) never share an arena (tested without CuPy: the backend's CuPy
+    is a stand-in); there is no process-wide arena."""
     import types
 
     from lumen_cuda import backend as cb
@@ -135,8 +158,7 @@ def test_a_cuda_backend_begins_a_load(monkeypatch):
     fake = types.SimpleNamespace(cuda=types.SimpleNamespace(Device=lambda i: ("device", i)))
     monkeypatch.setattr(cb, "_load_cupy", lambda: (fake, None), raising=False)
     monkeypatch.setattr(cb, "_cupy", lambda: fake)
-    arena = pinned.PinnedArena(_alloc([]))
-    arena.copy(np.zeros(10, np.uint8))
-    monkeypatch.setattr(pinned, "ARENA", arena)
-    CUDABackend("cuda:0", None)
-    assert arena.block is None and arena.taken == 0
+    a, b = CUDABackend("cuda:0", None), CUDABackend("cuda:0", None)
+    assert isinstance(a.arena, pinned.PinnedArena) and a.arena is not b.arena
+    assert a.arena.block is None and a.arena.taken == 0
+    assert not hasattr(pinned, "ARENA")

@@ -1,7 +1,14 @@
 """Lumen's CUDA backend on CuPy. Importing this package must not import CuPy or initialise CUDA: the backend
-class is registered by name and every op is a thin wrapper that imports the implementation on first call."""
+class is registered by name and every op is a thin wrapper that imports the implementation on first call.
 
-import numpy as np
+Module order: each module of the package imports (at its top or inside a function) only modules listed before it
+in ``MODULE_ORDER``, so there is no import cycle (tests/test_cuda_engines.py checks it from the source). In words:
+kernels (compiled code), state, step, pinned, the CuPy references and the kernels' launchers, then moe and the
+streamed experts on top of them, then ops (the contract, which routes to all of them), then graph (the decode
+runner), then the backend, then this package (the registration).
+"""
+
+import functools
 
 from lumen_core import hookimpl
 from lumen_core.ops import CONTRACT
@@ -20,6 +27,13 @@ KERNEL_OPS = (("linear", "linear_f32", "f32"),
               ("embedding", "embedding_nvfp4", "nvfp4"), ("rms_norm", "rms_norm", None))
 
 
+MODULE_ORDER = (
+    "kernels", "state", "step", "pinned", "delta", "sampler", "cupy_ops", "flash", "hostcall", "attention",
+    "vision_ops", "gdn_prefill", "decode", "gemv", "moe", "hostweights", "stream", "ops", "graph", "backend",
+    "__init__",
+)
+
+
 @hookimpl
 def register_backends(register):
     register("cuda", "lumen_cuda.backend:CUDABackend")
@@ -27,6 +41,9 @@ def register_backends(register):
 
 # Ops that take a Weight, which may be kept in host RAM (store 'ram': lumen_cuda.hostweights)
 WEIGHT_OPS = ("linear", "embedding", "linear_group")
+# Ops that take the backend instance (``backend=``): routed experts in host RAM stream through its expert cache.
+# Each CUDABackend's op set binds them to itself (backend._BackendOpSet, through the ``bind`` attribute).
+BACKEND_OPS = ("moe_experts", "moe_experts_packed")
 
 
 @hookimpl
@@ -44,14 +61,15 @@ def register_ops(register):
 
 
 def _host_aware(op: str, call):
-    """``call``, with a Weight kept in page-locked host RAM replaced first by what the op reads (a zero-copy view,
-    or a VRAM copy for a prefill: lumen_cuda.hostweights). Other ops are returned as they are."""
+    """``call``, with a Weight kept in page-locked host RAM (``Weight.store == "ram"``) replaced first by what the op
+    reads (a zero-copy view, or a VRAM copy for a prefill: lumen_cuda.hostweights). Other ops are returned as they
+    are."""
     if op not in WEIGHT_OPS:
         return call
 
     def wrapped(*args, **kwargs):
         ws = (args[1] if op == "linear_group" else args[1:2]) if len(args) == 2 and not kwargs else ()
-        if any(isinstance(getattr(w, "data", None), np.ndarray) for w in ws):
+        if any(getattr(w, "store", None) == "ram" for w in ws):
             from . import hostweights
 
             return hostweights.dispatch(op, call, *args, **kwargs)
@@ -74,6 +92,8 @@ def _lazy(op: str):
         return impl(*args, **kwargs)
 
     call.__name__ = call.__qualname__ = f"cuda_{op}"
+    if op in BACKEND_OPS:
+        call.bind = lambda backend: functools.partial(call, backend=backend)
     return call
 
 

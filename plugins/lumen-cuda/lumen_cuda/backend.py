@@ -4,19 +4,32 @@ nvfp4), except GGUF block formats (q8_0, q4_k, ...), which are dequantized to bf
 CuPy is imported only where a device is asked for: on a machine without CuPy or a GPU, ``devices()`` is empty
 and the plan check refuses ``cuda:N`` naming why (``device_info``): CuPy not installed (and the command that
 installs it), CuPy that cannot load or finds no driver or GPU, or an index past the GPUs this machine has.
+
+**State belongs to the backend instance** (one per device per engine: lumen_core.engine ``_backends``), never to a
+module: its page-locked arena (``arena``: the engine's store-'ram' weights), its VRAM expert cache
+(``expert_streams``), the decode runners it made; ``close`` releases them. What belongs to one Weight is kept on
+the Weight (lumen_cuda.state), the step being captured on its runner (lumen_cuda.step), and the only module-level
+caches are compiled kernels and device facts (lumen_cuda.kernels). Each Weight made here carries its ``store``
+("vram" or "ram"), which is what the ops read to choose a path.
+
+Module order (each imports only modules above it; tests/test_cuda_engines.py checks it):
+``lumen_cuda.MODULE_ORDER``.
 """
 
 from __future__ import annotations
 
 import os
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from lumen_core.backend import Backend, DeviceInfo, Weight, scale_block
+from lumen_core.backend import Backend, DeviceInfo, OpSet, Weight, _BoundOp, scale_block
 from lumen_core.errors import PlanError
 from lumen_core.plugins import install_hint
+
+from .pinned import PinnedArena
 
 UPLOAD = {"f32": np.float32, "f16": np.float16, "bf16": np.uint16}  # bf16: the raw bits (CuPy has no bfloat16)
 NVFP4_GROUP = 16  # values per e4m3 block scale
@@ -161,21 +174,50 @@ class CUDABackend(Backend):
 
     def __init__(self, device: str, registry):
         super().__init__(device, registry)
+        self.ops = _BackendOpSet(self)
         cp, why = _load_cupy()
         if cp is None:
             raise RuntimeError(f"the cuda backend needs CuPy. {why}")
         self.cp = cp
         self.index = int(device.split(":", 1)[1]) if ":" in device else 0
         self.dev = cp.cuda.Device(self.index)
-        from .pinned import ARENA
+        self.arena = PinnedArena()  # this engine's store-'ram' weights: page-locked blocks of their own (pinned.py)
+        self._streams = None  # the VRAM expert cache (stream.ExpertStreams), made when first asked for
+        self._runners = weakref.WeakSet()  # the decode runners made here (graph.GraphRunner), closed by close()
 
-        ARENA.begin()  # a new load: its store-'ram' weights take page-locked blocks of their own (pinned.py)
+    @property
+    def expert_streams(self):
+        """This backend's VRAM expert cache for routed experts streamed from store 'ram' (stream.ExpertStreams)."""
+        if self._streams is None:
+            from .stream import ExpertStreams
+
+            self._streams = ExpertStreams(self.index)
+        return self._streams
 
     def configure_expert_cache(self, slots: int | None) -> None:
-        """Experts kept in this device's VRAM expert cache (routed experts streamed from store 'ram')."""
-        from . import stream
+        """Experts kept in this backend's VRAM expert cache (routed experts streamed from store 'ram')."""
+        from .stream import DEFAULT_SLOTS
 
-        stream.SLOTS[self.index] = slots or stream.DEFAULT_SLOTS
+        self.expert_streams.slots = slots or DEFAULT_SLOTS
+
+    def expert_stats(self) -> dict | None:
+        """The expert cache's statistics (stream.ExpertStreams.stats), or None where no expert has streamed."""
+        return None if self._streams is None else self._streams.stats()
+
+    def close(self) -> None:
+        """Release what this backend holds for its engine: the decode runners' graphs, pools and caches, the expert
+        cache's VRAM, the arena's block being filled (the arena's other blocks, and the weights' VRAM, go back when
+        the engine's Weights are dropped). Queued work finishes first. Idempotent; the engine does not compute here
+        afterwards."""
+        with self.dev:
+            for runner in list(self._runners):
+                runner.close()
+            self._runners = weakref.WeakSet()
+            if self._streams is not None:
+                self._streams.close()
+                self._streams = None
+            self.arena.close()
+            self.dev.synchronize()
 
     @classmethod
     def stored_format(cls, fmt: str) -> str:
@@ -200,27 +242,28 @@ class CUDABackend(Backend):
         host = np.ascontiguousarray(array).view(UPLOAD[fmt]) if fmt == "bf16" else np.asarray(array, UPLOAD[fmt])
         with self.dev:
             data = self.cp.asarray(host)
-        return Weight(data, fmt, tuple(shape or host.shape))
+        return Weight(data, fmt, tuple(shape or host.shape), store="vram")
 
     def _host_weight(self, array, fmt: str, scale, shape) -> Weight:
-        """A matrix in page-locked host memory (lumen_cuda.pinned: what the plan counts, within the bound pinned.py
-        gives), laid out as its VRAM upload would be: a routed expert's is staged into the device's expert cache when
-        a token routes to it (stream.py), other weights are read over PCIe (hostweights.py)."""
-        from .pinned import pinned
-
+        """A matrix in page-locked host memory (this backend's arena, lumen_cuda.pinned: what the plan counts, within
+        the bound pinned.py gives), laid out as its VRAM upload would be: a routed expert's is staged into the
+        backend's expert cache when a token routes to it (stream.py), other weights are read over PCIe
+        (hostweights.py)."""
+        pinned = self.arena.copy
         if fmt == "fp8":
             host = np.ascontiguousarray(array)
             shape = tuple(shape or host.shape)
             s = np.ones(1, np.float32) if scale is None else np.ascontiguousarray(scale, dtype=np.float32)
-            return Weight(pinned(host.view(np.uint8)), "fp8", shape, pinned(s), scale_block(shape, s.shape))
+            return Weight(pinned(host.view(np.uint8)), "fp8", shape, pinned(s), scale_block(shape, s.shape),
+                          store="ram")
         if fmt == "nvfp4":
             host, bhost, shape, gs = self._nvfp4_parts(array, scale, shape)
-            return Weight(pinned(host), "nvfp4", shape, NVFP4Scale(pinned(bhost), gs), (1, NVFP4_GROUP))
+            return Weight(pinned(host), "nvfp4", shape, NVFP4Scale(pinned(bhost), gs), (1, NVFP4_GROUP), store="ram")
         if scale is not None or fmt not in UPLOAD:
             raise NotImplementedError(
                 f"weight format {fmt!r} is not yet supported on cuda (f32, f16, bf16, fp8, nvfp4 are)")
         host = np.ascontiguousarray(array).view(UPLOAD[fmt]) if fmt == "bf16" else np.asarray(array, UPLOAD[fmt])
-        return Weight(pinned(host), fmt, tuple(shape or host.shape))
+        return Weight(pinned(host), fmt, tuple(shape or host.shape), store="ram")
 
     def _fp8(self, array, scale, shape) -> Weight:
         """e4m3 bytes (uint8) and the f32 scale (its checkpoint shape) in VRAM; the block as the CPU infers it."""
@@ -231,7 +274,7 @@ class CUDABackend(Backend):
         s = np.ones(1, np.float32) if scale is None else np.ascontiguousarray(scale, dtype=np.float32)
         with self.dev:
             data, s_dev = self.cp.asarray(host.view(np.uint8)), self.cp.asarray(s)
-        return Weight(data, "fp8", shape, s_dev, scale_block(shape, s.shape))
+        return Weight(data, "fp8", shape, s_dev, scale_block(shape, s.shape), store="vram")
 
     @staticmethod
     def _nvfp4_parts(array, scale, shape):
@@ -253,7 +296,7 @@ class CUDABackend(Backend):
         host, bhost, shape, gs = self._nvfp4_parts(array, scale, shape)
         with self.dev:
             data, bdev = self.cp.asarray(host), self.cp.asarray(bhost)
-        return Weight(data, "nvfp4", shape, NVFP4Scale(bdev, gs), (1, NVFP4_GROUP))
+        return Weight(data, "nvfp4", shape, NVFP4Scale(bdev, gs), (1, NVFP4_GROUP), store="vram")
 
     def decode_runner(self, model, context_size: int):
         """The model's decode step captured as a CUDA graph (lumen_cuda.graph). Raises NotImplementedError with the
@@ -265,6 +308,7 @@ class CUDABackend(Backend):
         runner, why = decode_runner(model, self, context_size)
         if runner is None:
             raise NotImplementedError(why)
+        self._runners.add(runner)
         return runner
 
     def tensor(self, array):
@@ -281,14 +325,15 @@ class CUDABackend(Backend):
         return isinstance(x, self.cp.ndarray) and x.device.id == self.index
 
     def call(self, target, fn, *args):
-        from . import graph
+        from . import step
 
-        if graph.STEP is None or target is self or target.name not in self.graph_guests:
+        current = step.current()
+        if current is None or target is self or target.name not in self.graph_guests:
             return super().call(target, fn, *args)
         from . import hostcall  # a decode step being prepared: the crossing becomes nodes of the graph
 
         self.dev.use()
-        return hostcall.call(fn, list(args), graph.STEP)
+        return hostcall.call(fn, list(args), current)
 
     def use(self) -> None:
         self.dev.use()
@@ -303,3 +348,33 @@ class CUDABackend(Backend):
             with self.dev:
                 return x.copy()
         return super().take(x)
+
+
+class _BackendOpSet(OpSet):
+    """A CUDABackend's op set: an op registered with a ``bind`` attribute (lumen_cuda/__init__.py: the MoE expert
+    ops, which stream host-RAM experts through this backend's cache) is bound to this backend instance when first
+    resolved, so it reaches the backend's state without any module-level lookup. Other ops resolve as in OpSet."""
+
+    def __getattr__(self, op: str):
+        if op.startswith("_"):
+            raise AttributeError(op)
+        from lumen_core.ops import COMPOSITES
+
+        if op in COMPOSITES and not self.has(op):
+            return super().__getattr__(op)
+        bound = _BindingOp(self._backend, op)
+        setattr(self, op, bound)
+        return bound
+
+
+class _BindingOp(_BoundOp):
+    __slots__ = ()
+
+    def resolve(self, variant: str | None):
+        fn = self.fns.get(variant)
+        if fn is None:
+            fn = super().resolve(variant)
+            bind = getattr(fn, "bind", None)
+            if bind is not None:
+                fn = self.fns[variant] = bind(self.backend)
+        return fn

@@ -39,15 +39,9 @@ CONV_THREADS = 128
 _KV_NAMES = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16", np.dtype(np.uint16): "bf16",
              np.dtype(np.uint8): "fp8"}
 
-_FNS: dict[tuple[int, str, str], cp.RawKernel] = {}
-
 
 def _fn(file: str, name: str) -> cp.RawKernel:
-    key = (cp.cuda.runtime.getDevice(), file, name)
-    fn = _FNS.get(key)
-    if fn is None:
-        fn = _FNS[key] = kernels.function(file, name)
-    return fn
+    return kernels.function(file, name)
 
 
 def _f32(x, name: str):

@@ -31,12 +31,8 @@ DV_CLASSES = (128, 256, 512)  # kernel variants by value head dim
 MAX_ROW_BLOCKS = 65535  # grid.y
 LONG_KEYS = 2048  # above this many keys, decline a grid of fewer than half as many blocks as the device has SMs
 
-_FNS: dict[tuple[int, str], cp.RawKernel] = {}
-_SMEM_SET: dict[tuple[int, str], int] = {}
-_LIMITS: dict[int, int] = {}
 _ATTR_SMEM_OPTIN = 97  # cudaDevAttrMaxSharedMemoryPerBlockOptin
 _ATTR_SMS = 16  # cudaDevAttrMultiProcessorCount
-_SMS: dict[int, int] = {}
 
 
 def enabled() -> bool:
@@ -48,38 +44,15 @@ def smem_bytes(D: int, Dv: int, bn: int) -> int:
 
 
 def _smem_limit() -> int:
-    dev = cp.cuda.runtime.getDevice()
-    limit = _LIMITS.get(dev)
-    if limit is None:
-        try:
-            limit = int(cp.cuda.runtime.deviceGetAttribute(_ATTR_SMEM_OPTIN, dev))
-        except Exception:  # a runtime without the attribute: the default limit
-            limit = 48 * 1024
-        _LIMITS[dev] = limit
-    return limit
+    return kernels.device_attribute(_ATTR_SMEM_OPTIN, kernels.DEFAULT_SMEM)
 
 
 def _sm_count() -> int:
-    dev = cp.cuda.runtime.getDevice()
-    n = _SMS.get(dev)
-    if n is None:
-        try:
-            n = int(cp.cuda.runtime.deviceGetAttribute(_ATTR_SMS, dev))
-        except Exception:
-            n = 1
-        _SMS[dev] = n
-    return n
+    return kernels.device_attribute(_ATTR_SMS, 1)
 
 
 def _fn(name: str, smem: int) -> cp.RawKernel:
-    key = (cp.cuda.runtime.getDevice(), name)
-    fn = _FNS.get(key)
-    if fn is None:
-        fn = _FNS[key] = kernels.function(FILE, name)
-    if smem > 48 * 1024 and _SMEM_SET.get(key, 0) < smem:
-        fn.max_dynamic_shared_size_bytes = smem
-        _SMEM_SET[key] = smem
-    return fn
+    return kernels.function(FILE, name, smem=smem)
 
 
 def _ptr(x) -> int:

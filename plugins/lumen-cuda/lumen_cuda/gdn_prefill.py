@@ -31,39 +31,18 @@ MAX_DIM = 256  # Dk and Dv
 SEGMENT = 64 * CHUNK  # tokens per pair of launches (bounds the scratch: ~4 * Hv * SEGMENT * D floats)
 _NG = (1, 2, 4, 8)  # state row groups of 32 per scan thread block: round4(Dk) <= 32 * NG
 
-_FNS: dict[tuple[int, str], cp.RawKernel] = {}
-_SMEM_SET: dict[tuple[int, str], int] = {}
+_ATTR_SMEM_OPTIN = 97  # cudaDevAttrMaxSharedMemoryPerBlockOptin
 
 
 def _fn(name: str, smem: int) -> cp.RawKernel:
-    dev = cp.cuda.runtime.getDevice()
-    key = (dev, name)
-    fn = _FNS.get(key)
-    if fn is None:
-        if CHUNK != 64:
-            raise ValueError(f"gdn_chunk kernels are built for chunks of 64 steps, not {CHUNK}")
-        fn = _FNS[key] = kernels.function(FILE, name)
-    if smem > 48 * 1024 and _SMEM_SET.get(key, 0) < smem:
-        fn.max_dynamic_shared_size_bytes = smem
-        _SMEM_SET[key] = smem
-    return fn
-
-
-_LIMITS: dict[int, int] = {}
-_ATTR_SMEM_OPTIN = 97  # cudaDevAttrMaxSharedMemoryPerBlockOptin
+    if CHUNK != 64:
+        raise ValueError(f"gdn_chunk kernels are built for chunks of 64 steps, not {CHUNK}")
+    return kernels.function(FILE, name, smem=smem)
 
 
 def _smem_limit() -> int:
     """Dynamic shared memory one block may opt into on the current device (bytes)."""
-    dev = cp.cuda.runtime.getDevice()
-    limit = _LIMITS.get(dev)
-    if limit is None:
-        try:
-            limit = int(cp.cuda.runtime.deviceGetAttribute(_ATTR_SMEM_OPTIN, dev))
-        except Exception:  # a runtime without the attribute: the default limit
-            limit = 48 * 1024
-        _LIMITS[dev] = limit
-    return limit
+    return kernels.device_attribute(_ATTR_SMEM_OPTIN, kernels.DEFAULT_SMEM)
 
 
 def prep_smem(dk: int) -> int:

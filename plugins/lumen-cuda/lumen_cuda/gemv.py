@@ -2,16 +2,18 @@
 ``kernels/gemv_fp8.cu``) and the fused RMSNorm (``kernels/rms_norm.cu``); the prefill GEMMs on the tensor cores.
 
 The ``linear_*`` and ``rms_norm`` functions here are what ``lumen_cuda/__init__.py`` registers above the CuPy
-versions in ``ops.py``; each falls back to those where the kernel does not apply:
+versions in ``ops.py``; each falls back to the CuPy reference ops (``cupy_ops``) where the kernel does not apply:
 
-- GEMV: x (T, K) with T <= MAX_T (4) tokens; above that, cuBLAS (``ops.linear``). fp8 / NVFP4 above MAX_T:
+- GEMV: x (T, K) with T <= MAX_T (4) tokens; above that, cuBLAS (``cupy_ops.linear_dense``). fp8 / NVFP4 above MAX_T:
   ``gemm_split`` (the weight dequantized a slab at a time into bf16 hi + lo, ``kernels/dequant_split.cu``, then
   three bf16 GemmEx on the tensor cores with f32 accumulation; docs/cuda.md).
 - Alignment (16-byte vector loads): bf16/f16 need K % 8 == 0, fp8 K % 16 == 0 (and a column block size that is
   a multiple of 16); the weight must be C-contiguous with a 16-byte aligned base. Otherwise: the fallback.
   x is made contiguous (and copied when its base is not 16-byte aligned).
 - x is f32 (what the engine passes) or bf16 bits (uint16: CuPy has no bfloat16); y is always f32.
-- RMSNorm: x f32 (..., D), w f32 (D,) or None; anything else goes to ``ops.rms_norm``.
+- RMSNorm: x f32 (..., D), w f32 (D,) or None; anything else goes to ``cupy_ops.rms_norm``.
+- Fused projections (``linear_group``): the one matrix a group becomes is kept on the group's first Weight
+  (lumen_cuda.state), so it lives and dies with the model.
 """
 
 from __future__ import annotations
@@ -24,8 +26,9 @@ import numpy as np
 
 from lumen_core.backend import Weight
 
-from . import kernels
-from .graph import device_ids
+from . import cupy_ops, kernels
+from .state import derived
+from .step import device_ids
 
 MAX_T = 4  # decode GEMV up to this many tokens; cuBLAS above
 WARPS = 4  # warps per block (GEMV_WARPS in the .cu files)
@@ -38,15 +41,8 @@ ALIGN = {"bf16": 8, "f16": 8, "fp8": 16, "f32": 4, "nvfp4": 32}  # K % this == 0
 # overrides (benchmarks/cuda_gemv.py --fp8-sweep compares 2 and 4).
 FP8_UNROLL = int(os.environ.get("LUMEN_CUDA_FP8_UNROLL", "2"))
 
-_FNS: dict[tuple, cp.RawKernel] = {}
-
-
 def _fn(file: str, name: str, options: tuple[str, ...] = ()) -> cp.RawKernel:
-    key = (cp.cuda.runtime.getDevice(), file, name, options)
-    fn = _FNS.get(key)
-    if fn is None:
-        fn = _FNS[key] = kernels.function(file, name, options)
-    return fn
+    return kernels.function(file, name, options)
 
 
 def _aligned(a) -> bool:
@@ -116,9 +112,7 @@ def linear_f32(x, w: Weight):  # x (..., K), w (N, K) f32 -> (..., N): the GEMV 
     if isinstance(x, cp.ndarray) and w.data.dtype == cp.float32 and gemv_supported("f32", w.data, x2.shape[0], K):
         y = gemv32(x2, w.data)
         return y if x.ndim == 2 else y.reshape(*x.shape[:-1], y.shape[-1])
-    from . import ops
-
-    return ops.linear(x, w)
+    return cupy_ops.linear_dense(x, w)
 
 
 def fp8_block(shape, scale, block=None) -> tuple[int, int, int]:
@@ -161,9 +155,7 @@ def _linear16(x, w: Weight):  # x (..., K), w (N, K) bf16 bits / f16 -> (..., N)
     if isinstance(x, cp.ndarray) and w.format == "bf16" and w.data.ndim == 2 and w.data.flags.c_contiguous:
         y = gemm_bf16(x2, w.data)
         return y if x.ndim == 2 else y.reshape(*x.shape[:-1], y.shape[-1])
-    from . import ops
-
-    return ops.linear(x, w)
+    return cupy_ops.linear_dense(x, w)
 
 
 _bf16_split = cp.ElementwiseKernel(
@@ -330,23 +322,18 @@ def linear_f16(x, w: Weight):
     return _linear16(x, w)
 
 
-_E4M3 = None
+def _e4m3_table() -> np.ndarray:
+    """The f32 value of each e4m3fn byte (NaN at 0x7f / 0xff)."""
+    b = np.arange(256)
+    e, m = (b >> 3) & 15, (b & 7).astype(np.float64)
+    v = np.where(e == 0, m / 8 * 2.0**-6, (1 + m / 8) * 2.0 ** (e - 7))
+    v = np.where((e == 15) & (m == 7), np.nan, v) * np.where(b >> 7, -1.0, 1.0)
+    return v.astype(np.float32)
 
 
 def e4m3_to_f32(data):
-    """uint8 e4m3fn bytes (any shape) -> f32, through a 256-entry table (NaN at 0x7f / 0xff)."""
-    global _E4M3
-    if _E4M3 is None:
-        b = np.arange(256)
-        e, m = (b >> 3) & 15, (b & 7).astype(np.float64)
-        v = np.where(e == 0, m / 8 * 2.0**-6, (1 + m / 8) * 2.0 ** (e - 7))
-        v = np.where((e == 15) & (m == 7), np.nan, v) * np.where(b >> 7, -1.0, 1.0)
-        _E4M3 = {}
-        _E4M3["host"] = v.astype(np.float32)
-    dev = cp.cuda.runtime.getDevice()
-    if dev not in _E4M3:
-        _E4M3[dev] = cp.asarray(_E4M3["host"])
-    return _E4M3[dev][data]
+    """uint8 e4m3fn bytes (any shape) -> f32, through a 256-entry table (a device constant: kernels.constant)."""
+    return kernels.constant("e4m3", _e4m3_table)[data]
 
 
 def dequantize_fp8(w: Weight):
@@ -468,9 +455,7 @@ def rms_norm(x, w, eps: float, offset: float = 0.0):  # x (..., D) f32, w (D,) f
     ok = isinstance(x, cp.ndarray) and x.dtype == cp.float32 and x.size > 0 and (
         w is None or (isinstance(w, cp.ndarray) and w.dtype == cp.float32 and w.shape == (D,)))
     if not ok:
-        from . import ops
-
-        return ops.rms_norm(x, w, eps, offset)
+        return cupy_ops.rms_norm(x, w, eps, offset)
     xc = cp.ascontiguousarray(x)
     y = cp.empty_like(xc)
     rows = xc.size // D
@@ -481,20 +466,22 @@ def rms_norm(x, w, eps: float, offset: float = 0.0):  # x (..., D) f32, w (D,) f
     return y
 
 
-# -- fused projections ------------------------------------------------------------------------------------------
-_GROUPS: dict[tuple[int, ...], tuple] = {}  # ids of the Weights -> (fused Weight or None, row splits, weak refs)
+# -- the contract's linear and fused projections ----------------------------------------------------------------
+def linear(x, w: Weight):
+    """The contract's ``linear`` without the GEMV kernels for dense formats (cuBLAS on the f32 matrix: the
+    reference the kernels are checked against); fp8 / nvfp4 through their launchers above. ``ops.linear``."""
+    if w.format in ("fp8", "nvfp4"):
+        return linear_fp8(x, w) if w.format == "fp8" else linear_nvfp4(x, w)
+    return cupy_ops.linear_dense(x, w)
 
 
-def _linear_any(x, w: Weight):
+def linear_any(x, w: Weight):
+    """``linear`` through the fastest launcher for w's format (what the registered ops pick)."""
     if w.format in ("bf16", "f16"):
         return _linear16(x, w)
     if w.format == "f32":
         return linear_f32(x, w)
-    if w.format in ("fp8", "nvfp4"):
-        return globals()[f"linear_{w.format}"](x, w)
-    from . import ops
-
-    return ops.linear(x, w)
+    return linear(x, w)
 
 
 def _fusable(ws) -> bool:
@@ -524,7 +511,7 @@ def _fuse(ws):
     scale = None
     if ws[0].format == "fp8":
         scale = cp.concatenate([w.scale.reshape(w.shape[0], 1) if ws[0].block is None else w.scale for w in ws])
-    fused = Weight(data, ws[0].format, (data.shape[0], ws[0].shape[-1]), scale, ws[0].block)
+    fused = Weight(data, ws[0].format, (data.shape[0], ws[0].shape[-1]), scale, ws[0].block, store="vram")
     r = sr = 0
     for w in ws:
         n = w.shape[0]
@@ -537,19 +524,25 @@ def _fuse(ws):
     return fused
 
 
+def _group(ws):
+    """(fused Weight or None, rows of each) of the projection group ``ws``, made on its first call and kept on its
+    first Weight (lumen_cuda.state): freed with the model, never seen by another engine."""
+    groups = derived(ws[0]).setdefault("linear_groups", [])
+    for refs, fused, rows in groups:
+        if len(refs) == len(ws) and all(r() is w for r, w in zip(refs, ws, strict=True)):
+            return fused, rows
+    fused, rows = _fuse(list(ws)), [w.shape[0] for w in ws]
+    groups.append((tuple(weakref.ref(w) for w in ws), fused, rows))
+    return fused, rows
+
+
 def linear_group(x, ws):
     """[x @ w.T for w in ws] as one GEMV / GEMM over the rows of every w, fused on the first call (the registered
     ``linear_group``: one read of x and one launch for q/k/v, gate/up, the Gated-DeltaNet input projections)."""
-    key = tuple(id(w) for w in ws)
-    entry = _GROUPS.get(key)
-    if entry is None or any(r() is not w for r, w in zip(entry[2], ws, strict=True)):
-        fused = _fuse(list(ws))
-        entry = _GROUPS[key] = (fused, [w.shape[0] for w in ws], tuple(weakref.ref(w) for w in ws))
-        weakref.finalize(ws[0], _GROUPS.pop, key, None)  # a dropped model's fused weights are freed with it
-    fused, rows, _ = entry
+    fused, rows = _group(ws)
     if fused is None:
-        return [_linear_any(x, w) for w in ws]
-    y = _linear_any(x, fused)
+        return [linear_any(x, w) for w in ws]
+    y = linear_any(x, fused)
     out, r = [], 0
     for n in rows:
         out.append(y[..., r:r + n])

@@ -1,9 +1,10 @@
 """CUDA-graph decode: one model's one-token step captured once, replayed per token.
 
-How a Python forward pass becomes position-independent: while a step is prepared, ``STEP`` holds two device
+How a Python forward pass becomes position-independent: while a step is prepared, the runner's ``StepInputs``
+is the current step (lumen_cuda.step: a context passed down to the ops, not a module global), holding two device
 buffers, the token id and its position. The ops that would otherwise bake host values into the launch read
-them instead: ``embedding`` gathers the row ``STEP.ids`` names, ``rope_tables`` builds cos/sin from
-``STEP.pos``, ``attention`` writes and reads the KV cache at ``STEP.pos`` (lumen_cuda.decode). Every other op of
+them instead: ``embedding`` gathers the row the step's ``ids`` name, ``rope_tables`` builds cos/sin from its
+``pos``, ``attention`` writes and reads the KV cache at ``pos`` (lumen_cuda.decode). Every other op of
 the step (GEMV kernels, norms, the Gated-DeltaNet step, MoE routing and experts) already runs without the host.
 An op that cannot (a ring KV cache, cuBLAS on f32 weights, a host sync) raises ``NotCapturable``, or CUDA
 refuses the capture; either way ``prepare`` returns None with the reason and the engine decodes eagerly.
@@ -16,60 +17,29 @@ inside it (the pool caches its blocks); then it is captured, and the cache is ze
 Streams: the graph runs on a blocking stream, which the legacy default stream (eager prefill, the sampler)
 orders itself against, so prefill → replay → sampling need no explicit events.
 
-Host calls: routed experts on the CPU (``CUDABackend.call`` while STEP is set) become nodes of the graph
+Host calls: routed experts on the CPU (``CUDABackend.call`` while a step is prepared) become nodes of the graph
 (hostcall.py); ``StepInputs.host_calls`` keeps them as long as the graph, ``host_errors`` collects what they
 raised (reported by the next ``step`` / token), and the host then waits on blocking events (``_event``).
+
+Ownership: everything a runner made (graph, private pool, cache, step inputs, host calls, greedy buffers) is its
+own, and goes with it, or with ``close`` (``CUDABackend.close`` closes the runners it made). Two runners (two
+engines on one GPU, a main model and its draft) share nothing but compiled kernels.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 
 import cupy as cp
 import numpy as np
 
 from lumen_core.backend import DecodeRunner
 
+from . import hostcall, kernels
+from .sampler import DeviceSampler
+from .step import StepInputs, preparing
 
-class NotCapturable(RuntimeError):
-    """An op met inside a step being prepared for a CUDA graph cannot run without the host."""
-
-
-@dataclass
-class StepInputs:
-    ids: cp.ndarray  # (1,) int64: the token of this step (already through model.input_id)
-    pos: cp.ndarray  # (1,) int32: its position (tokens before it)
-    streams: bool = False  # set by an op of the step that reads experts streamed from host RAM (stream.py)
-    host_calls: list = dataclasses.field(default_factory=list)  # the step's CPU crossings (hostcall.py)
-    host_errors: list = dataclasses.field(default_factory=list)  # what their host nodes raised, not yet reported
-
-
-STEP: StepInputs | None = None  # set while a decode step is prepared (warm-up and capture)
 GREEDY_BLOCKS, GREEDY_THREADS = 128, 256  # kernels/greedy.cu
-
-
-def device_ids(ids):
-    """ids (a host list) as a device int64 array, or STEP.ids while a decode step is prepared."""
-    if STEP is not None:
-        if len(ids) != 1:
-            raise NotCapturable(f"a captured decode step embeds 1 token, not {len(ids)}")
-        return STEP.ids
-    return cp.asarray(np.asarray(ids, dtype=np.int64))
-
-
-def device_pos(start: int):
-    """This token's position as a (1,) int32 device array: STEP.pos while a step is prepared, else a fresh one
-    (a fill kernel, no copy from the host)."""
-    if STEP is not None:
-        return STEP.pos
-    return cp.full((1,), start, dtype=cp.int32)
-
-
-def require_host(what: str) -> None:
-    """Raise NotCapturable when a step is being prepared: ``what`` needs host values or a host sync."""
-    if STEP is not None:
-        raise NotCapturable(f"{what} cannot run inside a captured decode step")
 
 
 class GraphRunner(DecodeRunner):
@@ -86,41 +56,31 @@ class GraphRunner(DecodeRunner):
         self.graph = None
         self.logits = None  # the graph's output buffer (1, vocab) f32, in the private pool
         self._greedy = None  # greedy_tokens' kernel, scratch, remap table, pinned slots and events
-        self._between = None  # called before each replay: the streamed-expert cache's upkeep (stream.maintain)
+        self._between = None  # called before each replay: the streamed-expert cache's upkeep (ExpertStreams.maintain)
         self._done = None  # step's blocking event (steps with host calls)
 
     def prepare(self) -> str | None:
         """Warm up and capture; None when the graph is ready, else why the step cannot be captured."""
-        global STEP
         pos0 = self.cache.pos
         try:
-            with self.dev, self.stream:  # warm-up 1: one-time work (fused weights, tables, constants) made
-                STEP = self.inputs       # outside the graph's pool
+            # warm-up 1: one-time work (fused weights, tables, constants) made outside the graph's pool
+            with self.dev, self.stream, preparing(self.inputs):
+                self.model.forward([0], self.cache, host=False)
+                self.cache.pos = pos0
+            with self.dev, self.stream, cp.cuda.using_allocator(self.pool.malloc), preparing(self.inputs):
+                self.model.forward([0], self.cache, host=False)  # warm-up 2: the pool caches its blocks
+                self.cache.pos = pos0
+                self.stream.synchronize()  # the warm-ups' host calls have run; only the capture's are kept
+                del self.inputs.host_calls[:]
+                self.stream.begin_capture()
                 try:
-                    self.model.forward([0], self.cache, host=False)
-                    self.cache.pos = pos0
+                    self.logits = self.model.forward([0], self.cache, host=False)
                 finally:
-                    STEP = None
-            with self.dev, self.stream, cp.cuda.using_allocator(self.pool.malloc):
-                STEP = self.inputs
-                try:
-                    self.model.forward([0], self.cache, host=False)  # warm-up 2: the pool caches its blocks
-                    self.cache.pos = pos0
-                    self.stream.synchronize()  # the warm-ups' host calls have run; only the capture's are kept
-                    del self.inputs.host_calls[:]
-                    self.stream.begin_capture()
-                    try:
-                        self.logits = self.model.forward([0], self.cache, host=False)
-                    finally:
-                        graph = self.stream.end_capture()
-                    self.cache.pos = pos0
-                finally:
-                    STEP = None
+                    graph = self.stream.end_capture()
+                self.cache.pos = pos0
             self.graph = graph
-            if self.inputs.streams:
-                from . import stream
-
-                self._between = stream.maintain
+            if self.inputs.streams is not None:
+                self._between = self.inputs.streams.maintain
             self.graph.upload(self.stream) if hasattr(self.graph, "upload") else None
         except Exception as exc:  # NotCapturable, or CUDA refusing an operation while capturing
             self.graph, self.logits = None, None
@@ -137,6 +97,15 @@ class GraphRunner(DecodeRunner):
             self.stream.synchronize()
         except Exception:  # interpreter shutdown, or a failed __init__: nothing is left to wait for
             pass
+
+    def close(self) -> None:
+        """Free the graph, its private pool, the cache and the step's buffers now (queued steps finish first);
+        the runner cannot step afterwards."""
+        self.stream.synchronize()
+        self.graph = self.logits = self._greedy = self._between = self._done = None
+        self.inputs = StepInputs(self.inputs.ids, self.inputs.pos)  # drops host calls, constants, the streams
+        self.cache = None
+        self.pool.free_all_blocks()
 
     def reset(self) -> None:
         self.stream.synchronize()  # steps still queued (greedy_tokens runs ahead) finish, host calls included
@@ -173,13 +142,9 @@ class GraphRunner(DecodeRunner):
     def _check(self) -> None:
         """Raise what a host node of an earlier replay met (hostcall.py), if the step has any."""
         if self.inputs.host_errors:
-            from . import hostcall
-
             hostcall.raise_pending(self.inputs.host_errors)
 
     def sampler(self, params):
-        from .sampler import DeviceSampler
-
         return DeviceSampler(params)
 
     def greedy_tokens(self, token: int):
@@ -188,8 +153,6 @@ class GraphRunner(DecodeRunner):
         position on the device, so the next replay is queued before the host has read this token; the host reads
         each token from pinned memory one step behind the GPU. Up to two steps run ahead of the consumer (their
         cache writes lie past the last token yielded: harmless, since ``reset`` precedes every generation)."""
-        from . import kernels
-
         n = self.logits.size
         if self._greedy is None:
             with self.dev:
@@ -212,32 +175,35 @@ class GraphRunner(DecodeRunner):
                 return
             slot = launches[0] % 2
             launches[0] += 1
-            if self._between is not None:
-                self._between()
-            self.graph.launch(self.stream)
-            self.cache.pos += 1
-            fn((GREEDY_BLOCKS,), (GREEDY_THREADS,), (logits, np.int32(n), part_v, part_i, counter, self.inputs.ids,
-                                                     self.inputs.pos, raw[slot], remap, nremap))
-            cp.cuda.runtime.memcpyAsync(host.ctypes.data + 8 * slot, raw[slot].data.ptr, 8,
-                                        cp.cuda.runtime.memcpyDeviceToHost, self.stream.ptr)
-            events[slot].record(self.stream)
+            with self.dev, self.stream:
+                if self._between is not None:
+                    self._between()
+                self.graph.launch(self.stream)
+                self.cache.pos += 1
+                fn((GREEDY_BLOCKS,), (GREEDY_THREADS,), (logits, np.int32(n), part_v, part_i, counter,
+                                                         self.inputs.ids, self.inputs.pos, raw[slot], remap, nremap))
+                cp.cuda.runtime.memcpyAsync(host.ctypes.data + 8 * slot, raw[slot].data.ptr, 8,
+                                            cp.cuda.runtime.memcpyDeviceToHost, self.stream.ptr)
+                events[slot].record(self.stream)
             pending.append(slot)
 
+        # The device and stream are made current only around each launch, never across a ``yield``: a generator
+        # suspended inside ``with self.stream`` would leave this runner's stream current for its caller, so another
+        # engine's work (its prefill, its own greedy kernel) would be queued here, out of order with its own steps.
+        if self.cache.pos >= self.cache.capacity:
+            raise ValueError(f"the cache holds {self.cache.capacity} tokens; position {self.cache.pos} is past it")
         with self.dev, self.stream:
-            if self.cache.pos >= self.cache.capacity:
-                raise ValueError(f"the cache holds {self.cache.capacity} tokens; position {self.cache.pos} is "
-                                 "past it")
             self.inputs.ids.fill(self.model.input_id(int(token)))
             self.inputs.pos.fill(self.cache.pos)
-            launch()
-            launch()
-            while pending:
-                slot = pending.pop(0)
-                events[slot].synchronize()
-                self._check()
-                tok = int(host[slot])
-                launch()  # queued before the consumer looks at tok
-                yield tok
+        launch()
+        launch()
+        while pending:
+            slot = pending.pop(0)
+            events[slot].synchronize()
+            self._check()
+            tok = int(host[slot])
+            launch()  # queued before the consumer looks at tok
+            yield tok
 
 
 def _zero(obj) -> None:

@@ -3,7 +3,7 @@
 ``experts: {compute: cpu}`` under a GPU model crosses to the host and back in every MoE layer. Op by op, each
 crossing is a host sync and the GPU part of the layer is dispatched from Python, which at 40 layers costs more
 than the experts themselves (docs/cuda.md, Step 5). While a decode step is prepared for a CUDA graph
-(``graph.STEP`` set), ``CUDABackend.call`` instead queues, on the capturing stream:
+(lumen_cuda.step), ``CUDABackend.call`` instead queues, on the capturing stream:
 
 1. device-to-host copies of the arguments (hidden states, expert ids, weights) into fixed page-locked buffers,
 2. a host node (``cuLaunchHostFunc``) that runs the CPU function on numpy views of those buffers and writes its
@@ -18,20 +18,28 @@ Threads: CUDA runs host nodes on a driver thread, which takes the GIL through ct
 the GPU only in calls that release the GIL (CuPy's stream / event synchronize and memcpy), so the node can run.
 A host node must not call CUDA; the CPU backend's ops do not. An exception in a node cannot stop the graph: it is
 kept with its step and raised by ``raise_pending`` (the runner calls it after each step it waits for).
+
+Process-wide, on purpose: CUDA calls one C entry point (``_TRAMPOLINE``) with an integer, so the integer must lead
+to the ``HostCall``: ``_CALLS`` maps keys (from a counter, never reused, unlike ``id()``) to **weak** references.
+It owns nothing (each HostCall belongs to its runner's step and leaves the map when that step is dropped), so two
+engines' host calls never meet; ``_driver`` is the CUDA driver library, loaded once.
 """
 
 from __future__ import annotations
 
 import ctypes
+import itertools
 import sys
 import weakref
 
 import cupy as cp
 import numpy as np
 
+from .step import NotCapturable
+
 _HOST_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
 _CALLS: weakref.WeakValueDictionary[int, HostCall] = weakref.WeakValueDictionary()
-_next_key = [1]
+_KEYS = itertools.count(1)
 _driver: list = []
 
 
@@ -51,8 +59,6 @@ _TRAMPOLINE = _HOST_FN(_trampoline)  # one C entry point for every host call; li
 
 def _launch_host_func(stream_ptr: int, key: int) -> None:
     if not _driver:
-        from .graph import NotCapturable
-
         lib = None
         for name in ("libcuda.so.1", "libcuda.so", "nvcuda.dll"):
             try:
@@ -85,8 +91,7 @@ class HostCall:
         self.fn, self.errors, self._memory = fn, errors, []
         self.inputs = [_pinned(a.shape, a.dtype, self._memory) for a in args]
         self.output = _pinned(args[0].shape, args[0].dtype, self._memory)
-        self.key = _next_key[0]
-        _next_key[0] += 1
+        self.key = next(_KEYS)
         _CALLS[self.key] = self
 
     def queue(self, args: list[cp.ndarray]) -> cp.ndarray:
@@ -111,7 +116,7 @@ class HostCall:
 
 
 def call(fn, args, step) -> cp.ndarray:
-    """``fn`` on numpy views of ``args`` as nodes of the step being prepared (``graph.StepInputs``, which keeps
+    """``fn`` on numpy views of ``args`` as nodes of the step being prepared (``step.StepInputs``, which keeps
     the HostCall and collects its errors; see the module docstring)."""
     args = [a if isinstance(a, cp.ndarray) else cp.asarray(a) for a in args]
     hc = HostCall(fn, args, step.host_errors)

@@ -1,15 +1,17 @@
 """Weights of a GPU component kept in host RAM (``compute: cuda:N, store: ram`` for a layer, the input or the
 output layer): read over PCIe, never resident in VRAM.
 
-``CUDABackend.weight`` puts a ``store: ram`` matrix in page-locked host memory (``pinned.pinned``, the same arena as
-streamed experts: large matrices in a ``cudaHostAlloc`` of their own, smaller ones packed into blocks that grow with
-the load, so the page-locked memory taken is the plan's host-RAM figure; pinned.py says why). Under unified
-addressing the GPU reads page-locked memory at its host address, so each op that takes a Weight (``linear``,
-``linear_group``, ``embedding``; registered through ``host_aware``) meets such a Weight as:
+``CUDABackend.weight`` puts a ``store: ram`` matrix in page-locked host memory (the backend's
+``pinned.PinnedArena``, the same arena as streamed experts: large matrices in a ``cudaHostAlloc`` of their own,
+smaller ones packed into blocks that grow with the load, so the page-locked memory taken is the plan's host-RAM
+figure; pinned.py says why). Under unified addressing the GPU reads page-locked memory at its host address, so
+each op that takes a Weight (``linear``, ``linear_group``, ``embedding``; registered through ``_host_aware``,
+which tells such a Weight by ``Weight.store == "ram"``) meets it as:
 
-- **a few tokens (decode, T < STAGE_MIN_T)**: zero-copy device views of the same memory (``device_view``), so the
-  GEMV kernels read every byte once over PCIe, with no copy and no host sync: decode stays one CUDA graph. A token
-  reads the matrix's bytes once either way, so a staging copy would move the same bytes and add a buffer.
+- **a few tokens (decode, T < STAGE_MIN_T)**: zero-copy device views of the same memory (``device_view``, made
+  once and kept on the Weight: lumen_cuda.state), so the GEMV kernels read every byte once over PCIe, with no
+  copy and no host sync: decode stays one CUDA graph. A token reads the matrix's bytes once either way, so a
+  staging copy would move the same bytes and add a buffer.
 - **many tokens (prefill)**: a transient VRAM copy (``staged``, one PCIe read of the matrix), then the usual GEMM
   path, whose tiles re-read the weight many times (from VRAM, not over PCIe). It is freed when the op returns.
 
@@ -20,19 +22,20 @@ are in docs/cuda.md, Step 5) without a cache: every token reads these weights ov
 
 from __future__ import annotations
 
-import weakref
-
 import cupy as cp
 import numpy as np
 
 from lumen_core.backend import Weight
 
+from .gemv import linear_any
+from .state import derived
+
 STAGE_MIN_T = 8  # tokens from which a host weight is copied into VRAM for the op (the MoE prefill threshold too)
-_VIEWS: dict[int, tuple] = {}  # id(host Weight) -> (a weak reference to it, its device view)
 
 
 def on_host(w) -> bool:
-    return isinstance(getattr(w, "data", None), np.ndarray)
+    """Whether ``w`` is a Weight its backend keeps in host RAM."""
+    return getattr(w, "store", None) == "ram"
 
 
 def _view(a: np.ndarray) -> cp.ndarray:
@@ -41,28 +44,28 @@ def _view(a: np.ndarray) -> cp.ndarray:
     return cp.ndarray(a.shape, a.dtype, cp.cuda.MemoryPointer(mem, 0))
 
 
-def _each(w: Weight, fn) -> Weight:
+def _each(w: Weight, fn, store: str) -> Weight:
     """w with fn applied to its data and its scale arrays (fp8 scale; nvfp4 block scales)."""
     scale = w.scale
     if w.format == "nvfp4":
         scale = type(scale)(fn(scale.block), scale.global_scale)
-    elif isinstance(scale, np.ndarray):
+    elif scale is not None:
         scale = fn(scale)
-    return Weight(fn(w.data), w.format, w.shape, scale, w.block)
+    return Weight(fn(w.data), w.format, w.shape, scale, w.block, store=store)
 
 
 def device_view(w: Weight) -> Weight:
-    """w's zero-copy device view, made once per Weight (dropped with it)."""
-    hit = _VIEWS.get(id(w))
-    if hit is None or hit[0]() is not w:
-        hit = _VIEWS[id(w)] = (weakref.ref(w), _each(w, _view))
-        weakref.finalize(w, _VIEWS.pop, id(w), None)
-    return hit[1]
+    """w's zero-copy device view (its bytes stay in host RAM: store 'ram'), made once and kept on w."""
+    state = derived(w)
+    view = state.get("device_view")
+    if view is None:
+        view = state["device_view"] = _each(w, _view, "ram")
+    return view
 
 
 def staged(w: Weight) -> Weight:
     """A transient VRAM copy of w (one host-to-device copy from page-locked memory)."""
-    return _each(w, cp.asarray)
+    return _each(w, cp.asarray, "vram")
 
 
 def _tokens(x) -> int:
@@ -77,10 +80,8 @@ def for_op(x, w: Weight) -> Weight:
 def dispatch(op: str, call, *args, **kwargs):
     """The registered ``op`` (``call``) with its host Weights replaced by what it reads (see the module docstring)."""
     if op == "linear_group":
-        from .gemv import _linear_any
-
         x, ws = args
-        return [_linear_any(x, for_op(x, w) if on_host(w) else w) for w in ws]  # never fused: see above
+        return [linear_any(x, for_op(x, w) if on_host(w) else w) for w in ws]  # never fused: see above
     if op == "embedding":
         ids, w = args
         return call(ids, device_view(w), **kwargs)  # the rows asked for, read over PCIe

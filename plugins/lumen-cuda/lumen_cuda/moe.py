@@ -25,26 +25,33 @@ as a CUDA graph and replayed with new ids (the kernels read ``ids[j]`` from devi
 - ``experts_packed`` (= ``experts_packed_decode``): ``ops.moe_experts_packed`` for any T; the expert's
   matrices are at base + e * stride, computed in the kernel (no table).
 
-Fast-path requirements (checked; otherwise the CuPy ops ``ops.moe_experts_grouped`` /
-``ops.moe_experts_packed_grouped``, whose ``_groups`` brings the ids to the host — a sync, and not
-capturable): formats bf16 / f16 / f32 / fp8 / nvfp4 (per list: one format, one shape and, for fp8, one scale
-block shape; packed: bf16 / f16 / f32); K % 8 for bf16/f16, % 4 for f32, % 16 for fp8 (and an fp8 column block
+Fast-path requirements (checked; otherwise the CuPy references ``experts_grouped`` / ``experts_packed_grouped``
+(``ops.moe_experts_grouped`` / ``ops.moe_experts_packed_grouped``), whose ``_groups`` brings the ids to the host —
+a sync, and not capturable): formats bf16 / f16 / f32 / fp8 / nvfp4 (per list: one format, one shape and, for fp8,
+one scale block shape; packed: bf16 / f16 / f32); K % 8 for bf16/f16, % 4 for f32, % 16 for fp8 (and an fp8 column block
 a multiple of 16), % 32 for nvfp4 (one 16-byte load = 32 values), for K = H (gate/up) and K = I (down);
 C-contiguous 16-byte aligned data (nvfp4: packed codes (N, K/2) uint8, its block scales (N, K/16) uint8
 C-contiguous and 2-byte aligned, the global scale a host scalar). An nvfp4 value is (e2m1 x block scale) x global
 scale as in ``gemv.gemv_nvfp4``: per 16-value block p = sum w x, lane sum = fmaf(p, block scale, sum), the
 global scale multiplies the gate / up row sum (down: each slot's partial sum) afterwards.
 
-Graph capture notes: for T = 1 the (k, I) scratch is cached per (device, k, I) and reused by every call, so
-calls must be ordered on one stream (as a decode step is); pass ``out`` (1, H) f32 to keep the output buffer
-fixed too. For T > 1 the scratch comes from the current CuPy allocator per call: capture under a private pool
-(as lumen_cuda.graph does) so the graph keeps its addresses.
-The pointer table of a list is built on first sight of that list object (keyed by id, the list kept alive);
-replacing the list's items afterwards is not noticed unless ``clear_cache()`` is called.
+Graph capture notes: for T = 1 the (k, I) scratch is kept with the layer's pointer table (packed experts: on the
+gate_up Weight) and reused by every call of that layer, so its calls must be ordered on one stream (as a decode
+step is); pass ``out`` (1, H) f32 to keep the output buffer fixed too. For T > 1 the scratch comes from the current
+CuPy allocator per call: capture under a private pool (as lumen_cuda.graph does) so the graph keeps its addresses.
+
+State: a list's pointer table (and that scratch) is built on its first call and kept on the list's first Weight
+(lumen_cuda.state): it is freed with the model, and another engine's layers (another model, a draft) have their
+own, so two engines' graphs never share a buffer. A table is rebuilt when the list's first or last Weight or its
+length changes; replacing a middle item in place is not noticed.
+
+Streamed experts (store 'ram') are not handled here: ops.moe_experts sends them to lumen_cuda.stream, which uses
+this module's kernels over its own tables.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -52,7 +59,9 @@ from typing import Any
 import cupy as cp
 import numpy as np
 
-from . import gemv, kernels
+from . import cupy_ops, gemv, kernels
+from .state import derived
+from .step import require_host
 
 WARPS = 4  # MOE_WARPS in moe.cu
 MAX_E, MAX_K = 1024, 32  # ROUTE_MAX_E / ROUTE_MAX_K
@@ -68,15 +77,8 @@ ROWS_DOWN = {"bf16": 2, "f16": 2, "f32": 2, "fp8": 4, "nvfp4": 2}
 ROWS_DOWN_T1 = 1
 ACTS = {"silu": 0, "gelu_tanh": 1}
 
-_FNS: dict[tuple[int, str], cp.RawKernel] = {}
-
-
 def _fn(name: str) -> cp.RawKernel:
-    key = (cp.cuda.runtime.getDevice(), name)
-    fn = _FNS.get(key)
-    if fn is None:
-        fn = _FNS[key] = kernels.function("moe", name)
-    return fn
+    return kernels.function("moe", name)
 
 
 # -- routing ------------------------------------------------------------------------------------------------------
@@ -86,9 +88,7 @@ def route(logits, k: int, normalize: bool = True, out=None):
     ok = (isinstance(logits, cp.ndarray) and logits.ndim == 2 and logits.dtype == cp.float32
           and 1 <= k <= min(MAX_K, logits.shape[1]) and logits.shape[1] <= MAX_E)
     if not ok:
-        from . import ops
-
-        w, ids = ops.moe_route_cupy(logits, k, normalize)
+        w, ids = route_cupy(logits, k, normalize)
         if out is not None:
             out[0][...], out[1][...] = w, ids
             return out
@@ -102,9 +102,7 @@ def route(logits, k: int, normalize: bool = True, out=None):
         assert w.shape == ids.shape == (T, k) and w.dtype == cp.float32 and ids.dtype == cp.int64
         assert w.flags.c_contiguous and ids.flags.c_contiguous
     if T and ROUTE_WARP:  # one warp per row (kernels/moe_route.cu): no block barriers
-        key = (cp.cuda.runtime.getDevice(), "moe_route_warp")
-        fn = _FNS.get(key) or _FNS.setdefault(key, kernels.function("moe_route", "moe_route_warp"))
-        fn(((T + ROUTE_WARPS - 1) // ROUTE_WARPS,), (ROUTE_WARPS * 32,),
+        kernels.function("moe_route", "moe_route_warp")(((T + ROUTE_WARPS - 1) // ROUTE_WARPS,), (ROUTE_WARPS * 32,),
            (lg, w, ids, np.int32(T), np.int32(E), np.int32(k), np.int32(bool(normalize))))
     elif T:  # one block per row (moe.cu)
         _fn("moe_route_f32")((T,), (ROUTE_THREADS,), (lg, w, ids, np.int32(E), np.int32(k), np.int32(bool(normalize))))
@@ -121,16 +119,7 @@ class _Table:
     # pointers per matrix, then the global scales per matrix (f32 bits in the low 32 bits)
     ptrs: Any
     keep: list  # arrays the table points into that the Weights do not hold (contiguous f32 copies of scales)
-
-
-_TABLES: dict[tuple[int, int], tuple[Any, Any, _Table | None]] = {}  # (device, id(list)) -> weak refs, table
-
-
-def clear_cache():
-    """Forget every pointer table and scratch buffer (after replacing weights in a list). A CUDA graph captured
-    before this still points at the old buffers: capture again."""
-    _TABLES.clear()
-    _SCRATCH.clear()
+    scratch: dict = dataclasses.field(default_factory=dict)  # (k, I) -> the T = 1 scratch of this layer (_scratch)
 
 
 def _data_shape(fmt: str, shape) -> tuple[int, int]:
@@ -191,14 +180,18 @@ def _build(mats: list[list]) -> _Table | None:
 
 
 def _table(lst, pairs: bool) -> _Table | None:
-    """The cached table of a weight list (gate_up: pairs of (gate, up); down: Weights). The cache holds weak
-    references only, and drops the entry with the list's first Weight: a dropped model's experts are freed."""
+    """The table of a weight list (gate_up: pairs of (gate, up); down: Weights), built on first use and kept on the
+    list's first Weight (module docstring), beside a weak reference to its last and its length."""
     if not len(lst):
         return None
-    key = (cp.cuda.runtime.getDevice(), id(lst))
     first, last = (lst[0][0], lst[-1][0]) if pairs else (lst[0], lst[-1])
-    hit = _TABLES.get(key)
-    if hit is not None and hit[0]() is first and hit[1]() is last:
+    try:
+        state = derived(first)
+    except AttributeError:  # not a Weight: nothing to keep the table on
+        state = {}
+    key = "moe_table_pairs" if pairs else "moe_table"
+    hit = state.get(key)
+    if hit is not None and hit[0]() is last and hit[1] == len(lst):
         return hit[2]
     try:
         mats = [[g for g, _ in lst], [u for _, u in lst]] if pairs else [list(lst)]
@@ -206,15 +199,13 @@ def _table(lst, pairs: bool) -> _Table | None:
     except (TypeError, ValueError, AttributeError, AssertionError):
         tab = None
     try:
-        _TABLES[key] = (weakref.ref(first), weakref.ref(last), tab)
-        weakref.finalize(first, _TABLES.pop, key, None)
-    except TypeError:  # not a Weight (no weak references): not cached
+        state[key] = (weakref.ref(last), len(lst), tab)
+    except TypeError:  # a last item without weak references: not kept
         pass
     return tab
 
 
 # -- experts ------------------------------------------------------------------------------------------------------
-_SCRATCH: dict[tuple[int, int, int], Any] = {}
 GROUPED_MIN_T = 8  # from this many tokens on, the grouped kernels (slots bucketed by expert on the device)
 BUCKET_THREADS, BUCKET_MAX_E, COMBINE_THREADS = 1024, 4096, 256  # moe.cu
 ROWS_GROUPED = 2  # rows per warp of the grouped kernels (2 and 4 are compiled)
@@ -222,13 +213,15 @@ MAX_GRID_Y = 65535
 CHUNK_FLOATS = 1 << 26  # the grouped path's (T k, max(H, I)) f32 scratch per launch is kept under 256 MiB
 
 
-def _scratch(k: int, I: int):
-    """The (k, I) f32 buffer between the two kernels for T = 1, one per (device, k, I): fixed across calls
-    (graphs)."""
-    key = (cp.cuda.runtime.getDevice(), k, I)
-    h = _SCRATCH.get(key)
+def _scratch(owner: dict | None, k: int, I: int):
+    """The (k, I) f32 buffer between the two kernels for T = 1, kept in the layer's ``owner`` dict (its table's, or
+    its packed Weight's): fixed across that layer's calls (graphs), never shared with another layer or engine. No
+    owner: a fresh buffer."""
+    if owner is None:
+        return cp.empty((k, I), dtype=cp.float32)
+    h = owner.get((k, I))
     if h is None:
-        h = _SCRATCH[key] = cp.empty((k, I), dtype=cp.float32)
+        h = owner[(k, I)] = cp.empty((k, I), dtype=cp.float32)
     return h
 
 
@@ -255,11 +248,11 @@ def _out(out, T: int, H: int):
     return out
 
 
-def _per_slot(gsrc, dsrc, gfmt, dfmt, gblock, dblock, x, ids, ids64, w, y, E, H, I, a):
+def _per_slot(gsrc, dsrc, gfmt, dfmt, gblock, dblock, x, ids, ids64, w, y, E, H, I, a, scratch):
     """Kernel A over (rows, slots), kernel B over (rows, tokens)."""
     T, k = ids.shape
     S = T * k
-    h = _scratch(k, I) if T == 1 else cp.empty((S, I), dtype=cp.float32)
+    h = _scratch(scratch, k, I) if T == 1 else cp.empty((S, I), dtype=cp.float32)
     rg, rd = ROWS_GATE_UP[gfmt], (ROWS_DOWN_T1 if T == 1 else ROWS_DOWN[dfmt])
     _fn(f"moe_gate_up_{gsrc[1]}_r{rg}")(
         ((I + rg * WARPS - 1) // (rg * WARPS), min(S, MAX_GRID_Y)), (WARPS * 32,),
@@ -291,7 +284,8 @@ def _grouped(gsrc, dsrc, gblock, dblock, x, ids, ids64, w, y, E, H, I, a):
                        (ids, np.int32(ids64), w, ys, y, np.int32(T), np.int32(k), np.int32(E), np.int32(H)))
 
 
-def _launch(gsrc, dsrc, gfmt, dfmt, gblock, dblock, inputs, E, H, I, act, out):
+def _launch(gsrc, dsrc, gfmt, dfmt, gblock, dblock, inputs, E, H, I, act, out, scratch=None):
+    """The kernels for one call; ``scratch``: the layer's dict that keeps its T = 1 buffer (``_scratch``)."""
     x, ids, ids64, w = inputs
     T, k = ids.shape
     y = _out(out, T, H)
@@ -299,7 +293,7 @@ def _launch(gsrc, dsrc, gfmt, dfmt, gblock, dblock, inputs, E, H, I, act, out):
         return y
     a = np.int32(ACTS[act])
     if T < GROUPED_MIN_T or E > BUCKET_MAX_E:
-        _per_slot(gsrc, dsrc, gfmt, dfmt, gblock, dblock, x, ids, ids64, w, y, E, H, I, a)
+        _per_slot(gsrc, dsrc, gfmt, dfmt, gblock, dblock, x, ids, ids64, w, y, E, H, I, a, scratch)
         return y
     step = max(1, CHUNK_FLOATS // (k * max(H, I)))  # tokens per launch: bounds the scratch (shape-only)
     for t0 in range(0, T, step):
@@ -311,12 +305,8 @@ def _launch(gsrc, dsrc, gfmt, dfmt, gblock, dblock, inputs, E, H, I, act, out):
 def experts(x, ids, weights, gate_up, down, act: str = "silu", out=None):
     """``ops.moe_experts`` for any T without a host sync: x (T, H) f32; ids (T, k) int64/int32 and weights
     (T, k) f32 on the device; gate_up per expert (gate, up) Weights (I, H); down per expert (H, I). -> (T, H)
-    f32 (``out`` (T, H) f32 C-contiguous to write into). Falls back to ``ops.moe_experts_grouped`` (which syncs
-    on the ids) where the kernels do not apply."""
-    if len(gate_up) and isinstance(gate_up[0][0].data, np.ndarray):  # store "ram": streamed (stream.py)
-        from . import stream
-
-        return stream.experts(x, ids, weights, gate_up, down, act, out)
+    f32 (``out`` (T, H) f32 C-contiguous to write into). Falls back to ``experts_grouped`` (which syncs on the
+    ids) where the kernels do not apply."""
     tg = _table(gate_up, True) if act in ACTS else None
     td = _table(down, False) if tg is not None else None
     ok = tg is not None and td is not None and len(gate_up) == len(down)
@@ -325,15 +315,13 @@ def experts(x, ids, weights, gate_up, down, act: str = "silu", out=None):
         ok = td.shape == (H, I)
         inputs = _inputs(x, ids, weights, H) if ok else None
     if not ok or inputs is None:
-        from . import ops
-
-        y = ops.moe_experts_grouped(x, ids, weights, gate_up, down, act)
+        y = experts_grouped(x, ids, weights, gate_up, down, act)
         if out is not None:
             out[...] = y
             return out
         return y
     return _launch((tg.ptrs, tg.fmt), (td.ptrs, td.fmt), tg.fmt, td.fmt, tg.block, td.block, inputs,
-                   len(gate_up), H, I, act, out)
+                   len(gate_up), H, I, act, out, tg.scratch)
 
 
 def _packed_ok(w, ndim_shape) -> bool:
@@ -344,12 +332,7 @@ def _packed_ok(w, ndim_shape) -> bool:
 
 def experts_packed(x, ids, weights, gate_up, down, act: str = "gelu_tanh", out=None):
     """``ops.moe_experts_packed`` for any T: gate_up Weight (E, 2I, H) (each expert's gate rows then its up
-    rows), down Weight (E, H, I), bf16 / f16 / f32. Falls back to ``ops.moe_experts_packed_grouped`` (a host
-    sync)."""
-    if isinstance(gate_up.data, np.ndarray):  # store "ram": streamed (stream.py)
-        from . import stream
-
-        return stream.experts(x, ids, weights, gate_up, down, act, out, packed=True)
+    rows), down Weight (E, H, I), bf16 / f16 / f32. Falls back to ``experts_packed_grouped`` (a host sync)."""
     ok = act in ACTS and getattr(gate_up.data, "ndim", 0) == 3 and getattr(down.data, "ndim", 0) == 3
     if ok:
         E, I2, H = gate_up.data.shape
@@ -358,16 +341,15 @@ def experts_packed(x, ids, weights, gate_up, down, act: str = "gelu_tanh", out=N
               and H % ALIGN[gate_up.format] == 0 and I % ALIGN[down.format] == 0)
         inputs = _inputs(x, ids, weights, H) if ok else None
     if not ok or inputs is None:
-        from . import ops
-
-        y = ops.moe_experts_packed_grouped(x, ids, weights, gate_up, down, act)
+        y = experts_packed_grouped(x, ids, weights, gate_up, down, act)
         if out is not None:
             out[...] = y
             return out
         return y
     one = (1, 1, 1)
     return _launch((gate_up.data, f"packed_{gate_up.format}"), (down.data, f"packed_{down.format}"),
-                   gate_up.format, down.format, one, one, inputs, E, H, I, act, out)
+                   gate_up.format, down.format, one, one, inputs, E, H, I, act, out,
+                   derived(gate_up).setdefault("moe_scratch", {}))
 
 
 def experts_staged(x, ids, weights, gate_up, down, act: str):
@@ -389,3 +371,52 @@ def experts_staged(x, ids, weights, gate_up, down, act: str):
 
 experts_decode = experts  # the T = 1 names ops.py calls
 experts_packed_decode = experts_packed
+
+
+# -- the CuPy references (host syncs: not capturable) ---------------------------------------------------------------
+def route_cupy(logits, k: int, normalize: bool = True):
+    """The CuPy reference of ``route`` (argsort: not capturable). ``ops.moe_route_cupy``."""
+    z = logits - logits.max(axis=-1, keepdims=True)
+    p = cp.exp(z)
+    p /= p.sum(axis=-1, keepdims=True)
+    ids = cp.argsort(-p, axis=-1)[:, :k]  # CuPy's sort is stable, like the CPU's kind="stable"
+    w = cp.take_along_axis(p, ids, axis=-1)
+    if normalize:
+        w = w / w.sum(axis=-1, keepdims=True)
+    return w.astype(cp.float32, copy=False), ids
+
+
+def _groups(ids):
+    """Per routed expert e: (e, token rows, slots) — one host sync for the (T, k) ids, then device indices."""
+    require_host("MoE over several tokens (expert ids grouped on the host)")
+    host = cp.asnumpy(ids).astype(np.int64) if isinstance(ids, cp.ndarray) else np.asarray(ids, np.int64)
+    for e in np.unique(host):
+        tok, slot = np.nonzero(host == e)
+        yield int(e), cp.asarray(tok), cp.asarray(slot)
+
+
+def experts_grouped(x, ids, weights, gate_up, down, act: str = "silu"):
+    """``experts`` by groups of tokens per expert (the ids go to the host once): any T, not capturable.
+    ``ops.moe_experts_grouped``."""
+    out = cp.zeros_like(x)
+    mul = cupy_ops.silu_mul if act == "silu" else cupy_ops.gelu_tanh_mul
+    for e, tok, slot in _groups(ids):
+        h = x[tok]
+        g, u = gate_up[e]
+        y = gemv.linear(mul(gemv.linear(h, g), gemv.linear(h, u)), down[e])
+        out[tok] += y * weights[tok, slot][:, None]  # a token picks an expert once: rows are distinct
+    return out
+
+
+def experts_packed_grouped(x, ids, weights, gate_up, down, act: str = "gelu_tanh"):
+    """``experts_packed`` by groups of tokens per expert (host sync): any T, not capturable.
+    ``ops.moe_experts_packed_grouped``."""
+    out = cp.zeros_like(x)
+    mul = cupy_ops.silu_mul if act == "silu" else cupy_ops.gelu_tanh_mul
+    for e, tok, slot in _groups(ids):
+        h = x[tok]
+        gu = cp.matmul(h, cupy_ops.dense(gate_up.data[e], gate_up.format).T)  # (n, 2I)
+        half = gu.shape[-1] // 2
+        y = cp.matmul(mul(gu[:, :half], gu[:, half:]), cupy_ops.dense(down.data[e], down.format).T)
+        out[tok] += y * weights[tok, slot][:, None]
+    return out

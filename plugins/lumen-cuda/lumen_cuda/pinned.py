@@ -16,9 +16,13 @@ So a load takes at most about 1/16 more than its arrays' bytes, plus ``BLOCK_MIN
 expert matrices pack with little left over). Blocks rather than one allocation per matrix: the routed-expert
 matrices of the largest MoE models number tens of thousands, and each ``cudaHostAlloc`` has a fixed cost (on the
 H200 machine 256 KiB ones took 144 us each, 1.7 GiB/s, against 2.6 GiB/s in 64 MiB ones) and adds to the
-process's memory mappings (one for every 8 allocations there). Each load starts afresh (``begin``, called when a
-``CUDABackend`` is made), so what it takes depends on its own arrays only, and a reload asks for the same sizes,
-which CuPy's pinned pool hands back. Measured on the H200: docs/cuda.md (host weights).
+process's memory mappings (one for every 8 allocations there). Measured on the H200: docs/cuda.md (host weights).
+
+**One arena per load.** Each ``CUDABackend`` (one per device per engine) has its own ``PinnedArena``: what a load
+takes depends on its own arrays only, two engines never share a block, and a reload asks for the same sizes, which
+CuPy's pinned pool hands back. An allocation is released (to CuPy's pinned pool) when the last array in it is
+gone, and the block being filled is let go by ``close`` (``CUDABackend.close``): ``live`` counts the bytes of the
+allocations still held, so a test can see that a dropped engine returned all of its pinned memory.
 
 This replaced 32 MiB blocks cut into by a bump pointer, which took more than the plan by an amount the plan could
 not know: a new block whenever the next array did not fit the rest of the current one, and how much of the first
@@ -30,6 +34,8 @@ memory would still have been wasted; the arena above makes the waste vanish inst
 """
 
 from __future__ import annotations
+
+import weakref
 
 import numpy as np
 
@@ -57,16 +63,16 @@ class PinnedArena:
 
     def __init__(self, alloc=None):
         self.alloc = alloc or _cupy_alloc  # nbytes -> a buffer with .size() (CuPy's PinnedMemoryPointer)
-        self.allocated = 0  # bytes of every allocation ever made (statistics: pinned host memory taken)
-        self.begin()
-
-    def begin(self) -> None:
-        """Start a load (``CUDABackend.__init__``): its arrays go into blocks of its own, sized from its own bytes, so
-        what a load takes does not depend on what came before it in the process."""
-        self.block = None  # the shared block being filled
+        self.allocated = 0  # bytes of every allocation made (statistics: pinned host memory taken)
+        self.live = 0  # bytes of the allocations still held (by an array, or as the block being filled)
+        self.block = None  # the shared block being filled (a uint8 array over its allocation)
         self.free = 0  # bytes left in it
         self.used = 0
-        self.taken = 0  # bytes allocated since begin()
+        self.taken = 0  # bytes allocated by this arena (what block_size grows with)
+
+    def close(self) -> None:
+        """Let go of the block being filled: every allocation is then released once its arrays are gone."""
+        self.block, self.free, self.used = None, 0, 0
 
     def block_size(self) -> int:
         """The size of the next shared block: the largest power of two at most 1/SHARE of what this load has taken,
@@ -76,11 +82,17 @@ class PinnedArena:
             b *= 2
         return b
 
-    def _take(self, nbytes: int):
+    def _take(self, nbytes: int) -> np.ndarray:
+        """A new allocation as a uint8 array over it: every array handed out is a view of that array (numpy keeps
+        it as their base), so a finalizer on it runs when the last of them is gone."""
         mem = self.alloc(nbytes)
-        self.allocated += mem.size()
-        self.taken += mem.size()
-        return mem
+        n = mem.size()
+        self.allocated += n
+        self.taken += n
+        self.live += n
+        buf = np.frombuffer(mem, dtype=np.uint8, count=n)
+        weakref.finalize(buf, _released, weakref.ref(self), n)
+        return buf
 
     def copy(self, array: np.ndarray) -> np.ndarray:
         a = np.ascontiguousarray(array)
@@ -95,14 +107,12 @@ class PinnedArena:
             mem, offset = self.block, self.used
             self.used += n
             self.free -= n
-        out = np.frombuffer(mem, dtype=np.uint8, count=a.nbytes, offset=offset).view(a.dtype).reshape(a.shape)
+        out = mem[offset:offset + a.nbytes].view(a.dtype).reshape(a.shape)
         out[...] = a
         return out
 
 
-ARENA = PinnedArena()
-
-
-def pinned(array) -> np.ndarray:
-    """A copy of ``array`` in page-locked host memory (the process's arena)."""
-    return ARENA.copy(np.asarray(array))
+def _released(arena_ref, nbytes: int) -> None:
+    arena = arena_ref()
+    if arena is not None:
+        arena.live -= nbytes

@@ -1,14 +1,19 @@
 """Routed experts streamed from host RAM (``experts: {compute: cuda:N, store: ram}``).
 
 Weights: ``CUDABackend.weight(..., store="ram")`` copies each expert matrix (and its fp8 scales / NVFP4 block
-scales) into page-locked host memory (``pinned.PinnedArena``: a ``cudaHostAlloc`` of its own for each large array,
-small ones packed into shared blocks, so that it takes what the plan counts; pinned.py says why). Such memory is
-mapped into the GPU's address space (unified addressing), so a kernel can read it straight over PCIe.
+scales) into page-locked host memory (the backend's ``pinned.PinnedArena``: a ``cudaHostAlloc`` of its own for each
+large array, small ones packed into shared blocks, so that it takes what the plan counts; pinned.py says why). Such
+memory is mapped into the GPU's address space (unified addressing), so a kernel can read it straight over PCIe.
 
 Each streamed layer gets a ``HostExperts``: the device MoE kernels' pointer tables (``moe._Table``), in which the
-entry of expert e points at its slot in the device's **expert cache** when e is resident there, and otherwise at
-its pinned host copy. The cache is ``slots`` expert-sized areas of VRAM shared by every streamed layer on the
-device (``model.hidden-layers.experts.cache``; default ``DEFAULT_SLOTS``).
+entry of expert e points at its slot in the backend's **expert cache** when e is resident there, and otherwise at
+its pinned host copy. The cache is ``slots`` expert-sized areas of VRAM shared by every streamed layer of one
+engine on the device (``model.hidden-layers.experts.cache``; default ``DEFAULT_SLOTS``).
+
+Ownership: the cache belongs to the backend instance (``CUDABackend.expert_streams``, an ``ExpertStreams``: one per
+device per engine, so a main model and its draft, or two served models, never evict each other's experts), and
+goes with ``CUDABackend.close``; a layer's ``HostExperts`` is kept on its first expert Weight (lumen_cuda.state)
+and goes with the model. The ops reach the backend's ``ExpertStreams`` through ``backend=`` (ops.moe_experts).
 
 - **Decode** (fewer than ``moe.GROUPED_MIN_T`` tokens): the kernels run over the tables as they are. A routed
   expert that is not resident is read from host memory by the GEMV kernels themselves (each byte crosses PCIe
@@ -40,7 +45,9 @@ import numpy as np
 from lumen_core.backend import Weight
 from lumen_core.plan import DEFAULT_EXPERT_CACHE as DEFAULT_SLOTS  # the plan counts the same default
 
-from .pinned import ARENA, _round, pinned  # noqa: F401  (ARENA and pinned re-exported: tests read stream.ARENA)
+from . import gemv, kernels, moe, step
+from .pinned import _round
+from .state import derived
 
 MEMORY_TYPE_HOST = 1  # cudaMemoryTypeHost
 
@@ -73,16 +80,8 @@ HYSTERESIS = 1.5  # a newcomer's score must exceed HYSTERESIS x the victim's + 1
 COUNT_THREADS = 256
 
 
-_FNS: dict = {}
-
-
 def _fn(name: str):
-    from . import kernels
-
-    key = (cp.cuda.runtime.getDevice(), name)
-    if key not in _FNS:
-        _FNS[key] = kernels.function("stream", name)
-    return _FNS[key]
+    return kernels.function("stream", name)
 
 
 # -- one layer's experts ------------------------------------------------------------------------------------------
@@ -120,8 +119,6 @@ class HostExperts:
     """One layer's routed experts in pinned host memory, as the device MoE kernels see them (module docstring)."""
 
     def __init__(self, gate_up, down, packed: bool):
-        from . import gemv, moe
-
         self.E = gate_up.data.shape[0] if packed else len(gate_up)
         self.mats = [_expert_mats(gate_up, down, packed, e) for e in range(self.E)]
         (fmt, (I, H), gparts, _), _, (dfmt, dshape, dparts, _) = self.mats[0]
@@ -194,17 +191,14 @@ class HostExperts:
                          (ids, np.int32(ids64), np.int32(n), np.int32(self.E), self.counts))
 
 
-_LAYERS: dict[int, HostExperts] = {}  # id(the first expert's Weight) -> its layer's HostExperts, while it lives
-
-
 def _layer(gate_up, down, packed: bool) -> HostExperts:
-    """The HostExperts of an expert list, made on first use and dropped with the model's Weights (it holds their
-    arrays, not the Weight objects, so it does not keep them alive)."""
+    """The HostExperts of an expert list, made on first use and kept on its first Weight (lumen_cuda.state), so it
+    is dropped with the model (it holds their arrays, not the Weight objects: no cycle)."""
     key = gate_up if packed else gate_up[0][0]
-    hx = _LAYERS.get(id(key))
+    state = derived(key)
+    hx = state.get("host_experts")
     if hx is None:
-        hx = _LAYERS[id(key)] = HostExperts(gate_up, down, packed)
-        weakref.finalize(key, _LAYERS.pop, id(key), None)
+        hx = state["host_experts"] = HostExperts(gate_up, down, packed)
     return hx
 
 
@@ -341,11 +335,11 @@ class ExpertCache:
     def _swap(self, members: list[HostExperts], stream) -> None:
         self._free_dead()
         reserved = {p[0] for p in self.pending}
-        pending_keys = {(id(p[1]()), p[2]) for p in self.pending}
+        pending_keys = {(p[1](), p[2]) for p in self.pending}  # (layer, expert): held while swapping
         free = [s for s in range(self.slots) if self.owner[s] is None and s not in reserved]
         resident = sorted((o[0]().score[o[1]], s) for s, o in enumerate(self.owner) if o is not None)
         cands = sorted(((hx.score[e], i, e) for i, hx in enumerate(members) for e in np.flatnonzero(hx.score > 0)
-                        if e not in hx.slot and (id(hx), e) not in pending_keys), reverse=True)
+                        if e not in hx.slot and (hx, e) not in pending_keys), reverse=True)
         plan = []
         for sc, i, e in cands[:MAX_SWAPS]:
             if free:
@@ -382,52 +376,74 @@ class ExpertCache:
             hx.counts.fill(0)
         self._fold(members)
 
-
-_CACHES: dict[int, ExpertCache] = {}
-SLOTS: dict[int, int] = {}  # device id -> configured slots (CUDABackend.configure_expert_cache)
-
-
-def _cache(slot_bytes: int) -> ExpertCache:
-    dev = cp.cuda.runtime.getDevice()
-    slots = SLOTS.get(dev, DEFAULT_SLOTS)
-    c = _CACHES.get(dev)
-    if c is None or c.slot_bytes < slot_bytes or c.slots != slots:
-        old = c
-        c = _CACHES[dev] = ExpertCache(slots, max(slot_bytes, old.slot_bytes if old else 0))
-        if old is not None:  # a new cache: the old one's layers move to it
-            old._land(block=True)
-            for hx in old._live():
-                c.attach(hx)
-    return c
+    def close(self) -> None:
+        """Wait for the copy stream (a copy into a slot must not outlive the slots' VRAM), then let the VRAM go.
+        The layers' tables must point at host memory first (``ExpertStreams.close`` / ``cache_for`` see to it)."""
+        self.copy_stream.synchronize()
+        self.pending, self.owner, self.members = [], [None] * self.slots, []
+        self.buf = None
 
 
-def maintain() -> None:
-    """Once per decode step, on the step's stream (lumen_cuda.graph calls it before each replay)."""
-    c = _CACHES.get(cp.cuda.runtime.getDevice())
-    if c is not None:
-        c.maintain()
+class ExpertStreams:
+    """One backend instance's expert cache (``CUDABackend.expert_streams``): the slots configured for it, the
+    ``ExpertCache`` made on the first streamed call (sized for the largest expert seen), and its statistics."""
 
+    def __init__(self, device: int, slots: int | None = None):
+        self.device = device
+        self.slots = slots or DEFAULT_SLOTS
+        self.cache: ExpertCache | None = None
 
-def stats() -> dict:
-    """Per device: slots, bytes copied host -> device, bytes the kernels read from host memory, prefill hits and
-    misses, decode swaps (outstanding work is waited for first)."""
-    out = {}
-    for d, c in _CACHES.items():
-        with cp.cuda.Device(d):
+    def cache_for(self, slot_bytes: int) -> ExpertCache:
+        """The cache, made (or remade larger, its layers moved over) so that a slot holds ``slot_bytes``."""
+        c = self.cache
+        if c is None or c.slot_bytes < slot_bytes or c.slots != self.slots:
+            old = c
+            c = self.cache = ExpertCache(self.slots, max(slot_bytes, old.slot_bytes if old else 0))
+            if old is not None:  # a new cache: the old one's layers move to it
+                old._land(block=True)
+                for hx in old._live():
+                    c.attach(hx)
+                old.close()
+        return c
+
+    def maintain(self) -> None:
+        """Once per decode step, on the step's stream (the graph runner calls it before each replay)."""
+        if self.cache is not None:
+            with cp.cuda.Device(self.device):
+                self.cache.maintain()
+
+    def stats(self) -> dict | None:
+        """Slots, bytes copied host -> device, bytes the kernels read from host memory, prefill hits and misses,
+        decode swaps (outstanding work is waited for first); None before the first streamed call."""
+        c = self.cache
+        if c is None:
+            return None
+        with cp.cuda.Device(self.device):
             c.drain()
-        out[d] = {"slots": c.slots, "copied_bytes": c.copied, "host_read_bytes": c.host_read, "hits": c.hits,
-                  "misses": c.misses, "swaps": c.swaps}
-    return out
+        return {"slots": c.slots, "copied_bytes": c.copied, "host_read_bytes": c.host_read, "hits": c.hits,
+                "misses": c.misses, "swaps": c.swaps}
+
+    def close(self) -> None:
+        """Free the cache's VRAM: outstanding copies finish, every layer's table points back at host memory (a
+        later call, if any, makes a new cache)."""
+        c, self.cache = self.cache, None
+        if c is not None:
+            with cp.cuda.Device(self.device):
+                c._land(block=True)
+                for hx in c._live():
+                    for e in list(hx.slot):
+                        hx.unmap(e)
+                    hx.flush(cp.cuda.get_current_stream())
+                c.close()
 
 
 # -- the op -------------------------------------------------------------------------------------------------------
-def experts(x, ids, weights, gate_up, down, act: str = "silu", out=None, packed: bool = False):
-    """``moe.experts`` (or ``moe.experts_packed`` with ``packed``) for expert weights in host RAM; see the module
-    docstring."""
-    from . import graph, moe
-
+def experts(streams: ExpertStreams, x, ids, weights, gate_up, down, act: str = "silu", out=None,
+            packed: bool = False):
+    """``moe.experts`` (or ``moe.experts_packed`` with ``packed``) for expert weights in host RAM, through the
+    backend's ``streams``; see the module docstring."""
     hx = _layer(gate_up, down, packed)
-    cache = _cache(hx.slot_bytes)
+    cache = streams.cache_for(hx.slot_bytes)
     if not any(r() is hx for r in cache.members):
         cache.attach(hx)
     inputs = moe._inputs(x, ids, weights, hx.H)
@@ -436,27 +452,28 @@ def experts(x, ids, weights, gate_up, down, act: str = "silu", out=None, packed:
                          f"act {act!r} do not fit the expert kernels")
     x, ids, ids64, w = inputs
     T = ids.shape[0]
-    if graph.STEP is not None:
-        graph.STEP.streams = True  # the runner calls maintain() before each replay
+    current = step.current()
+    if current is not None:
+        current.streams = streams  # the runner calls streams.maintain() before each replay
     y = moe._out(out, T, hx.H)
     args = ((hx.tg.ptrs, hx.fmt), (hx.td.ptrs, hx.fmt), hx.fmt, hx.fmt, hx.tg.block, hx.td.block)
     if T < moe.GROUPED_MIN_T:  # decode: straight from the tables (resident slots or host memory)
-        if graph.STEP is None:
+        if current is None:
             cache.maintain(1.0 / max(1, len(cache.members)))
         hx.count(ids, ids64)
-        return moe._launch(*args, (x, ids, ids64, w), hx.E, hx.H, hx.I, act, y)
-    graph.require_host("a streamed-expert prefill")
+        return moe._launch(*args, (x, ids, ids64, w), hx.E, hx.H, hx.I, act, y, hx.tg.scratch)
+    step.require_host("a streamed-expert prefill")
     ids_host = cp.asnumpy(ids).astype(np.int64)
     valid = (ids_host >= 0) & (ids_host < hx.E)
     uses = np.bincount(ids_host[valid], minlength=hx.E).astype(np.float64)
     needed = np.flatnonzero(uses).tolist()
-    step = max(1, cache.slots)
-    if len(needed) <= step:
+    per_pass = max(1, cache.slots)
+    if len(needed) <= per_pass:
         cache.stage(hx, needed, uses)
         return moe._launch(*args, (x, ids, ids64, w), hx.E, hx.H, hx.I, act, y)
     acc = None
-    for p0 in range(0, len(needed), step):
-        chunk = needed[p0:p0 + step]
+    for p0 in range(0, len(needed), per_pass):
+        chunk = needed[p0:p0 + per_pass]
         cache.stage(hx, chunk, np.where(np.isin(np.arange(hx.E), chunk), uses, 0.0))
         masked = cp.asarray(np.where(np.isin(ids_host, chunk), ids_host, -1))
         part = moe._launch(*args, (x, masked, 1, w), hx.E, hx.H, hx.I, act, None)
