@@ -196,7 +196,7 @@ ANY_OBJECT = {"type": "object"}
 
 def chat_grammar(engine, messages: list[dict], tools: list[dict] | None = None, think: bool | None = None,
                  force: bool | str = False, *, schema: dict | None = None, json_answer: bool = False,
-                 constrain_tools: bool = False) -> Grammar | None:
+                 constrain_tools: bool = False, parallel: bool = True) -> Grammar | None:
     """The grammar of a whole chat reply (None when nothing is constrained), rendered as ``Engine.chat`` renders
     the prompt (same ``messages, tools, think, force``):
 
@@ -204,7 +204,8 @@ def chat_grammar(engine, messages: list[dict], tools: list[dict] | None = None, 
       (``tool_choice`` auto) the reply may instead be tool calls, their arguments following the tools' schemas;
     * ``force`` (True: any tool, a name: that tool): the reply is tool calls, continuing the opener ``Engine.chat``
       writes after the prompt;
-    * ``constrain_tools`` (a tool is ``strict``): free text, then optionally tool calls with valid arguments.
+    * ``constrain_tools`` (a tool is ``strict``): free text, then optionally tool calls with valid arguments;
+    * ``parallel`` False: at most one call (``parallel_tool_calls: false``).
 
     Reasoning stays free: the grammar starts after an open reasoning block's end tag, or allows the family's
     reasoning block first where the model opens it itself."""
@@ -219,10 +220,10 @@ def chat_grammar(engine, messages: list[dict], tools: list[dict] | None = None, 
     prompt, fmt, _, _ = engine.chat_prompt_and_parser(messages, tools, think, None, force)
     calls = None
     if tools and (force or constrain_tools):
-        calls = _call_syntax(g, fmt, tools)
+        calls = _call_syntax(g, fmt, tools, parallel)
     elif tools:  # a JSON answer, or tool calls (with valid arguments where the format has a call grammar)
         try:
-            calls = _call_syntax(g, fmt, tools)
+            calls = _call_syntax(g, fmt, tools, parallel)
         except InputError:
             calls = None
     rules: list[str] = []
@@ -251,14 +252,14 @@ def chat_grammar(engine, messages: list[dict], tools: list[dict] | None = None, 
 
 def reply_grammar(engine, messages: list[dict], tools: list[dict] | None = None, think: bool | None = None,
                   force: bool | str = False, *, schema: dict | None = None, json_answer: bool = False,
-                  strict: bool = False) -> Grammar | None:
+                  strict: bool = False, parallel: bool = True) -> Grammar | None:
     """What the servers constrain (``chat_grammar``'s arguments; ``strict``: a tool asked for it): a JSON answer and
     strict tools always (a schema that cannot be enforced, or a family without a call grammar, is an InputError, so
     a 400); a forced call's arguments wherever the family has a call grammar and the tools' schemas compile, else
     (no strict tool) the call runs unconstrained, as it did before grammars."""
     try:
         return chat_grammar(engine, messages, tools, think, force, schema=schema, json_answer=json_answer,
-                            constrain_tools=strict)
+                            constrain_tools=strict, parallel=parallel)
     except InputError:
         if json_answer or schema is not None or strict or not force:
             raise
@@ -278,14 +279,14 @@ def _reasoning_rest(g: Grammars, end: str, rules: list[str]) -> str:
 # --- tool-call syntaxes -----------------------------------------------------------------------------------------
 
 
-def _call_syntax(g: Grammars, fmt, tools: list[dict]):
+def _call_syntax(g: Grammars, fmt, tools: list[dict], parallel: bool = True):
     syntax = fmt.tool_calls
     kinds = {("<tool_call>", "</tool_call>"): QwenCalls, ("<|tool_call>", "<tool_call|>"): GemmaCalls}
     kind = kinds.get((getattr(syntax, "start", None), getattr(syntax, "end", None)))
     if kind is None:
         raise InputError(f"tool-call arguments cannot be constrained in the {fmt.name!r} chat format (no grammar "
                          "for its call syntax); leave out strict and use tool_choice auto")
-    return kind(g, syntax, tools)
+    return kind(g, syntax, tools, parallel)
 
 
 def _functions(tools: list[dict]) -> list[tuple[str, dict]]:
@@ -306,8 +307,8 @@ class _Calls:
     """A family's call syntax as Lark rules: ``calls`` (one or more whole calls), ``forced`` (the rest of a call
     whose opener ends the prompt, then more calls), ``text`` / ``text_then`` (free content, then calls)."""
 
-    def __init__(self, g: Grammars, syntax, tools: list[dict]):
-        self.g, self.syntax, self.functions = g, syntax, _functions(tools)
+    def __init__(self, g: Grammars, syntax, tools: list[dict], parallel: bool = True):
+        self.g, self.syntax, self.functions, self.parallel = g, syntax, _functions(tools), parallel
         self.start, self.end = g.literal(syntax.start), g.literal(syntax.end)
         self._built = False
 
@@ -317,7 +318,7 @@ class _Calls:
             rules.extend(self.function_rules())
             rules.append(f"call: {self.start} {self.head()} fn {self.end}")
             rules.append("fn: " + " | ".join(f"fn{i}" for i in range(len(self.functions))))
-            rules.append(f"more_calls: ({_SEP_WS} call)*")
+            rules.append(f"more_calls: ({_SEP_WS} call)*" if self.parallel else 'more_calls: ""')
 
     def calls(self, rules: list[str]) -> str:
         self._build(rules)
@@ -407,8 +408,8 @@ class GemmaCalls(_Calls):
 
     QUOTE = '<|"|>'
 
-    def __init__(self, g, syntax, tools):
-        super().__init__(g, syntax, tools)
+    def __init__(self, g, syntax, tools, parallel=True):
+        super().__init__(g, syntax, tools, parallel)
         self.quote_id = g.special_id(self.QUOTE)
         self._n = 0
         self._rules: list[str] = []

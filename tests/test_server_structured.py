@@ -179,3 +179,18 @@ def test_openai_forced_call_on_gemma4(gemma_server):
                                        tools=TOOLS, tool_choice="required")
     for call in r.choices[0].message.tool_calls:
         jsonschema.validate(json.loads(call.function.arguments), SCHEMA_OF[call.function.name])
+
+
+def test_anthropic_strict_tools_under_auto(server):
+    client = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0, timeout=120)
+    tools = [{"name": t["function"]["name"], "input_schema": t["function"]["parameters"], "strict": True}
+             for t in TOOLS]
+    for _ in range(3):
+        msg = client.messages.create(model="tiny", max_tokens=200, messages=HELLO, tools=tools,
+                                     extra_body={"temperature": 1.0})
+        for use in [b for b in msg.content if b.type == "tool_use"]:
+            jsonschema.validate(use.input, SCHEMA_OF[use.name])
+    bad = [{"name": "f", "strict": True, "input_schema": {"type": "object", "properties": {
+        "a": {"type": "array", "uniqueItems": True}}}}]
+    with pytest.raises(anthropic.BadRequestError, match="uniqueItems"):
+        client.messages.create(model="tiny", max_tokens=2, messages=HELLO, tools=bad)

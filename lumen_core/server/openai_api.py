@@ -516,7 +516,7 @@ async def chat_completions(req: ChatRequest, request: Request):
     strict = any(t["function"].get("strict") is True for t in tools or ())
     try:  # built before the queue: a schema that cannot be enforced is a 400 (the first one binds the tokenizer)
         structure = await run_in_threadpool(reply_grammar, engine, messages, tools, think, force, schema=schema,
-                                            json_answer=json_answer, strict=strict)
+                                            json_answer=json_answer, strict=strict, parallel=not single_call)
     except InputError as exc:
         raise APIError(400, str(exc), param="response_format" if json_answer else "tools") from exc
 
