@@ -334,13 +334,35 @@ def collect(events: list[Event]) -> tuple[str, str | None, list[ToolCall]]:
 
 
 def tool_schema(tools: list[dict] | None, name: str) -> dict:
-    """The JSON schema of tool ``name``'s parameters (``{}`` when unknown)."""
+    """The JSON schema of tool ``name``'s parameters (``{}`` when unknown), each property given as a local ``$ref``
+    (``#/$defs/...``, as pydantic writes nested models and enums) replaced by what it points to, so that a value is
+    typed by its real schema."""
     for tool in tools or ():
         fn = tool.get("function", tool) if isinstance(tool, dict) else None
         if isinstance(fn, dict) and fn.get("name") == name:
             params = fn.get("parameters")
-            return params if isinstance(params, dict) else {}
+            return _properties_resolved(params) if isinstance(params, dict) else {}
     return {}
+
+
+def _properties_resolved(params: dict) -> dict:
+    props = params.get("properties")
+    if not isinstance(props, dict) or not any(isinstance(p, dict) and "$ref" in p for p in props.values()):
+        return params
+    resolved = {}
+    for key, prop in props.items():
+        seen = set()
+        while isinstance(prop, dict) and isinstance(prop.get("$ref"), str) and prop["$ref"] not in seen:
+            seen.add(prop["$ref"])
+            target: Any = params
+            for part in prop["$ref"].removeprefix("#/").split("/") if prop["$ref"].startswith("#/") else [None]:
+                target = target.get(part.replace("~1", "/").replace("~0", "~")) \
+                    if isinstance(target, dict) and part is not None else None
+            if not isinstance(target, dict):
+                break
+            prop = {**target, **{k: v for k, v in prop.items() if k != "$ref"}}
+        resolved[key] = prop
+    return {**params, "properties": resolved}
 
 
 def schema_type(schema: Any) -> str | None:

@@ -384,21 +384,34 @@ class QwenCalls(_Calls):
                     raise InputError(f"tool {name!r}: parameter {key!r} cannot carry '>' or a newline in Qwen's "
                                      "call syntax")
                 rule = f"p{i}_{j}"
-                rules.append(self._parameter(rule, key, sub, f"tool {name!r} parameter {key!r}"))
+                defs = {k: params[k] for k in ("$defs", "definitions") if k in params}  # what a $ref points into
+                rules.append(self._parameter(rule, key, sub, f"tool {name!r} parameter {key!r}", defs))
                 items.append(rule if required else f"{rule}?")
             rules.append(f"params{i}: {' '.join(items)}" if items else f'params{i}: ""')
         return rules
 
-    def _parameter(self, rule: str, key: str, schema: dict, where: str) -> str:
-        open_, close = _quote(f"<parameter={key}>\n"), _quote("\n</parameter>\n")
+    def _parameter(self, rule: str, key: str, schema: dict, where: str, defs: dict) -> str:
+        """The parser (``chat.convert_value``) types a value by the schema's main type: a string (or no type) is
+        the raw text, anything else is read as JSON; so a string-typed value is raw text under the string option's
+        keywords, the others compact JSON under the whole schema."""
         from .chat import schema_type
 
-        if schema_type(schema) in (None, "string") and not _json_only(schema):
-            term = rule.upper()
-            text = _string_text(schema, where)
-            return f"{rule}: {term}\n{term}: {open_} ({text}) {close}" if text.startswith('"') or " | " in text \
-                else f"{rule}: {term}\n{term}: {open_} ({text} & ~{self.FORBIDDEN}) {close}"
-        return f"{rule}: {open_} {_json(schema, INLINE_JSON)} {close}"
+        open_, close = _quote(f"<parameter={key}>\n"), _quote("\n</parameter>\n")
+        schema = _deref(schema, defs, where)
+        t = schema_type(schema)
+        if t is None and (_json_only(schema) or _non_string_literals(schema)):
+            raise InputError(f"{where}: Qwen's call syntax types a value by its schema's 'type', and this one has "
+                             "none a raw text can satisfy; give the parameter a 'type'")
+        if t is None or t == "string":
+            option = _string_option(schema)
+            if _non_string_literals({k: v for k, v in option.items() if k == "const"}):
+                raise InputError(f"{where}: a string parameter with a non-string const")
+            term, text = rule.upper(), _string_text(option, where)
+            if text.startswith('"') or " | " in text:  # literals: they cannot hold the call's tags
+                return f"{rule}: {term}\n{term}: {open_} ({text}) {close}"
+            return f"{rule}: {term}\n{term}: {open_} ({text} & ~{self.FORBIDDEN}) {close}"
+        safe = {k: {name: _xml_safe(d) for name, d in v.items()} if isinstance(v, dict) else v for k, v in defs.items()}
+        return f"{rule}: {open_} {_json({**safe, **_xml_safe(schema)}, INLINE_JSON)} {close}"
 
 
 class GemmaCalls(_Calls):
@@ -413,6 +426,8 @@ class GemmaCalls(_Calls):
         self.quote_id = g.special_id(self.QUOTE)
         self._n = 0
         self._rules: list[str] = []
+        self._refs: dict[str, str] = {}  # a $ref -> its rule (so recursive schemas stay finite)
+        self._root: dict = {}
 
     def head(self) -> str:
         return _quote("call:")
@@ -431,6 +446,7 @@ class GemmaCalls(_Calls):
             if re.search(r"[{}\s<]", name):
                 raise InputError(f"tool name {name!r}: Gemma's call syntax cannot carry it")
             rules.append(f"fn{i}: {_quote(name)} args{i}")
+            self._root, self._refs = params, {}
             rules.append(f"args{i}: {self._value(params, f'tool {name!r}')}")
         return rules + self._rules
 
@@ -475,6 +491,15 @@ class GemmaCalls(_Calls):
             return self._any()
         if not isinstance(schema, dict):
             raise InputError(f"{where}: a schema must be an object")
+        if "$ref" in schema:
+            if set(schema) - {"$ref", "description", "title"}:
+                return self._value(_deref(schema, self._root, where), where)
+            ref = schema["$ref"]
+            if ref not in self._refs:  # one rule per reference: a recursive schema refers back to it
+                self._n += 1
+                self._refs[ref] = name = f"ref{self._n}"
+                self._rules.append(f"{name}: {self._value(_deref(schema, self._root, where), where)}")
+            return self._refs[ref]
         unsupported = sorted(set(schema) & _GEMMA_UNSUPPORTED)
         if unsupported:
             raise InputError(f"{where} uses {', '.join(unsupported)}, which Gemma 4's tool-call grammar does not "
@@ -539,7 +564,7 @@ class GemmaCalls(_Calls):
         return "gany"
 
 
-_GEMMA_UNSUPPORTED = {"$ref", "$defs", "definitions", "allOf", "not", "if", "then", "else", "patternProperties",
+_GEMMA_UNSUPPORTED = {"allOf", "not", "if", "then", "else", "patternProperties",
                       "dependentRequired", "dependentSchemas", "prefixItems", "contains", "uniqueItems",
                       "minProperties", "maxProperties"}
 
@@ -572,8 +597,87 @@ def _json(schema: dict, options: dict) -> str:
 
 
 def _json_only(schema: dict) -> bool:
-    """A string-typed schema mixed with other types or combinators: written as JSON, not raw text."""
-    return any(k in schema for k in ("anyOf", "oneOf", "allOf", "$ref", "not")) or isinstance(schema.get("type"), list)
+    """A schema whose keywords a raw text cannot be checked against (combinators, references)."""
+    return any(k in schema for k in ("anyOf", "oneOf", "allOf", "$ref", "not"))
+
+
+# A string inside a JSON value of Qwen's XML call syntax must not hold the call's tags (``</parameter>``,
+# ``<parameter=``, ``</function>``, ``</tool_call>``: the parser cuts the value there): no "<" followed by "/" or "p".
+_XML_SAFE_TEXT = r"^(?:[^<]|<[^/p])*<?$"
+
+
+def _xml_safe(schema: Any) -> Any:
+    """``schema`` narrowed so that no string of a matching JSON value can hold Qwen's call tags: string schemas
+    get the pattern above (intersected with their own through allOf), objects no keys beyond their declared ones
+    (keys are strings too; a required key without a property schema is declared as any value). Every value this
+    accepts the original schema accepts."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in ("properties", "$defs", "definitions", "patternProperties"):
+        if isinstance(out.get(key), dict):
+            out[key] = {k: _xml_safe(v) for k, v in out[key].items()}
+    for key in ("items", "additionalProperties", "contains"):
+        if isinstance(out.get(key), dict):
+            out[key] = _xml_safe(out[key])
+    for key in ("anyOf", "oneOf", "allOf", "prefixItems"):
+        if isinstance(out.get(key), list):
+            out[key] = [_xml_safe(v) for v in out[key]]
+    types = out.get("type")
+    types = [types] if isinstance(types, str) else (types if isinstance(types, list) else [])
+    if "string" in types:
+        out["allOf"] = [*out.get("allOf", []), {"pattern": _XML_SAFE_TEXT}]
+    if "object" in types or "properties" in out:
+        props = dict(out.get("properties") or {})
+        extra = out.get("additionalProperties")
+        for k in out.get("required") or []:
+            props.setdefault(k, extra if isinstance(extra, dict) else {})
+        out["properties"], out["additionalProperties"] = props, False
+    return out
+
+
+def _deref(schema: dict, root: dict, where: str) -> dict:
+    """``schema`` with its own ``$ref`` (a chain of them) replaced by the target in ``root`` (local ``#/...``
+    pointers), the referring schema's other keywords kept."""
+    seen: list[str] = []
+    while isinstance(schema, dict) and "$ref" in schema:
+        ref = schema["$ref"]
+        if not isinstance(ref, str) or not ref.startswith("#/"):
+            raise InputError(f"{where}: $ref {ref!r}: only local references ('#/$defs/...') are supported")
+        if ref in seen:
+            raise InputError(f"{where}: $ref {ref!r} refers to itself")
+        seen.append(ref)
+        target: Any = root
+        for part in ref[2:].split("/"):
+            part = part.replace("~1", "/").replace("~0", "~")
+            if not isinstance(target, dict) or part not in target:
+                raise InputError(f"{where}: $ref {ref!r} points to nothing in the schema")
+            target = target[part]
+        if not isinstance(target, dict):
+            raise InputError(f"{where}: $ref {ref!r} does not point to a schema object")
+        schema = {**target, **{k: v for k, v in schema.items() if k != "$ref"}}
+    return schema
+
+
+def _non_string_literals(schema: dict) -> bool:
+    values = list(schema.get("enum") or []) + ([schema["const"]] if "const" in schema else [])
+    return any(not isinstance(v, str) for v in values) and not any(isinstance(v, str) for v in values)
+
+
+def _string_option(schema: dict) -> dict:
+    """The part of a string-typed schema a raw text answers to: the schema itself (``type`` string or a list with
+    string), else its first anyOf / oneOf option of type string (with the schema's other keywords)."""
+    from .chat import schema_type
+
+    t = schema.get("type")
+    if t == "string" or (isinstance(t, list) and "string" in t) or not _json_only(schema):
+        return {k: v for k, v in schema.items() if k != "type"}
+    for key in ("anyOf", "oneOf"):
+        for option in schema.get(key) or ():
+            if schema_type(option) == "string":
+                base = {k: v for k, v in schema.items() if k not in (key, "type")}
+                return _string_option({**base, **option})
+    return {}
 
 
 def _properties(schema: dict, where: str) -> list[tuple[str, dict, bool]]:

@@ -284,3 +284,48 @@ def test_the_real_model_answers_in_valid_json():
     value = json.loads(content)
     validate(value, schema)
     assert value["capital"] == "Paris"  # greedy: '{"country": "France", "capital": "Paris", ...}'
+
+
+class _Unit(str, __import__("enum").Enum):
+    C = "celsius"
+    F = "fahrenheit"
+
+
+def _pydantic_params() -> dict:
+    """A pydantic model's schema: nested models and enums come as $defs / $ref, as SDK helpers send them."""
+    import pydantic
+
+    class Place(pydantic.BaseModel):
+        city: str = pydantic.Field(max_length=10)
+        country: str = pydantic.Field(max_length=10)
+
+    class Args(pydantic.BaseModel):
+        place: Place
+        unit: _Unit
+        days: int = pydantic.Field(ge=1, le=7)
+
+    return Args.model_json_schema()
+
+
+TREE = {"$defs": {"node": {"type": "object", "properties": {
+    "label": {"type": "string", "maxLength": 4},
+    "kids": {"type": "array", "items": {"$ref": "#/$defs/node"}, "maxItems": 2}}, "required": ["label"]}},
+    "type": "object", "properties": {"root": {"$ref": "#/$defs/node"}}, "required": ["root"]}
+
+
+@pytest.mark.parametrize("family", ["engine", "gemma4"])
+@pytest.mark.parametrize("params", [_pydantic_params(), TREE], ids=["pydantic", "recursive"])
+def test_tool_schemas_with_refs(family, params, request):
+    e = request.getfixturevalue(family)
+    tools = [{"type": "function", "function": {"name": "f", "parameters": params}}]
+    for seed in range(3):
+        content, _, calls = _calls(e, "f", seed, tools=tools, parallel=False)
+        assert len(calls) == 1 and calls[0].name == "f", content
+        validate(calls[0].arguments, params)
+
+
+def test_qwen_parameters_without_a_type_the_parser_can_read_are_refused(engine):
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"n": {"enum": [1, 2]}}}}}]
+    with pytest.raises(InputError, match="give the parameter a 'type'"):
+        grammar.chat_grammar(engine, HELLO, tools, think=False, force=True)
