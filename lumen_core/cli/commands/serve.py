@@ -100,13 +100,13 @@ def serve(
     port = port or params.get("port", 8000)
     engine = load(cfg, progress=True, chat_template=chat_template)
     app = create_app(engine, keys, model_name, limits, api)
+    kv = engine.config.kv_cache()
     typer.echo(f"lumen serve: {app.state.model_name} on http://{host}:{port} "
                f"({api.describe()}; {'API keys required' if keys else 'no authentication'}; "
                f"queue {limits.max_queue}, timeout "
                f"{f'{limits.request_timeout:g} s' if limits.request_timeout else 'none'}, body "
-               f"{limits.max_body_bytes} bytes; {engine.config.kv_cache().sequences} sequence(s) at once, prefix "
-               f"cache {f'{engine.config.kv_cache().prefix_cache_mb:g} MB' if engine.prefix_cache is not None else 'off'})",
-               err=True)
+               f"{limits.max_body_bytes} bytes; {kv.sequences} sequence(s) at once, prefix cache "
+               f"{f'{kv.prefix_cache_mb:g} MB' if engine.prefix_cache is not None else 'off'})", err=True)
     uvicorn.run(app, host=host, port=port, log_level="warning")
 
 
