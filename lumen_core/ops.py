@@ -61,6 +61,15 @@ OPTIONAL = {
                     "fuse the matrices into one (one read of x, one launch)",
     "gdn_gates": "(a (T, Hv), b (T, Hv), neg_a (Hv,), dt_bias (Hv,)) -> (g, beta): g = neg_a * softplus(a + "
                  "dt_bias), beta = sigmoid(b) (Gated-DeltaNet decay and write strength)",
+    # several sequences in one call (continuous batching): rows spans[i] = (first, end) belong to sequence i, whose
+    # state is states[i] and whose first row sits at cache position starts[i]; a backend may run the one-row spans
+    # (decode steps) of all sequences in one launch
+    "attention_segments": "(q (T, Hq, D), k (T, Hkv, D), v (T, Hkv, Dv), states [cache], starts [int], spans "
+                          "[(first, end)], scale, window=None) -> (T, Hq, Dv): attention per sequence",
+    "causal_conv1d_segments": "(x (T, C), w (C, K), states [conv state], spans) -> (T, C): causal_conv1d per "
+                              "sequence",
+    "gated_delta_rule_segments": "(q, k (T, Hk, Dk), v (T, Hv, Dv), g, beta (T, Hv), states [delta state], spans) "
+                                 "-> (T, Hv, Dv): gated_delta_rule per sequence",
 }
 
 
@@ -72,4 +81,25 @@ def _gdn_gates(ops, a, b, neg_a, dt_bias):
     return neg_a * ops.softplus(a + dt_bias), ops.sigmoid(b)
 
 
-COMPOSITES = {"linear_group": _linear_group, "gdn_gates": _gdn_gates}
+def _per_span(ops, spans, fn, *arrays):
+    out = [fn(i, *(a[first:end] for a in arrays)) for i, (first, end) in enumerate(spans)]
+    return out[0] if len(out) == 1 else ops.concat(out)
+
+
+def _attention_segments(ops, q, k, v, states, starts, spans, scale, window=None):
+    extra = {} if window is None else {"window": window}
+    return _per_span(ops, spans, lambda i, q, k, v: ops.attention(q, k, v, states[i], starts[i], scale, **extra),
+                     q, k, v)
+
+
+def _causal_conv1d_segments(ops, x, w, states, spans):
+    return _per_span(ops, spans, lambda i, x: ops.causal_conv1d(x, w, states[i]), x)
+
+
+def _gated_delta_rule_segments(ops, q, k, v, g, beta, states, spans):
+    return _per_span(ops, spans, lambda i, *a: ops.gated_delta_rule(*a, states[i]), q, k, v, g, beta)
+
+
+COMPOSITES = {"linear_group": _linear_group, "gdn_gates": _gdn_gates, "attention_segments": _attention_segments,
+              "causal_conv1d_segments": _causal_conv1d_segments,
+              "gated_delta_rule_segments": _gated_delta_rule_segments}

@@ -60,8 +60,8 @@ class Attention:
             if arch.v_norm:
                 v = ops.rms_norm(v, None, eps)
             if batched:
-                o = state.each(ops, lambda q, k, v, st, s0: ops.attention(q, k, v, st, s0, arch.attn_scale, s.window),
-                               q, k, v)
+                o = ops.attention_segments(q, k, v, state.states, state.starts, state.spans, arch.attn_scale,
+                                           s.window)
             else:
                 o = ops.attention(q, k, v, state, start, arch.attn_scale, s.window, **image)
         return ops.linear(o.reshape(T, H * D), self.o)

@@ -45,7 +45,7 @@ class FullAttention:
         cos, sin = rope
         q, k = ops.apply_rope(q, cos, sin), ops.apply_rope(k, cos, sin)
         if isinstance(state, Segmented):  # several sequences: each attends over its own cache
-            o = state.each(ops, lambda q, k, v, st, s0: ops.attention(q, k, v, st, s0, D ** -0.5), q, k, v)
+            o = ops.attention_segments(q, k, v, state.states, state.starts, state.spans, D ** -0.5)
         else:
             o = ops.attention(q, k, v, state, start, D ** -0.5)
         return ops.linear(o.reshape(T, H * D) * ops.sigmoid(gate), self.o)
@@ -73,7 +73,7 @@ class GatedDeltaNet:
         Hv, Dv = a.linear_num_value_heads, a.linear_value_head_dim
         qkv, z, b, a_in = ops.linear_group(h, [self.qkv, self.z, self.in_b, self.in_a])
         if isinstance(state, Segmented):  # several sequences: each convolves and recurs over its own state
-            x = state.each(ops, lambda qkv, st, _: ops.causal_conv1d(qkv, self.conv, st[0]), qkv)
+            x = ops.causal_conv1d_segments(qkv, self.conv, [st[0] for st in state.states], state.spans)
         else:
             x = ops.causal_conv1d(qkv, self.conv, state[0])  # (T, 2*Hk*Dk + Hv*Dv)
         kd = Hk * Dk
@@ -88,8 +88,7 @@ class GatedDeltaNet:
             k = k.reshape(T, 1, kd).repeat(Hv // Hk, axis=1).reshape(T, Hv, Dk)
         g, beta = ops.gdn_gates(a_in, b, self.neg_a, self.dt_bias)  # log decay (<= 0), write strength (T, Hv)
         if isinstance(state, Segmented):
-            o = state.each(ops, lambda q, k, v, g, beta, st, _: ops.gated_delta_rule(q, k, v, g, beta, st[1]),
-                           q, k, v, g, beta)
+            o = ops.gated_delta_rule_segments(q, k, v, g, beta, [st[1] for st in state.states], state.spans)
         else:
             o = ops.gated_delta_rule(q, k, v, g, beta, state[1])  # (T, Hv, Dv)
         o = ops.rms_norm_gated(o, z.reshape(T, Hv, Dv), self.norm, a.rms_norm_eps)
