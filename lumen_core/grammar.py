@@ -589,7 +589,7 @@ def _containing(text: str) -> str:
 
 
 def _escape(c: str) -> str:
-    return "\\" + c if c in r"\.+*?()|[]{}^$#&-~/" else c
+    return "\\" + c if c in r"\.+*?()|[]{}^$#&-~" else c
 
 
 def _json(schema: dict, options: dict) -> str:

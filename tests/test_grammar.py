@@ -329,3 +329,51 @@ def test_qwen_parameters_without_a_type_the_parser_can_read_are_refused(engine):
         "type": "object", "properties": {"n": {"enum": [1, 2]}}}}}]
     with pytest.raises(InputError, match="give the parameter a 'type'"):
         grammar.chat_grammar(engine, HELLO, tools, think=False, force=True)
+
+
+# --- tags that are text, not special tokens ------------------------------------------------------------------------
+
+
+class _Stub:
+    """An engine as chat_grammar sees it: a tokenizer and a rendered prompt in a given chat format."""
+
+    def __init__(self, tokenizer, prompt, fmt):
+        self.tokenizer, self.prompt, self.fmt = tokenizer, prompt, fmt
+
+    def chat_prompt_and_parser(self, messages, tools, think, call_ids, force):
+        return self.prompt, self.fmt, None, []
+
+
+def _accepts(c, tokenizer, text) -> bool:
+    row = np.zeros(tokenizer.vocab_size, dtype=np.float32)
+    for t in tokenizer.encode(text, add_special_tokens=False):
+        if not np.isfinite(c.mask(row)[t]):
+            return False
+        c.advance(t)
+    return True
+
+
+def test_textual_reasoning_and_call_tags(gemma4):
+    """Qwen 3.5's format over a vocabulary where its tags are plain text (Gemma 4's has no <think> or <tool_call>
+    token): the reasoning ends at the first '</think>', a call starts at '<tool_call>', both written as text."""
+    from lumen_models_qwen.chat import QWEN3_5
+
+    tok = gemma4.tokenizer
+    assert tok.token_to_id("</think>") is None and tok.token_to_id("<tool_call>") is None
+    stub = _Stub(tok, "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n", QWEN3_5)
+    g = grammar.chat_grammar(stub, HELLO, think=True, schema=ANSWER)
+    c = g.constraint()
+    assert _accepts(c, tok, 'Let me see: </thin is no tag.</think>\n\n{"x": 3, "tag": "a"}')
+    assert set(np.flatnonzero(np.isfinite(c.mask(np.zeros(tok.vocab_size, np.float32))))) == tok.eos_ids
+    assert not _accepts(g.constraint(), tok, 'Done.</think>\n\nplain text')
+
+    stub.prompt = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": PARAMS}}]
+    g = grammar.chat_grammar(stub, HELLO, tools, think=False, constrain_tools=True)
+    assert "CALL_HEAD" in g.lark
+    call = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n"
+            "</parameter>\n<parameter=code>\nFR1\n</parameter>\n</function>\n</tool_call>")
+    assert _accepts(g.constraint(), tok, "Sure, <b>checking</b>.\n\n" + call)
+    assert _accepts(g.constraint(), tok, "No call: a <tool_call> mention is the call.") is False
+    assert not _accepts(g.constraint(), tok, "<tool_call>\n<function=nope>")
+    assert not _accepts(g.constraint(), tok, call.replace("FR1", "fr1"))  # the code's pattern
