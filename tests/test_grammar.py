@@ -1,8 +1,9 @@
 """Structured output (lumen_core/grammar.py, llguidance): every reply parses and validates.
 
 A tiny random checkpoint writes garbage, so a valid document can only come from the grammar's masks: each schema of
-tests/data/schemas/ (nested objects, arrays with bounds, enums and const, numbers with bounds, string patterns and
-lengths, formats, anyOf / oneOf / allOf, $ref and recursion, nullable types, an open object, a top-level array) is
+tests/data/schemas/ (nested objects, arrays with bounds, enums and const, numbers with bounds and multipleOf,
+property counts, string patterns and lengths, formats, anyOf / oneOf / allOf, $ref and recursion, nullable types, an
+open object, a top-level array) is
 generated with sampling (temperature 1, three seeds) and validated with jsonschema (formats checked too). The
 budget (3000 tokens) is far above what the seeds use (measured: at most ~820 tokens, most under 150); a generation
 that runs out of tokens before the document closes ends with finish_reason 'length' and a cut document, as OpenAI
