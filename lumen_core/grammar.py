@@ -212,6 +212,7 @@ def chat_grammar(engine, messages: list[dict], tools: list[dict] | None = None, 
     from .chat import prompt_ends_in_reasoning
 
     json_answer = json_answer or schema is not None
+    constrain_tools = constrain_tools and bool(tools)
     if not (json_answer or force or constrain_tools):
         return None
     g = for_engine(engine)
@@ -305,7 +306,7 @@ def _functions(tools: list[dict]) -> list[tuple[str, dict]]:
 
 class _Calls:
     """A family's call syntax as Lark rules: ``calls`` (one or more whole calls), ``forced`` (the rest of a call
-    whose opener ends the prompt, then more calls), ``text`` / ``text_then`` (free content, then calls)."""
+    whose opener ends the prompt, then more calls), ``text_then_calls`` (free content, then optionally calls)."""
 
     def __init__(self, g: Grammars, syntax, tools: list[dict], parallel: bool = True):
         self.g, self.syntax, self.functions, self.parallel = g, syntax, _functions(tools), parallel
