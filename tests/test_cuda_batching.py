@@ -86,3 +86,73 @@ def test_next_turn_from_the_prefix_cache_equals_a_full_prefill(engine, tiny_chec
         from lumen_core.prefix_cache import PrefixCache
 
         engine.prefix_cache = PrefixCache(64_000_000)
+
+
+@pytest.fixture(scope="module")
+def bd(cp):
+    from lumen_cuda import attention, batch_decode, delta, ops
+
+    return cp, attention, batch_decode, delta, ops
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("kv", "ring"), [("f32", False), ("bf16", False), ("fp8", False), ("bf16", True)])
+def test_batched_attention_launch_equals_each_sequence_alone(bd, kv, ring):
+    """Five decoding sequences at different positions and a prompt chunk, through attention_segments: outputs and
+    caches bit-identical to each sequence's own attention call."""
+    cp, attention, batch_decode, _, ops = bd
+    rng = np.random.default_rng(0)
+    Hq, Hkv, D, ctx, window = 8, 2, 64, 96, (32 if ring else None)
+
+    def cache():
+        make = attention.sliding_kv_cache if ring else attention.kv_cache
+        return make(window if ring else ctx, Hkv, D, kv, kv)
+
+    starts = [0, 5, 31, 40, 70]
+    mine, ref = [cache() for _ in range(6)], [cache() for _ in range(6)]
+    for c_m, c_r, s in zip(mine, ref, starts + [3], strict=True):  # fill the history alike
+        if s:
+            hist = [cp.asarray(rng.normal(size=(s, h, D)).astype(np.float32)) for h in (Hq, Hkv, Hkv)]
+            ops.attention(*hist, c_m, 0, 0.125, window)
+            ops.attention(*hist, c_r, 0, 0.125, window)
+    T = 5 + 4
+    q, k, v = (cp.asarray(rng.normal(size=(T, h, D)).astype(np.float32)) for h in (Hq, Hkv, Hkv))
+    spans = [(i, i + 1) for i in range(5)] + [(5, 9)]
+    got = batch_decode.attention_segments(q, k, v, mine, starts + [3], spans, 0.125, window)
+    want = cp.concatenate([ops.attention(q[a:b], k[a:b], v[a:b], c, s, 0.125, window)
+                           for (a, b), c, s in zip(spans, ref, starts + [3], strict=True)])
+    assert cp.array_equal(got, want)
+    for a, b in zip(mine, ref, strict=True):
+        assert cp.array_equal(a.k, b.k) and cp.array_equal(a.v, b.v)
+
+
+@pytest.mark.gpu
+def test_batched_gated_delta_and_conv_launches_equal_each_sequence_alone(bd):
+    cp, _, batch_decode, delta, ops = bd
+    rng = np.random.default_rng(1)
+    B, Hk, Hv, Dk, Dv, C, K = 6, 2, 4, 32, 48, 40, 4
+    states_m = [delta.delta_state(Hv, Dk, Dv) for _ in range(B + 1)]
+    states_r = [delta.delta_state(Hv, Dk, Dv) for _ in range(B + 1)]
+    convs_m = [delta.conv_state(C, K) for _ in range(B + 1)]
+    convs_r = [delta.conv_state(C, K) for _ in range(B + 1)]
+    for sm, sr, cm, cr in zip(states_m, states_r, convs_m, convs_r, strict=True):
+        init = cp.asarray(rng.normal(size=(Hv, Dk, Dv)).astype(np.float32))
+        sm.s[...] = init
+        sr.s[...] = init
+        xi = cp.asarray(rng.normal(size=(K - 1, C)).astype(np.float32))
+        cm.x[...] = xi
+        cr.x[...] = xi
+    T = B + 3
+    spans = [(i, i + 1) for i in range(B)] + [(B, T)]
+    f = lambda *shape: cp.asarray(rng.normal(size=shape).astype(np.float32))  # noqa: E731
+    q, k, v, g, beta = f(T, Hk, Dk), f(T, Hk, Dk), f(T, Hv, Dv), -abs(f(T, Hv)), abs(f(T, Hv)) / 4
+    got = batch_decode.gated_delta_rule_segments(q, k, v, g, beta, states_m, spans)
+    want = cp.concatenate([ops.gated_delta_rule(q[a:b], k[a:b], v[a:b], g[a:b], beta[a:b], s)
+                           for (a, b), s in zip(spans, states_r, strict=True)])
+    assert cp.array_equal(got, want)
+    assert all(cp.array_equal(a.s, b.s) for a, b in zip(states_m, states_r, strict=True))
+    x, w = f(T, C), f(C, K)
+    got = batch_decode.causal_conv1d_segments(x, w, convs_m, spans)
+    want = cp.concatenate([ops.causal_conv1d(x[a:b], w, s) for (a, b), s in zip(spans, convs_r, strict=True)])
+    assert cp.array_equal(got, want)
+    assert all(cp.array_equal(a.x, b.x) for a, b in zip(convs_m, convs_r, strict=True))

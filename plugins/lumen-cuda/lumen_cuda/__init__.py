@@ -29,7 +29,8 @@ KERNEL_OPS = (("linear", "linear_f32", "f32"),
 
 MODULE_ORDER = (
     "kernels", "state", "step", "pinned", "delta", "sampler", "cupy_ops", "flash", "hostcall", "attention",
-    "vision_ops", "gdn_prefill", "decode", "gemv", "moe", "hostweights", "stream", "ops", "graph", "backend",
+    "vision_ops", "gdn_prefill", "decode", "gemv", "moe", "hostweights", "stream", "ops", "batch_decode", "graph",
+    "backend",
     "__init__",
 )
 
@@ -58,6 +59,9 @@ def register_ops(register):
     # optional ops (lumen_core.ops.OPTIONAL): fused projections, and the Gated-DeltaNet gates in one kernel
     register("linear_group", "cuda", _host_aware("linear_group", _lazy_kernel("linear_group")))
     register("gdn_gates", "cuda", _lazy("gdn_gates"))
+    # a batched step's token mixers: the decoding sequences' rows in one launch per op (lumen_cuda.batch_decode)
+    for op in ("attention_segments", "causal_conv1d_segments", "gated_delta_rule_segments"):
+        register(op, "cuda", _lazy_batch(op))
 
 
 def _host_aware(op: str, call):
@@ -110,4 +114,20 @@ def _lazy_kernel(fn: str):
         return impl(*args, **kwargs)
 
     call.__name__ = call.__qualname__ = f"cuda_kernel_{fn}"
+    return call
+
+
+def _lazy_batch(op: str):
+    """``lumen_cuda.batch_decode.<op>``, imported (with CuPy) on its first call."""
+    impl = None
+
+    def call(*args, **kwargs):
+        nonlocal impl
+        if impl is None:
+            from . import batch_decode
+
+            impl = getattr(batch_decode, op)
+        return impl(*args, **kwargs)
+
+    call.__name__ = call.__qualname__ = f"cuda_batch_{op}"
     return call

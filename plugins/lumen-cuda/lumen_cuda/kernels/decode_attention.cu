@@ -143,8 +143,8 @@ __device__ __forceinline__ void attn_split(const float* __restrict__ q,     // (
                                            float* __restrict__ o_part,      // (nsplit, Hq, Dv)
                                            float* __restrict__ ml_part,     // (nsplit, Hq, 2): max, sum
                                            int ctx, int D, int Dv, int Hq, int G, int chunk, float scale,
-                                           float softcap, int window, float* smem) {
-  const int s = blockIdx.x, h = blockIdx.y, g0 = blockIdx.z * ATTN_GM;
+                                           float softcap, int window, int zb, float* smem) {
+  const int s = blockIdx.x, h = blockIdx.y, g0 = zb * ATTN_GM;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int ng = min(ATTN_GM, G - g0);
   const int hq0 = h * G + g0;
@@ -309,7 +309,23 @@ __device__ __forceinline__ void attn_split(const float* __restrict__ q,     // (
       int window) {                                                                                              \
     extern __shared__ float4 attn_smem4[];                                                                       \
     attn_split<KT, VT>(q, kn, vn, kc, vc, pos_p, slot_p, o_part, ml_part, ctx, D, Dv, Hq, G, chunk, scale, softcap,    \
-                       window, reinterpret_cast<float*>(attn_smem4));                                           \
+                       window, blockIdx.z, reinterpret_cast<float*>(attn_smem4));                               \
+  }                                                                                                              \
+  /* B sequences at once (continuous batching): grid (nsplit, Hkv, zg * B), block z = b * zg + (head group); */  \
+  /* sequence b's q, k_new, v_new rows b, caches kcs[b], vcs[b] (same ctx, types), pos_p[b], slot_p[b], and */    \
+  /* partials (B, nsplit, Hq, ...) */                                                                            \
+  extern "C" __global__ void __launch_bounds__(ATTN_NT) attn_split_batch_k##KNAME##_v##VNAME(                  \
+      const float* __restrict__ q, const float* __restrict__ kn, const float* __restrict__ vn,                  \
+      void* const* __restrict__ kcs, void* const* __restrict__ vcs, const int* __restrict__ pos_p,               \
+      const int* __restrict__ slot_p, float* __restrict__ o_part, float* __restrict__ ml_part, int ctx, int D,   \
+      int Dv, int Hq, int G, int chunk, float scale, float softcap, int window, int zg) {                        \
+    extern __shared__ float4 attn_smem4[];                                                                       \
+    const int b = blockIdx.z / zg, Hkv = Hq / G;                                                                 \
+    const long long nsplit = gridDim.x;                                                                          \
+    attn_split<KT, VT>(q + (long long)b * Hq * D, kn + (long long)b * Hkv * D, vn + (long long)b * Hkv * Dv,    \
+                       kcs[b], vcs[b], pos_p + b, slot_p + b, o_part + b * nsplit * Hq * Dv,                     \
+                       ml_part + b * nsplit * Hq * 2, ctx, D, Dv, Hq, G, chunk, scale, softcap, window,          \
+                       blockIdx.z % zg, reinterpret_cast<float*>(attn_smem4));                                  \
   }
 
 #define ATTN_SPLIT_V(KNAME, KT)          \
@@ -333,16 +349,14 @@ extern "C" __global__ void kv_fp8_decode(const unsigned char* __restrict__ x, fl
   if (i < n) y[i] = e4m32f(x[i]);
 }
 
-// Combine the splits of one query head (blockIdx.x): only those that intersect [lo, pos].
-extern "C" __global__ void __launch_bounds__(ATTN_NT)
-    attn_combine(const float* __restrict__ o_part,   // (nsplit, Hq, Dv)
-                 const float* __restrict__ ml_part,  // (nsplit, Hq, 2)
-                 const int* __restrict__ pos_p,      // (1,)
-                 float* __restrict__ out,            // (Hq, Dv)
-                 int Hq, int Dv, int chunk, int window, int nsplit) {
-  extern __shared__ float4 comb_smem4[];
-  float* wts = reinterpret_cast<float*>(comb_smem4);  // (nsplit,) e^(m_s - M) / L
-  const int hq = blockIdx.x, tid = threadIdx.x;
+// Combine the splits of one query head (hq): only those that intersect [lo, pos].
+__device__ __forceinline__ void attn_combine_head(const float* __restrict__ o_part,   // (nsplit, Hq, Dv)
+                                                  const float* __restrict__ ml_part,  // (nsplit, Hq, 2)
+                                                  const int* __restrict__ pos_p,      // (1,)
+                                                  float* __restrict__ out,            // (Hq, Dv)
+                                                  int Hq, int Dv, int chunk, int window, int nsplit, int hq,
+                                                  float* wts) {                       // (nsplit,) e^(m_s - M) / L
+  const int tid = threadIdx.x;
   const int pos = *pos_p;
   const int lo = window > 0 ? max(0, pos - window + 1) : 0;
   const int s0 = lo / chunk, s1 = min(pos / chunk, nsplit - 1);
@@ -367,4 +381,26 @@ extern "C" __global__ void __launch_bounds__(ATTN_NT)
     }
     out[(long long)hq * Dv + j] = acc;
   }
+}
+
+extern "C" __global__ void __launch_bounds__(ATTN_NT)
+    attn_combine(const float* __restrict__ o_part,   // (nsplit, Hq, Dv)
+                 const float* __restrict__ ml_part,  // (nsplit, Hq, 2)
+                 const int* __restrict__ pos_p,      // (1,)
+                 float* __restrict__ out,            // (Hq, Dv)
+                 int Hq, int Dv, int chunk, int window, int nsplit) {
+  extern __shared__ float4 comb_smem4[];
+  attn_combine_head(o_part, ml_part, pos_p, out, Hq, Dv, chunk, window, nsplit, blockIdx.x,
+                    reinterpret_cast<float*>(comb_smem4));
+}
+
+// B sequences: grid (Hq, B); sequence b = blockIdx.y reads partials (B, nsplit, Hq, ...), pos_p[b], writes out[b].
+extern "C" __global__ void __launch_bounds__(ATTN_NT)
+    attn_combine_batch(const float* __restrict__ o_part, const float* __restrict__ ml_part,
+                       const int* __restrict__ pos_p, float* __restrict__ out, int Hq, int Dv, int chunk, int window,
+                       int nsplit) {
+  extern __shared__ float4 comb_smem4[];
+  const long long b = blockIdx.y;
+  attn_combine_head(o_part + b * nsplit * Hq * Dv, ml_part + b * nsplit * Hq * 2, pos_p + b, out + b * Hq * Dv, Hq,
+                    Dv, chunk, window, nsplit, blockIdx.x, reinterpret_cast<float*>(comb_smem4));
 }

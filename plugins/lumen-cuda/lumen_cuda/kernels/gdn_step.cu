@@ -111,16 +111,29 @@ __device__ __forceinline__ void gdn_step(const float* __restrict__ q, const floa
     gdn_step<RPT>(q, k, v, g, beta, S, out, Hk, Hv, Dk, Dv, qscale);                                           \
   }
 
+// B sequences at once (continuous batching): grid (Hv, ceil(Dv / 32), B); sequence b = blockIdx.z reads rows b of
+// q, k, v, g, beta, updates the state Ss[b] and writes row b of out.
+#define GDN_STEP_BATCH(RPT)                                                                                    \
+  extern "C" __global__ void __launch_bounds__(GDN_WARPS * 32) gdn_step_batch_r##RPT(                         \
+      const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,                   \
+      const float* __restrict__ g, const float* __restrict__ beta, float* const* __restrict__ Ss,               \
+      float* __restrict__ out, int Hk, int Hv, int Dk, int Dv, float qscale) {                                 \
+    const long long b = blockIdx.z;                                                                            \
+    gdn_step<RPT>(q + b * Hk * Dk, k + b * Hk * Dk, v + b * Hv * Dv, g + b * Hv, beta + b * Hv, Ss[b],          \
+                  out + b * Hv * Dv, Hk, Hv, Dk, Dv, qscale);                                                  \
+  }
+
 GDN_STEP(4)
 GDN_STEP(8)
 GDN_STEP(16)
 GDN_STEP(32)
+GDN_STEP_BATCH(4)
+GDN_STEP_BATCH(8)
+GDN_STEP_BATCH(16)
+GDN_STEP_BATCH(32)
 
-extern "C" __global__ void __launch_bounds__(128) conv1d_step(const float* __restrict__ x,  // (C,)
-                                                               const float* __restrict__ w,  // (C, K)
-                                                               float* __restrict__ state,    // (K-1, C)
-                                                               float* __restrict__ y,        // (C,)
-                                                               int C, int K) {
+__device__ __forceinline__ void conv1d_one(const float* __restrict__ x, const float* __restrict__ w,
+                                           float* __restrict__ state, float* __restrict__ y, int C, int K) {
   const int c = blockIdx.x * blockDim.x + threadIdx.x;
   if (c >= C) return;
   const float* wc = w + (long long)c * K;
@@ -132,4 +145,22 @@ extern "C" __global__ void __launch_bounds__(128) conv1d_step(const float* __res
   if (K >= 2) state[(long long)(K - 2) * C + c] = xc;
   const float th = tanhf(__fmul_rn(0.5f, acc));
   y[c] = __fmul_rn(acc, __fmul_rn(0.5f, __fadd_rn(th, 1.0f)));
+}
+
+extern "C" __global__ void __launch_bounds__(128) conv1d_step(const float* __restrict__ x,  // (C,)
+                                                               const float* __restrict__ w,  // (C, K)
+                                                               float* __restrict__ state,    // (K-1, C)
+                                                               float* __restrict__ y,        // (C,)
+                                                               int C, int K) {
+  conv1d_one(x, w, state, y, C, K);
+}
+
+// B sequences: grid (ceil(C / 128), B); sequence b = blockIdx.y: row b of x and y, the state states[b].
+extern "C" __global__ void __launch_bounds__(128) conv1d_step_batch(const float* __restrict__ x,  // (B, C)
+                                                                     const float* __restrict__ w,  // (C, K)
+                                                                     float* const* __restrict__ states,
+                                                                     float* __restrict__ y,  // (B, C)
+                                                                     int C, int K) {
+  const long long b = blockIdx.y;
+  conv1d_one(x + b * C, w, states[b], y + b * C, C, K);
 }
