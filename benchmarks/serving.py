@@ -158,7 +158,7 @@ def main(argv=None):
         path = cm.build(shape, layers, 248320, workdir)
         if fmt != "bf16":
             path = cm.quantized(path, fmt)
-        step_bytes, _ = cm.bytes_per_token(path)
+        step_bytes = cm.bytes_per_token(path)[0]
         base = baseline(path, args)
         row = {"baseline": base, "bound_fraction": base["decode_tps"] * step_bytes / bw,
                "batched": batched(path, args, streams)}
