@@ -1,8 +1,9 @@
 """Continuous batching: generations join and leave one running batch between decode steps.
 
 One thread (the batcher's) owns the model while batching runs. Each step it runs one ``Model.forward_batch`` over
-every running generation's next token, plus at most one chunk (``PREFILL_CHUNK`` tokens) of a prompt still being
-prefilled, so a long new prompt never stalls the streams already running; then it samples each finished row on
+every running generation's next token, plus chunks of prompts still being prefilled, ``PREFILL_CHUNK`` tokens in
+all (several short prompts are admitted in one step), so a long new prompt never stalls the streams already
+running; then it samples each finished row on
 the host with the generation's own sampler (its parameters and seed), logprobs and grammar, and hands the token to
 the generation's thread. The generations themselves stay plain iterators (``Engine.generate_tokens``): a caller's
 thread blocks on its sequence's queue, so chat parsing, stop strings and the server's jobs are unchanged.
@@ -36,7 +37,7 @@ def save_points(restored, length, *points):
 
     return points_of(restored, length, *points)
 
-PREFILL_CHUNK = 512  # prompt tokens per step while others decode
+PREFILL_CHUNK = 512  # prompt tokens per step (over one or more prompts) while others decode
 
 
 @dataclass
@@ -184,31 +185,27 @@ class Batcher:
 
     def _step(self) -> None:
         segments = [([s.next_input], s) for s in self._active if s.next_input is not None]
-        prefill = next((s for s in self._active if s.next_input is None), None)
-        if prefill is not None:
+        prefills, budget = [], PREFILL_CHUNK  # prompt chunks of this step: PREFILL_CHUNK tokens in all
+        for seq in [s for s in self._active if s.next_input is None]:
+            if budget <= 0:
+                break
             try:
-                if prefill.cache is None:
-                    prefill.cache = self.model.new_cache(self.engine.context_size)
-                    prefix = self.engine.prefix_cache
-                    if prefix is not None and not prefill.media:
-                        snap, split = prefix.lookup(prefill.ids)
-                        if snap is not None:
-                            prefill.cached = prefix.restore(snap, prefill.cache)
-                        prefill.splits = save_points(prefill.cached, len(prefill.ids), split, prefill.save_at)
-                if prefill.media:  # a prompt with images goes in whole, alone (the tower's embeddings replace rows)
-                    logits = self.model.forward(prefill.ids, prefill.cache, images=prefill.media)
-                    self._emit(prefill, np.asarray(logits[-1], dtype=np.float32))
-                    prefill = None
+                if seq.cache is None:
+                    self._admit(seq)
+                if seq.media:  # a prompt with images goes in whole, alone (the tower's embeddings replace rows)
+                    logits = self.model.forward(seq.ids, seq.cache, images=seq.media)
+                    self._emit(seq, np.asarray(logits[-1], dtype=np.float32))
+                    budget = 0
+                    continue
             except BaseException as exc:  # noqa: BLE001 - that generation's error (no memory for its cache...)
-                self._fail([prefill], exc)
-                prefill = None
-        done = None  # the prefilling sequence whose prompt this step completes
-        if prefill is not None:
-            fed = prefill.cache.pos
-            limit = next((p for p in prefill.splits if p > fed), len(prefill.ids))
-            chunk = prefill.ids[fed:min(fed + PREFILL_CHUNK, limit)]
-            segments.append((chunk, prefill))
-            done = prefill if fed + len(chunk) == len(prefill.ids) else None
+                self._fail([seq], exc)
+                continue
+            fed = seq.cache.pos
+            limit = next((p for p in seq.splits if p > fed), len(seq.ids))
+            chunk = seq.ids[fed:min(fed + budget, limit)]
+            budget -= len(chunk)
+            segments.append((chunk, seq))
+            prefills.append(seq)
         if not segments:
             return
         self.steps += 1
@@ -219,16 +216,26 @@ class Batcher:
             self._fail([s for _, s in segments], exc)
             return
         prefix = self.engine.prefix_cache
-        if prefix is not None and prefill is not None and (prefill.cache.pos in prefill.splits
-                                                           or prefill.cache.pos == len(prefill.ids)):
-            prefix.store(prefill.ids[:prefill.cache.pos], prefill.cache)  # a save point, or the whole prompt
+        for seq in prefills:
+            if prefix is not None and (seq.cache.pos in seq.splits or seq.cache.pos == len(seq.ids)):
+                prefix.store(seq.ids[:seq.cache.pos], seq.cache)  # a save point, or the whole prompt
         for (_, seq), row in zip(segments, rows, strict=True):
-            if seq is prefill and seq is not done:
+            if seq.next_input is None and seq.cache.pos < len(seq.ids):
                 continue  # more of its prompt to go
             try:
                 self._emit(seq, np.asarray(row, dtype=np.float32))
             except BaseException as exc:  # noqa: BLE001 - a bad row (NaN logits): that generation's error
                 self._fail([seq], exc)
+
+    def _admit(self, seq: Sequence) -> None:
+        """Give ``seq`` its cache, resumed from the prefix cache where an earlier prompt left a snapshot."""
+        seq.cache = self.model.new_cache(self.engine.context_size)
+        prefix = self.engine.prefix_cache
+        if prefix is not None and not seq.media:
+            snap, split = prefix.lookup(seq.ids)
+            if snap is not None:
+                seq.cached = prefix.restore(snap, seq.cache)
+            seq.splits = save_points(seq.cached, len(seq.ids), split, seq.save_at)
 
     def _fail(self, seqs, exc: BaseException) -> None:
         for seq in seqs:

@@ -131,8 +131,8 @@ def test_join_mid_batch_and_cancel(tiny_checkpoint):
 
 
 def test_sequence_cap_and_chunked_prefill(tiny_checkpoint, monkeypatch):
-    """Two places, four generations: at most two run at once, the others wait; a prompt longer than a prefill
-    chunk goes in over several steps while the running one keeps decoding, and both equal their solo outputs."""
+    """Two places, four generations: at most two run at once, the others wait; a prompt longer than a step's prefill
+    budget goes in over several steps while the running one keeps decoding, and all equal their solo outputs."""
     monkeypatch.setattr(batching, "PREFILL_CHUNK", 8)
     e = load(tiny_checkpoint("qwen3_5"), 2)
     long_prompt = e.encode(" ".join(PROMPTS * 3))
@@ -154,8 +154,7 @@ def test_sequence_cap_and_chunked_prefill(tiny_checkpoint, monkeypatch):
         e.close()
     assert out == alone
     assert max(len(s) for s in seen) <= 2  # never more than two sequences in a step
-    assert all(sum(n > 1 for n in s) <= 1 for s in seen)  # at most one prompt chunk per step
-    assert all(n <= 8 for s in seen for n in s)
+    assert all(sum(n for n in s if n > 1) <= 8 for s in seen)  # prompt tokens per step: PREFILL_CHUNK in all
     assert any(s.count(1) >= 1 and any(n > 1 for n in s) for s in seen)  # decoding went on beside a prefill
 
 
