@@ -205,13 +205,14 @@ def time_lumen(path: Path, prompts, steps: int, experts: dict | None = None) -> 
             toks = list(engine.generate_tokens(ids, 2, greedy))
         out["prefill"][n] = n / engine.stats.prefill_seconds
     ids = np.random.RandomState(0).randint(0, vocab, prompts[0]).tolist()
-    c0 = _copied_bytes()
+    c0 = _copied_bytes(engine)
     list(engine.generate_tokens(ids, 1, greedy))  # the prefill's copies alone (streamed experts)
-    c1 = _copied_bytes()
+    c1 = _copied_bytes(engine)
     toks = list(engine.generate_tokens(ids, steps + 1, greedy))
     out["decode"] = (engine.stats.generated_tokens - 1) / engine.stats.decode_seconds
     # host -> device bytes per decoded token when experts stream: this call's copies less a prefill's
-    out["h2d_bytes_per_token"] = max(0, (_copied_bytes() - c1) - (c1 - c0)) / max(1, engine.stats.generated_tokens - 1)
+    decoded = max(1, engine.stats.generated_tokens - 1)
+    out["h2d_bytes_per_token"] = max(0, (_copied_bytes(engine) - c1) - (c1 - c0)) / decoded
     out["graph"] = bool(engine.decode_runner())
     out["tokens"] = toks
     out["vram_bytes"] = free0 - cp.cuda.runtime.memGetInfo()[0]  # this engine's VRAM, CuPy's cached blocks included
@@ -220,13 +221,15 @@ def time_lumen(path: Path, prompts, steps: int, experts: dict | None = None) -> 
     return out
 
 
-def _copied_bytes() -> int:
-    """Bytes that crossed PCIe host -> device for streamed experts so far: copies into the expert cache plus the
-    decode kernels' reads of host memory (0 when nothing streams)."""
-    import sys as _sys
-
-    mod = _sys.modules.get("lumen_cuda.stream")
-    return sum(v["copied_bytes"] + v["host_read_bytes"] for v in mod.stats().values()) if mod else 0
+def _copied_bytes(engine) -> int:
+    """Bytes that crossed PCIe host -> device for the engine's streamed experts so far: copies into each GPU's
+    expert cache plus the decode kernels' reads of host memory (0 when nothing streams)."""
+    total = 0
+    for backend in {id(b): b for b in engine.backends.values()}.values():
+        stats = backend.expert_stats() if hasattr(backend, "expert_stats") else None
+        if stats:
+            total += stats["copied_bytes"] + stats["host_read_bytes"]
+    return total
 
 
 def time_hf(path: Path, prompts, steps: int) -> dict:

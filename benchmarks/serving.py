@@ -46,17 +46,28 @@ def parse_args(argv=None):
     p.add_argument("--history", type=int, default=16384, help="chat history tokens at turn 10 (0: skip)")
     p.add_argument("--workdir", default="/tmp/lumen-bench")
     p.add_argument("--json", default=None)
+    p.add_argument("--config", default=None, help="benchmark this Lumen config instead of --models (e.g. the CPU "
+                   "default model: examples/gemma3-270m-cpu.json); its placement is kept, its kv-cache keys set here")
     return p.parse_args(argv)
 
 
 def load(path, sequences: int, context: int, prefix_mb: float = 0):
+    """An engine of ``path``: a checkpoint (everything on cuda:0, bf16 KV cache) or a dict (a Lumen config, whose
+    kv-cache keys are set here)."""
+    import copy
+
     import lumen_core as lumen
 
-    kv = {"context-size": context, "sequences": sequences, "type-k": "bf16", "type-v": "bf16"}
+    if isinstance(path, dict):
+        cfg = copy.deepcopy(path)
+        kv = cfg["model"].setdefault("hidden-layers", {}).setdefault("kv-cache", {})
+        kv.update({"context-size": context, "sequences": sequences})
+    else:
+        kv = {"context-size": context, "sequences": sequences, "type-k": "bf16", "type-v": "bf16"}
+        cfg = {"model": {"path": str(path), "compute": "cuda:0", "store": "vram", "hidden-layers": {"kv-cache": kv}}}
     if prefix_mb:
         kv["prefix-cache-mb"] = prefix_mb
-    return lumen.load({"model": {"path": str(path), "compute": "cuda:0", "store": "vram",
-                                 "hidden-layers": {"kv-cache": kv}}}, progress=False)
+    return lumen.load(cfg, progress=False)
 
 
 def prompts(n: int, length: int, vocab: int):
@@ -148,10 +159,21 @@ def prefix(path, args) -> dict:
 def main(argv=None):
     args = parse_args(argv)
     streams = [int(s) for s in args.streams.split(",")]
+    results = {}
+    if args.config:
+        cfg = json.loads(Path(args.config).read_text())
+        base = baseline(cfg, args)
+        row = {"baseline": base, "batched": batched(cfg, args, streams)}
+        if args.history:
+            row["prefix"] = prefix(cfg, args)
+        results[args.config] = row
+        report(args.config, row, args)
+        if args.json:
+            Path(args.json).write_text(json.dumps(results, indent=1, default=str))
+        return
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     bw = cm.read_bandwidth()
-    results = {}
     for name in args.models.split(","):
         shape, fmt = name.rsplit("-", 1)
         layers = args.moe_layers if shape in cm.MOE_SHAPES else args.layers
@@ -166,20 +188,26 @@ def main(argv=None):
             row["prefix"] = prefix(path, args)
         results[name] = row
         print(f"\n{name} ({layers} layers), read bandwidth {bw / 1e12:.2f} TB/s")
-        print(f"  baseline batch 1: {base['decode_tps']:.1f} tok/s decode "
-              f"({100 * row['bound_fraction']:.1f}% of the bandwidth bound), TTFT {base['ttft_s'] * 1e3:.1f} ms")
-        print("  streams | aggregate tok/s | x batch-1 | TTFT p50 ms | TTFT p99 ms | mean batch")
-        for n, r in row["batched"].items():
-            print(f"  {n:7d} | {r['aggregate_tps']:15.1f} | {r['aggregate_tps'] / base['decode_tps']:9.2f} | "
-                  f"{r['ttft_p50_s'] * 1e3:11.1f} | {r['ttft_p99_s'] * 1e3:11.1f} | {r['mean_batch']:.1f}")
-        if args.history:
-            p = row["prefix"]
-            w, wo = p["with_cache"], p["without_cache"]
-            print(f"  turn 10 of a {args.history}-token chat: TTFT {wo['ttft_s'] * 1e3:.1f} ms without the prefix "
-                  f"cache, {w['ttft_s'] * 1e3:.1f} ms with it ({w['cached_tokens']} of {w['prompt_tokens']} prompt "
-                  f"tokens cached): {wo['ttft_s'] / w['ttft_s']:.1f}x")
+        report(name, row, args)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1, default=str))
+
+
+def report(name, row, args) -> None:
+    base = row["baseline"]
+    bound = f" ({100 * row['bound_fraction']:.1f}% of the bandwidth bound)" if "bound_fraction" in row else ""
+    print(f"{name}\n  baseline batch 1: {base['decode_tps']:.1f} tok/s decode{bound}, TTFT "
+          f"{base['ttft_s'] * 1e3:.1f} ms")
+    print("  streams | aggregate tok/s | x batch-1 | TTFT p50 ms | TTFT p99 ms | mean batch")
+    for n, r in row["batched"].items():
+        print(f"  {n:7d} | {r['aggregate_tps']:15.1f} | {r['aggregate_tps'] / base['decode_tps']:9.2f} | "
+              f"{r['ttft_p50_s'] * 1e3:11.1f} | {r['ttft_p99_s'] * 1e3:11.1f} | {r['mean_batch']:.1f}")
+    if args.history:
+        p = row["prefix"]
+        w, wo = p["with_cache"], p["without_cache"]
+        print(f"  turn 10 of a {args.history}-token chat: TTFT {wo['ttft_s'] * 1e3:.1f} ms without the prefix "
+              f"cache, {w['ttft_s'] * 1e3:.1f} ms with it ({w['cached_tokens']} of {w['prompt_tokens']} prompt "
+              f"tokens cached): {wo['ttft_s'] / w['ttft_s']:.1f}x")
 
 
 if __name__ == "__main__":
