@@ -107,3 +107,52 @@ def test_serve_flags_set_the_batch_and_the_prefix_cache(capsys, monkeypatch, tin
     finally:
         app.state.service.close()
         engine.close()
+
+
+def test_queue_limit_and_time_limit_hold_under_batching(tiny_checkpoint, monkeypatch):
+    """Two places and max-queue 1: two generations run, one waits, a fourth is a 429. Then real batched
+    generation with a 0.3 s time limit: a long request is cut ("length", far fewer tokens than asked) while a
+    short one beside it completes with what it generates alone."""
+    from server_util import slow
+
+    from lumen_core.server.settings import Limits
+
+    engine = lumen.load({"model": {"path": str(tiny_checkpoint("qwen3_5")), "hidden-layers": {
+        "kv-cache": {"context-size": 2048, "sequences": 2}}}}, progress=False)
+    srv = Server(engine, limits=Limits(max_queue=1, request_timeout=0.3))
+    try:
+        assert srv.app.state.service.workers == 2 and engine.batcher is not None
+        produced, start = [], threading.Event()
+        with monkeypatch.context() as m:
+            slow(engine, m, 0.001, produced, start)
+            body = {"model": "tiny", "prompt": "Hi", "max_tokens": 5}
+            threads = [threading.Thread(target=httpx.post, args=(srv.url + "/v1/completions",),
+                                        kwargs={"json": body, "timeout": 30}) for _ in range(3)]
+            for i, t in enumerate(threads):  # two run (held by `start`), one waits: the queue is full
+                t.start()
+                deadline = time.time() + 5
+                while srv.app.state.service.queue_depth < i + 1:
+                    assert time.time() < deadline
+                    time.sleep(0.01)
+            r = httpx.post(srv.url + "/v1/completions", json=body, timeout=30)
+            assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full"
+            start.set()
+            for t in threads:
+                t.join(30)
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=60)
+        short_alone = client.completions.create(model="tiny", prompt="One two", max_tokens=4, temperature=0)
+        out = {}
+
+        def ask(key, prompt, n):
+            out[key] = client.completions.create(model="tiny", prompt=prompt, max_tokens=n, temperature=0)
+
+        long = threading.Thread(target=ask, args=("long", "Once upon a time", 1900))
+        long.start()
+        time.sleep(0.05)
+        ask("short", "One two", 4)
+        long.join(60)
+        assert out["long"].choices[0].finish_reason == "length" and out["long"].usage.completion_tokens < 1900
+        assert out["short"].choices[0].text == short_alone.choices[0].text
+    finally:
+        srv.stop()
+        engine.close()
