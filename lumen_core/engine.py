@@ -228,12 +228,14 @@ class Engine:
             raise InputError(f"max_tokens must be an integer >= 1, got {max_tokens!r}")
         if logprobs is not None and (not isinstance(logprobs, int) or isinstance(logprobs, bool) or logprobs < 0):
             raise InputError(f"logprobs must be an integer >= 0 (alternatives per token), got {logprobs!r}")
-        self._image_stats = (0, 0.0)
-        prompt_ids, media = self.exclusive(lambda: self.with_images(prompt_ids, images)) if images else \
-            (list(prompt_ids), None)
+        image_stats = (0, 0.0)
+        if images:  # the tower runs with the model to itself; its stats read there (generations run concurrently)
+            prompt_ids, media, image_stats = self.exclusive(
+                lambda: (*self.with_images(prompt_ids, images), self._image_stats))
+        else:
+            prompt_ids, media = list(prompt_ids), None
         self.check_length(len(prompt_ids))
-        self.stats = st = Stats(prompt_tokens=len(prompt_ids), images=self._image_stats[0],
-                                image_seconds=self._image_stats[1])
+        self.stats = st = Stats(prompt_tokens=len(prompt_ids), images=image_stats[0], image_seconds=image_stats[1])
         if self.batcher is not None:
             yield from self.batcher.generate(prompt_ids, media, max_tokens, params, st, logprobs, constraint,
                                              self.should_stop, save_at)

@@ -351,3 +351,42 @@ def test_engine_generates_with_images_as_transformers(kind, tiny_checkpoint, tmp
                            do_sample=False, eos_token_id=None, pad_token_id=0)
     assert got == out[0, len(ids):].tolist()
     assert engine.stats.images == 2 and engine.stats.prompt_tokens == len(ids)
+
+
+def test_image_prompts_in_a_batch_equal_their_solo_runs(tiny_checkpoint, tmp_path):
+    """Continuous batching with images: an image prompt prefills alone (its tower embeddings), then decodes in the
+    batch beside a text-only prompt at M-RoPE positions shifted by its rope offset; both equal their solo tokens."""
+    import json
+    import shutil
+    import threading
+
+    from lumen_core.sampling import SamplingParams
+
+    path = tmp_path / "batched"
+    shutil.copytree(tiny_checkpoint(KINDS["dense"], vision_config=VISION), path)
+    (path / "preprocessor_config.json").write_text(json.dumps(
+        {"patch_size": 4, "temporal_patch_size": 2, "merge_size": 2,
+         "size": {"shortest_edge": 64, "longest_edge": 64 * 64}}))
+    engine = lumen.load({"model": {"path": str(path), "compute": "cpu", "store": "ram",
+                                   "hidden-layers": {"kv-cache": {"context-size": CONTEXT, "sequences": 3}}},
+                         "vision": {"compute": "cpu"}}, progress=False)
+    cfg = _cfg(path)
+    greedy = SamplingParams(temperature=0.0)
+    jobs = [(prompt(cfg, 2), pictures(["tall", "wide"], seed=3)), (prompt(cfg, 0), None),
+            (prompt(cfg, 1), pictures(["square"], seed=4))]
+
+    def gen(ids, images):
+        return list(engine.generate_tokens(ids, DECODE_STEPS, greedy, **({"images": images} if images else {})))
+
+    alone = [gen(*job) for job in jobs]
+    engine.start_batching()
+    out = [None] * len(jobs)
+    try:
+        threads = [threading.Thread(target=lambda i=i: out.__setitem__(i, gen(*jobs[i]))) for i in range(len(jobs))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+    finally:
+        engine.close()
+    assert out == alone
