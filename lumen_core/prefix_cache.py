@@ -9,14 +9,20 @@ last prompt token is always computed, it gives the first logits). Snapshots are 
 
 * where a prompt's prefill ends, and where a generation ends (its prompt and reply as the cache holds them: the
   next turn of a chat starts with exactly those tokens, then the new message);
+* where a chat's conversation so far ends (``Engine.chat`` passes it): the next turn starts with it even where
+  the template renders the reply differently (Qwen 3.5 drops the reasoning of earlier turns);
 * at a shared point: when a prompt shares a longer prefix with an earlier prompt than any snapshot covers (two
   requests with one system prompt and different questions), its prefill stops at the end of the shared part and
   saves a snapshot there, so the third and later such requests resume from it.
 
-Snapshots live in host RAM (``kv-cache.prefix-cache-mb``, counted by the plan), least recently used out. Each holds
-its own copy of the K/V rows (no block sharing between snapshots yet: a chain of turns keeps each turn's prefix
-once per snapshot; the budget bounds it). Output is the same with and without the cache: a restored cache holds the
-same values the prefill would have written (tests compare the tokens).
+Snapshots live in host RAM (``kv-cache.prefix-cache-mb``, counted by the plan), least recently used out. The K/V
+rows of full-context caches are kept in blocks of ``block`` tokens (256), keyed by a hash chained over every
+token up to the block's end, and shared: the snapshots of a chat's turns, or of a prompt and its reply, hold their
+common blocks once. A snapshot's own bytes are its partial last block, its sliding rings and its recurrent states.
+A restored cache holds bit for bit what the earlier request's forwards wrote. Those ran the same tokens in other
+pieces (its prompt, then its reply token by token) than one prefill of the new prompt would, so with the cache the
+values can differ from a full prefill in the last bits of f32 (the Gated-DeltaNet chunked scan and the GEMMs sum
+in another order): the tests compare tokens, which agree.
 
 A cache state is read generically: a layer's state is a dataclass of arrays (or a tuple of them); a full-context
 K/V cache (``capacity`` equal to the cache's) is saved up to ``n``, anything else whole; CuPy arrays are copied to
@@ -27,78 +33,68 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import hashlib
 import threading
 from dataclasses import dataclass
 
 import numpy as np
 
 MIN_SHARED = 16  # tokens a shared prefix must exceed the best snapshot by, to be worth a snapshot of its own
+BLOCK = 256  # tokens per shared K/V block
 
 
 def _to_host(a) -> np.ndarray:
     return np.array(a, copy=True) if isinstance(a, np.ndarray) else a.get()
 
 
-def _write(dst, rows: int | None, src: np.ndarray) -> None:
-    """``dst[:, :rows] = src`` (``rows`` None: the whole array), in place, on dst's own device."""
+def _write(dst, at: int | None, src: np.ndarray) -> None:
+    """``dst[:, at:at + rows] = src`` (``at`` None: ``dst[...] = src``), in place, on dst's own device."""
+    if at is not None and not src.shape[1]:
+        return
     if not isinstance(dst, np.ndarray):
         import cupy
 
         with dst.device:
             src = cupy.asarray(src)
-            if rows is None:
+            if at is None:
                 dst[...] = src
             else:
-                dst[:, :rows] = src
+                dst[:, at:at + src.shape[1]] = src
         return
-    if rows is None:
+    if at is None:
         dst[...] = src
     else:
-        dst[:, :rows] = src
+        dst[:, at:at + src.shape[1]] = src
 
 
 @dataclass
 class Snapshot:
     tokens: tuple
-    layers: list  # per layer: the saved state (shared layers: the same object), see _save
+    layers: list  # per layer: the saved state (shared layers: the same object), see PrefixCache._save
     rope_offset: int
-    nbytes: int
+    nbytes: int  # its own arrays (partial last block, rings, recurrent states), not the shared blocks
+    keys: list  # the shared K/V blocks of its full-context caches, in order
 
     @property
     def n(self) -> int:
         return len(self.tokens)
 
 
-def _save(state, capacity: int, n: int, memo: dict):
-    if id(state) in memo:
-        return memo[id(state)]
-    if isinstance(state, (tuple, list)):
-        out = tuple(_save(s, capacity, n, memo) for s in state)
-    elif dataclasses.is_dataclass(state):
-        full = getattr(state, "capacity", None) == capacity  # a full-context K/V cache: only [0, n) is written
-        out = {}
-        for f in dataclasses.fields(state):
-            value = getattr(state, f.name)
-            if hasattr(value, "shape") and hasattr(value, "dtype"):
-                out[f.name] = (n if full else None, _to_host(value[:, :n] if full else value))
-    else:
-        raise TypeError(f"the prefix cache cannot save a cache state of type {type(state).__name__}")
-    memo[id(state)] = out
-    return out
+@dataclass
+class Block:
+    arrays: dict  # field path -> one block's rows, (heads, block, dim), on the host
+    nbytes: int
+    refs: int = 0  # snapshots holding it
 
 
-def _restore(state, saved, memo: set) -> None:
-    if id(state) in memo:
-        return
-    memo.add(id(state))
-    if isinstance(state, (tuple, list)):
-        for s, v in zip(state, saved, strict=True):
-            _restore(s, v, memo)
-        return
-    for name, (rows, array) in saved.items():
-        _write(getattr(state, name), rows, array)
-    if hasattr(state, "recent"):
-        state.recent = None  # what the last call attended over: the next call sets it before anyone reads it
+def block_keys(tokens: tuple, block: int) -> list[bytes]:
+    """One key per whole block of ``tokens``, chained: a block's key names every token up to its end."""
+    keys, h = [], b""
+    for k in range(len(tokens) // block):
+        chunk = np.asarray(tokens[k * block:(k + 1) * block], np.int64).tobytes()
+        h = hashlib.blake2b(h + chunk, digest_size=16).digest()
+        keys.append(h)
+    return keys
 
 
 def _nbytes(saved, seen: set) -> int:
@@ -111,11 +107,13 @@ def _nbytes(saved, seen: set) -> int:
 
 
 class PrefixCache:
-    """Snapshots of caches keyed by the tokens they hold, within ``budget`` bytes of host RAM (LRU)."""
+    """Snapshots of caches keyed by the tokens they hold, within ``budget`` bytes of host RAM (LRU), their K/V
+    rows in shared blocks of ``block`` tokens."""
 
-    def __init__(self, budget: int):
-        self.budget = int(budget)
+    def __init__(self, budget: int, block: int = BLOCK):
+        self.budget, self.block = int(budget), int(block)
         self._snaps: collections.OrderedDict[tuple, Snapshot] = collections.OrderedDict()
+        self._blocks: dict[bytes, Block] = {}
         self._lock = threading.Lock()  # generations on several threads (the solo path) look up and store
         self.bytes = 0
         self.lookups = 0
@@ -126,6 +124,10 @@ class PrefixCache:
 
     def __len__(self) -> int:
         return len(self._snaps)
+
+    @property
+    def blocks(self) -> int:
+        return len(self._blocks)
 
     def lookup(self, ids: list[int]) -> tuple[Snapshot | None, int]:
         """(the longest snapshot whose tokens start ``ids`` and are fewer, or None; the longest prefix ``ids``
@@ -149,39 +151,103 @@ class PrefixCache:
 
     def restore(self, snap: Snapshot, cache) -> int:
         """Write ``snap`` into ``cache`` (fresh or reset, of the same model): it then holds ``snap.n`` tokens."""
+        with self._lock:  # its blocks, taken now, stay valid even if it is evicted while being written
+            blocks = [self._blocks[key] for key in snap.keys]
         memo: set = set()
         for state, saved in zip(cache.layers, snap.layers, strict=True):
-            _restore(state, saved, memo)
+            self._restore(state, saved, blocks, memo)
         cache.pos = snap.n
         if hasattr(cache, "rope_offset"):
             cache.rope_offset = snap.rope_offset
         return snap.n
+
+    def _restore(self, state, saved, blocks, memo: set) -> None:
+        if id(state) in memo:
+            return
+        memo.add(id(state))
+        if isinstance(state, (tuple, list)):
+            for s, v in zip(state, saved, strict=True):
+                self._restore(s, v, blocks, memo)
+            return
+        for name, (path, array) in saved.items():
+            dst = getattr(state, name)
+            if path is None:  # saved whole
+                _write(dst, None, array)
+                continue
+            for k, block in enumerate(blocks):
+                _write(dst, k * self.block, block.arrays[path])
+            _write(dst, len(blocks) * self.block, array)  # the partial last block
+        if hasattr(state, "recent"):
+            state.recent = None  # what the last call attended over: the next call sets it before anyone reads it
 
     def store(self, tokens, cache) -> None:
         """Save ``cache``, which holds exactly ``tokens`` (``cache.pos == len(tokens)``)."""
         tokens = tuple(tokens)
         if not tokens or len(tokens) != cache.pos:
             return
+        keys = block_keys(tokens, self.block)
         with self._lock:
             if tokens in self._snaps:
                 self._snaps.move_to_end(tokens)
                 return
-        memo: dict = {}
-        layers = [_save(state, cache.capacity, cache.pos, memo) for state in cache.layers]
-        nbytes = _nbytes(tuple(layers), set())
-        if nbytes > self.budget:
-            return
-        snap = Snapshot(tokens, layers, getattr(cache, "rope_offset", 0), nbytes)
-        with self._lock:
-            if tokens in self._snaps:
+            fresh: dict[bytes, dict] = {}  # the blocks this snapshot adds: key -> {field path: rows}
+            memo: dict = {}
+            layers = [self._save(state, (i,), cache.capacity, len(tokens), keys, fresh, memo)
+                      for i, state in enumerate(cache.layers)]
+            own = _nbytes(tuple(layers), set())
+            added = {key: sum(a.nbytes for a in arrays.values()) for key, arrays in fresh.items()}
+            if own + sum(added.values()) > self.budget:
                 return
-            self._snaps[tokens] = snap
-            self.bytes += nbytes
+            for key in keys:
+                block = self._blocks.get(key)
+                if block is None:
+                    block = self._blocks[key] = Block(fresh.get(key, {}), added.get(key, 0))
+                    self.bytes += block.nbytes
+                block.refs += 1
+            self._snaps[tokens] = Snapshot(tokens, layers, getattr(cache, "rope_offset", 0), own, keys)
+            self.bytes += own
             self.stored += 1
-            while self.bytes > self.budget:
-                _, old = self._snaps.popitem(last=False)
-                self.bytes -= old.nbytes
-                self.evicted += 1
+            while self.bytes > self.budget and len(self._snaps) > 1:
+                self._evict()
+
+    def _evict(self) -> None:
+        _, old = self._snaps.popitem(last=False)
+        self.bytes -= old.nbytes
+        for key in old.keys:
+            block = self._blocks[key]
+            block.refs -= 1
+            if block.refs == 0:
+                del self._blocks[key]
+                self.bytes -= block.nbytes
+        self.evicted += 1
+
+    def _save(self, state, path: tuple, capacity: int, n: int, keys: list, fresh: dict, memo: dict):
+        """The host copy of one layer's state at ``n`` tokens: per array field (None, the whole array), or for a
+        full-context K/V cache (``capacity`` equal to the cache's) (its path, the rows past the last whole block),
+        its whole blocks going to ``fresh`` unless already held."""
+        if id(state) in memo:
+            return memo[id(state)]
+        if isinstance(state, (tuple, list)):
+            out = tuple(self._save(s, path + (j,), capacity, n, keys, fresh, memo) for j, s in enumerate(state))
+        elif dataclasses.is_dataclass(state):
+            full = getattr(state, "capacity", None) == capacity  # only [0, n) is written
+            out = {}
+            for f in dataclasses.fields(state):
+                value = getattr(state, f.name)
+                if not (hasattr(value, "shape") and hasattr(value, "dtype")):
+                    continue
+                if not full:
+                    out[f.name] = (None, _to_host(value))
+                    continue
+                where = path + (f.name,)
+                for k, key in enumerate(keys):
+                    if key not in self._blocks:
+                        fresh.setdefault(key, {})[where] = _to_host(value[:, k * self.block:(k + 1) * self.block])
+                out[f.name] = (where, _to_host(value[:, len(keys) * self.block:n]))
+        else:
+            raise TypeError(f"the prefix cache cannot save a cache state of type {type(state).__name__}")
+        memo[id(state)] = out
+        return out
 
     def metric_lines(self) -> list[str]:
         rate = self.hits / self.lookups if self.lookups else 0.0
@@ -191,10 +257,12 @@ class PrefixCache:
                 "# TYPE lumen_prefix_cache_hits_total counter", f"lumen_prefix_cache_hits_total {self.hits}",
                 "# HELP lumen_prefix_cache_hit_rate Hits / lookups so far.",
                 "# TYPE lumen_prefix_cache_hit_rate gauge", f"lumen_prefix_cache_hit_rate {rate:.6f}",
-                "# HELP lumen_prefix_cache_bytes Host RAM the snapshots hold.",
+                "# HELP lumen_prefix_cache_bytes Host RAM the snapshots and their blocks hold.",
                 "# TYPE lumen_prefix_cache_bytes gauge", f"lumen_prefix_cache_bytes {self.bytes}",
                 "# HELP lumen_prefix_cache_snapshots Snapshots held.",
-                "# TYPE lumen_prefix_cache_snapshots gauge", f"lumen_prefix_cache_snapshots {len(self._snaps)}"]
+                "# TYPE lumen_prefix_cache_snapshots gauge", f"lumen_prefix_cache_snapshots {len(self._snaps)}",
+                "# HELP lumen_prefix_cache_blocks Shared K/V blocks held.",
+                "# TYPE lumen_prefix_cache_blocks gauge", f"lumen_prefix_cache_blocks {len(self._blocks)}"]
 
 
 def _common(a: tuple, b: tuple) -> int:

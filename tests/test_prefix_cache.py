@@ -28,7 +28,9 @@ def pair(request, tiny_checkpoint):
     """(an engine with a prefix cache, one without), of one tiny checkpoint; small sliding windows for Gemma so the
     rings wrap within the test's prompts."""
     path = tiny_checkpoint(request.param)
-    return load(path, mb=64), load(path)
+    cached = load(path, mb=64)
+    cached.prefix_cache = prefix_cache.PrefixCache(64_000_000, block=16)  # small blocks: the prompts span several
+    return cached, load(path)
 
 
 def turn(engine, messages, n=12):
@@ -52,7 +54,10 @@ def test_next_chat_turn_resumes_and_equals_a_full_prefill(pair):
         reply = text_of(toks)
         messages = messages + [{"role": "assistant", "content": reply}, {"role": "user", "content": "And more?"}]
     assert hit > len(cached.encode(SYSTEM, add_special_tokens=False))  # the last turn skipped the history
-    assert cached.prefix_cache.hits >= 2
+    pc = cached.prefix_cache
+    assert pc.hits >= 2 and pc.blocks > 0
+    # the turns' snapshots share their common blocks: far less than a copy of every snapshot's rows
+    assert pc.bytes < sum(s.nbytes + sum(pc._blocks[k].nbytes for k in s.keys) for s in pc._snaps.values())
 
 
 def test_shared_system_prompt_is_saved_at_the_shared_point(pair):
@@ -118,3 +123,32 @@ def test_common_prefix():
     assert prefix_cache._common((1, 2, 3, 4), (1, 2, 9)) == 2
     assert prefix_cache._common((1, 2), (1, 2, 3)) == 2
     assert prefix_cache._common((5,), (1,)) == 0
+
+
+def test_blocks_are_shared_and_freed_with_their_last_snapshot(tiny_checkpoint):
+    e = load(tiny_checkpoint("qwen3_5"))
+    pc = prefix_cache.PrefixCache(64_000_000, block=8)
+    ids = e.encode("one two three four five six seven eight nine ten " * 6)[:60]
+    cache = e.model.new_cache(128)
+    e.model.forward(ids[:40], cache)
+    pc.store(ids[:40], cache)
+    assert pc.blocks == 5
+    e.model.forward(ids[40:60], cache)
+    pc.store(ids[:60], cache)
+    assert pc.blocks == 7  # the first five are the first snapshot's
+    assert pc._blocks[pc._snaps[tuple(ids[:40])].keys[0]].refs == 2
+    # both restore exactly what the forwards that made them left: the next token's logits are bit-equal
+    for n in (40, 60):
+        fresh, ref = e.model.new_cache(128), e.model.new_cache(128)
+        snap, _ = pc.lookup(ids[:n] + [7])
+        assert snap.n == n and pc.restore(snap, fresh) == n
+        for a, b in ((0, 40), (40, n)):  # the same chunks as the snapshot's cache saw
+            if b > a:
+                e.model.forward(ids[a:b], ref)
+        assert (e.model.forward([7], fresh) == e.model.forward([7], ref)).all()
+    with pc._lock:  # the older snapshot goes first; its blocks stay (the newer one holds them)
+        pc._evict()
+    assert len(pc) == 1 and pc.blocks == 7
+    with pc._lock:
+        pc._evict()
+    assert len(pc) == 0 and pc.blocks == 0 and pc.bytes == 0
