@@ -72,19 +72,20 @@ def test_concurrent_greedy_generations_equal_the_graph_path(engine):
 
 @pytest.mark.gpu
 def test_next_turn_from_the_prefix_cache_equals_a_full_prefill(engine, tiny_checkpoint):
+    from lumen_core.prefix_cache import PrefixCache
+
+    engine.prefix_cache = PrefixCache(64_000_000, block=16)  # small blocks: device rows copied block by block
     messages = [{"role": "system", "content": "Be brief. " * 20}, {"role": "user", "content": "Name a colour."}]
     reply = "".join(e.text for e in engine.chat(messages, max_tokens=8, temperature=0)
                     if type(e).__name__ == "Content") or "ok"
     messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": "Another one?"}]
     ids = engine.encode(engine.chat_prompt(messages), add_special_tokens=False)
     cached = list(engine.generate_tokens(ids, max_tokens=12))
-    assert engine.stats.cached_tokens > 20
+    assert engine.stats.cached_tokens > 20 and engine.prefix_cache.blocks > 0
     engine.prefix_cache = None
     try:
         assert list(engine.generate_tokens(ids, max_tokens=12)) == cached
     finally:
-        from lumen_core.prefix_cache import PrefixCache
-
         engine.prefix_cache = PrefixCache(64_000_000)
 
 
