@@ -170,9 +170,13 @@ class Batcher:
                     box.put((True, fn()))
                 except BaseException as exc:  # noqa: BLE001 - handed to the caller
                     box.put((False, exc))
-            self._drop_finished()
-            if self._active:
-                self._step()
+            try:
+                self._drop_finished()
+                if self._active:
+                    self._step()
+            except BaseException as exc:  # noqa: BLE001 - a bug outside a step's own guards (a should_stop that
+                self._fail(list(self._active), exc)  # raised, a cache the prefix cache cannot read): the running
+                # generations get the error; the batcher lives on for the next ones
         for seq in list(self._pending) + self._active:
             seq.out.put(RuntimeError("the server is shutting down"))
 

@@ -180,3 +180,19 @@ def _plan(cfg):
 
     _, _, _, plan, resolved = prepare(cfg)
     return plan, resolved
+
+
+def test_an_error_outside_a_step_fails_its_generations_and_the_batcher_lives_on(tiny_checkpoint):
+    e = load(tiny_checkpoint("qwen3_5"), 2)
+    e.start_batching()
+    try:
+        def broken():
+            raise RuntimeError("a stop check that fails")
+
+        e.should_stop = broken
+        with pytest.raises(RuntimeError, match="a stop check that fails"):
+            list(e.generate_tokens(e.encode(PROMPTS[0]), max_tokens=8))
+        e.should_stop = None
+        assert list(e.generate_tokens(e.encode(PROMPTS[0]), max_tokens=8))  # the next generation runs
+    finally:
+        e.close()
