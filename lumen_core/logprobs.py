@@ -151,14 +151,9 @@ _SPELLERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def _byte_level_alphabet() -> dict[str, int]:
     """GPT-2's printable spelling of the 256 byte values, as character -> byte."""
-    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
-    spelling = {b: chr(b) for b in printable}
-    extra = 256
-    for b in range(256):
-        if b not in spelling:
-            spelling[b] = chr(extra)
-            extra += 1
-    return {c: b for b, c in spelling.items()}
+    from .gguf_tokenizer import _byte_alphabet
+
+    return {c: b for b, c in _byte_alphabet().items()}
 
 
 class _Speller:
