@@ -29,13 +29,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .prefix_cache import save_points
 from .sampling import SamplingParams, make_sampler
-
-
-def save_points(restored, length, *points):
-    from .engine import save_points as points_of
-
-    return points_of(restored, length, *points)
 
 PREFILL_CHUNK = 512  # prompt tokens per step (over one or more prompts) while others decode
 

@@ -21,7 +21,7 @@ from .errors import CheckpointError, ConfigError, InputError
 from .loader import load_weights
 from .plan import Plan, make_plan
 from .plugins import get_registry
-from .prefix_cache import PrefixCache
+from .prefix_cache import PrefixCache, save_points
 from .progress import Progress
 from .sampling import SamplingParams, make_sampler
 from .tensors import LoadReport
@@ -557,12 +557,6 @@ def check_logits(row: np.ndarray, n: int, model_path, doing: str = "generating")
         f"the model produced non-finite logits at token {n} ({doing}; {bad} of {row.size} are NaN or infinite): the "
         f"checkpoint looks corrupt; {_check_hint(model_path)}"
     )
-
-
-def save_points(restored: int, length: int, *points) -> list[int]:
-    """The positions a prefill stops at to save a snapshot: each of ``points`` (None/0: none) strictly between the
-    restored prefix and the prompt's end, in order."""
-    return sorted({p for p in points if p and restored < p < length})
 
 
 def pick_token(row: np.ndarray, sample, seen, logprobs: int | None = None, constraint=None):

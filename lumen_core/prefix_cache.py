@@ -97,6 +97,12 @@ def block_keys(tokens: tuple, block: int) -> list[bytes]:
     return keys
 
 
+def save_points(restored: int, length: int, *points) -> list[int]:
+    """The positions a prefill stops at to save a snapshot: each of ``points`` (None/0: none) strictly between the
+    restored prefix and the prompt's end, in order."""
+    return sorted({p for p in points if p and restored < p < length})
+
+
 def _nbytes(saved, seen: set) -> int:
     if id(saved) in seen:
         return 0
