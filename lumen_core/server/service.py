@@ -263,8 +263,9 @@ class Service:
 
     def _run(self, job: Job) -> None:
         job.started = time.perf_counter()
-        self.metrics.queue_wait_sum += job.started - job.queued_at
-        self.metrics.queue_wait_count += 1
+        with self._lock:  # several workers when the engine batches
+            self.metrics.queue_wait_sum += job.started - job.queued_at
+            self.metrics.queue_wait_count += 1
         timeout = self.limits.request_timeout
         deadline = time.monotonic() + timeout if timeout else math.inf
 
