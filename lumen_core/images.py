@@ -331,6 +331,16 @@ class PreprocessorConfig:
             raise CheckpointError(f"{self.FILE}: expected a JSON object, got a {type(config).__name__}")
         self.config = dict(config or {})
 
+    def pixel_steps(self, resample: int, mean, std, normalize: bool = True) -> dict:
+        """The steps every family's processor shares, as attributes: ``do_convert_rgb``, ``do_resize``,
+        ``resample``, ``do_rescale``, ``rescale_factor``, ``do_normalize``, ``image_mean``, ``image_std``; the
+        arguments are the family's defaults (transformers' class defaults)."""
+        return {"do_convert_rgb": self.flag("do_convert_rgb", True), "do_resize": self.flag("do_resize", True),
+                "resample": self.resample(resample), "do_rescale": self.flag("do_rescale", True),
+                "rescale_factor": self.number("rescale_factor", 1 / 255),
+                "do_normalize": self.flag("do_normalize", normalize),
+                "image_mean": self.channels("image_mean", mean), "image_std": self.channels("image_std", std)}
+
     def error(self, key: str, problem: str):
         from lumen_core.errors import CheckpointError
 

@@ -49,14 +49,7 @@ class Gemma3ImageProcessor:
                  mm_tokens_per_image: int | None = None):
         cfg = PreprocessorConfig(preprocessor_config)
         vision = vision_config or {}
-        self.do_convert_rgb = cfg.flag("do_convert_rgb", True)
-        self.do_resize = cfg.flag("do_resize", True)
-        self.resample = cfg.resample(BILINEAR)
-        self.do_rescale = cfg.flag("do_rescale", True)
-        self.rescale_factor = cfg.number("rescale_factor", 1 / 255)
-        self.do_normalize = cfg.flag("do_normalize", True)
-        self.image_mean = cfg.channels("image_mean", IMAGENET_STANDARD_MEAN)
-        self.image_std = cfg.channels("image_std", IMAGENET_STANDARD_STD)
+        vars(self).update(cfg.pixel_steps(BILINEAR, IMAGENET_STANDARD_MEAN, IMAGENET_STANDARD_STD))
         self.do_pan_and_scan = cfg.flag("do_pan_and_scan", False)
         size = cfg.config.get("size")
         if size is None:
@@ -123,14 +116,7 @@ class Gemma4ImageProcessor:
     def __init__(self, preprocessor_config: dict | None = None, vision_config: dict | None = None):
         cfg = PreprocessorConfig(preprocessor_config)
         vision = vision_config or {}
-        self.do_convert_rgb = cfg.flag("do_convert_rgb", True)
-        self.do_resize = cfg.flag("do_resize", True)
-        self.resample = cfg.resample(BICUBIC)
-        self.do_rescale = cfg.flag("do_rescale", True)
-        self.rescale_factor = cfg.number("rescale_factor", 1 / 255)
-        self.do_normalize = cfg.flag("do_normalize", False)
-        self.image_mean = cfg.channels("image_mean", (0.0, 0.0, 0.0))
-        self.image_std = cfg.channels("image_std", (1.0, 1.0, 1.0))
+        vars(self).update(cfg.pixel_steps(BICUBIC, (0.0, 0.0, 0.0), (1.0, 1.0, 1.0), normalize=False))
         self.patch_size = cfg.integer("patch_size", _int(vision.get("patch_size")), 16)
         self.pooling_kernel_size = cfg.integer("pooling_kernel_size", _int(vision.get("pooling_kernel_size")), 3)
         self.max_soft_tokens = cfg.integer("max_soft_tokens", 280)

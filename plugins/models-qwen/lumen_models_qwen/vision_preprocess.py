@@ -61,14 +61,7 @@ class ImageProcessor:
     def __init__(self, preprocessor_config: dict | None = None, vision_config: dict | None = None):
         cfg = PreprocessorConfig(preprocessor_config)
         vision = vision_config or {}
-        self.do_convert_rgb = cfg.flag("do_convert_rgb", True)
-        self.do_resize = cfg.flag("do_resize", True)
-        self.resample = cfg.resample(BICUBIC)
-        self.do_rescale = cfg.flag("do_rescale", True)
-        self.rescale_factor = cfg.number("rescale_factor", 1 / 255)
-        self.do_normalize = cfg.flag("do_normalize", True)
-        self.image_mean = cfg.channels("image_mean", OPENAI_CLIP_MEAN)
-        self.image_std = cfg.channels("image_std", OPENAI_CLIP_STD)
+        vars(self).update(cfg.pixel_steps(BICUBIC, OPENAI_CLIP_MEAN, OPENAI_CLIP_STD))
         self.patch_size = cfg.integer("patch_size", _int(vision.get("patch_size")), 14)
         self.temporal_patch_size = cfg.integer("temporal_patch_size", _int(vision.get("temporal_patch_size")), 2)
         self.merge_size = cfg.integer("merge_size", _int(vision.get("spatial_merge_size")), 2)
