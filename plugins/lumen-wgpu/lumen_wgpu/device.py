@@ -1,0 +1,302 @@
+"""Adapters, devices and the command recorder: everything that talks to wgpu-py.
+
+One ``Context`` per adapter per engine backend instance (principle 6: state belongs to the backend object). It owns
+the wgpu device, the compiled pipelines, a pool of reusable activation buffers and the **recorder**: every op
+appends its compute dispatches to one open command encoder, and nothing is submitted until a value is read back
+(``read``) or the parameter ring fills. A decode step is therefore one command buffer, submitted once, with only
+the values the host asks for (the logits row, or the sampled token) copied back.
+
+Ordering: WebGPU runs a queue's work in order and puts a barrier between dispatches that touch one storage buffer,
+so a pooled buffer freed by Python while the recorded commands still use it may be handed to a later dispatch of
+the same recording. Host data reaches the device only through copies recorded in the same encoder (``upload``),
+never ``queue.write_buffer`` into a buffer the recording already uses; the one exception is the parameter ring,
+written once just before its recording is submitted.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import threading
+import weakref
+
+import numpy as np
+
+from lumen_core.errors import PlanError
+
+ALIGN = 4  # storage buffers hold whole 32-bit words
+PARAM_BYTES = 256  # the uniform block every kernel's params fit in (64 words)
+RING_BYTES = 4 << 20  # parameter ring: about 16k dispatches a command buffer
+WANTED_FEATURES = ("shader-f16", "subgroup")
+_LIMITS = ("max-storage-buffer-binding-size", "max-buffer-size", "max-compute-workgroup-storage-size",
+           "max-storage-buffers-per-shader-stage", "max-compute-invocations-per-workgroup",
+           "max-compute-workgroup-size-x", "max-compute-workgroups-per-dimension")
+
+
+def wgpu_module():
+    """wgpu-py, imported on first use (importing the plugin must not touch a driver)."""
+    os.environ.setdefault("XDG_RUNTIME_DIR", "/tmp")  # else every Vulkan call prints a harmless error line
+    import wgpu
+
+    return wgpu
+
+
+_ADAPTERS: list | None = None
+_ADAPTERS_LOCK = threading.Lock()
+
+
+def adapters() -> list:
+    """The adapters wgpu finds, in a stable order: ``wgpu:N`` is the N-th. Vulkan, Metal and DX12 adapters are
+    listed; OpenGL ones are not (wgpu's GL backend lacks the storage-buffer sizes Lumen needs)."""
+    global _ADAPTERS
+    with _ADAPTERS_LOCK:
+        if _ADAPTERS is None:
+            try:
+                wgpu = wgpu_module()
+                found = wgpu.gpu.enumerate_adapters_sync()
+            except Exception:  # no wgpu-py, no loader, no driver: no device (device_info says why)
+                found = []
+            _ADAPTERS = [a for a in found if a.info.get("backend_type") in ("Vulkan", "Metal", "D3D12")]
+        return _ADAPTERS
+
+
+def adapter_summary(adapter) -> str:
+    info, limits = adapter.info, adapter.limits
+    feats = [f for f in WANTED_FEATURES if f in adapter.features]
+    return (f"{info.get('device', '?')} ({info.get('backend_type', '?')}, {info.get('adapter_type', '?')}); max "
+            f"storage binding {limits['max-storage-buffer-binding-size'] >> 20} MiB, max buffer "
+            f"{limits['max-buffer-size'] >> 20} MiB; features: {', '.join(feats) or 'none of ' + '/'.join(WANTED_FEATURES)}")
+
+
+def adapter_memory(adapter) -> int:
+    """Bytes the plan may count on. WebGPU does not report VRAM: the adapter's largest buffer times 8 for discrete
+    GPUs, the host's RAM for CPU and integrated adapters (they share it)."""
+    if adapter.info.get("adapter_type") in ("CPU", "IntegratedGPU"):
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return int(adapter.limits["max-buffer-size"]) * 8
+
+
+class Buffer:
+    """A GPU buffer handed out by the pool; returns to it when the last tensor viewing it is gone."""
+
+    __slots__ = ("gpu", "size", "ctx", "__weakref__")
+
+    def __init__(self, gpu, size: int, ctx):
+        self.gpu, self.size, self.ctx = gpu, size, ctx
+
+    def __del__(self):
+        ctx = self.ctx
+        if ctx is not None and not ctx.closed:
+            ctx._free.setdefault(self.size, []).append(self.gpu)
+
+
+def size_class(nbytes: int) -> int:
+    """Pool sizes: 256 B, then 2^k and 1.5 x 2^k (at most a third wasted)."""
+    n = max(256, nbytes)
+    p = 1 << (n - 1).bit_length()
+    return p * 3 // 4 if n <= p * 3 // 4 and p >= 1024 else p
+
+
+class Kernel:
+    """A compiled compute pipeline with an explicit layout: storage bindings 0..n-1 (``access`` per binding: 'r'
+    read-only, 'w' read-write), then one uniform block of params at binding n, bound at a dynamic offset."""
+
+    def __init__(self, ctx, name: str, code: str, access: str):
+        wgpu = wgpu_module()
+        self.name, self.access = name, access
+        entries = [{"binding": i, "visibility": wgpu.ShaderStage.COMPUTE,
+                    "buffer": {"type": wgpu.BufferBindingType.read_only_storage if a == "r"
+                               else wgpu.BufferBindingType.storage}} for i, a in enumerate(access)]
+        entries.append({"binding": len(access), "visibility": wgpu.ShaderStage.COMPUTE,
+                        "buffer": {"type": wgpu.BufferBindingType.uniform, "has_dynamic_offset": True,
+                                   "min_binding_size": PARAM_BYTES}})
+        dev = ctx.device
+        self.layout = dev.create_bind_group_layout(entries=entries)
+        try:
+            module = dev.create_shader_module(code=code, label=name)
+            self.pipeline = dev.create_compute_pipeline(
+                layout=dev.create_pipeline_layout(bind_group_layouts=[self.layout]),
+                compute={"module": module, "entry_point": "main"}, label=name)
+        except Exception as exc:
+            raise RuntimeError(f"wgpu kernel {name!r} failed to compile: {exc}\n--- source ---\n{code}") from None
+
+
+class Context:
+    """One wgpu device: pipelines, buffer pool, recorder."""
+
+    def __init__(self, index: int):
+        found = adapters()
+        if index >= len(found):
+            raise PlanError(f"device 'wgpu:{index}' does not exist on this machine ({len(found)} wgpu adapter(s))")
+        self.adapter = found[index]
+        self.index = index
+        feats = [f for f in WANTED_FEATURES if f in self.adapter.features]
+        limits = {k: self.adapter.limits[k] for k in _LIMITS}
+        self.device = self.adapter.request_device_sync(required_features=feats, required_limits=limits,
+                                                       label=f"lumen wgpu:{index}")
+        self.features = frozenset(feats)
+        self.limits = limits
+        self.max_binding = int(limits["max-storage-buffer-binding-size"]) // 16 * 16
+        self.max_groups = int(limits["max-compute-workgroups-per-dimension"])
+        align = int(self.adapter.limits["min-uniform-buffer-offset-alignment"])
+        self.param_align = max(align, 16)
+        self.closed = False
+        self._free: dict[int, list] = {}
+        self._kernels: dict = {}
+        self._bind_groups: dict = {}
+        wgpu = wgpu_module()
+        self._usage = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsage.COPY_DST
+        self._ring = self.device.create_buffer(size=RING_BYTES + PARAM_BYTES,
+                                               usage=wgpu.BufferUsage.UNIFORM | wgpu.BufferUsage.COPY_DST)
+        self._params = bytearray()
+        self._encoder = None
+        self._pass = None
+        self.dispatches = 0  # recorded since the context was made (tests and benchmarks read it)
+        self.submits = 0
+        self.lock = threading.RLock()
+
+    # -- memory -----------------------------------------------------------------------------------------------
+    def alloc(self, nbytes: int) -> Buffer:
+        """A pooled buffer of at least ``nbytes`` (contents undefined)."""
+        size = size_class(nbytes)
+        if size > self.max_binding:
+            raise PlanError(f"a {nbytes >> 20} MiB activation does not fit the adapter's largest storage binding "
+                            f"({self.max_binding >> 20} MiB): use a shorter prompt chunk or another device")
+        free = self._free.get(size)
+        gpu = free.pop() if free else self.device.create_buffer(size=size, usage=self._usage)
+        return Buffer(gpu, size, self)
+
+    def upload(self, data: bytes | np.ndarray) -> Buffer:
+        """A pooled buffer holding ``data``, copied in by a command recorded in order with the ops around it."""
+        raw = memoryview(np.ascontiguousarray(data)).cast("B") if isinstance(data, np.ndarray) else memoryview(data)
+        n = (len(raw) + ALIGN - 1) // ALIGN * ALIGN
+        buf = self.alloc(n)
+        if n == 0:
+            return buf
+        wgpu = wgpu_module()
+        if len(raw) != n:
+            raw = memoryview(bytes(raw) + b"\0" * (n - len(raw)))
+        staging = self.device.create_buffer(size=n, usage=wgpu.BufferUsage.COPY_SRC, mapped_at_creation=True)
+        staging.write_mapped(raw)
+        staging.unmap()
+        self._end_pass()
+        self._encoder_now().copy_buffer_to_buffer(staging, 0, buf.gpu, 0, n)
+        return buf
+
+    def weight_buffer(self, data: np.ndarray):
+        """A dedicated (not pooled) buffer holding ``data`` (weights: uploaded once, never written again)."""
+        raw = np.ascontiguousarray(data).view(np.uint8).reshape(-1)
+        if raw.size % ALIGN:
+            raw = np.concatenate([raw, np.zeros(ALIGN - raw.size % ALIGN, np.uint8)])
+        if raw.size == 0:
+            raw = np.zeros(ALIGN, np.uint8)
+        return self.device.create_buffer_with_data(data=raw, usage=self._usage)
+
+    # -- kernels ----------------------------------------------------------------------------------------------
+    def kernel(self, name: str, code: str, access: str) -> Kernel:
+        key = (name, code)
+        k = self._kernels.get(key)
+        if k is None:
+            k = self._kernels[key] = Kernel(self, name, code, access)
+        return k
+
+    def dispatch(self, kernel: Kernel, buffers, params: bytes, groups) -> None:
+        """Record ``kernel`` over ``groups`` (x, y, z) workgroups with storage ``buffers`` (wgpu buffers, in
+        binding order) and ``params`` (at most PARAM_BYTES) in its uniform block."""
+        gx, gy, gz = (tuple(groups) + (1, 1))[:3]
+        if gx == 0 or gy == 0 or gz == 0:
+            return
+        if max(gx, gy, gz) > self.max_groups:
+            raise ValueError(f"kernel {kernel.name}: {gx}x{gy}x{gz} workgroups exceed the adapter's "
+                             f"{self.max_groups} a dimension")
+        if len(self._params) + PARAM_BYTES > RING_BYTES:
+            self.flush()
+        offset = len(self._params)
+        self._params += params
+        pad = -len(self._params) % self.param_align
+        self._params += b"\0" * pad
+        key = (id(kernel.layout),) + tuple(id(b) for b in buffers)
+        bg = self._bind_groups.get(key)
+        if bg is None:
+            if len(self._bind_groups) > 20000:
+                self._bind_groups.clear()
+            entries = [{"binding": i, "resource": {"buffer": b}} for i, b in enumerate(buffers)]
+            entries.append({"binding": len(buffers), "resource": {"buffer": self._ring, "offset": 0,
+                                                                   "size": PARAM_BYTES}})
+            bg = self._bind_groups[key] = (self.device.create_bind_group(layout=kernel.layout, entries=entries),
+                                           buffers)
+        p = self._pass_now()
+        p.set_pipeline(kernel.pipeline)
+        p.set_bind_group(0, bg[0], [offset])
+        p.dispatch_workgroups(gx, gy, gz)
+        self.dispatches += 1
+
+    def forget(self, gpu_buffer) -> None:
+        """Drop cached bind groups that hold ``gpu_buffer`` (before destroying it)."""
+        self._bind_groups = {k: v for k, v in self._bind_groups.items()
+                             if not any(b is gpu_buffer for b in v[1])}
+
+    # -- recording --------------------------------------------------------------------------------------------
+    def _encoder_now(self):
+        if self._encoder is None:
+            self._encoder = self.device.create_command_encoder()
+        return self._encoder
+
+    def _pass_now(self):
+        if self._pass is None:
+            self._pass = self._encoder_now().begin_compute_pass()
+        return self._pass
+
+    def _end_pass(self):
+        if self._pass is not None:
+            self._pass.end()
+            self._pass = None
+
+    def flush(self) -> None:
+        """Submit what was recorded (one command buffer)."""
+        if self._encoder is None:
+            return
+        self._end_pass()
+        if self._params:
+            self.device.queue.write_buffer(self._ring, 0, bytes(self._params))
+            self._params = bytearray()
+        self.device.queue.submit([self._encoder.finish()])
+        self._encoder = None
+        self.submits += 1
+
+    def read(self, buf, offset: int, nbytes: int) -> bytes:
+        """Submit the recording and copy ``nbytes`` at ``offset`` of a buffer back to the host."""
+        start = offset // ALIGN * ALIGN
+        end = (offset + nbytes + ALIGN - 1) // ALIGN * ALIGN
+        self.flush()
+        if end == start:
+            return b""
+        data = self.device.queue.read_buffer(buf, start, end - start)
+        return bytes(data[offset - start:offset - start + nbytes])
+
+    def close(self) -> None:
+        with self.lock:
+            self.closed = True
+            self._pass = self._encoder = None
+            self._bind_groups.clear()
+            self._kernels.clear()
+            for bufs in self._free.values():
+                for b in bufs:
+                    b.destroy()
+            self._free.clear()
+
+
+def pack(*values) -> bytes:
+    """Params for a uniform block: Python ints as u32 (i32 when negative), floats as f32, in order."""
+    out = bytearray()
+    for v in values:
+        if isinstance(v, float) or isinstance(v, np.floating):
+            out += struct.pack("<f", float(v))
+        elif v < 0:
+            out += struct.pack("<i", int(v))
+        else:
+            out += struct.pack("<I", int(v))
+    return bytes(out)
+
+
+_CONTEXTS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
