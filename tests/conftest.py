@@ -97,3 +97,31 @@ def numpy_gpu(monkeypatch):
     monkeypatch.setattr(registry, "backend_class", lambda name: NumpyGPU if name == "cuda" else real_class(name))
     monkeypatch.setattr(registry, "ops_of", lambda name: real_ops("cpu" if name == "cuda" else name))
     return NumpyGPU
+
+
+@pytest.fixture(scope="session")
+def wgpu_pair():
+    """``(wgpu backend on wgpu:0, cpu backend)`` for tests marked ``wgpu``. Skips where lumen-wgpu, wgpu-py or an
+    adapter is missing, unless ``LUMEN_REQUIRE_WGPU=1`` (CI, which installs lavapipe; the H200's GPU suite): then a
+    missing adapter fails the test instead of hiding it."""
+    import os
+
+    required = os.environ.get("LUMEN_REQUIRE_WGPU") == "1"
+    try:
+        import lumen_wgpu  # noqa: F401
+        from lumen_wgpu.device import adapters
+    except ImportError as exc:
+        if required:
+            pytest.fail(f"LUMEN_REQUIRE_WGPU=1 but lumen-wgpu does not import: {exc}")
+        pytest.skip("lumen-wgpu is not installed")
+    if not adapters():
+        if required:
+            pytest.fail("LUMEN_REQUIRE_WGPU=1 but wgpu finds no Vulkan/Metal/DX12 adapter (install "
+                        "mesa-vulkan-drivers for lavapipe)")
+        pytest.skip("no wgpu adapter (install mesa-vulkan-drivers for lavapipe)")
+    from lumen_core.plugins import get_registry
+
+    registry = get_registry()
+    wgpu = registry.backend_class("wgpu")("wgpu:0", registry)
+    cpu = registry.backend_class("cpu")("cpu", registry)
+    return wgpu, cpu
