@@ -42,6 +42,7 @@ class Plan:
     capacity: dict[str, int] = field(default_factory=dict)  # memory pool -> bytes available
     context_size: int = 0
     notes: list[str] = field(default_factory=list)  # config values that have no effect on this model
+    devices: dict[str, str] = field(default_factory=dict)  # device -> what its backend says of it (GPU, driver)
 
     def pools(self) -> dict[str, int]:
         """Bytes per memory pool: 'host RAM', 'cuda:0 VRAM', 'mmap (page cache)'."""
@@ -64,6 +65,7 @@ class Plan:
                 "pinned": self.pinned(),
                 "capacity": self.capacity,
                 "notes": self.notes,
+                "devices": self.devices,
             },
             indent=2,
         )
@@ -422,16 +424,23 @@ def _no_effect_notes(config, components: list[Component]) -> list[str]:
     return [f"config {p}: this model has no routed experts, so this placement has no effect" for p in paths]
 
 
-def _capacity(registry, placements) -> dict[str, int]:
+def _capacity(registry, placements, devices: dict[str, str] | None = None) -> dict[str, int]:
+    """Bytes available per memory pool. A device whose backend cannot tell its memory (WebGPU reports no VRAM
+    size: total_bytes 0) has no entry, so its pool is shown but not checked. ``devices`` gets each device's
+    description."""
     cap = {"host RAM": host_available_bytes()}
     gpus = {(p.backend, p.device) for p in placements.values() if p.backend != "cpu"}
     for backend, device in sorted(gpus):  # once per device, not once per component placed there
-        cap[f"{device} VRAM"] = registry.backend_class(backend).device_info(device).free_bytes
+        info = registry.backend_class(backend).device_info(device)
+        if devices is not None and info.description:
+            devices[device] = info.description
+        if info.total_bytes:
+            cap[f"{device} VRAM"] = info.free_bytes
     return cap
 
 
 def _fit(plan: Plan, registry, placements) -> None:
-    plan.capacity = _capacity(registry, placements)
+    plan.capacity = _capacity(registry, placements, plan.devices)
     for pool, need in plan.pools().items():
         have = plan.capacity.get(pool)
         if have is not None and need > have:
@@ -483,9 +492,11 @@ def format_plan(plan: Plan) -> str:
     lines.append("")
     lines.append(f"context size: {plan.context_size} tokens")
     lines += [f"note: {n}" for n in plan.notes]
+    lines += [f"device {d}: {text}" for d, text in sorted(plan.devices.items())]
     for pool, need in sorted(plan.pools().items()):
         have = plan.capacity.get(pool)
-        avail = f" of {gib(have)} available" if have is not None else " (file-backed, not reserved)"
+        avail = (f" of {gib(have)} available" if have is not None else " (the device does not report its memory: "
+                 "not checked)" if pool.endswith(" VRAM") else " (file-backed, not reserved)")
         pinned = plan.pinned() if pool == "host RAM" else 0
         lines.append(f"total {pool}: {gib(need)}{avail}"
                      + (f" (of which {gib(pinned)} page-locked for GPU streaming)" if pinned else ""))

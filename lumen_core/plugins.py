@@ -35,12 +35,12 @@ KNOWN_BACKEND_PLUGINS = {"cpu": "lumen-cpu", "cuda": "lumen-cuda", "wgpu": "lume
 # The optional dependencies a backend's distribution needs to see a device: (the one to name, its alternative)
 BACKEND_EXTRAS = {"cuda": ("cuda13", "cuda12")}
 # This project's distributions and their folders in the Lumen source tree. None is on PyPI yet, so every install
-# hint (install_hint) names the editable install from a checkout first, then the distribution. lumen-wgpu (named
-# above) is not written yet: it has no folder.
+# hint (install_hint) names the editable install from a checkout first, then the distribution.
 SOURCE_PATHS = {
     "lumen-core": ".",
     "lumen-cpu": "plugins/lumen-cpu",
     "lumen-cuda": "plugins/lumen-cuda",
+    "lumen-wgpu": "plugins/lumen-wgpu",
     "lumen-models-qwen": "plugins/models-qwen",
     "lumen-models-gemma": "plugins/models-gemma",
 }
@@ -154,10 +154,7 @@ class Registry:
         if name not in self.backends:
             hint = KNOWN_BACKEND_PLUGINS.get(name)
             installed = ", ".join(sorted(self.backends)) or "none"
-            if hint and hint not in SOURCE_PATHS:  # lumen-wgpu: named in configs, not written yet
-                fix = f"{hint} is not written yet (a planned backend); use cpu or cuda:N"
-            else:
-                fix = install_hint(hint, *BACKEND_EXTRAS.get(name, ())) if hint else "install a plugin that provides it"
+            fix = install_hint(hint, *BACKEND_EXTRAS.get(name, ())) if hint else "install a plugin that provides it"
             raise PluginError(f"backend {name!r} is not installed (installed: {installed}); fix: {fix}")
         return import_object(self.backends[name].value)
 

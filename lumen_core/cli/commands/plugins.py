@@ -99,6 +99,9 @@ def _section(source: str, entries, formats: dict[str, int]) -> tuple[str, list[t
         names = [e.name for e in entries if e.kind == kind]
         if names:
             lines.append((plural if len(names) > 1 else kind, ", ".join(names)))
+    for e in entries:
+        if e.kind == "backend":
+            lines.append((f"devices of {e.name}", _devices(e.name)))
     ops = [e for e in entries if e.kind == "op"]
     backends = list(dict.fromkeys(e.extra["backend"] for e in ops))
     for backend in backends:
@@ -130,6 +133,20 @@ def _op_lines(backend: str, ops, formats: dict[str, int]) -> list[tuple[str, str
                          for op, formats in sorted(over.items()))
         lines.append((f"priority {priority} on {backend}", text))
     return lines
+
+
+def _devices(backend: str) -> str:
+    """What the backend finds on this machine: each device's name and what it says of itself (a GPU's model, a wgpu
+    adapter's driver, API and limits), or why there is none."""
+    from ...plugins import get_registry
+
+    try:
+        found = get_registry().backend_class(backend).devices()
+    except Exception as exc:  # a plugin that cannot even list devices: say so, keep listing the rest
+        return f"none ({type(exc).__name__}: {exc})"
+    if not found:
+        return "none on this machine"
+    return "; ".join(f"{d.name} {d.description}".strip() for d in found)
 
 
 def _width() -> int:

@@ -111,6 +111,13 @@ class WGPUBackend(Backend):
             return self.tensor(x._lumen_to_host())
         return super().take(x)
 
+    def decode_runner(self, model, context_size: int):
+        """Each step recorded into one command buffer, the greedy token picked on the device (lumen_wgpu.runner)."""
+        from .runner import Runner
+
+        self.use()
+        return Runner(model, self, context_size)
+
     def close(self) -> None:
         self.ctx.close()
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import os
 import struct
 import threading
-import weakref
 
 import numpy as np
 
@@ -69,11 +68,11 @@ def adapter_summary(adapter) -> str:
 
 
 def adapter_memory(adapter) -> int:
-    """Bytes the plan may count on. WebGPU does not report VRAM: the adapter's largest buffer times 8 for discrete
-    GPUs, the host's RAM for CPU and integrated adapters (they share it)."""
+    """Bytes the plan may count on: the host's RAM for CPU and integrated adapters (they share it); 0 (unknown:
+    the plan shows the pool but does not check it) for discrete GPUs, whose VRAM size WebGPU does not report."""
     if adapter.info.get("adapter_type") in ("CPU", "IntegratedGPU"):
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return int(adapter.limits["max-buffer-size"]) * 8
+    return 0
 
 
 class Buffer:
@@ -299,4 +298,3 @@ def pack(*values) -> bytes:
     return bytes(out)
 
 
-_CONTEXTS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
