@@ -18,10 +18,12 @@ from lumen_core.backend import Backend, DeviceInfo, Weight, scale_block
 from lumen_core.errors import PlanError
 
 from . import device as wdev
+from . import quant
 from .tensor import WTensor, from_numpy, set_current
 
-# formats kept as they are; the GGUF block formats become bf16 on load (stored_format)
-NATIVE = ("f32", "f16", "bf16")
+# formats kept as they are and decoded in the shaders (quant.FORMATS: f32, f16, bf16, fp8, nvfp4, GGUF q8_0, q4_0,
+# q5_0, q4_k, q5_k, q6_k); the other GGUF block formats become bf16 on load (stored_format)
+NATIVE = quant.FORMATS
 
 
 class WGPUBackend(Backend):
@@ -69,26 +71,21 @@ class WGPUBackend(Backend):
         if store != "vram":
             raise PlanError(f"wgpu keeps weights in 'vram' only (got store {store!r}): WebGPU shaders cannot read "
                             "host memory")
-        if _is_gguf_block(fmt):
+        if _is_gguf_block(fmt) and fmt not in NATIVE:
             array, fmt = _gguf_to_bf16(array, fmt, shape), "bf16"
             shape = array.shape
         if fmt not in NATIVE:
             raise PlanError(f"the wgpu backend does not read {fmt!r} weights yet (it reads {', '.join(NATIVE)} and "
-                            "GGUF block formats)")
-        host = np.asarray(array)
-        if fmt == "bf16" and host.dtype != np.uint16:
-            host = host.view(np.uint16)
-        elif fmt == "f16":
-            host = host.astype(np.float16, copy=False)
-        elif fmt == "f32":
-            host = host.astype(np.float32, copy=False)
-        shape = tuple(shape or host.shape)
-        data = Matrix.upload(self.ctx, host, fmt, shape)
-        block = None
-        if scale is not None:
-            scale = self.tensor(scale)
-            block = scale_block(shape, scale.shape)
-        return Weight(data, fmt, shape, scale, block, store="vram")
+                            "the other GGUF block formats, as bf16)")
+        if shape is None:  # the array's own shape, but for nvfp4's packed pairs
+            shape = np.shape(array)
+            shape = (shape[0], shape[1] * 2) if fmt == "nvfp4" else shape
+        shape = tuple(int(d) for d in shape)
+        data = Matrix.upload(self.ctx, array, fmt, shape, scale)  # kept as stored; scales with their rows
+        scales = data.layout.scales  # what Weight.nbytes counts of them (quant.Scales), None where none
+        block = (1, quant.NVFP4_GROUP) if fmt == "nvfp4" else \
+            scale_block(shape, scales.shape) if scales is not None else None
+        return Weight(data, fmt, shape, scales, block, store="vram")
 
     def tensor(self, array):
         set_current(self.ctx)

@@ -1,48 +1,62 @@
 """Weight matrices on the device and the ops that read them: ``linear`` (a GEMV for decode, a tiled GEMM for
-prefill) and ``embedding``. One shader template per op; the storage format only changes ``ld`` (wgsl.HALF_LOADERS),
-which decodes one element to f32, so f32, f16 and bf16 share every line of the math.
+prefill) and ``embedding``, for every storage format in ``quant.FORMATS`` (f32, f16, bf16, fp8, nvfp4 and the GGUF
+block formats q8_0, q4_0, q5_0, q4_k, q5_k, q6_k). One shader template per op: the format only supplies ``ld8`` /
+``ld1`` (``quant.decoder``), which decode 8 values / one value to f32, so every format shares every line of the
+math and accumulates in f32.
 """
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
-from . import wgsl
+from . import quant, wgsl
 from .device import pack
 from .tensor import WTensor, empty, from_numpy
 
-ELEM_BYTES = {"f32": 4, "f16": 2, "bf16": 2}
-GEMV_MAX_T = 8  # up to this many rows: each workgroup reads a weight row once for all of them
-WG_GEMV = 64
+ELEM_BYTES = dict(quant.ELEMENT)  # formats of one value an element, and its bytes
+GEMV_MAX_T = 8  # up to this many rows: each workgroup reads its weight rows once for all of them
+GEMV_ROWS, GEMV_LANES = 8, 32  # a GEMV workgroup: 8 weight rows, 32 threads a row
 TILE = 32  # GEMM: 32x32 outputs a workgroup, K in steps of 32
+U = quant.UNIT
 
 
 class Matrix:
     """A (rows, cols) weight on the device, split by rows into chunks that each fit one storage binding.
 
-    ``chunks``: [(gpu buffer, first row, rows)]; ``row0``/``rows``: this view's rows (``m[a:b]`` is a view, no
-    copy: Gemma's per-expert gate/up halves)."""
+    ``chunks``: [(gpu buffer, first row, rows)]: a chunk holds its rows' bytes (GGUF: whole blocks, as stored);
+    ``scale_bufs``: {first row of a chunk: the buffer of the scales its rows read} (fp8, nvfp4). ``row0``/``rows``:
+    this view's rows (``m[a:b]`` is a view, no copy: Gemma's per-expert gate/up halves). ``layout``: the format's
+    params (``quant.Layout.words``).
+    """
 
-    def __init__(self, ctx, fmt: str, cols: int, chunks, row0: int, rows: int, nbytes: int):
+    def __init__(self, ctx, fmt: str, cols: int, chunks, row0: int, rows: int, nbytes: int, layout=None,
+                 total: int | None = None, scale_bufs=None):
         self.ctx, self.format, self.cols, self.chunks = ctx, fmt, cols, chunks
         self.row0, self.rows, self._nbytes = row0, rows, nbytes
+        self.layout = layout if layout is not None else quant.Layout(np.zeros((0, 0)))
+        self._total = rows if total is None else total
+        self.scale_bufs = {} if scale_bufs is None else scale_bufs
 
     @classmethod
-    def upload(cls, ctx, host: np.ndarray, fmt: str, shape) -> Matrix:
-        rows = int(shape[0]) if len(shape) else 1
-        cols = int(math.prod(shape[1:])) if len(shape) > 1 else 1
-        flat = np.ascontiguousarray(host).reshape(rows, -1)
-        row_bytes = flat.shape[1] * flat.itemsize
-        per_chunk = max(1, (ctx.max_binding - 16) // max(1, row_bytes))
-        chunks = []
+    def upload(cls, ctx, host, fmt: str, shape, scale=None) -> Matrix:
+        """``host`` in checkpoint form (GGUF: (rows, bytes a row) uint8; nvfp4: packed pairs with ``scale`` =
+        (block scales, global scale); fp8: e4m3 with an optional f32 ``scale``)."""
+        lay = quant.layout(host, fmt, shape, scale)
+        data = lay.data
+        rows, cols = data.shape[0], int(np.prod(shape[1:])) if len(shape) > 1 else 1
+        row_bytes = data.shape[1] * data.itemsize
+        scale_row_bytes = 0 if lay.scale is None else lay.scale.shape[1] * lay.scale.itemsize
+        per_chunk = max(1, (ctx.max_binding - 16) // max(1, row_bytes, scale_row_bytes))
+        chunks, scale_bufs = [], {}
         for first in range(0, rows, per_chunk):
             n = min(per_chunk, rows - first)
-            chunks.append((ctx.weight_buffer(flat[first:first + n]), first, n))
+            chunks.append((ctx.weight_buffer(data[first:first + n]), first, n))
+            if lay.scale is not None:
+                a, b = lay.scale_rows(first, n)
+                scale_bufs[first] = ctx.weight_buffer(lay.scale[a:b])
         if not chunks:
-            chunks.append((ctx.weight_buffer(flat), 0, 0))
-        return cls(ctx, fmt, cols, chunks, 0, rows, flat.nbytes)
+            chunks.append((ctx.weight_buffer(data), 0, 0))
+        return cls(ctx, fmt, cols, chunks, 0, rows, data.nbytes, lay, rows, scale_bufs)
 
     @property
     def shape(self):
@@ -50,7 +64,8 @@ class Matrix:
 
     @property
     def nbytes(self) -> int:
-        return self._nbytes * self.rows // max(1, self.row0 + self.rows) if self.row0 else self._nbytes
+        """The stored bytes of this view's rows (scales not included: ``Weight.scale`` counts them)."""
+        return self._nbytes * self.rows // max(1, self._total)
 
     def __getitem__(self, key):
         if not isinstance(key, slice):
@@ -59,54 +74,94 @@ class Matrix:
         if step != 1:
             raise IndexError("a weight matrix on wgpu takes a row slice of step 1")
         return Matrix(self.ctx, self.format, self.cols, self.chunks, self.row0 + start, max(0, stop - start),
-                      self._nbytes)
+                      self._nbytes, self.layout, self._total, self.scale_bufs)
 
     def pieces(self):
         """(gpu buffer, row within the buffer where this view's piece starts, its rows, first output row) for
         each chunk this view overlaps."""
+        for buf, row, n, col, _, _ in self.parts():
+            yield buf, row, n, col
+
+    def parts(self):
+        """``pieces`` with what a kernel also binds: (buffer, row in it, rows, first output row, [weight
+        buffers to bind: W, then S where the format has scales], params words 8..12 (``quant.Layout.words``))."""
         lo, hi = self.row0, self.row0 + self.rows
         for buf, first, n in self.chunks:
             a, b = max(lo, first), min(hi, first + n)
             if a < b:
-                yield buf, a - first, b - a, a - lo
+                sbuf = self.scale_bufs.get(first)
+                yield buf, a - first, b - a, a - lo, [buf] if sbuf is None else [buf, sbuf], self.layout.words(first)
 
 
-def _gemv_code(fmt: str) -> str:
-    return wgsl.header([("X", "r", "f32"), ("W", "r", "f32" if fmt == "f32" else "u32"), ("Y", "w", "f32")]) + \
-        wgsl.HALF_LOADERS[fmt] + f"""
-// words: 0 T, 1 K, 2 N (row stride of Y), 3 rows of this piece, 4 first row in W, 5 first column of Y,
-// 6 offset of X, 7 row stride of X
-var<workgroup> part: array<f32, {WG_GEMV * GEMV_MAX_T}>;
-@compute @workgroup_size({WG_GEMV})
+# -- kernels ---------------------------------------------------------------------------------------------------
+def _x_loaders(vec: bool) -> str:
+    """``xl4(i)``: X[i..i+3] (i a multiple of 4), ``xl1(i)``: X[i]. ``vec``: X bound as vec4s (16-byte loads),
+    when the input's offset and row stride are multiples of 4."""
+    if vec:
+        return ("fn xl4(i: u32) -> vec4<f32> { return X[i >> 2u]; }\n"
+                "fn xl1(i: u32) -> f32 { return X[i >> 2u][i & 3u]; }\n")
+    return ("fn xl4(i: u32) -> vec4<f32> { return vec4<f32>(X[i], X[i + 1u], X[i + 2u], X[i + 3u]); }\n"
+            "fn xl1(i: u32) -> f32 { return X[i]; }\n")
+
+
+def _binds(first, fmt: str):
+    return [first] + quant.bindings(fmt) + [("Y", "w", "f32")]
+
+
+_WORDS = """// words: 0 T, 1 K, 2 N (row stride of Y), 3 rows of this piece, 4 first row in W, 5 first column of Y,
+// 6 offset of X, 7 row stride of X, 8..12 the format's (quant)
+"""
+
+
+def _gemv_code(fmt: str, vec: bool) -> str:
+    wg = GEMV_ROWS * GEMV_LANES
+    x = ("X", "r", "vec4<f32>" if vec else "f32")
+    tail = "" if quant.tail_free(fmt) else f"""
+    for (var k = KU * {U}u + lane; k < K; k += {GEMV_LANES}u) {{  // a row length that is not a multiple of 8
+      let wv = ld1(rr, k);
+      for (var t = 0u; t < T; t++) {{ acc[t] += wv * xl1(xo + t * xs + k); }}
+    }}"""
+    return wgsl.header(_binds(x, fmt)) + quant.decoder(fmt) + _x_loaders(vec) + _WORDS + f"""
+// a workgroup: {GEMV_ROWS} rows, {GEMV_LANES} threads a row; a thread takes 8 values of the row at a time (ld8) and
+// the matching inputs of every token, so each weight byte is read once whatever T
+var<workgroup> part: array<f32, {wg * GEMV_MAX_T}>;
+@compute @workgroup_size({wg})
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nw: vec3<u32>,
         @builtin(local_invocation_index) lid: u32) {{
-  let r = group_id(wid, nw);
   let T = w(0u); let K = w(1u);
-  if (r >= w(3u)) {{ return; }}
+  let lane = lid % {GEMV_LANES}u; let sub = lid / {GEMV_LANES}u;
+  let r = group_id(wid, nw) * {GEMV_ROWS}u + sub;
+  let live = r < w(3u);
   var acc: array<f32, {GEMV_MAX_T}>;
   for (var t = 0u; t < {GEMV_MAX_T}u; t++) {{ acc[t] = 0.0; }}
-  let base = (w(4u) + r) * K;
-  for (var k = lid; k < K; k += {WG_GEMV}u) {{
-    let wv = ld(base + k);
-    for (var t = 0u; t < T; t++) {{ acc[t] += wv * X[w(6u) + t * w(7u) + k]; }}
+  if (live) {{
+    let rr = w(4u) + r; let xo = w(6u); let xs = w(7u);
+    let KU = K / {U}u;
+    for (var u = lane; u < KU; u += {GEMV_LANES}u) {{
+      let v = ld8(rr, u * {U}u);
+      for (var t = 0u; t < T; t++) {{
+        let i = xo + t * xs + u * {U}u;
+        acc[t] += dot(v.a, xl4(i)) + dot(v.b, xl4(i + 4u));
+      }}
+    }}{tail}
   }}
-  for (var t = 0u; t < T; t++) {{ part[t * {WG_GEMV}u + lid] = acc[t]; }}
+  for (var t = 0u; t < T; t++) {{ part[t * {wg}u + lid] = acc[t]; }}
   workgroupBarrier();
-  for (var s = {WG_GEMV // 2}u; s > 0u; s >>= 1u) {{
-    if (lid < s) {{
-      for (var t = 0u; t < T; t++) {{ part[t * {WG_GEMV}u + lid] += part[t * {WG_GEMV}u + lid + s]; }}
+  for (var s = {GEMV_LANES // 2}u; s > 0u; s >>= 1u) {{
+    if (lane < s) {{
+      for (var t = 0u; t < T; t++) {{ part[t * {wg}u + lid] += part[t * {wg}u + lid + s]; }}
     }}
     workgroupBarrier();
   }}
-  if (lid < T) {{ Y[lid * w(2u) + w(5u) + r] = part[lid * {WG_GEMV}u]; }}
+  if (live && lane < T) {{ Y[lane * w(2u) + w(5u) + r] = part[lane * {wg}u + sub * {GEMV_LANES}u]; }}
 }}
 """
 
 
 def _gemm_code(fmt: str) -> str:
-    return wgsl.header([("X", "r", "f32"), ("W", "r", "f32" if fmt == "f32" else "u32"), ("Y", "w", "f32")]) + \
-        wgsl.HALF_LOADERS[fmt] + f"""
-// words as the GEMV's; grid: x over column tiles, y over row (token) tiles
+    return wgsl.header(_binds(("X", "r", "f32"), fmt)) + quant.decoder(fmt) + _WORDS + f"""
+// grid: x over column tiles, y over row (token) tiles. The weight tile is decoded into workgroup memory 8 values
+// a thread (ld8: 128 threads for 32 rows x 32 columns), the input tile loaded 4 values a thread.
 var<workgroup> xs: array<f32, {TILE * TILE}>;
 var<workgroup> ws: array<f32, {TILE * TILE}>;
 @compute @workgroup_size(256)
@@ -118,10 +173,23 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
   for (var k0 = 0u; k0 < K; k0 += {TILE}u) {{
     for (var j = 0u; j < 4u; j++) {{
       let e = lid + j * 256u;
-      let rr = e / {TILE}u; let kk = e % {TILE}u;
-      let t = t0 + rr; let n = n0 + rr; let k = k0 + kk;
+      let t = t0 + e / {TILE}u; let k = k0 + e % {TILE}u;
       xs[e] = select(0.0, X[w(6u) + t * w(7u) + k], t < T && k < K);
-      ws[e] = select(0.0, ld((w(4u) + n) * K + k), n < R && k < K);
+    }}
+    if (lid < {TILE * TILE // U}u) {{
+      let rr = lid / {TILE // U}u; let c = (lid % {TILE // U}u) * {U}u;
+      let n = n0 + rr; let k = k0 + c;
+      var v = V8(vec4<f32>(0.0), vec4<f32>(0.0));
+      if (n < R && k + {U}u <= K) {{
+        v = ld8(w(4u) + n, k);
+      }} else if (n < R) {{  // the row's last, partial unit
+        var e = array<f32, {U}>();
+        for (var i = 0u; i < {U}u; i++) {{ if (k + i < K) {{ e[i] = ld1(w(4u) + n, k + i); }} }}
+        v = V8(vec4<f32>(e[0], e[1], e[2], e[3]), vec4<f32>(e[4], e[5], e[6], e[7]));
+      }}
+      let o = rr * {TILE}u + c;
+      ws[o] = v.a.x; ws[o + 1u] = v.a.y; ws[o + 2u] = v.a.z; ws[o + 3u] = v.a.w;
+      ws[o + 4u] = v.b.x; ws[o + 5u] = v.b.y; ws[o + 6u] = v.b.z; ws[o + 7u] = v.b.w;
     }}
     workgroupBarrier();
     for (var kk = 0u; kk < {TILE}u; kk++) {{
@@ -153,30 +221,42 @@ def linear(x: WTensor, w) -> WTensor:
     N = m.rows
     y = empty(ctx, (T, N))
     gemv = T <= GEMV_MAX_T
-    code = _gemv_code(m.format) if gemv else _gemm_code(m.format)
-    kernel = ctx.kernel(("gemv" if gemv else "gemm") + "_" + m.format, code, "rrw")
-    for buf, row, n, col in m.pieces():
-        params = pack(T, K, N, n, row, col, x2.offset, x2.strides[0])
-        groups = wgsl.grid(n, ctx.max_groups) if gemv else (-(-n // TILE), -(-T // TILE), 1)
-        ctx.dispatch(kernel, [x2.buf.gpu, buf, y.buf.gpu], params, groups)
+    if gemv:
+        vec = x2.offset % 4 == 0 and (x2.strides[0] % 4 == 0 or T == 1)
+        kernel = ctx.kernel(f"gemv_{m.format}{'_x4' if vec else ''}", _gemv_code(m.format, vec),
+                            "r" * (len(quant.bindings(m.format)) + 1) + "w")
+    else:
+        kernel = ctx.kernel(f"gemm_{m.format}", _gemm_code(m.format), "r" * (len(quant.bindings(m.format)) + 1) + "w")
+    for _, row, n, col, wbufs, words in m.parts():
+        params = pack(T, K, N, n, row, col, x2.offset, x2.strides[0] if T > 1 else 0, *words)
+        groups = wgsl.grid(-(-n // GEMV_ROWS), ctx.max_groups) if gemv else (-(-n // TILE), -(-T // TILE), 1)
+        ctx.dispatch(kernel, [x2.buf.gpu, *wbufs, y.buf.gpu], params, groups)
     return y.reshape(*lead, N) if x.ndim != 2 else y
 
 
 def _embedding_code(fmt: str) -> str:
-    return wgsl.header([("ids", "r", "u32"), ("W", "r", "f32" if fmt == "f32" else "u32"), ("Y", "w", "f32")]) + \
-        wgsl.HALF_LOADERS[fmt] + """
-// words: 0 T, 1 H, 2 first row of this piece (in the matrix view), 3 its rows, 4 its first row in W
+    return wgsl.header(_binds(("ids", "r", "u32"), fmt)) + quant.decoder(fmt) + f"""
+// words: 0 T, 1 H, 2 first row of this piece (in the matrix view), 3 its rows, 4 its first row in W, 8..12 the
+// format's (quant). A thread writes 8 values of a row (ld8), one at a time only in a row's last partial unit.
 @compute @workgroup_size(256)
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nw: vec3<u32>,
-        @builtin(local_invocation_index) lid: u32) {
+        @builtin(local_invocation_index) lid: u32) {{
   let i = group_id(wid, nw) * 256u + lid;
-  let H = w(1u);
-  if (i >= w(0u) * H) { return; }
-  let t = i / H; let h = i % H;
+  let H = w(1u); let HU = (H + {U - 1}u) / {U}u;
+  if (i >= w(0u) * HU) {{ return; }}
+  let t = i / HU; let k = (i % HU) * {U}u;
   let id = ids[t];
-  if (id < w(2u) || id >= w(2u) + w(3u)) { return; }
-  Y[i] = ld((id - w(2u) + w(4u)) * H + h);
-}
+  if (id < w(2u) || id >= w(2u) + w(3u)) {{ return; }}
+  let rr = id - w(2u) + w(4u);
+  let o = t * H + k;
+  if (k + {U}u <= H) {{
+    let v = ld8(rr, k);
+    Y[o] = v.a.x; Y[o + 1u] = v.a.y; Y[o + 2u] = v.a.z; Y[o + 3u] = v.a.w;
+    Y[o + 4u] = v.b.x; Y[o + 5u] = v.b.y; Y[o + 6u] = v.b.z; Y[o + 7u] = v.b.w;
+  }} else {{
+    for (var j = 0u; k + j < H; j++) {{ Y[o + j] = ld1(rr, k + j); }}
+  }}
+}}
 """
 
 
@@ -191,8 +271,17 @@ def embedding(ids, w) -> WTensor:
     T, H = idx.size, m.cols
     y = empty(ctx, (T, H))
     ids_t = from_numpy(ctx, idx.astype(np.int32))
-    kernel = ctx.kernel("embedding_" + m.format, _embedding_code(m.format), "rrw")
-    for buf, row, n, first in m.pieces():
-        ctx.dispatch(kernel, [ids_t.buf.gpu, buf, y.buf.gpu], pack(T, H, first, n, row),
-                     wgsl.grid(-(-T * H // 256), ctx.max_groups))
+    kernel = ctx.kernel("embedding_" + m.format, _embedding_code(m.format),
+                        "r" * (len(quant.bindings(m.format)) + 1) + "w")
+    units = -(-H // U)
+    for _, row, n, first, wbufs, words in m.parts():
+        ctx.dispatch(kernel, [ids_t.buf.gpu, *wbufs, y.buf.gpu], pack(T, H, first, n, row, 0, 0, 0, *words),
+                     wgsl.grid(-(-T * units // 256), ctx.max_groups))
     return y
+
+
+def table():
+    """The (op, fn, format) rows of linear and embedding: every format in ``quant.FORMATS``, and None (any other
+    format falls back here and is refused by ``Matrix``: the backend never makes one)."""
+    return [(op, fn, fmt) for op, fn in (("linear", linear), ("embedding", embedding))
+            for fmt in (*quant.FORMATS, None)]
