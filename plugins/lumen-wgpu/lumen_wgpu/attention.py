@@ -43,6 +43,11 @@ TARGET_GROUPS = 128  # split-K when fewer workgroups than this would run
 
 
 # -- the KV arrays --------------------------------------------------------------------------------------------
+def binding_limit(ctx) -> int:
+    """The most bytes a KV array keeps in one buffer (a function, so tests can make caches split)."""
+    return ctx.max_binding
+
+
 @dataclass
 class _Part:
     """Heads [h0, h1) of a (heads, rows, dim) array in one buffer: element (h, r, d) at
@@ -91,7 +96,7 @@ class KVArray:
         if dim % PER_WORD[kind]:
             raise ValueError(f"a {kind} KV cache needs a head dim that is a multiple of {PER_WORD[kind]} (got {dim})")
         head_bytes = rows * dim * np.dtype(KV_TYPES[kind]).itemsize
-        per = ctx.max_binding // max(1, head_bytes)
+        per = binding_limit(ctx) // max(1, head_bytes)
         if per < 1:
             raise ValueError(f"one KV head of {rows} positions x {dim} dims ({head_bytes >> 20} MiB) exceeds the "
                              f"adapter's largest storage binding ({ctx.max_binding >> 20} MiB): use a shorter "
@@ -144,7 +149,7 @@ class KVArray:
         host = np.broadcast_to(np.asarray(value), (heads, b - a, dim))
         if host.dtype != self.dtype:
             host = _store_host(host.astype(np.float32), self.dtype)
-        src = self.ctx.upload(np.ascontiguousarray(host))
+        src = self.ctx.upload(np.ascontiguousarray(host).view(np.uint8))  # ml_dtypes' types have no buffer protocol
         words = dim // PER_WORD[self.kind]
         for p in self.parts:
             _copy_rows(self.ctx, src.gpu, (0, heads), 0, (b - a) * words, words, (0, b - a), b - a, p,
