@@ -61,10 +61,10 @@ def adapters() -> list:
 
 def adapter_summary(adapter) -> str:
     info, limits = adapter.info, adapter.limits
-    feats = [f for f in WANTED_FEATURES if f in adapter.features]
+    feats = ", ".join(f for f in WANTED_FEATURES if f in adapter.features) or "none of " + "/".join(WANTED_FEATURES)
     return (f"{info.get('device', '?')} ({info.get('backend_type', '?')}, {info.get('adapter_type', '?')}); max "
             f"storage binding {limits['max-storage-buffer-binding-size'] >> 20} MiB, max buffer "
-            f"{limits['max-buffer-size'] >> 20} MiB; features: {', '.join(feats) or 'none of ' + '/'.join(WANTED_FEATURES)}")
+            f"{limits['max-buffer-size'] >> 20} MiB; features: {feats}")
 
 
 def adapter_memory(adapter) -> int:
@@ -86,7 +86,11 @@ class Buffer:
     def __del__(self):
         ctx = self.ctx
         if ctx is not None and not ctx.closed:
-            ctx._free.setdefault(self.size, []).append(self.gpu)
+            holder = ctx._held.get(id(self.gpu))
+            if holder is not None:  # a kept decode step reads it: free it when that capture is released
+                holder.orphans.append((self.size, self.gpu))
+            else:
+                ctx._free.setdefault(self.size, []).append(self.gpu)
 
 
 def size_class(nbytes: int) -> int:
@@ -120,6 +124,27 @@ class Kernel:
             raise RuntimeError(f"wgpu kernel {name!r} failed to compile: {exc}\n--- source ---\n{code}") from None
 
 
+class Capture:
+    """One recorded decode step, kept to be issued again by ``Context.replay`` (the wgpu analogue of a CUDA graph:
+    WebGPU cannot resubmit a command buffer, so the dispatches are re-encoded from this list, without the Python of
+    the ops that made them).
+
+    ``records``: ("upload", gpu buffer, data, dynamic) and ("dispatch", kernel, bind group, params, groups,
+    dynamic). ``dynamic`` is None for a record that is the same every step, else a function of the step's inputs
+    (``{"delta": positions since the capture, "token": the new token}``) returning the upload's bytes or the
+    dispatch's (params, groups): what depends on the position (attention's key count, the rope tables) or on the
+    token. Every buffer a record uses stays out of the pool until ``Context.release``."""
+
+    def __init__(self):
+        self.records: list = []
+        self.buffers: dict[int, object] = {}  # id -> gpu buffer the records use
+        self.orphans: list = []  # (size class, gpu buffer) whose tensors died while held
+
+    @property
+    def dispatches(self) -> int:
+        return sum(1 for r in self.records if r[0] == "dispatch")
+
+
 class Context:
     """One wgpu device: pipelines, buffer pool, recorder."""
 
@@ -147,11 +172,14 @@ class Context:
         self._usage = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsage.COPY_DST
         self._ring = self.device.create_buffer(size=RING_BYTES + PARAM_BYTES,
                                                usage=wgpu.BufferUsage.UNIFORM | wgpu.BufferUsage.COPY_DST)
+        self._fence = self.device.create_buffer(size=16, usage=self._usage)
         self._params = bytearray()
         self._encoder = None
         self._pass = None
         self.dispatches = 0  # recorded since the context was made (tests and benchmarks read it)
         self.submits = 0
+        self._capture: Capture | None = None  # the step being captured
+        self._held: dict[int, Capture] = {}  # gpu buffer id -> the kept capture that uses it
         self.lock = threading.RLock()
 
     # -- memory -----------------------------------------------------------------------------------------------
@@ -165,13 +193,17 @@ class Context:
         gpu = free.pop() if free else self.device.create_buffer(size=size, usage=self._usage)
         return Buffer(gpu, size, self)
 
-    def upload(self, data: bytes | np.ndarray) -> Buffer:
-        """A pooled buffer holding ``data``, copied in by a command recorded in order with the ops around it."""
+    def upload(self, data: bytes | np.ndarray, dynamic=None) -> Buffer:
+        """A pooled buffer holding ``data``, copied in by a command recorded in order with the ops around it.
+        ``dynamic``: while a step is captured, how the data changes from step to step (see ``Capture``)."""
         raw = memoryview(np.ascontiguousarray(data)).cast("B") if isinstance(data, np.ndarray) else memoryview(data)
         n = (len(raw) + ALIGN - 1) // ALIGN * ALIGN
         buf = self.alloc(n)
         if n == 0:
             return buf
+        if self._capture is not None:
+            self._capture.records.append(("upload", buf.gpu, bytes(raw), dynamic))
+            self._hold(buf.gpu)
         wgpu = wgpu_module()
         if len(raw) != n:
             raw = memoryview(bytes(raw) + b"\0" * (n - len(raw)))
@@ -199,11 +231,13 @@ class Context:
             k = self._kernels[key] = Kernel(self, name, code, access)
         return k
 
-    def dispatch(self, kernel: Kernel, buffers, params: bytes, groups) -> None:
+    def dispatch(self, kernel: Kernel, buffers, params: bytes, groups, dynamic=None) -> None:
         """Record ``kernel`` over ``groups`` (x, y, z) workgroups with storage ``buffers`` (wgpu buffers, in
-        binding order) and ``params`` (at most PARAM_BYTES) in its uniform block."""
+        binding order) and ``params`` (at most PARAM_BYTES) in its uniform block. ``dynamic``: while a step is
+        captured, ``inputs -> (params, groups)`` for a later step (see ``Capture``), where they depend on the
+        position or the token."""
         gx, gy, gz = (tuple(groups) + (1, 1))[:3]
-        if gx == 0 or gy == 0 or gz == 0:
+        if (gx == 0 or gy == 0 or gz == 0) and (self._capture is None or dynamic is None):
             return
         if max(gx, gy, gz) > self.max_groups:
             raise ValueError(f"kernel {kernel.name}: {gx}x{gy}x{gz} workgroups exceed the adapter's "
@@ -224,11 +258,74 @@ class Context:
                                                                    "size": PARAM_BYTES}})
             bg = self._bind_groups[key] = (self.device.create_bind_group(layout=kernel.layout, entries=entries),
                                            buffers)
+        if self._capture is not None:
+            self._capture.records.append(("dispatch", kernel, bg[0], bytes(params), (gx, gy, gz), dynamic))
+            for b in buffers:
+                self._hold(b)
+        if gx == 0 or gy == 0 or gz == 0:
+            return
         p = self._pass_now()
         p.set_pipeline(kernel.pipeline)
         p.set_bind_group(0, bg[0], [offset])
         p.dispatch_workgroups(gx, gy, gz)
         self.dispatches += 1
+
+    # -- captured steps -----------------------------------------------------------------------------------------
+    def begin_capture(self) -> None:
+        """Record what follows (one decode step) as a ``Capture`` too; what was recorded before is submitted."""
+        self.flush()
+        self._capture = Capture()
+
+    def end_capture(self) -> Capture:
+        cap, self._capture = self._capture, None
+        return cap
+
+    def _hold(self, gpu) -> None:
+        if id(gpu) not in self._capture.buffers:
+            self._capture.buffers[id(gpu)] = gpu
+            self._held[id(gpu)] = self._capture
+
+    def release(self, cap: Capture) -> None:
+        """The capture will not be replayed again: its buffers go back to the pool."""
+        for key in cap.buffers:
+            if self._held.get(key) is cap:
+                del self._held[key]
+        for size, gpu in cap.orphans:
+            self._free.setdefault(size, []).append(gpu)
+        cap.orphans, cap.buffers = [], {}
+
+    def replay(self, cap: Capture, inputs: dict, chunk: int = 0) -> None:
+        """Issue a captured step again with this step's ``inputs``. Uploads are written first (everything recorded
+        before is submitted, so no earlier command still reads them); dispatches are re-encoded, and submitted
+        every ``chunk`` dispatches (0: once, at the next read-back), so the device starts on a long step while the
+        host still encodes its end."""
+        self.flush()
+        queue = self.device.queue
+        n = 0
+        for rec in cap.records:
+            if rec[0] == "upload":
+                data = rec[2] if rec[3] is None else rec[3](inputs)
+                pad = -len(data) % ALIGN
+                queue.write_buffer(rec[1], 0, data + b"\0" * pad if pad else data)
+                continue
+            _, kernel, bg, params, groups, dynamic = rec
+            if dynamic is not None:
+                params, groups = dynamic(inputs)
+                if 0 in groups:
+                    continue
+            if len(self._params) + PARAM_BYTES > RING_BYTES:
+                self.flush()
+            offset = len(self._params)
+            self._params += params
+            self._params += b"\0" * (-len(self._params) % self.param_align)
+            p = self._pass_now()
+            p.set_pipeline(kernel.pipeline)
+            p.set_bind_group(0, bg, [offset])
+            p.dispatch_workgroups(*groups)
+            n += 1
+            if chunk and n % chunk == 0:
+                self.flush()
+        self.dispatches += n
 
     def forget(self, gpu_buffer) -> None:
         """Drop cached bind groups that hold ``gpu_buffer`` (before destroying it)."""
@@ -263,6 +360,12 @@ class Context:
         self._encoder = None
         self.submits += 1
 
+    def finish(self) -> None:
+        """Submit the recording and wait until the device has run everything submitted (benchmarks, close)."""
+        self.flush()
+        # a 4-byte read-back waits for the queue (wgpu-py 0.32's on_submitted_work_done_sync fails on its native lib)
+        self.device.queue.read_buffer(self._fence, 0, 4)
+
     def read(self, buf, offset: int, nbytes: int) -> bytes:
         """Submit the recording and copy ``nbytes`` at ``offset`` of a buffer back to the host."""
         start = offset // ALIGN * ALIGN
@@ -276,6 +379,7 @@ class Context:
     def close(self) -> None:
         with self.lock:
             self.closed = True
+            self._held.clear()
             self._pass = self._encoder = None
             self._bind_groups.clear()
             self._kernels.clear()

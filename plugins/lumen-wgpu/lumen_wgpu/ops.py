@@ -201,7 +201,13 @@ def rope_tables(positions, inv_freq, mrope_section=None, interleaved=False):
 
     cos, sin = _rope.rope_tables(positions, inv_freq, mrope_section, interleaved)
     ctx = current_context()
-    return from_numpy(ctx, cos), from_numpy(ctx, sin)
+    pos = np.asarray(positions, dtype=np.int64)
+
+    def later(which):  # a captured decode step: the tables of the same positions moved by inputs["delta"]
+        return lambda inputs: np.ascontiguousarray(
+            _rope.rope_tables(pos + inputs["delta"], inv_freq, mrope_section, interleaved)[which]).tobytes()
+
+    return (from_numpy(ctx, cos, dynamic=later(0)), from_numpy(ctx, sin, dynamic=later(1)))
 
 
 _ROPE = wgsl.header([("X", "r", "f32"), ("C", "r", "f32"), ("S", "r", "f32"), ("Y", "w", "f32")]) + """

@@ -201,12 +201,14 @@ def empty(ctx: Context, shape, dtype: str = "f32") -> WTensor:
     return WTensor(ctx, ctx.alloc(4 * max(1, math.prod(shape))), shape, dtype)
 
 
-def from_numpy(ctx: Context, array, dtype: str | None = None) -> WTensor:
+def from_numpy(ctx: Context, array, dtype: str | None = None, dynamic=None) -> WTensor:
+    """``array`` on the device (integers as i32, the rest f32). ``dynamic``: how the bytes change from one
+    captured decode step to the next (device.Capture)."""
     a = np.asarray(array)
     if dtype is None:
         dtype = "i32" if np.issubdtype(a.dtype, np.integer) else "f32"
     a = np.ascontiguousarray(a, dtype=DTYPES[dtype])
-    return WTensor(ctx, ctx.upload(a), a.shape, dtype)
+    return WTensor(ctx, ctx.upload(a, dynamic), a.shape, dtype)
 
 
 # -- elementwise ------------------------------------------------------------------------------------------------
