@@ -104,8 +104,12 @@ def _x_loaders(vec: bool) -> str:
             "fn xl1(i: u32) -> f32 { return X[i]; }\n")
 
 
-def _binds(first, fmt: str):
-    return [first] + quant.bindings(fmt) + [("Y", "w", "f32")]
+def _binds(first, fmt: str, wide: bool):
+    return [first] + quant.bindings(fmt, wide) + [("Y", "w", "f32")]
+
+
+def _kernel(ctx, name: str, fmt: str, wide: bool, code: str):
+    return ctx.kernel(f"{name}_{fmt}{'_wide' if wide else ''}", code, "r" * (len(quant.bindings(fmt)) + 1) + "w")
 
 
 _WORDS = """// words: 0 T, 1 K, 2 N (row stride of Y), 3 rows of this piece, 4 first row in W, 5 first column of Y,
@@ -113,7 +117,7 @@ _WORDS = """// words: 0 T, 1 K, 2 N (row stride of Y), 3 rows of this piece, 4 f
 """
 
 
-def _gemv_code(fmt: str, vec: bool) -> str:
+def _gemv_code(fmt: str, wide: bool, vec: bool) -> str:
     wg = GEMV_ROWS * GEMV_LANES
     x = ("X", "r", "vec4<f32>" if vec else "f32")
     tail = "" if quant.tail_free(fmt) else f"""
@@ -121,7 +125,7 @@ def _gemv_code(fmt: str, vec: bool) -> str:
       let wv = ld1(rr, k);
       for (var t = 0u; t < T; t++) {{ acc[t] += wv * xl1(xo + t * xs + k); }}
     }}"""
-    return wgsl.header(_binds(x, fmt)) + quant.decoder(fmt) + _x_loaders(vec) + _WORDS + f"""
+    return wgsl.header(_binds(x, fmt, wide)) + quant.decoder(fmt, wide) + _x_loaders(vec) + _WORDS + f"""
 // a workgroup: {GEMV_ROWS} rows, {GEMV_LANES} threads a row; a thread takes 8 values of the row at a time (ld8) and
 // the matching inputs of every token, so each weight byte is read once whatever T
 var<workgroup> part: array<f32, {wg * GEMV_MAX_T}>;
@@ -158,8 +162,8 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nw: vec3
 """
 
 
-def _gemm_code(fmt: str) -> str:
-    return wgsl.header(_binds(("X", "r", "f32"), fmt)) + quant.decoder(fmt) + _WORDS + f"""
+def _gemm_code(fmt: str, wide: bool) -> str:
+    return wgsl.header(_binds(("X", "r", "f32"), fmt, wide)) + quant.decoder(fmt, wide) + _WORDS + f"""
 // grid: x over column tiles, y over row (token) tiles. The weight tile is decoded into workgroup memory 8 values
 // a thread (ld8: 128 threads for 32 rows x 32 columns), the input tile loaded 4 values a thread.
 var<workgroup> xs: array<f32, {TILE * TILE}>;
@@ -221,12 +225,12 @@ def linear(x: WTensor, w) -> WTensor:
     N = m.rows
     y = empty(ctx, (T, N))
     gemv = T <= GEMV_MAX_T
+    wide = quant.wide(m.format, K)
     if gemv:
         vec = x2.offset % 4 == 0 and (x2.strides[0] % 4 == 0 or T == 1)
-        kernel = ctx.kernel(f"gemv_{m.format}{'_x4' if vec else ''}", _gemv_code(m.format, vec),
-                            "r" * (len(quant.bindings(m.format)) + 1) + "w")
+        kernel = _kernel(ctx, "gemv_x4" if vec else "gemv", m.format, wide, _gemv_code(m.format, wide, vec))
     else:
-        kernel = ctx.kernel(f"gemm_{m.format}", _gemm_code(m.format), "r" * (len(quant.bindings(m.format)) + 1) + "w")
+        kernel = _kernel(ctx, "gemm", m.format, wide, _gemm_code(m.format, wide))
     for _, row, n, col, wbufs, words in m.parts():
         params = pack(T, K, N, n, row, col, x2.offset, x2.strides[0] if T > 1 else 0, *words)
         groups = wgsl.grid(-(-n // GEMV_ROWS), ctx.max_groups) if gemv else (-(-n // TILE), -(-T // TILE), 1)
@@ -234,8 +238,8 @@ def linear(x: WTensor, w) -> WTensor:
     return y.reshape(*lead, N) if x.ndim != 2 else y
 
 
-def _embedding_code(fmt: str) -> str:
-    return wgsl.header(_binds(("ids", "r", "u32"), fmt)) + quant.decoder(fmt) + f"""
+def _embedding_code(fmt: str, wide: bool) -> str:
+    return wgsl.header(_binds(("ids", "r", "u32"), fmt, wide)) + quant.decoder(fmt, wide) + f"""
 // words: 0 T, 1 H, 2 first row of this piece (in the matrix view), 3 its rows, 4 its first row in W, 8..12 the
 // format's (quant). A thread writes 8 values of a row (ld8), one at a time only in a row's last partial unit.
 @compute @workgroup_size(256)
@@ -271,8 +275,8 @@ def embedding(ids, w) -> WTensor:
     T, H = idx.size, m.cols
     y = empty(ctx, (T, H))
     ids_t = from_numpy(ctx, idx.astype(np.int32))
-    kernel = ctx.kernel("embedding_" + m.format, _embedding_code(m.format),
-                        "r" * (len(quant.bindings(m.format)) + 1) + "w")
+    wide = quant.wide(m.format, H)
+    kernel = _kernel(ctx, "embedding", m.format, wide, _embedding_code(m.format, wide))
     units = -(-H // U)
     for _, row, n, first, wbufs, words in m.parts():
         ctx.dispatch(kernel, [ids_t.buf.gpu, *wbufs, y.buf.gpu], pack(T, H, first, n, row, 0, 0, 0, *words),

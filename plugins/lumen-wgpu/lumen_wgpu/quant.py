@@ -7,6 +7,9 @@ so one shader template per op (linear's GEMV and GEMM, embedding) serves them al
   hot path: whole 32-bit words are read and a block's scales once per 8 values, not once per value.
 - ``ld1(r, k) -> f32``: one value; used only where a row's length is not a multiple of 8 (f32/f16/bf16/fp8 tails).
 
+f32, f16, bf16 and fp8 have a second, ``wide`` decoder for matrices whose every row starts on a vector boundary
+(``wide``): W is bound as vec4 (vec2 for fp8) and ld8 is one 16-byte (8-byte) load.
+
 ``K`` (values a row) is params word 1 of every kernel that reads a weight; words 8..12 are the format's (``words``):
 8 the matrix row of buffer row 0 (scales are indexed by matrix row), 9/10 log2 of the scale block's rows/columns,
 11 scale columns a scale row, 12 a global f32 scale (nvfp4).
@@ -119,25 +122,64 @@ fn ld8(r: u32, k: u32) -> V8 {
 """,
     # e4m3 bytes x an f32 scale per (block of) rows and columns: S[(row >> w9) - (row0 >> w9), col >> w10]
     "fp8": BYTES + """
+fn ld1(r: u32, k: u32) -> f32 { return e4m3(wb(r * w(1u) + k)) * sc(r, k); }
+fn ld8(r: u32, k: u32) -> V8 {
+  let e = r * w(1u) + k;
+  if ((e & 3u) == 0u) { return scaled(r, k, e4m3v(W[e >> 2u]), e4m3v(W[(e >> 2u) + 1u])); }
+  return scaled(r, k, vec4<f32>(e4m3(wb(e)), e4m3(wb(e + 1u)), e4m3(wb(e + 2u)), e4m3(wb(e + 3u))),
+                vec4<f32>(e4m3(wb(e + 4u)), e4m3(wb(e + 5u)), e4m3(wb(e + 6u)), e4m3(wb(e + 7u))));
+}
+""",
+}
+
+FP8_SCALE = """
 fn sc(r: u32, k: u32) -> f32 {
   let g0 = w(8u);
   return S[(((g0 + r) >> w(9u)) - (g0 >> w(9u))) * w(11u) + (k >> w(10u))];
 }
-fn ld1(r: u32, k: u32) -> f32 { return e4m3(wb(r * w(1u) + k)) * sc(r, k); }
-fn ld8(r: u32, k: u32) -> V8 {
-  let e = r * w(1u) + k;
-  var a: vec4<f32>; var b: vec4<f32>;
-  if ((e & 3u) == 0u) { a = e4m3v(W[e >> 2u]); b = e4m3v(W[(e >> 2u) + 1u]); }
-  else {
-    a = vec4<f32>(e4m3(wb(e)), e4m3(wb(e + 1u)), e4m3(wb(e + 2u)), e4m3(wb(e + 3u)));
-    b = vec4<f32>(e4m3(wb(e + 4u)), e4m3(wb(e + 5u)), e4m3(wb(e + 6u)), e4m3(wb(e + 7u)));
-  }
+fn scaled(r: u32, k: u32, a: vec4<f32>, b: vec4<f32>) -> V8 {
   if (w(10u) >= 3u) { let s = sc(r, k); return V8(a * s, b * s); }  // the 8 share a scale column
   return V8(a * vec4<f32>(sc(r, k), sc(r, k + 1u), sc(r, k + 2u), sc(r, k + 3u)),
             b * vec4<f32>(sc(r, k + 4u), sc(r, k + 5u), sc(r, k + 6u), sc(r, k + 7u)));
 }
+"""
+
+# Rows whose length makes every row start on a 16-byte boundary (8 bytes for fp8): W bound as vectors, so the 8
+# values of ld8 are one 16-byte load (f16, bf16; two for f32, one 8-byte load for fp8).
+_WIDE_CODE = {
+    "f32": """
+fn ld1(r: u32, k: u32) -> f32 { let e = r * w(1u) + k; return W[e >> 2u][e & 3u]; }
+fn ld8(r: u32, k: u32) -> V8 { let i = (r * w(1u) + k) >> 2u; return V8(W[i], W[i + 1u]); }
+""",
+    "f16": """
+fn ld1(r: u32, k: u32) -> f32 { let e = r * w(1u) + k; return unpack2x16float(W[e >> 3u][(e >> 1u) & 3u])[e & 1u]; }
+fn ld8(r: u32, k: u32) -> V8 {
+  let q = W[(r * w(1u) + k) >> 3u];
+  return V8(vec4<f32>(unpack2x16float(q.x), unpack2x16float(q.y)), vec4<f32>(unpack2x16float(q.z),
+            unpack2x16float(q.w)));
+}
+""",
+    "bf16": """
+fn ld1(r: u32, k: u32) -> f32 {
+  let e = r * w(1u) + k; let u = W[e >> 3u][(e >> 1u) & 3u];
+  return select(bf16_lo(u), bf16_hi(u), (e & 1u) == 1u);
+}
+fn ld8(r: u32, k: u32) -> V8 {
+  let q = W[(r * w(1u) + k) >> 3u];
+  return V8(vec4<f32>(bf16_lo(q.x), bf16_hi(q.x), bf16_lo(q.y), bf16_hi(q.y)),
+            vec4<f32>(bf16_lo(q.z), bf16_hi(q.z), bf16_lo(q.w), bf16_hi(q.w)));
+}
+""",
+    "fp8": """
+fn ld1(r: u32, k: u32) -> f32 {
+  let e = r * w(1u) + k;
+  return e4m3((W[e >> 3u][(e >> 2u) & 1u] >> ((e & 3u) * 8u)) & 255u) * sc(r, k);
+}
+fn ld8(r: u32, k: u32) -> V8 { let q = W[(r * w(1u) + k) >> 3u]; return scaled(r, k, e4m3v(q.x), e4m3v(q.y)); }
 """,
 }
+_WIDE_TYPE = {"f32": "vec4<f32>", "f16": "vec4<u32>", "bf16": "vec4<u32>", "fp8": "vec2<u32>"}
+_WIDE_VALUES = {"f32": 4, "f16": 8, "bf16": 8, "fp8": 8}  # values one vector holds
 
 _BLOCK_CODE = {
     # ModelOpt NVFP4: E2M1 pairs (low nibble first), an e4m3 scale per 16 values (S: bytes, a row of K/16 per
@@ -252,16 +294,25 @@ fn ld8(r: u32, k: u32) -> V8 {
 FORMATS = (*ELEMENT, *_BLOCK_CODE)  # every format linear and embedding read
 
 
-def decoder(fmt: str) -> str:
-    """WGSL defining ``ld8`` and ``ld1`` for ``fmt`` (after ``wgsl.header`` with ``bindings(fmt, ...)``)."""
+def wide(fmt: str, cols: int) -> bool:
+    """Whether every row of a (rows, cols) ``fmt`` matrix starts on a vector boundary (``_WIDE_CODE`` applies)."""
+    return fmt in _WIDE_VALUES and cols % _WIDE_VALUES[fmt] == 0
+
+
+def decoder(fmt: str, wide: bool = False) -> str:
+    """WGSL defining ``ld8`` and ``ld1`` for ``fmt`` (after ``wgsl.header`` with ``bindings(fmt, wide)``);
+    ``wide``: W bound as vectors (only where ``wide(fmt, K)`` holds)."""
+    code = COMMON + (FP8_SCALE if fmt == "fp8" else "")
+    if wide:
+        return code + _WIDE_CODE[fmt]
     if fmt in _ELEMENT_CODE:
-        return COMMON + _ELEMENT_CODE[fmt]
-    return COMMON + BYTES + _BLOCK_CODE[fmt]
+        return code + _ELEMENT_CODE[fmt]
+    return code + BYTES + _BLOCK_CODE[fmt]
 
 
-def bindings(fmt: str) -> list[tuple[str, str, str]]:
+def bindings(fmt: str, wide: bool = False) -> list[tuple[str, str, str]]:
     """The weight's storage bindings: W, then S (the scales) for fp8 and nvfp4."""
-    out = [("W", "r", "f32" if fmt == "f32" else "u32")]
+    out = [("W", "r", _WIDE_TYPE[fmt] if wide else "f32" if fmt == "f32" else "u32")]
     if fmt == "fp8":
         out.append(("S", "r", "f32"))
     elif fmt == "nvfp4":
