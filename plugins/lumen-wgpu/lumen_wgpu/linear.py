@@ -123,11 +123,12 @@ def _gemv_code(fmt: str, wide: bool, vec: bool) -> str:
     tail = "" if quant.tail_free(fmt) else f"""
     for (var k = KU * {U}u + lane; k < K; k += {GEMV_LANES}u) {{  // a row length that is not a multiple of 8
       let wv = ld1(rr, k);
-      for (var t = 0u; t < T; t++) {{ acc[t] += wv * xl1(xo + t * xs + k); }}
+      for (var t = 0u; t < {GEMV_MAX_T}u; t++) {{ if (t < T) {{ acc[t] += wv * xl1(xo + t * xs + k); }} }}
     }}"""
     return wgsl.header(_binds(x, fmt, wide)) + quant.decoder(fmt, wide) + _x_loaders(vec) + _WORDS + f"""
 // a workgroup: {GEMV_ROWS} rows, {GEMV_LANES} threads a row; a thread takes 8 values of the row at a time (ld8) and
-// the matching inputs of every token, so each weight byte is read once whatever T
+// the matching inputs of every token, so each weight byte is read once whatever T. Loops over tokens run to the
+// constant {GEMV_MAX_T} (guarded by T) so that compilers unroll them and keep acc in registers.
 var<workgroup> part: array<f32, {wg * GEMV_MAX_T}>;
 @compute @workgroup_size({wg})
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nw: vec3<u32>,
@@ -143,13 +144,15 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nw: vec3
     let KU = K / {U}u;
     for (var u = lane; u < KU; u += {GEMV_LANES}u) {{
       let v = ld8(rr, u * {U}u);
-      for (var t = 0u; t < T; t++) {{
-        let i = xo + t * xs + u * {U}u;
-        acc[t] += dot(v.a, xl4(i)) + dot(v.b, xl4(i + 4u));
+      for (var t = 0u; t < {GEMV_MAX_T}u; t++) {{
+        if (t < T) {{
+          let i = xo + t * xs + u * {U}u;
+          acc[t] += dot(v.a, xl4(i)) + dot(v.b, xl4(i + 4u));
+        }}
       }}
     }}{tail}
   }}
-  for (var t = 0u; t < T; t++) {{ part[t * {wg}u + lid] = acc[t]; }}
+  for (var t = 0u; t < {GEMV_MAX_T}u; t++) {{ if (t < T) {{ part[t * {wg}u + lid] = acc[t]; }} }}
   workgroupBarrier();
   for (var s = {GEMV_LANES // 2}u; s > 0u; s >>= 1u) {{
     if (lane < s) {{
