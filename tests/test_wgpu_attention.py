@@ -256,3 +256,52 @@ def test_rows_read_and_written_from_the_host(pair, kv):
 def test_table_rows(pair):
     names = {name for name, _, variant in wattn.table()}
     assert names == {"kv_cache", "sliding_kv_cache", "attention", "attention_shared", "bidirectional_attention"}
+
+
+# -- captured decode steps ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("ring", "window"), [(False, None), (False, 50), (True, 8)])
+def test_a_captured_decode_step_replays_at_later_positions(pair, monkeypatch, ring, window):
+    """The runner's capture of one decode step predicts the next exactly (only params move with the position,
+    split-K layout included), and replaying it at later positions gives the CPU's numbers."""
+    from lumen_wgpu.runner import mismatch
+    from lumen_wgpu.tensor import elementwise
+
+    gpu, cpu = pair
+    monkeypatch.setattr(wattn, "SPLIT_MIN_KEYS", 32)  # several splits as the keys grow past 32, 64, ...
+    rng = np.random.default_rng(15)
+    hq, hkv, d, n0 = 4, 2, 32, 40
+    make = (lambda a, b: a.ops.sliding_kv_cache(window, hkv, d)) if ring else (lambda a, b: a.ops.kv_cache(200, hkv, d))
+    caches = make(cpu, 0), make(gpu, 1)
+    run_sequence(pair, caches, (n0,), hq, hkv, d, window, 2.0, seed=16)
+    step = [gpu.tensor(np.zeros((1, h, d), np.float32)) for h in (hq, hkv, hkv)]  # the step's input buffers
+    ctx = gpu.ctx
+
+    def feed():
+        host = [rand(rng, 1, h, d) for h in (hq, hkv, hkv)]
+        for t, x in zip(step, host, strict=True):
+            elementwise("a", [gpu.tensor(x)], out=t)
+        return host
+
+    def want(pos, host):
+        q, k, v = host
+        return (cpu.ops.attention(q, k, v, caches[0], pos, 0.3, window, 2.0),
+                cpu.ops.attention_shared(q, caches[0], pos, 0.3, window, 2.0))
+
+    captures, outs = [], None
+    for pos in (n0, n0 + 1):
+        host = feed()
+        ctx.begin_capture()
+        got = (gpu.ops.attention(*step, caches[1], pos, 0.3, window, 2.0),
+               gpu.ops.attention_shared(step[0], caches[1], pos, 0.3, window, 2.0))
+        captures.append(ctx.end_capture())
+        outs = outs or got
+        for g, w in zip(got, want(pos, host), strict=True):
+            close(g, w, TOL)
+    assert mismatch(captures[0], captures[1], {"delta": 1, "token": 0}) is None
+    ctx.release(captures[1])
+    for pos in range(n0 + 2, n0 + 90, 7):
+        host = feed()
+        ctx.replay(captures[0], {"delta": pos - n0, "token": 0})
+        for g, w in zip(outs, want(pos, host), strict=True):
+            close(g, w, TOL)
+    ctx.release(captures[0])

@@ -238,26 +238,25 @@ def attention(q, k, v, cache, start: int, scale: float, window: int | None = Non
               blocks=None):
     """q (T, Hq, D), k (T, Hkv, D), v (T, Hkv, Dv) at start..start+T-1 -> (T, Hq, Dv); writes k, v first."""
     T = q.shape[0]
-    end = start + T
     _check_window(window)
     if isinstance(cache, RingKVCache):
         keys = _ring_update(cache, k, v, start, window)
     else:
-        if end > cache.capacity:
-            raise ValueError(f"positions {start}..{end - 1} do not fit a KV cache of {cache.capacity}")
+        if start + T > cache.capacity:
+            raise ValueError(f"positions {start}..{start + T - 1} do not fit a KV cache of {cache.capacity}")
         _store(k, cache.k, 0, start, cache.capacity)
         _store(v, cache.v, 0, start, cache.capacity)
-        keys = _Keys(cache.k, cache.v, 0, cache.capacity, 0, end)
-    lo = 0 if window is None else max(0, start - window + 1)
-    return _attend(q, keys, start, lo, end, scale, window, softcap, blocks)
+        keys = _Keys(cache.k, cache.v, 0, cache.capacity, 0, start + T)
+    return _attend(q, keys, start, _span(T, window), _max_keys(cache, keys, T, window), scale, window, softcap,
+                   blocks)
 
 
 def attention_shared(q, cache, start: int, scale: float, window: int | None = None, softcap: float | None = None,
                      blocks=None):
     """q (T, Hq, D) at start..start+T-1 over keys another layer wrote this call -> (T, Hq, Dv)."""
-    end = start + q.shape[0]
+    T = q.shape[0]
     _check_window(window)
-    lo = 0 if window is None else max(0, start - window + 1)
+    lo, end = _span(T, window)(start)
     if isinstance(cache, RingKVCache):
         keys = cache.recent
         if keys is None or lo < keys.first or end > keys.end:
@@ -266,7 +265,8 @@ def attention_shared(q, cache, start: int, scale: float, window: int | None = No
         if end > cache.capacity:
             raise ValueError(f"positions {start}..{end - 1} do not fit a KV cache of {cache.capacity}")
         keys = _Keys(cache.k, cache.v, 0, cache.capacity, 0, end)
-    return _attend(q, keys, start, lo, end, scale, window, softcap, blocks)
+    return _attend(q, keys, start, _span(T, window), _max_keys(cache, keys, T, window), scale, window, softcap,
+                   blocks)
 
 
 def bidirectional_attention(q, k, v, scale: float):
@@ -274,7 +274,19 @@ def bidirectional_attention(q, k, v, scale: float):
     Dv)."""
     S = k.shape[0]
     keys = _Keys(KVArray.view(k), KVArray.view(v), 0, max(1, S), 0, S)
-    return _attend(q, keys, 0, 0, S, scale, None, None, None, causal=False)
+    return _attend(q, keys, 0, lambda at: (0, S), S, scale, None, None, None, causal=False)
+
+
+def _span(T: int, window: int | None):
+    """position of the first query -> the keys [lo, end) a call reads."""
+    return lambda at: (0 if window is None else max(0, at - window + 1), at + T)
+
+
+def _max_keys(cache, keys: _Keys, T: int, window: int | None) -> int:
+    """The most keys a call of T queries reads from ``keys`` at any position (see ``_attend``)."""
+    if keys.mod != cache.capacity:  # a ring's gathered buffer: this call's keys exactly
+        return keys.end - keys.first
+    return cache.capacity if window is None else min(cache.capacity, window + T - 1)
 
 
 def table():
@@ -398,7 +410,8 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nw: vec3
 
 
 def _store(x: WTensor, dst: KVArray, src_row: int, dst_row: int, dst_rows: int) -> None:
-    """Rows src_row.. of x (T, heads, dim), any strides, into dst rows dst_row.. (mod dst_rows), encoded."""
+    """Rows src_row.. of x (T, heads, dim), any strides, into dst rows dst_row.. (mod dst_rows), encoded. In a
+    captured decode step the destination row moves with the position (``dynamic``)."""
     rows = x.shape[0] - src_row
     if rows <= 0:
         return
@@ -411,9 +424,14 @@ def _store(x: WTensor, dst: KVArray, src_row: int, dst_row: int, dst_rows: int) 
     st, sh, sd = x.strides
     for p in dst.parts:
         n = (p.h1 - p.h0) * rows * words
-        params = pack(n, words, rows, p.h1 - p.h0, x.offset + src_row * st, st, sh, sd, p.h0, p.offset // per,
-                      p.hs // per, p.rs // per, dst_row % dst_rows, dst_rows, 0)
-        ctx.dispatch(kernel, [x.buf.gpu, p.gpu], params, wgsl.grid(-(-n // WG), ctx.max_groups))
+        groups = wgsl.grid(-(-n // WG), ctx.max_groups)
+
+        def params(row, p=p, n=n, groups=groups):
+            return pack(n, words, rows, p.h1 - p.h0, x.offset + src_row * st, st, sh, sd, p.h0, p.offset // per,
+                        p.hs // per, p.rs // per, row % dst_rows, dst_rows, 0), groups
+
+        ctx.dispatch(kernel, [x.buf.gpu, p.gpu], *params(dst_row),
+                     dynamic=lambda inputs, params=params: params(dst_row + inputs["delta"]))
 
 
 def _copy_rows(ctx, src_gpu, src_heads: tuple[int, int], src_off: int, src_hs: int, src_rs: int,
@@ -450,7 +468,7 @@ def _attend_code(kind_k: str, kind_v: str, dvpt: int) -> str:
         _DECODE[kind_v].format(n="v", B="V") + f"""
 // words: 0 T, 1 Hq, 2 G (query heads a KV head), 3 D, 4 Dv, 5 start (position of query 0), 6 lo, 7 end (keys
 // [lo, end)), 8 window (0: none), 9 scale, 10 softcap (0: none), 11 flags (1: BLK holds each query's block end,
-// 2: not causal), 12 q offset, 13..15 q strides (token, head, dim), 16 k offset, 17 k head stride, 18 k row stride,
+// 2: not causal, 4: write partials for the combine kernel), 12 q offset, 13..15 q strides (token, head, dim), 16 k offset, 17 k head stride, 18 k row stride,
 // 19 first head of the k buffer, 20..23 the same for v, 24 p0, 25 rows mod (key j at row (j - p0) % mod),
 // 26 nsplit, 27 keys a split, 28 first KV head of this dispatch, 29 rows (G * T)
 // grid: x row tiles of {BQ}, y KV heads, z splits. Rows r = t * G + g: query head h * G + g of token t.
@@ -567,7 +585,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     }}
     workgroupBarrier();
   }}
-  let single = w(26u) == 1u;
+  let single = (flags & 4u) == 0u;
   let R = T * Hq;
   for (var rr = 0u; rr < BQ; rr++) {{
     let r = r0 + rr;
@@ -623,9 +641,13 @@ def _block_ends(blocks, start: int, T: int) -> np.ndarray:
     return out
 
 
-def _attend(q: WTensor, keys: _Keys, start: int, lo: int, end: int, scale: float, window, softcap, blocks,
+def _attend(q: WTensor, keys: _Keys, start: int, span, max_keys: int, scale: float, window, softcap, blocks,
             causal: bool = True) -> WTensor:
-    """q (T, Hq, D) at positions start.. over the keys [lo, end) of ``keys`` -> (T, Hq, Dv)."""
+    """q (T, Hq, D) at positions start.. over the keys [lo, end) = ``span(start)`` of ``keys`` -> (T, Hq, Dv).
+
+    ``max_keys`` bounds end - lo for every position this cache can serve: the split-K layout (keys a split,
+    whether partials are combined, their buffer) is chosen from it, not from this call's key count, so a captured
+    decode step keeps its dispatches and buffers as the position moves and only the params change (``dynamic``)."""
     ctx = q.ctx
     T, Hq, D = q.shape
     Hkv, _, Dk = keys.k.shape
@@ -634,8 +656,7 @@ def _attend(q: WTensor, keys: _Keys, start: int, lo: int, end: int, scale: float
         raise ValueError(f"attention: queries {q.shape} do not fit keys of {Hkv} heads x {Dk} dims")
     G = Hq // Hkv
     out = empty(ctx, (T, Hq, Dv))
-    S = end - lo
-    if T == 0 or S <= 0:
+    if T == 0 or max_keys <= 0:
         return out
     flags = 0 if causal else 2
     blk = q.buf
@@ -645,28 +666,41 @@ def _attend(q: WTensor, keys: _Keys, start: int, lo: int, end: int, scale: float
     rows = G * T
     tiles = -(-rows // BQ)
     want = -(-TARGET_GROUPS // (tiles * Hkv))
-    chunk = -(-max(SPLIT_MIN_KEYS, -(-S // want)) // BK) * BK
-    nsplit = -(-S // chunk)
+    chunk = -(-max(SPLIT_MIN_KEYS, -(-max_keys // want)) // BK) * BK
+    most = -(-max_keys // chunk)  # splits at the longest
     dvpt = -(-Dv // WG)
     kernel = ctx.kernel(f"attend_{keys.k.kind}_{keys.v.kind}_{dvpt}", _attend_code(keys.k.kind, keys.v.kind, dvpt),
                         "rrrrww")
-    if nsplit > 1:
-        part = ctx.alloc(4 * nsplit * T * Hq * Dv)
-        ml = ctx.alloc(8 * nsplit * T * Hq)
+    if most > 1:
+        flags |= 4
+        part = ctx.alloc(4 * most * T * Hq * Dv)
+        ml = ctx.alloc(8 * most * T * Hq)
         dst = part.gpu
     else:
         ml = ctx.alloc(16)  # unwritten; a buffer of its own (a writable binding may alias no other)
         dst = out.buf.gpu
-    qd = q.strides
+
+    def splits(at):
+        lo, end = span(at)
+        return lo, end, max(1, -(-(end - lo) // chunk)) if most > 1 else 1
+
     for h0, h1, kp, vp in _head_spans(keys.k, keys.v):
-        params = pack(T, Hq, G, D, Dv, start, lo, end, window or 0, float(scale), float(softcap or 0.0), flags,
-                      q.offset, *qd, kp.offset, kp.hs, kp.rs, kp.h0, vp.offset, vp.hs, vp.rs, vp.h0,
-                      keys.p0, keys.mod, nsplit, chunk, h0, rows)
-        ctx.dispatch(kernel, [q.buf.gpu, kp.gpu, vp.gpu, blk.gpu, dst, ml.gpu], params, (tiles, h1 - h0, nsplit))
-    if nsplit > 1:
-        n = T * Hq * Dv
-        ctx.dispatch(ctx.kernel("attend_combine", _COMBINE, "rrw"), [part.gpu, ml.gpu, out.buf.gpu],
-                     pack(T * Hq, Dv, nsplit), wgsl.grid(-(-n // WG), ctx.max_groups))
+        def params(at, h0=h0, h1=h1, kp=kp, vp=vp):
+            lo, end, nsplit = splits(at)
+            return pack(T, Hq, G, D, Dv, at, lo, end, window or 0, float(scale), float(softcap or 0.0), flags,
+                        q.offset, *q.strides, kp.offset, kp.hs, kp.rs, kp.h0, vp.offset, vp.hs, vp.rs, vp.h0,
+                        keys.p0, keys.mod, nsplit, chunk, h0, rows), (tiles, h1 - h0, nsplit)
+
+        ctx.dispatch(kernel, [q.buf.gpu, kp.gpu, vp.gpu, blk.gpu, dst, ml.gpu], *params(start),
+                     dynamic=lambda inputs, params=params: params(start + inputs["delta"]))
+    if most > 1:
+        groups = wgsl.grid(-(-T * Hq * Dv // WG), ctx.max_groups)
+
+        def combine(at):
+            return pack(T * Hq, Dv, splits(at)[2]), groups
+
+        ctx.dispatch(ctx.kernel("attend_combine", _COMBINE, "rrw"), [part.gpu, ml.gpu, out.buf.gpu], *combine(start),
+                     dynamic=lambda inputs: combine(start + inputs["delta"]))
     return out
 
 
