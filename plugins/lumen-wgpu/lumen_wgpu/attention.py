@@ -40,6 +40,8 @@ BQ, BK, DC = 16, 32, 32  # query rows a workgroup, keys a tile, dims a score chu
 WG = 256
 SPLIT_MIN_KEYS = 128  # split-K: at least this many keys a split
 TARGET_GROUPS = 128  # split-K when fewer workgroups than this would run
+MAX_SPLITS = 256  # split-K: at most this many splits ...
+PARTIAL_BYTES = 16 << 20  # ... and their partial outputs in at most this many bytes
 
 
 # -- the KV arrays --------------------------------------------------------------------------------------------
@@ -468,14 +470,17 @@ def _attend_code(kind_k: str, kind_v: str, dvpt: int) -> str:
         _DECODE[kind_v].format(n="v", B="V") + f"""
 // words: 0 T, 1 Hq, 2 G (query heads a KV head), 3 D, 4 Dv, 5 start (position of query 0), 6 lo, 7 end (keys
 // [lo, end)), 8 window (0: none), 9 scale, 10 softcap (0: none), 11 flags (1: BLK holds each query's block end,
-// 2: not causal, 4: write partials for the combine kernel), 12 q offset, 13..15 q strides (token, head, dim), 16 k offset, 17 k head stride, 18 k row stride,
-// 19 first head of the k buffer, 20..23 the same for v, 24 p0, 25 rows mod (key j at row (j - p0) % mod),
-// 26 nsplit, 27 keys a split, 28 first KV head of this dispatch, 29 rows (G * T)
+// 2: not causal, 4: write partials for the combine kernel), 12 q offset, 13..15 q strides (token, head, dim),
+// 16 k offset, 17 k head stride, 18 k row stride, 19 first head of the k buffer, 20..23 the same for v, 24 p0,
+// 25 rows mod (key j at row (j - p0) % mod), 26 nsplit, 27 keys a split, 28 first KV head of this dispatch,
+// 29 rows (G * T)
 // grid: x row tiles of {BQ}, y KV heads, z splits. Rows r = t * G + g: query head h * G + g of token t.
 const BQ = {BQ}u; const BK = {BK}u; const DC = {DC}u; const KP = {DC + 1}u; const NEG = -3.0e38;
 var<workgroup> qs: array<f32, {BQ * DC}>;
 var<workgroup> ks: array<f32, {BK * (DC + 1)}>;
 var<workgroup> ss: array<f32, {BQ * BK}>;
+var<workgroup> red: array<f32, {WG}>;
+var<workgroup> red2: array<f32, {WG}>;
 var<workgroup> rm: array<f32, {BQ}>;
 var<workgroup> rl: array<f32, {BQ}>;
 var<workgroup> ra: array<f32, {BQ}>;
@@ -549,27 +554,27 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
       }}
       workgroupBarrier();
     }}
-    for (var i = 0u; i < 2u; i++) {{
-      let kc = sk + i * 16u; let j = kt + kc;
-      var s = select(s0, s1, i == 1u) * scale;
-      if (cap > 0.0) {{ s = tanh_f(s / cap) * cap; }}
-      ss[sq * BK + kc] = select(NEG, s, j >= rlo[sq] && j < rhi[sq]);
-    }}
+    // online softmax: the 16 threads of a row hold its 32 scores (2 each); the row's max and sum go through red
+    let ja = kt + sk; let jb = ja + 16u;
+    var sa = s0 * scale; var sb = s1 * scale;
+    if (cap > 0.0) {{ sa = tanh_f(sa / cap) * cap; sb = tanh_f(sb / cap) * cap; }}
+    sa = select(NEG, sa, ja >= rlo[sq] && ja < rhi[sq]);
+    sb = select(NEG, sb, jb >= rlo[sq] && jb < rhi[sq]);
+    red[lid] = max(sa, sb);
     workgroupBarrier();
-    // online softmax, one thread a row: rescale by alpha, scores become probabilities
-    if (lid < BQ) {{
-      let mo = rm[lid];
-      var mx = mo;
-      for (var j = 0u; j < BK; j++) {{ mx = max(mx, ss[lid * BK + j]); }}
-      let alpha = exp(mo - mx);
+    let mo = rm[sq];
+    var mx = mo;
+    for (var i = 0u; i < 16u; i++) {{ mx = max(mx, red[sq * 16u + i]); }}
+    let pa = select(0.0, exp(sa - mx), sa > -1.0e38);
+    let pb = select(0.0, exp(sb - mx), sb > -1.0e38);
+    ss[sq * BK + sk] = pa; ss[sq * BK + sk + 16u] = pb;
+    red2[lid] = pa + pb;
+    workgroupBarrier();
+    if (sk == 0u) {{  // rescale the row's running sum (and, below, its outputs) by alpha
       var sum = 0.0;
-      for (var j = 0u; j < BK; j++) {{
-        let s = ss[lid * BK + j];
-        let p = select(0.0, exp(s - mx), s > -1.0e38);
-        ss[lid * BK + j] = p;
-        sum += p;
-      }}
-      rl[lid] = rl[lid] * alpha + sum; rm[lid] = mx; ra[lid] = alpha;
+      for (var i = 0u; i < 16u; i++) {{ sum += red2[sq * 16u + i]; }}
+      let alpha = exp(mo - mx);
+      rl[sq] = rl[sq] * alpha + sum; rm[sq] = mx; ra[sq] = alpha;
     }}
     workgroupBarrier();
     let nk = min(BK, kend - kt);
@@ -665,8 +670,11 @@ def _attend(q: WTensor, keys: _Keys, start: int, span, max_keys: int, scale: flo
         blk = ctx.upload(_block_ends(blocks, start, T))
     rows = G * T
     tiles = -(-rows // BQ)
-    want = -(-TARGET_GROUPS // (tiles * Hkv))
-    chunk = -(-max(SPLIT_MIN_KEYS, -(-max_keys // want)) // BK) * BK
+    if tiles * Hkv >= TARGET_GROUPS:  # enough workgroups (a prefill): no split
+        chunk = max_keys
+    else:  # keys a split fixed for the cache, so the splits grow with the context (their partials' buffer bounded)
+        room = max(1, min(MAX_SPLITS, PARTIAL_BYTES // (4 * T * Hq * Dv)))
+        chunk = -(-max(SPLIT_MIN_KEYS, -(-max_keys // room)) // BK) * BK
     most = -(-max_keys // chunk)  # splits at the longest
     dvpt = -(-Dv // WG)
     kernel = ctx.kernel(f"attend_{keys.k.kind}_{keys.v.kind}_{dvpt}", _attend_code(keys.k.kind, keys.v.kind, dvpt),
