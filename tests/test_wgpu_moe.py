@@ -5,8 +5,8 @@ read-back would break the one-command-buffer decode step), which the tests check
 weights are the same f32 or bf16 values on both sides (ml_dtypes arrays through each backend's ``weight``), so the
 tolerance is f32's: 1e-5 relative. Covered: T = 1 and 5 (the GEMV path) and 80 (the tiled path), E = 8 and 4 with
 k = 2, both activations, odd sizes (16-bit rows that straddle words when packed), Gemma's GGUF row views as
-(gate, up), experts split over several storage bindings, and the per-expert matrices reading from the packed
-buffers afterwards.
+(gate, up), experts split over several storage bindings, the per-expert matrices reading from the packed buffers
+afterwards, and the GGUF block formats kept as stored (per expert, as row views and packed).
 """
 
 from __future__ import annotations
@@ -163,3 +163,58 @@ def test_moe_experts_refuse_what_they_cannot_compute(wgpu_pair):
     mixed = [pairs[0], (pairs[1][0], wg.weight(gu[1][4:].astype(np.float16), "f16", "vram"))]
     with pytest.raises(NotImplementedError, match="one format"):
         wg.ops.moe_experts(x, ids, w, mixed, down, "silu")
+    fp8 = [tuple(wg.weight(a.astype(ml_dtypes.float8_e4m3fn), "fp8", "vram") for a in (g[:4], g[4:])) for g in gu]
+    fp8_down = [wg.weight(d.astype(ml_dtypes.float8_e4m3fn), "fp8", "vram") for d in dn]
+    with pytest.raises(NotImplementedError, match="not 'fp8'"):
+        wg.ops.moe_experts(x, ids, w, fp8, fp8_down, "silu")
+
+
+GGUF_F16_FIELDS = {"q8_0": (0,), "q4_0": (0,), "q5_0": (0,), "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,)}
+
+
+def gguf_rows(rng, fmt, rows, cols):
+    """Random raw GGUF blocks (rows, bytes a row) with sane f16 scales (every payload code occurs)."""
+    from lumen_wgpu.quant import gguf_block
+
+    values, size = gguf_block(fmt)
+    blocks = rng.integers(0, 256, size=(rows * cols // values, size), dtype=np.uint8)
+    for off in GGUF_F16_FIELDS[fmt]:
+        d = (rng.uniform(1e-3, 2e-2, size=len(blocks)) * rng.choice([-1, 1], size=len(blocks))).astype(np.float16)
+        blocks[:, off:off + 2] = d.view(np.uint8).reshape(-1, 2)
+    return blocks.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("fmt", list(GGUF_F16_FIELDS))
+def test_moe_experts_read_gguf_blocks_as_stored(wgpu_pair, fmt):
+    """GGUF experts stay blocks on wgpu: per expert as whole (gate, up) matrices, as Gemma's row views of one
+    (2I, H) matrix, and packed (E, 2I, H) / (E, H, I) — all against the CPU's per-expert reference (its fused GGUF
+    linear decodes the same blocks)."""
+    wg, cpu = wgpu_pair
+    E, k = 4, 2
+    H, I = (256, 256) if fmt.endswith("_k") else (64, 96)  # noqa: E741 (rows of whole blocks)
+    rng = np.random.default_rng(sum(map(ord, fmt)))
+    gu = [gguf_rows(rng, fmt, 2 * I, H) for _ in range(E)]
+    dn = [gguf_rows(rng, fmt, H, I) for _ in range(E)]
+
+    def pairs(backend, store):
+        out = []
+        for g in gu:
+            half = g.shape[0] // 2
+            out.append(tuple(backend.weight(np.ascontiguousarray(h), fmt, store, shape=(I, H))
+                             for h in (g[:half], g[half:])))
+        return out
+
+    w_pairs, c_pairs = pairs(wg, "vram"), pairs(cpu, "ram")
+    w_down = [wg.weight(d, fmt, "vram", shape=(H, I)) for d in dn]
+    c_down = [cpu.weight(d, fmt, "ram", shape=(H, I)) for d in dn]
+    whole = [wg.weight(g, fmt, "vram", shape=(2 * I, H)) for g in gu]
+    w_views = [tuple(replace(w, data=w.data[a:b], shape=(I, H)) for a, b in ((0, I), (I, 2 * I))) for w in whole]
+    w_down2 = [wg.weight(d, fmt, "vram", shape=(H, I)) for d in dn]
+    w_packed = (wg.weight(np.stack(gu), fmt, "vram", shape=(E, 2 * I, H)),
+                wg.weight(np.stack(dn), fmt, "vram", shape=(E, H, I)))
+    for T in (1, 80):
+        w_in, c_in = routed(wg, cpu, rng, T, E, k, H)
+        want = cpu.ops.moe_experts(*c_in, c_pairs, c_down, "silu")
+        close(no_submit(wg, wg.ops.moe_experts, *w_in, w_pairs, w_down, "silu"), want)
+        close(no_submit(wg, wg.ops.moe_experts, *w_in, w_views, w_down2, "silu"), want)
+        close(no_submit(wg, wg.ops.moe_experts_packed, *w_in, *w_packed, "silu"), want)
