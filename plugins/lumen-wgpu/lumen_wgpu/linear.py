@@ -277,7 +277,9 @@ def embedding(ids, w) -> WTensor:
                          f"the table's {m.rows} rows")
     T, H = idx.size, m.cols
     y = empty(ctx, (T, H))
-    ids_t = from_numpy(ctx, idx.astype(np.int32))
+    # a captured decode step (device.Capture) embeds each later step's token: the one id is that token
+    token = (lambda inputs: np.array([inputs["token"]], np.int32).tobytes()) if T == 1 else None
+    ids_t = from_numpy(ctx, idx.astype(np.int32), dynamic=token)
     wide = quant.wide(m.format, H)
     kernel = _kernel(ctx, "embedding", m.format, wide, _embedding_code(m.format, wide))
     units = -(-H // U)
