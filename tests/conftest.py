@@ -10,6 +10,14 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# Triton (which transformers imports) carries its own LLVM; loading it after lavapipe (Mesa's Vulkan CPU driver, which
+# links the system's LLVM) crashes the process. Any test may start lavapipe (the wgpu tests, `lumen plugins` listing
+# devices), so Triton is loaded first. Users never load both: torch and transformers are test-only.
+try:
+    import triton  # noqa: F401
+except ImportError:
+    pass
+
 
 def _load_script():
     spec = importlib.util.spec_from_file_location("make_tiny_checkpoint", ROOT / "scripts" / "make_tiny_checkpoint.py")
