@@ -218,3 +218,10 @@ def test_moe_experts_read_gguf_blocks_as_stored(wgpu_pair, fmt):
         close(no_submit(wg, wg.ops.moe_experts, *w_in, w_pairs, w_down, "silu"), want)
         close(no_submit(wg, wg.ops.moe_experts, *w_in, w_views, w_down2, "silu"), want)
         close(no_submit(wg, wg.ops.moe_experts_packed, *w_in, *w_packed, "silu"), want)
+    # the experts' own matrices now read the packed buffers (whole matrices and row views alike)
+    assert w_pairs[1][1].data.chunks[0][0] is w_pairs[0][0]._wgpu_experts[1].gate_up[0].buf
+    assert whole[2].data.chunks[0][0] is w_views[0][0]._wgpu_experts[1].gate_up[0].buf
+    x, h = rng.standard_normal((3, H)).astype(np.float32), rng.standard_normal((3, I)).astype(np.float32)
+    for w in (w_pairs[1][1], w_views[2][1]):
+        close(wg.ops.linear(wg.tensor(x), w), cpu.ops.linear(x, c_pairs[1 if w is w_pairs[1][1] else 2][1]))
+    close(wg.ops.linear(wg.tensor(h), w_down2[3]), cpu.ops.linear(h, c_down[3]))
