@@ -300,7 +300,7 @@ def _rebase(views, buf, row: int) -> bool:
     them). Checked through ``pieces``; put back as it was on any disagreement."""
     chunks = views[0].chunks
     n = _whole(chunks)
-    if n < 0:
+    if n < 0 or any(getattr(v, "scale_bufs", None) for v in views):  # scales are found by a chunk's first row
         return False
     old = list(chunks)
     chunks[:] = [(buf, -row, row + n) + (None,) * (len(old[0]) - 3)]
