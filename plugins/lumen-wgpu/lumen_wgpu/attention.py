@@ -12,7 +12,12 @@ One kernel computes every attention (``_attend_code``): a workgroup takes 16 que
 32 with an online softmax (scores Q·Kᵀ through workgroup memory in chunks of 32 dims, then P·V with each thread
 owning output dims). A row's visible keys form one interval (causal, window, ``blocks``), so tiles outside every
 row's interval are skipped. When few workgroups would run (decode), the keys are split over ``nsplit``
-workgroups per row tile and a second kernel combines their partial softmaxes (split-K).
+workgroups per row tile and a second kernel combines their partial softmaxes (split-K); the keys a split are fixed
+per cache, so the splits grow with the context.
+
+Captured decode steps (runner.py): every dispatch whose params depend on the position (the cache row written,
+the keys read, the number of splits) passes ``dynamic``, a function of the step's position delta, and nothing
+else about the step changes with the position (same dispatches, same buffers).
 
 Ring caches and KV sharing. A call whose keys all fit the ring (decode, short chunks) writes its new entries
 into the ring and attends over the ring in place. A longer call (a prefill past the window) first gathers the
