@@ -98,17 +98,22 @@ def test_model_on_wgpu_equals_cpu(model_pair):
 
 
 @pytest.mark.wgpu
-def test_generation_through_the_runner_is_one_submit_a_token(model_pair):
-    """The engine's decode runner: greedy tokens equal the CPU's, each decode step is one command buffer (one
-    submit), and only the token comes back."""
+def test_generation_through_the_runner_replays_one_submit_a_token(model_pair):
+    """The engine's decode runner: greedy tokens equal the CPU's; the first decode step is captured, the second
+    captured again and checked against the first's prediction, every later one replayed from the capture; each
+    step is one command buffer (one submit) and only the token comes back."""
     _, path, ids, _ = model_pair
     ref, on_gpu = engine(path, "cpu", "ram"), engine(path, "wgpu:0", "vram")
-    assert on_gpu.decode_runner()
-    want = list(ref.generate_tokens(ids, DECODE_STEPS))
+    runner = on_gpu.decode_runner()
+    assert runner
+    for e in (ref, on_gpu):  # random weights: an early EOS would leave nothing to replay
+        e._eos = set
+    want = list(ref.generate_tokens(ids, 3 * DECODE_STEPS))
     ctx = on_gpu.backends[("output-layer", None)].ctx
     before = ctx.submits
-    got = list(on_gpu.generate_tokens(ids, DECODE_STEPS))
+    got = list(on_gpu.generate_tokens(ids, 3 * DECODE_STEPS))
     assert got == want
+    assert runner.failed is None and runner.replayed == len(got) - 3
     # the prefill: one submit for the logits row the engine checks and one for its argmax; then one a step
     assert ctx.submits - before <= 2 + (len(got) - 1)
 
