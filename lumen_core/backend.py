@@ -72,6 +72,8 @@ class Backend(ABC):
     graph_guests: tuple[str, ...] = ()
     # kernels compiled on first use (numba): the engine runs one short forward while loading (`Engine.warm_up`)
     compiles_on_first_use: bool = False
+    # its cache states can be saved to and restored from host arrays by lumen_core.prefix_cache (numpy / CuPy arrays)
+    prefix_cache: bool = True
 
     def __init__(self, device: str, registry):
         self.device = device

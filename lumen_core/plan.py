@@ -321,6 +321,13 @@ def make_plan(config, arch: Architecture, ckpt, registry) -> tuple[Plan, dict]:
             placement_notes.append(f"{device}: weights converted on load ({pairs}): this backend has no kernel that "
                                    "reads them as stored; the plan counts the converted bytes")
     if kv.prefix_cache_mb:  # snapshots of earlier prompts' caches, in host RAM (lumen_core.prefix_cache)
+        lacking = sorted({p.backend for p in placements.values()
+                          if not registry.backend_class(p.backend).prefix_cache})
+        if lacking:
+            err = PlanError(f"kv-cache.prefix-cache-mb is {kv.prefix_cache_mb:g} but the prefix cache cannot save the "
+                            f"caches of the {', '.join(lacking)} backend yet")
+            err.fix = "remove kv-cache.prefix-cache-mb (or --prefix-cache-mb), or place the layers on cpu / cuda:N"
+            raise err
         plan.entries.append(PlanEntry("prefix cache", "cpu", "cpu", "ram", "-", int(kv.prefix_cache_mb * 1e6),
                                       kind="cache"))
     if kv.sequences > 1:

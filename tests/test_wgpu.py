@@ -213,3 +213,34 @@ def test_real_gemma3_gguf_generates_the_cpus_greedy_tokens(gpu):
     ref, on_gpu = load("cpu", "ram"), load("wgpu:0", "vram")
     ids = ref.encode("The capital of France is")
     assert list(on_gpu.generate_tokens(ids, 24)) == list(ref.generate_tokens(ids, 24))
+
+
+@pytest.mark.wgpu
+@pytest.mark.parametrize("kv", ["f16", "bf16", "fp8"])
+def test_narrow_kv_cache_model_on_wgpu_equals_cpu(kv, tiny_checkpoint, gpu):
+    """A KV cache of f16 / bf16 / fp8 (E4M3): entries are rounded on write exactly as the CPU rounds them (to nearest
+    even), from f32 values that differ by the backends' sum order, so a value at a rounding boundary can land one
+    step apart: tolerance 1e-2 x max(1, max |logit|) for fp8, 1e-3 for f16/bf16; greedy tokens equal."""
+    path = tiny_checkpoint("gemma3")
+    cfg = {"context-size": CONTEXT, "type-k": kv, "type-v": kv}
+
+    def load(compute, store):
+        return lumen.load({"model": {"path": str(path), "compute": compute, "store": store,
+                                     "hidden-layers": {"kv-cache": cfg}}}, progress=False)
+
+    ref, on_gpu = load("cpu", "ram"), load("wgpu:0", "vram")
+    ids = np.random.RandomState(3).randint(3, ref.model.vocab_size, 40).tolist()
+    want, got = run(ref.model, ids), run(on_gpu.model, ids)
+    tol = 1e-2 if kv == "fp8" else 1e-3
+    close(got[0], want[0], tol), close(got[2], want[2], tol)
+    assert got[1] == want[1]
+
+
+@pytest.mark.wgpu
+def test_prefix_cache_is_refused_by_name_on_wgpu(tiny_checkpoint, gpu):
+    from lumen_core.errors import PlanError
+
+    with pytest.raises(PlanError) as exc:
+        lumen.load({"model": {"path": str(tiny_checkpoint("gemma3")), "compute": "wgpu:0", "store": "vram",
+                              "hidden-layers": {"kv-cache": {"prefix-cache-mb": 64}}}}, progress=False)
+    assert "prefix-cache-mb" in str(exc.value) and "wgpu" in str(exc.value)

@@ -29,8 +29,9 @@ NATIVE = quant.FORMATS
 class WGPUBackend(Backend):
     name = "wgpu"
     stores = ("vram",)
-    kv_types = ("f32",)
+    kv_types = ("f32", "f16", "bf16", "fp8")  # fp8: E4M3 bytes, rounded on write as the CPU rounds (attention.py)
     kv_stores = ("vram",)
+    prefix_cache = False  # its caches (KVArray, WTensor states) have no host save/restore for lumen_core.prefix_cache
 
     @classmethod
     def devices(cls) -> list[DeviceInfo]:
