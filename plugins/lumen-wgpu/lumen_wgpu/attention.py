@@ -531,6 +531,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
   let kbeg = workgroupUniformLoad(&kbeg_s);
   let kend = workgroupUniformLoad(&kend_s);
   let sq = lid / 16u; let sk = lid % 16u;
+  let live = r0 + sq < rows;
   var acc: array<f32, {acc}>;
   for (var i = 0u; i < {acc}u; i++) {{ acc[i] = 0.0; }}
   for (var kt = kbeg; kt < kend; kt += BK) {{
@@ -552,10 +553,12 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         ks[kr * KP + kd] = x;
       }}
       workgroupBarrier();
-      for (var kk = 0u; kk < DC; kk++) {{
-        let qv = qs[sq * DC + kk];
-        s0 += qv * ks[sk * KP + kk];
-        s1 += qv * ks[(sk + 16u) * KP + kk];
+      if (live) {{  // rows past the last (decode: most of the tile) skip the math; their warps idle
+        for (var kk = 0u; kk < DC; kk++) {{
+          let qv = qs[sq * DC + kk];
+          s0 += qv * ks[sk * KP + kk];
+          s1 += qv * ks[(sk + 16u) * KP + kk];
+        }}
       }}
       workgroupBarrier();
     }}
@@ -589,7 +592,9 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
       if (d < Dv) {{
         for (var j = 0u; j < nk; j++) {{
           let vv = ld_v(vb + ((kt + j - p0) % md) * w(22u) + d);
-          for (var rr = 0u; rr < BQ; rr++) {{ acc[rr * {dvpt}u + c] += ss[rr * BK + j] * vv; }}
+          for (var rr = 0u; rr < BQ; rr++) {{  // a constant bound keeps acc in registers; the test is uniform
+            if (r0 + rr < rows) {{ acc[rr * {dvpt}u + c] += ss[rr * BK + j] * vv; }}
+          }}
         }}
       }}
     }}
