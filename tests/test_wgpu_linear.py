@@ -101,6 +101,18 @@ def test_linear_and_embedding_match_the_cpu(wgpu_pair, name):
         close(wgpu.ops.embedding(ids, wg), cpu.ops.embedding(ids, wc), embedding_tol(fmt))
 
 
+@pytest.mark.parametrize("name", ["bf16", "fp8-block128", "q4_0"])
+def test_the_gemm_over_several_tiles(wgpu_pair, name):
+    """Prefill over several GEMM tiles each way (64 weight rows x 32 tokens), both partial at the edges."""
+    wgpu, cpu = wgpu_pair
+    rng = np.random.default_rng(11)
+    array, fmt, scale, shape = case(rng, name, n=150, k=128)
+    wg, wc = pair(wgpu, cpu, array, fmt, scale, shape)
+    for T in (9, 70):
+        x = rng.normal(size=(T, shape[1])).astype(np.float32)
+        close(wgpu.ops.linear(wgpu.tensor(x), wg), cpu.ops.linear(x, wc))
+
+
 @pytest.mark.parametrize("name", ["bf16", "fp8-block32", "nvfp4", "q8_0", "q6_k"])
 def test_a_row_sliced_view_reads_its_rows(wgpu_pair, name):
     """``m[a:b]`` (Gemma's expert gate/up halves): linear gives the full product's columns a:b, embedding row i

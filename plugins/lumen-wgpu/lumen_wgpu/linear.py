@@ -16,7 +16,7 @@ from .tensor import WTensor, empty, from_numpy
 ELEM_BYTES = dict(quant.ELEMENT)  # formats of one value an element, and its bytes
 GEMV_MAX_T = 8  # up to this many rows: each workgroup reads its weight rows once for all of them
 GEMV_ROWS, GEMV_LANES = 8, 32  # a GEMV workgroup: 8 weight rows, 32 threads a row
-TILE = 32  # GEMM: 32x32 outputs a workgroup, K in steps of 32
+TILE_N, TILE_T, TILE_K = 64, 32, 32  # GEMM: 64 weight rows x 32 tokens a workgroup, K in steps of 32
 U = quant.UNIT
 
 
@@ -166,25 +166,28 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nw: vec3
 
 
 def _gemm_code(fmt: str, wide: bool) -> str:
+    S = TILE_K + 1  # a tile row's stride in workgroup memory: padded, so the 16 rows read together hit 16 banks
     return wgsl.header(_binds(("X", "r", "f32"), fmt, wide)) + quant.decoder(fmt, wide) + _WORDS + f"""
-// grid: x over column tiles, y over row (token) tiles. The weight tile is decoded into workgroup memory 8 values
-// a thread (ld8: 128 threads for 32 rows x 32 columns), the input tile loaded 4 values a thread.
-var<workgroup> xs: array<f32, {TILE * TILE}>;
-var<workgroup> ws: array<f32, {TILE * TILE}>;
+// grid: x over tiles of {TILE_N} weight rows, y over tiles of {TILE_T} tokens; K in steps of {TILE_K}. Each of the 256
+// threads decodes 8 values of the weight tile into workgroup memory (ld8: {TILE_N} rows x {TILE_K} columns), loads 4
+// inputs, then computes 2 tokens x 4 rows (token ty + 16a, row tx + 16i: neighbouring threads write neighbouring
+// outputs).
+var<workgroup> xs: array<f32, {TILE_T * S}>;
+var<workgroup> ws: array<f32, {TILE_N * S}>;
 @compute @workgroup_size(256)
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {{
   let T = w(0u); let K = w(1u); let R = w(3u);
-  let t0 = wid.y * {TILE}u; let n0 = wid.x * {TILE}u;
+  let t0 = wid.y * {TILE_T}u; let n0 = wid.x * {TILE_N}u;
   let ty = lid / 16u; let tx = lid % 16u;
-  var acc = array<f32, 4>(0.0, 0.0, 0.0, 0.0);
-  for (var k0 = 0u; k0 < K; k0 += {TILE}u) {{
-    for (var j = 0u; j < 4u; j++) {{
+  var acc: array<array<f32, 4>, 2>;
+  for (var k0 = 0u; k0 < K; k0 += {TILE_K}u) {{
+    for (var j = 0u; j < {TILE_T * TILE_K // 256}u; j++) {{
       let e = lid + j * 256u;
-      let t = t0 + e / {TILE}u; let k = k0 + e % {TILE}u;
-      xs[e] = select(0.0, X[w(6u) + t * w(7u) + k], t < T && k < K);
+      let t = t0 + e / {TILE_K}u; let k = k0 + e % {TILE_K}u;
+      xs[(e / {TILE_K}u) * {S}u + e % {TILE_K}u] = select(0.0, X[w(6u) + t * w(7u) + k], t < T && k < K);
     }}
-    if (lid < {TILE * TILE // U}u) {{
-      let rr = lid / {TILE // U}u; let c = (lid % {TILE // U}u) * {U}u;
+    {{
+      let rr = lid / {TILE_K // U}u; let c = (lid % {TILE_K // U}u) * {U}u;
       let n = n0 + rr; let k = k0 + c;
       var v = V8(vec4<f32>(0.0), vec4<f32>(0.0));
       if (n < R && k + {U}u <= K) {{
@@ -194,21 +197,25 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         for (var i = 0u; i < {U}u; i++) {{ if (k + i < K) {{ e[i] = ld1(w(4u) + n, k + i); }} }}
         v = V8(vec4<f32>(e[0], e[1], e[2], e[3]), vec4<f32>(e[4], e[5], e[6], e[7]));
       }}
-      let o = rr * {TILE}u + c;
+      let o = rr * {S}u + c;
       ws[o] = v.a.x; ws[o + 1u] = v.a.y; ws[o + 2u] = v.a.z; ws[o + 3u] = v.a.w;
       ws[o + 4u] = v.b.x; ws[o + 5u] = v.b.y; ws[o + 6u] = v.b.z; ws[o + 7u] = v.b.w;
     }}
     workgroupBarrier();
-    for (var kk = 0u; kk < {TILE}u; kk++) {{
-      let x0 = xs[(ty * 2u) * {TILE}u + kk]; let x1 = xs[(ty * 2u + 1u) * {TILE}u + kk];
-      let w0 = ws[(tx * 2u) * {TILE}u + kk]; let w1 = ws[(tx * 2u + 1u) * {TILE}u + kk];
-      acc[0] += x0 * w0; acc[1] += x0 * w1; acc[2] += x1 * w0; acc[3] += x1 * w1;
+    for (var kk = 0u; kk < {TILE_K}u; kk++) {{
+      let x0 = xs[ty * {S}u + kk]; let x1 = xs[(ty + 16u) * {S}u + kk];
+      for (var i = 0u; i < 4u; i++) {{
+        let wv = ws[(tx + 16u * i) * {S}u + kk];
+        acc[0][i] += x0 * wv; acc[1][i] += x1 * wv;
+      }}
     }}
     workgroupBarrier();
   }}
-  for (var j = 0u; j < 4u; j++) {{
-    let t = t0 + ty * 2u + j / 2u; let n = n0 + tx * 2u + j % 2u;
-    if (t < T && n < R) {{ Y[t * w(2u) + w(5u) + n] = acc[j]; }}
+  for (var a = 0u; a < 2u; a++) {{
+    for (var i = 0u; i < 4u; i++) {{
+      let t = t0 + ty + 16u * a; let n = n0 + tx + 16u * i;
+      if (t < T && n < R) {{ Y[t * w(2u) + w(5u) + n] = acc[a][i]; }}
+    }}
   }}
 }}
 """
@@ -236,7 +243,7 @@ def linear(x: WTensor, w) -> WTensor:
         kernel = _kernel(ctx, "gemm", m.format, wide, _gemm_code(m.format, wide))
     for _, row, n, col, wbufs, words in m.parts():
         params = pack(T, K, N, n, row, col, x2.offset, x2.strides[0] if T > 1 else 0, *words)
-        groups = wgsl.grid(-(-n // GEMV_ROWS), ctx.max_groups) if gemv else (-(-n // TILE), -(-T // TILE), 1)
+        groups = wgsl.grid(-(-n // GEMV_ROWS), ctx.max_groups) if gemv else (-(-n // TILE_N), -(-T // TILE_T), 1)
         ctx.dispatch(kernel, [x2.buf.gpu, *wbufs, y.buf.gpu], params, groups)
     return y.reshape(*lead, N) if x.ndim != 2 else y
 
