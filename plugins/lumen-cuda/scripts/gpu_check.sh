@@ -1,6 +1,8 @@
 #!/bin/bash
-# One device run: install the repo's packages (no deps, no network there), run every CUDA test file, then the
-# end-to-end benchmark; logs go to $OUT. Carried wheels (.whl, see docs/cuda.md) fill what the image lacks.
+# One device run: install the repo's packages (no deps, no network there), run every CUDA and wgpu test file, then
+# the end-to-end benchmark; logs go to $OUT. Carried wheels (.whl, see docs/cuda.md) fill what the image lacks; the
+# Vulkan loader for the wgpu tests comes as .deb files in .gl (docs/wgpu.md), unpacked here; the wgpu tests must
+# find the GPU's Vulkan adapter (LUMEN_REQUIRE_WGPU=1: a missing one fails them).
 #   T_TESTS (s, default 330), TESTS (default: every tests/test_cuda*.py), PYTEST_ARGS (e.g. "-n 8" with
 #   pytest-xdist among the carried wheels), BENCH_ARGS (benchmarks/cuda_models.py
 #   arguments; BENCH=0 skips it), T_BENCH (s, default 240).
@@ -11,10 +13,12 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
   python3 -c "import cupy, torch, transformers; print('cupy', cupy.__version__, 'torch', torch.__version__, \
 'transformers', transformers.__version__)"
 } 2>&1 | tee "$OUT/env.log"
+if ls .gl/*.deb >/dev/null 2>&1; then for f in .gl/*.deb; do dpkg -x "$f" /; done; ldconfig; fi
+export LUMEN_REQUIRE_WGPU=1
 if ls .whl/*.whl >/dev/null 2>&1; then python3 -m pip install -q --no-index --no-deps .whl/*.whl 2>&1 | tail -3; fi
 python3 -m pip install -q --no-deps --no-build-isolation -e . -e plugins/lumen-cpu -e plugins/models-qwen \
-  -e plugins/models-gemma -e plugins/lumen-cuda 2>&1 | tail -5 | tee "$OUT/install.log"
-TESTS=${TESTS:-$(ls tests/test_cuda*.py)}
+  -e plugins/models-gemma -e plugins/lumen-cuda -e plugins/lumen-wgpu 2>&1 | tail -5 | tee "$OUT/install.log"
+TESTS=${TESTS:-$(ls tests/test_cuda*.py tests/test_wgpu*.py)}
 timeout ${T_TESTS:-330} python3 -m pytest $TESTS ${PYTEST_ARGS:-} -q -rs -p no:cacheprovider --durations=10 2>&1 \
   | tee "$OUT/tests.log" | grep -v "^SKIPPED\|PASSED" | tail -60
 if [ "${BENCH:-1}" != 0 ]; then

@@ -1,8 +1,9 @@
 """The wgpu device (``wgpu:N``): WebGPU through wgpu-py, on Vulkan, Metal or DX12.
 
-Weights live in GPU buffers (store ``vram``), uploaded once, in their checkpoint format (f32, f16, bf16; GGUF
-block formats are dequantized to bf16 on load, as on cuda); matrices larger than the adapter's largest storage
-binding are split by rows into several buffers (``linear.Matrix``). Activations are ``WTensor`` views on pooled
+Weights live in GPU buffers (store ``vram``), uploaded once, in their checkpoint format: f32, f16, bf16, fp8, nvfp4
+and GGUF q8_0/q4_0/q5_0/q4_k/q5_k/q6_k, decoded in the shaders (``quant.py``); other GGUF block formats are
+dequantized to bf16 on load (``stored_format``). Matrices larger than the adapter's largest storage binding are split
+by rows into several buffers (``linear.Matrix``). Activations are ``WTensor`` views on pooled
 buffers. All state belongs to this backend instance (its ``Context``: device, pipelines, buffer pool, recorder);
 ``close`` drops it.
 

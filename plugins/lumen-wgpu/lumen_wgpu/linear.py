@@ -56,7 +56,11 @@ class Matrix:
                 scale_bufs[first] = ctx.weight_buffer(lay.scale[a:b])
         if not chunks:
             chunks.append((ctx.weight_buffer(data), 0, 0))
-        return cls(ctx, fmt, cols, chunks, 0, rows, data.nbytes, lay, rows, scale_bufs)
+        nbytes = data.nbytes
+        # the host arrays are on the device now: keep only the layout's numbers, not a host copy of every weight
+        lay.data = lay.data[:0]
+        lay.scale = None if lay.scale is None else lay.scale[:0]
+        return cls(ctx, fmt, cols, chunks, 0, rows, nbytes, lay, rows, scale_bufs)
 
     @property
     def shape(self):

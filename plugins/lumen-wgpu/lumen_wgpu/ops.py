@@ -292,9 +292,9 @@ def table():
     from . import attention, delta, linear, moe
 
     plain = [sigmoid, silu, softplus, exp, silu_mul, gelu_tanh_mul, gelu_tanh, gelu, softcap, clamp, rms_norm,
-             rms_norm_gated, l2norm, layer_norm, rope_tables, apply_rope, concat, gather, linear.embedding]
+             rms_norm_gated, l2norm, layer_norm, rope_tables, apply_rope, concat, gather]
     rows = [(f.__name__, f, None) for f in plain]
-    rows += [("linear", linear.linear, fmt) for fmt in (*linear.ELEM_BYTES, None)]
+    rows += linear.table()  # linear and embedding, a variant per weight format
     for mod in (attention, delta, moe):
         rows += mod.table()
     return rows
