@@ -72,14 +72,14 @@ def recording(ctx, record, reps: int) -> float:
     return t
 
 
-def _wide(ctx, x, w):
+def _wide(ctx, x, w, lanes):
     from lumen_wgpu import gemv
     from lumen_wgpu.tensor import empty
 
     T, K = x.shape
     y = empty(ctx, (T, w.shape[0]))
     for buf, row, n, col in w.data.pieces():
-        gemv.dispatch(ctx, w.format, x, buf, y, T, K, w.shape[0], n, row, col)
+        gemv.dispatch(ctx, w.format, x, buf, y, T, K, w.shape[0], n, row, col, lanes)
     return y
 
 
@@ -89,7 +89,8 @@ def main(argv=None):
     ap.add_argument("--shapes", default="4096x4096,12288x4096,4096x12288")
     ap.add_argument("--formats", default="bf16,f16,f32")
     ap.add_argument("--reps", type=int, default=50)
-    ap.add_argument("--wide", action="store_true", help="also time lumen_wgpu.gemv's kernel on its own")
+    ap.add_argument("--wide", action="store_true", help="also time lumen_wgpu.gemv's kernel alone, 32 and 64 "
+                    "threads a row")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     reg = get_registry()
@@ -125,7 +126,8 @@ def main(argv=None):
             w = backend.weight(host, fmt, "vram", shape=(n, kdim))
             kernels = {"linear": lambda w=w, x=x: backend.ops.linear(x, w)}
             if args.wide:
-                kernels["gemv.wide"] = lambda w=w, x=x: _wide(ctx, x, w)
+                kernels["wide.l32"] = lambda w=w, x=x: _wide(ctx, x, w, 32)
+                kernels["wide.l64"] = lambda w=w, x=x: _wide(ctx, x, w, 64)
             for name, fn in kernels.items():
                 t = timed(ctx, fn, args.reps)
                 host_s = recording(ctx, fn, args.reps)

@@ -218,3 +218,35 @@ def test_the_real_gguf_tensors(wgpu_pair):
             close(wgpu.ops.linear(wgpu.tensor(x), wg), cpu.ops.linear(x, wc))
         close(wgpu.ops.embedding([0, shape[0] - 1], wg), cpu.ops.embedding([0, shape[0] - 1], wc),
               embedding_tol(fmt))
+
+
+@pytest.mark.wgpu
+@pytest.mark.parametrize("lanes", [32, 64])
+@pytest.mark.parametrize("fmt", ["f32", "f16", "bf16"])
+def test_wide_gemv_matches_the_cpu(wgpu_pair, fmt, lanes):
+    """lumen_wgpu.gemv (what linear runs for up to 8 tokens when the rows are whole 16-byte words): 32 or 64
+    threads a row, against the CPU's linear; a row count that leaves a partial workgroup, a row view."""
+
+    from lumen_wgpu import gemv
+    from lumen_wgpu.tensor import empty
+
+    gpu, cpu = wgpu_pair
+    rng = np.random.default_rng(7)
+    conv = {"f32": np.float32, "f16": np.float16, "bf16": ml_dtypes.bfloat16}[fmt]
+    N, K = 45, 8 * 37
+    host = rng.standard_normal((N, K)).astype(np.float32).astype(conv)
+    wg, wc = gpu.weight(host, fmt, "vram"), cpu.weight(host, fmt, "ram")
+    for T in (1, 3, 8):
+        x = rng.standard_normal((T, K)).astype(np.float32)
+        xt = gpu.tensor(x)
+        y = empty(gpu.ctx, (T, N))
+        for buf, row, n, col in wg.data.pieces():
+            assert gemv.applies(fmt, K, xt.offset, xt.strides[0], T, row)
+            gemv.dispatch(gpu.ctx, fmt, xt, buf, y, T, K, N, n, row, col, lanes)
+        close(y, cpu.ops.linear(x, wc), 1e-5)
+    view = wg.data[5:21]
+    x = rng.standard_normal((2, K)).astype(np.float32)
+    from dataclasses import replace
+
+    close(gpu.ops.linear(gpu.tensor(x), replace(wg, data=view, shape=(16, K))), x @ host[5:21].astype(np.float32).T,
+          1e-5)

@@ -12,8 +12,7 @@ from __future__ import annotations
 from . import wgsl
 from .device import pack
 
-ROWS = 8  # output rows a workgroup
-LANES = 32  # threads a row
+WG = 256  # threads a workgroup: LANES a row, WG // LANES rows
 MAX_T = 8
 PER_WORD = {"f32": 4, "f16": 8, "bf16": 8}  # weight values in one vec4<u32>
 
@@ -36,8 +35,14 @@ def applies(fmt: str, K: int, x_offset: int, x_stride: int, T: int, row_in_buffe
 UNROLL = 4  # words in flight per thread: enough outstanding loads to cover the memory latency
 
 
-def code(fmt: str, T: int) -> str:
-    """The kernel for ``T`` tokens (a compile-time constant, so the token loops unroll)."""
+def lanes_for(K: int) -> int:
+    """Threads a row: 64 for long rows (more workgroups in flight when the rows are few and long), else 32."""
+    return 64 if K >= 8192 else 32
+
+
+def code(fmt: str, T: int, LANES: int = 32) -> str:
+    """The kernel for ``T`` tokens (a compile-time constant, so the token loops unroll), ``LANES`` threads a row."""
+    ROWS = WG // LANES
     per = PER_WORD[fmt]
     two = per == 8
     loads = "\n".join(f"      let q{u} = W[base + min(j + {u * LANES}u, last)];" for u in range(UNROLL))
@@ -88,7 +93,9 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nw: vec3
 """
 
 
-def dispatch(ctx, fmt: str, x2, buf, y, T: int, K: int, N: int, rows: int, row: int, col: int) -> None:
-    kernel = ctx.kernel(f"gemv_wide_{fmt}_t{T}", code(fmt, T), "rrw")
-    params = pack(T, K, N, rows, row, col, x2.offset // 4, x2.strides[0] // 4)
-    ctx.dispatch(kernel, [x2.buf.gpu, buf, y.buf.gpu], params, wgsl.grid(-(-rows // ROWS), ctx.max_groups))
+def dispatch(ctx, fmt: str, x2, buf, y, T: int, K: int, N: int, rows: int, row: int, col: int,
+             lanes: int | None = None) -> None:
+    lanes = lanes or lanes_for(K)
+    kernel = ctx.kernel(f"gemv_wide_{fmt}_t{T}_l{lanes}", code(fmt, T, lanes), "rrw")
+    params = pack(T, K, N, rows, row, col, x2.offset // 4, x2.strides[0] // 4 if T > 1 else 0)
+    ctx.dispatch(kernel, [x2.buf.gpu, buf, y.buf.gpu], params, wgsl.grid(-(-rows // (WG // lanes)), ctx.max_groups))

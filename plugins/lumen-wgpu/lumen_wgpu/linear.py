@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import gemv as fast_gemv
 from . import quant, wgsl
 from .device import pack
 from .tensor import WTensor, empty, from_numpy
@@ -239,6 +240,12 @@ def linear(x: WTensor, w) -> WTensor:
     N = m.rows
     y = empty(ctx, (T, N))
     gemv = T <= GEMV_MAX_T
+    if gemv and m.format in fast_gemv.PER_WORD:
+        pieces = list(m.pieces())
+        if all(fast_gemv.applies(m.format, K, x2.offset, x2.strides[0] if T > 1 else 0, T, p[1]) for p in pieces):
+            for buf, row, n, col in pieces:  # wide loads, 8 rows a workgroup (gemv.py): ~2x this module's GEMV
+                fast_gemv.dispatch(ctx, m.format, x2, buf, y, T, K, N, n, row, col)
+            return y.reshape(*lead, N) if x.ndim != 2 else y
     wide = quant.wide(m.format, K)
     if gemv:
         vec = x2.offset % 4 == 0 and (x2.strides[0] % 4 == 0 or T == 1)
