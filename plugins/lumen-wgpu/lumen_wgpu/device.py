@@ -139,10 +139,25 @@ class Capture:
         self.records: list = []
         self.buffers: dict[int, object] = {}  # id -> gpu buffer the records use
         self.orphans: list = []  # (size class, gpu buffer) whose tensors died while held
+        self._uploads = self._steps = None
 
     @property
     def dispatches(self) -> int:
         return sum(1 for r in self.records if r[0] == "dispatch")
+
+    @property
+    def uploads(self) -> list:
+        """The upload records, in order (replay writes them all before its dispatches)."""
+        if self._uploads is None:
+            self._uploads = [r for r in self.records if r[0] == "upload"]
+        return self._uploads
+
+    @property
+    def steps(self) -> list:
+        """(kernel, bind group, params, groups, dynamic) of each dispatch record, in order."""
+        if self._steps is None:
+            self._steps = [r[1:] for r in self.records if r[0] == "dispatch"]
+        return self._steps
 
 
 class Context:
@@ -298,17 +313,18 @@ class Context:
         """Issue a captured step again with this step's ``inputs``. Uploads are written first (everything recorded
         before is submitted, so no earlier command still reads them); dispatches are re-encoded, and submitted
         every ``chunk`` dispatches (0: once, at the next read-back), so the device starts on a long step while the
-        host still encodes its end."""
+        host still encodes its end. The encoding calls wgpu-native directly where wgpu-py lets it (``_Native``):
+        the same commands, without wgpu-py's per-call error capture (they were validated when captured)."""
         self.flush()
         queue = self.device.queue
+        for rec in cap.uploads:
+            data = rec[2] if rec[3] is None else rec[3](inputs)
+            pad = -len(data) % ALIGN
+            queue.write_buffer(rec[1], 0, data + b"\0" * pad if pad else data)
+        native = _native()
+        align = self.param_align
         n = 0
-        for rec in cap.records:
-            if rec[0] == "upload":
-                data = rec[2] if rec[3] is None else rec[3](inputs)
-                pad = -len(data) % ALIGN
-                queue.write_buffer(rec[1], 0, data + b"\0" * pad if pad else data)
-                continue
-            _, kernel, bg, params, groups, dynamic = rec
+        for kernel, bg, params, groups, dynamic in cap.steps:
             if dynamic is not None:
                 params, groups = dynamic(inputs)
                 if 0 in groups:
@@ -316,12 +332,15 @@ class Context:
             if len(self._params) + PARAM_BYTES > RING_BYTES:
                 self.flush()
             offset = len(self._params)
-            self._params += params
-            self._params += b"\0" * (-len(self._params) % self.param_align)
+            pad = -len(params) % align
+            self._params += (params + b"\0" * pad) if pad else params
             p = self._pass_now()
-            p.set_pipeline(kernel.pipeline)
-            p.set_bind_group(0, bg, [offset])
-            p.dispatch_workgroups(*groups)
+            if native is not None:
+                native.dispatch(p, kernel.pipeline, bg, offset, groups)
+            else:
+                p.set_pipeline(kernel.pipeline)
+                p.set_bind_group(0, bg, [offset])
+                p.dispatch_workgroups(*groups)
             n += 1
             if chunk and n % chunk == 0:
                 self.flush()
@@ -387,6 +406,43 @@ class Context:
                 for b in bufs:
                     b.destroy()
             self._free.clear()
+
+
+class _Native:
+    """wgpu-native's compute-pass calls, straight through cffi (wgpu-py wraps each in error capture, ~1-4 us a call
+    in Python). Only for replaying commands that were already validated when captured."""
+
+    def __init__(self, lib, ffi):
+        self.set_pipeline = lib.wgpuComputePassEncoderSetPipeline
+        self.set_bind_group = lib.wgpuComputePassEncoderSetBindGroup
+        self.dispatch_groups = lib.wgpuComputePassEncoderDispatchWorkgroups
+        self.offsets = ffi.new("uint32_t[1]")
+
+    def dispatch(self, p, pipeline, bg, offset: int, groups) -> None:
+        handle = p._internal
+        self.set_pipeline(handle, pipeline._internal)
+        self.offsets[0] = offset
+        self.set_bind_group(handle, 0, bg._internal, 1, self.offsets)
+        self.dispatch_groups(handle, groups[0], groups[1], groups[2])
+
+
+_NATIVE: list = []
+
+
+def _native() -> _Native | None:
+    """The direct calls, or None where this wgpu-py does not expose them (then the public methods are used), or
+    where LUMEN_WGPU_NATIVE=0."""
+    if not _NATIVE:
+        found = None
+        if os.environ.get("LUMEN_WGPU_NATIVE", "1") != "0":
+            try:
+                from wgpu.backends.wgpu_native._ffi import ffi, lib
+
+                found = _Native(lib, ffi)
+            except Exception:  # another wgpu-py layout: the public API is always there
+                found = None
+        _NATIVE.append(found)
+    return _NATIVE[0]
 
 
 def pack(*values) -> bytes:
