@@ -250,3 +250,26 @@ def test_wide_gemv_matches_the_cpu(wgpu_pair, fmt, lanes):
 
     close(gpu.ops.linear(gpu.tensor(x), replace(wg, data=view, shape=(16, K))), x @ host[5:21].astype(np.float32).T,
           1e-5)
+
+
+@pytest.mark.wgpu
+@pytest.mark.parametrize("fmt", ["f32", "bf16"])
+@pytest.mark.parametrize("T", [1, 3])
+def test_linear_group_in_one_dispatch_matches_the_cpu(wgpu_pair, fmt, T):
+    """linear_group over 2, 4 and 5 matrices (5: a group of 4 and one alone): each output equals the CPU's linear;
+    2-4 matrices take one dispatch."""
+    gpu, cpu = wgpu_pair
+    rng = np.random.default_rng(11)
+    conv = {"f32": np.float32, "bf16": ml_dtypes.bfloat16}[fmt]
+    K = 8 * 20
+    for rows in ([24, 8], [40, 8, 16, 3], [16, 9, 24, 8, 40]):
+        hosts = [rng.standard_normal((n, K)).astype(np.float32).astype(conv) for n in rows]
+        wg = [gpu.weight(h, fmt, "vram") for h in hosts]
+        wc = [cpu.weight(h, fmt, "ram") for h in hosts]
+        x = rng.standard_normal((T, K)).astype(np.float32)
+        before = gpu.ctx.dispatches
+        xt = gpu.tensor(x)
+        got = gpu.ops.linear_group(xt, wg)
+        assert gpu.ctx.dispatches - before == (1 if len(rows) <= 4 else 2)
+        for g, w in zip(got, wc, strict=True):
+            close(g, cpu.ops.linear(x, w), 1e-5)

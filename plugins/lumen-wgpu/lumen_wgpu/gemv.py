@@ -40,12 +40,15 @@ def lanes_for(K: int) -> int:
     return 64 if K >= 8192 else 32
 
 
-def code(fmt: str, T: int, LANES: int = 32) -> str:
-    """The kernel for ``T`` tokens (a compile-time constant, so the token loops unroll), ``LANES`` threads a row."""
+def code(fmt: str, T: int, LANES: int = 32, G: int = 1) -> str:
+    """The kernel for ``T`` tokens (a compile-time constant, so the token loops unroll), ``LANES`` threads a row.
+    ``G`` > 1: one dispatch over G matrices (``linear_group``), their rows one after the other; matrix j's outputs
+    go to Y at their own offset, (T, rows_j) each."""
     ROWS = WG // LANES
     per = PER_WORD[fmt]
     two = per == 8
-    loads = "\n".join(f"      let q{u} = W[base + min(j + {u * LANES}u, last)];" for u in range(UNROLL))
+    load = "W[{}]" if G == 1 else "ldw(m, {})"
+    loads = "\n".join(f"      let q{u} = {load.format(f'base + min(j + {u * LANES}u, last)')};" for u in range(UNROLL))
     body = []
     for u in range(UNROLL):
         dec = _DECODE[fmt].replace("q.", f"q{u}.").replace("let lo", f"let lo{u}").replace("let hi", f"let hi{u}")
@@ -57,9 +60,27 @@ def code(fmt: str, T: int, LANES: int = 32) -> str:
             term = f"dot(lo{u}, {x0})" + (f" + dot(hi{u}, X[{xb} + {t}u * xs + 1u])" if two else "")
             terms.append(f"acc[{t}] += select(0.0, {term}, j + {u * LANES}u < words);")
         body.append(f"      {{\n      {dec}\n      " + "\n      ".join(terms) + "\n      }")
-    return wgsl.header([("X", "r", "vec4<f32>"), ("W", "r", "vec4<u32>"), ("Y", "w", "f32")]) + f"""
+    if G == 1:
+        binds = [("X", "r", "vec4<f32>"), ("W", "r", "vec4<u32>"), ("Y", "w", "f32")]
+        where = """  let live = r < w(3u);
+  let m = 0u; let rr = r; let wrow = w(4u) + r;"""
+        store = "Y[lane * w(2u) + w(5u) + r]"
+        extra = ""
+    else:
+        binds = [("X", "r", "vec4<f32>")] + [(f"W{j}", "r", "vec4<u32>") for j in range(G)] + [("Y", "w", "f32")]
+        # words 8 + 3j: matrix j's first row in the concatenation, its first row in its buffer, its output offset;
+        # 8 + 3G: the rows of all of them
+        picks = " ".join(f"if (r >= w({8 + 3 * j}u)) {{ m = {j}u; }}" for j in range(1, G))
+        where = f"""  let live = r < w({8 + 3 * G}u);
+  var m = 0u; {picks}
+  let rr = r - w(8u + 3u * m); let wrow = w(9u + 3u * m) + rr;
+  let rows_m = select(w({8 + 3 * G}u), w(11u + 3u * m), m + 1u < {G}u) - w(8u + 3u * m);"""
+        store = "Y[w(10u + 3u * m) + lane * rows_m + rr]"
+        cases = " ".join(f"case {j}u: {{ return W{j}[i]; }}" for j in range(G - 1))
+        extra = f"fn ldw(m: u32, i: u32) -> vec4<u32> {{ switch m {{ {cases} default: {{ return W{G - 1}[i]; }} }} }}\n"
+    return wgsl.header(binds) + extra + f"""
 // words: 0 T, 1 K, 2 N (row stride of Y), 3 rows of this piece, 4 first row in W, 5 first column of Y,
-// 6 offset of X (in vec4s), 7 row stride of X (in vec4s)
+// 6 offset of X (in vec4s), 7 row stride of X (in vec4s); G > 1: see code()
 var<workgroup> part: array<f32, {ROWS * LANES * T}>;
 @compute @workgroup_size({ROWS * LANES})
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nw: vec3<u32>,
@@ -67,12 +88,12 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nw: vec3
   let K = w(1u);
   let lane = lid % {LANES}u; let sub = lid / {LANES}u;
   let r = group_id(wid, nw) * {ROWS}u + sub;
-  let live = r < w(3u);
+{where}
   var acc: array<f32, {T}>;
   for (var t = 0u; t < {T}u; t++) {{ acc[t] = 0.0; }}
   if (live) {{
     let words = K / {per}u;
-    let base = (w(4u) + r) * words;
+    let base = wrow * words;
     let last = words - 1u;
     let xs = w(7u);
     for (var j = lane; j < words; j += {LANES * UNROLL}u) {{
@@ -88,7 +109,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nw: vec3
     }}
     workgroupBarrier();
   }}
-  if (live && lane < {T}u) {{ Y[lane * w(2u) + w(5u) + r] = part[lane * {ROWS * LANES}u + sub * {LANES}u]; }}
+  if (live && lane < {T}u) {{ {store} = part[lane * {ROWS * LANES}u + sub * {LANES}u]; }}
 }}
 """
 
@@ -99,3 +120,25 @@ def dispatch(ctx, fmt: str, x2, buf, y, T: int, K: int, N: int, rows: int, row: 
     kernel = ctx.kernel(f"gemv_wide_{fmt}_t{T}_l{lanes}", code(fmt, T, lanes), "rrw")
     params = pack(T, K, N, rows, row, col, x2.offset // 4, x2.strides[0] // 4 if T > 1 else 0)
     ctx.dispatch(kernel, [x2.buf.gpu, buf, y.buf.gpu], params, wgsl.grid(-(-rows // (WG // lanes)), ctx.max_groups))
+
+
+MAX_GROUP = 4  # matrices one dispatch reads (storage bindings: X, 4 weights, Y)
+
+
+def dispatch_group(ctx, fmt: str, x2, pieces, y, T: int, K: int) -> list[int]:
+    """One dispatch over several matrices: ``pieces`` [(buffer, first row in it, rows)], 2 to MAX_GROUP of them;
+    their outputs go to ``y`` (a buffer of at least T x their rows) one after the other, (T, rows) each. Returns
+    each output's element offset in ``y``."""
+    G = len(pieces)
+    lanes = lanes_for(K)
+    kernel = ctx.kernel(f"gemv_group{G}_{fmt}_t{T}_l{lanes}", code(fmt, T, lanes, G), "r" * (G + 1) + "w")
+    words, offsets, first, out = [], [], 0, y.offset
+    for _, row, rows in pieces:
+        words += [first, row, out]
+        offsets.append(out)
+        first += rows
+        out += T * rows
+    params = pack(T, K, 0, 0, 0, 0, x2.offset // 4, x2.strides[0] // 4 if T > 1 else 0, *words, first)
+    ctx.dispatch(kernel, [x2.buf.gpu] + [p[0] for p in pieces] + [y.buf.gpu], params,
+                 wgsl.grid(-(-first // (WG // lanes)), ctx.max_groups))
+    return offsets

@@ -259,6 +259,40 @@ def linear(x: WTensor, w) -> WTensor:
     return y.reshape(*lead, N) if x.ndim != 2 else y
 
 
+def linear_group(x: WTensor, ws) -> list:
+    """``[linear(x, w) for w in ws]``; for up to 8 tokens and matrices of one half/full-precision format that the
+    wide GEMV reads, 2-4 of them in one dispatch (gemv.dispatch_group): one launch instead of several, and each
+    output a dense (T, rows) view on one buffer."""
+    ws = list(ws)
+    x2 = x.reshape(-1, x.shape[-1]) if x.ndim != 2 else x
+    if x2.strides[-1] != 1:
+        x2 = x2.dense()
+    T, K = x2.shape
+    fmt = ws[0].format if ws else None
+    pieces = []
+    if x.ndim == 2 and T <= GEMV_MAX_T and fmt in fast_gemv.PER_WORD and len(ws) > 1 and \
+            all(w.format == fmt and w.data.cols == K for w in ws):
+        for w in ws:
+            parts = list(w.data.pieces())
+            if len(parts) != 1 or not fast_gemv.applies(fmt, K, x2.offset, x2.strides[0] if T > 1 else 0, T,
+                                                        parts[0][1]):
+                break
+            pieces.append((parts[0][0], parts[0][1], parts[0][2]))
+    if len(pieces) != len(ws) or len(ws) < 2:
+        return [linear(x, w) for w in ws]
+    ctx = x.ctx
+    out = []
+    for i in range(0, len(ws), fast_gemv.MAX_GROUP):
+        group = pieces[i:i + fast_gemv.MAX_GROUP]
+        if len(group) == 1:
+            out.append(linear(x, ws[i]))
+            continue
+        y = empty(ctx, (T * sum(p[2] for p in group),))
+        offsets = fast_gemv.dispatch_group(ctx, fmt, x2, group, y, T, K)
+        out += [WTensor(ctx, y.buf, (T, p[2]), "f32", off) for p, off in zip(group, offsets, strict=True)]
+    return out
+
+
 def _embedding_code(fmt: str, wide: bool) -> str:
     return wgsl.header(_binds(("ids", "r", "u32"), fmt, wide)) + quant.decoder(fmt, wide) + f"""
 // words: 0 T, 1 H, 2 first row of this piece (in the matrix view), 3 its rows, 4 its first row in W, 8..12 the
@@ -309,6 +343,6 @@ def embedding(ids, w) -> WTensor:
 
 def table():
     """The (op, fn, format) rows of linear and embedding: every format in ``quant.FORMATS``, and None (any other
-    format falls back here and is refused by ``Matrix``: the backend never makes one)."""
+    format falls back here and is refused by ``Matrix``: the backend never makes one); the optional linear_group."""
     return [(op, fn, fmt) for op, fn in (("linear", linear), ("embedding", embedding))
-            for fmt in (*quant.FORMATS, None)]
+            for fmt in (*quant.FORMATS, None)] + [("linear_group", linear_group, None)]
