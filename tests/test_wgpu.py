@@ -98,14 +98,17 @@ def test_model_on_wgpu_equals_cpu(model_pair):
 
 
 @pytest.mark.wgpu
-def test_generation_through_the_runner_replays_one_submit_a_token(model_pair):
+@pytest.mark.parametrize("chunk", [0, 4])
+def test_generation_through_the_runner_replays_one_submit_a_token(model_pair, chunk):
     """The engine's decode runner: greedy tokens equal the CPU's; the first decode step is captured, the second
     captured again and checked against the first's prediction, every later one replayed from the capture; each
-    step is one command buffer (one submit) and only the token comes back."""
+    replayed step is one command buffer (one submit) when chunks are off (else a submit every ``chunk`` dispatches),
+    and only the token comes back."""
     _, path, ids, _ = model_pair
     ref, on_gpu = engine(path, "cpu", "ram"), engine(path, "wgpu:0", "vram")
     runner = on_gpu.decode_runner()
     assert runner
+    runner.chunk = chunk  # LUMEN_WGPU_CHUNK; 0: a step is one command buffer
     for e in (ref, on_gpu):  # random weights: an early EOS would leave nothing to replay
         e._eos = set
     want = list(ref.generate_tokens(ids, 3 * DECODE_STEPS))
@@ -115,7 +118,8 @@ def test_generation_through_the_runner_replays_one_submit_a_token(model_pair):
     assert got == want
     assert runner.failed is None and runner.replayed == len(got) - 3
     # the prefill: one submit for the logits row the engine checks and one for its argmax; then one a step
-    assert ctx.submits - before <= 2 + (len(got) - 1)
+    per_step = 1 if not chunk else -(-runner._cap[0].dispatches // chunk) + 1
+    assert ctx.submits - before <= 2 + (len(got) - 1) * per_step
 
 
 @pytest.mark.wgpu

@@ -11,6 +11,9 @@ for it (every static params block, every dynamic function's output) must equal w
 anything differs (an op whose params change with the position but declared no function for it), the runner says so
 once and steps run through the model's Python for this generation.
 
+A replayed step is submitted in chunks of ``CHUNK`` dispatches (the device runs the first while the host encodes the
+next: faster than one command buffer a step on the H200); ``LUMEN_WGPU_CHUNK=0`` submits each step once.
+
 Greedy sampling (temperature 0, no repetition penalty) runs an argmax kernel and reads back 4 bytes; other sampling
 reads the logits row back and samples on the host (lumen_core.sampling). ``LUMEN_WGPU_REPLAY=0`` turns replay off.
 """
@@ -69,7 +72,10 @@ def argmax(row: WTensor) -> int:
     return int(np.frombuffer(ctx.read(out.buf.gpu, 0, 4), dtype=np.uint32)[0])
 
 
-CHUNK = 256  # a replayed step is submitted every this many dispatches: the device starts while the host encodes
+# a replayed step is submitted every this many dispatches, so the device starts while the host still encodes (the
+# H200, the 9B shape: 32 beat 64 to 256 and one submit a step; benchmarks/wgpu_step_profile.py). LUMEN_WGPU_CHUNK=0:
+# one command buffer a step.
+CHUNK = int(os.environ.get("LUMEN_WGPU_CHUNK", "32"))
 
 
 class Runner(DecodeRunner):
@@ -81,6 +87,7 @@ class Runner(DecodeRunner):
         self.trusted = False  # the capture predicted the second step exactly
         self.failed: str | None = None  # why replay was given up for this generation
         self.replayed = 0  # steps replayed (tests read it)
+        self.chunk = CHUNK
 
     def reset(self) -> None:
         self._drop()
@@ -100,7 +107,7 @@ class Runner(DecodeRunner):
     def step(self, token: int):
         token, cache, ctx = int(token), self.cache, self.backend.ctx
         if self.trusted:
-            ctx.replay(self._cap[0], self._inputs(token, cache.pos), CHUNK)
+            ctx.replay(self._cap[0], self._inputs(token, cache.pos), self.chunk)
             cache.pos += 1
             self.replayed += 1
             return self._cap[2]
