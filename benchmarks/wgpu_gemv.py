@@ -91,6 +91,8 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--wide", action="store_true", help="also time lumen_wgpu.gemv's kernel alone, 32 and 64 "
                     "threads a row")
+    ap.add_argument("--tokens", type=int, default=0, help="also time linear on this many tokens (the prefill GEMM): "
+                    "TFLOP/s")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     reg = get_registry()
@@ -136,6 +138,16 @@ def main(argv=None):
                              "fraction": gbs * 1e9 / bound, "record_us": host_s * 1e6})
                 print(f"{shape:>12} {fmt:>5} {name:>9}: {t * 1e3:8.3f} ms  {gbs:8.1f} GB/s  "
                       f"{100 * gbs * 1e9 / bound:5.1f}% of the bound; recording it: {host_s * 1e6:.0f} us")
+    if args.tokens:
+        for shape in args.shapes.split(","):
+            n, kdim = (int(v) for v in shape.split("x"))
+            x = backend.tensor(rng.standard_normal((args.tokens, kdim), dtype=np.float32))
+            host = (rng.standard_normal((n, kdim), dtype=np.float32).view(np.uint32) >> 16).astype(np.uint16)
+            w = backend.weight(host, "bf16", "vram", shape=(n, kdim))
+            t = timed(ctx, lambda w=w, x=x: backend.ops.linear(x, w), max(3, args.reps // 10))
+            flops = 2 * args.tokens * n * kdim / t
+            rows.append({"shape": shape, "format": "bf16", "tokens": args.tokens, "ms": t * 1e3, "TFLOP/s": flops / 1e12})
+            print(f"{shape:>12}  bf16 x {args.tokens} tokens: {t * 1e3:8.3f} ms  {flops / 1e12:6.2f} TFLOP/s (f32 math)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"bound_GBs": bound / 1e9, "rows": rows}, f, indent=1)

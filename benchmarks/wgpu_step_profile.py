@@ -23,6 +23,8 @@ def main(argv=None):
     ap.add_argument("--model", required=True)
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--prefill", type=int, default=0, help="also break a prefill of this many tokens down by op "
+                    "(each op waited for: device time per op, launch gaps included)")
     args = ap.parse_args(argv)
     import lumen_core as lumen
 
@@ -69,6 +71,44 @@ def main(argv=None):
         if rec[0] == "dispatch":
             kinds[rec[1].name] = kinds.get(rec[1].name, 0) + 1
     print("dispatches by kernel:", ", ".join(f"{k} {v}" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])))
+    if args.prefill:
+        prefill_breakdown(engine, ctx, args.prefill)
+
+
+def prefill_breakdown(engine, ctx, n: int) -> None:
+    """Seconds per op name over one prefill of ``n`` tokens, each op waited for (ctx.finish) so its device time is
+    its own; the total beside an unwaited prefill's."""
+    from lumen_core.ops import CONTRACT, OPTIONAL
+
+    ids = np.random.RandomState(1).randint(0, engine.model.vocab_size, n).tolist()
+    cache = engine.model.new_cache(n + 8)
+    engine.model.forward(ids, cache, host=True)  # warm: kernels compiled
+    cache = engine.model.new_cache(n + 8)
+    t0 = time.perf_counter()
+    engine.model.forward(ids, cache, host=True)
+    plain = time.perf_counter() - t0
+    spent: dict[str, float] = {}
+    backend = engine.backends[("output-layer", None)]
+    ops = backend.ops
+    for name in list(CONTRACT) + list(OPTIONAL):
+        fn = getattr(ops, name)
+
+        def timed(*a, _fn=fn, _name=name, **k):
+            ctx.finish()
+            t = time.perf_counter()
+            out = _fn(*a, **k)
+            ctx.finish()
+            spent[_name] = spent.get(_name, 0.0) + time.perf_counter() - t
+            return out
+
+        setattr(ops, name, timed)
+    cache = engine.model.new_cache(n + 8)
+    t0 = time.perf_counter()
+    engine.model.forward(ids, cache, host=True)
+    waited = time.perf_counter() - t0
+    print(f"prefill {n}: {plain * 1e3:.0f} ms ({n / plain:.0f} tok/s); with every op waited for {waited * 1e3:.0f} ms, "
+          "of which: " + ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in sorted(spent.items(), key=lambda kv: -kv[1])
+                                   if v > 1e-4))
 
 
 if __name__ == "__main__":
