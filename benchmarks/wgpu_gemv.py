@@ -146,8 +146,10 @@ def main(argv=None):
             w = backend.weight(host, "bf16", "vram", shape=(n, kdim))
             t = timed(ctx, lambda w=w, x=x: backend.ops.linear(x, w), max(3, args.reps // 10))
             flops = 2 * args.tokens * n * kdim / t
-            rows.append({"shape": shape, "format": "bf16", "tokens": args.tokens, "ms": t * 1e3, "TFLOP/s": flops / 1e12})
-            print(f"{shape:>12}  bf16 x {args.tokens} tokens: {t * 1e3:8.3f} ms  {flops / 1e12:6.2f} TFLOP/s (f32 math)")
+            rows.append({"shape": shape, "format": "bf16", "tokens": args.tokens, "ms": t * 1e3,
+                         "TFLOP/s": flops / 1e12})
+            print(f"{shape:>12}  bf16 x {args.tokens} tokens: {t * 1e3:8.3f} ms  {flops / 1e12:6.2f} TFLOP/s "
+                  "(f32 math)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"bound_GBs": bound / 1e9, "rows": rows}, f, indent=1)
