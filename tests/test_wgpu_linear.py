@@ -273,3 +273,22 @@ def test_linear_group_in_one_dispatch_matches_the_cpu(wgpu_pair, fmt, T):
         assert gpu.ctx.dispatches - before == (1 if len(rows) <= 4 else 2)
         for g, w in zip(got, wc, strict=True):
             close(g, cpu.ops.linear(x, w), 1e-5)
+
+
+@pytest.mark.wgpu
+@pytest.mark.parametrize("fmt", ["f32", "f16", "bf16"])
+def test_tiled_gemm_matches_the_cpu(wgpu_pair, fmt):
+    """lumen_wgpu.gemm (prefill, rows of whole 16-byte words): partial tiles of tokens, rows and K, one full tile."""
+    from lumen_wgpu import gemm
+
+    gpu, cpu = wgpu_pair
+    rng = np.random.default_rng(5)
+    conv = {"f32": np.float32, "f16": np.float16, "bf16": ml_dtypes.bfloat16}[fmt]
+    for T, N, K in ((9, 45, 136), (70, 130, 96), (64, 64, 32), (100, 3, 8)):
+        host = rng.standard_normal((N, K)).astype(np.float32).astype(conv)
+        wg, wc = gpu.weight(host, fmt, "vram"), cpu.weight(host, fmt, "ram")
+        x = rng.standard_normal((T, K)).astype(np.float32)
+        xt = gpu.tensor(x)
+        assert gemm.applies(fmt, K, xt.offset, xt.strides[0], 0)
+        close(gpu.ops.linear(xt, wg), cpu.ops.linear(x, wc), 1e-5)
+        assert f"gemm_tiled_{fmt}" in {name for name, _ in gpu.ctx._kernels}

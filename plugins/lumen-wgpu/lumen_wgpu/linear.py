@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import gemm as tiled_gemm
 from . import gemv as fast_gemv
 from . import quant, wgsl
 from .device import pack
@@ -245,6 +246,12 @@ def linear(x: WTensor, w) -> WTensor:
         if all(fast_gemv.applies(m.format, K, x2.offset, x2.strides[0] if T > 1 else 0, T, p[1]) for p in pieces):
             for buf, row, n, col in pieces:  # wide loads, 8 rows a workgroup (gemv.py): ~2x this module's GEMV
                 fast_gemv.dispatch(ctx, m.format, x2, buf, y, T, K, N, n, row, col)
+            return y.reshape(*lead, N) if x.ndim != 2 else y
+    if not gemv and m.format in tiled_gemm.PER_WORD:
+        pieces = list(m.pieces())
+        if all(tiled_gemm.applies(m.format, K, x2.offset, x2.strides[0], p[1]) for p in pieces):
+            for buf, row, n, col in pieces:  # register-tiled, 16-byte loads (gemm.py)
+                tiled_gemm.dispatch(ctx, m.format, x2, buf, y, T, K, N, n, row, col)
             return y.reshape(*lead, N) if x.ndim != 2 else y
     wide = quant.wide(m.format, K)
     if gemv:
