@@ -248,3 +248,42 @@ def test_prefix_cache_is_refused_by_name_on_wgpu(tiny_checkpoint, gpu):
         lumen.load({"model": {"path": str(tiny_checkpoint("gemma3")), "compute": "wgpu:0", "store": "vram",
                               "hidden-layers": {"kv-cache": {"prefix-cache-mb": 64}}}}, progress=False)
     assert "prefix-cache-mb" in str(exc.value) and "wgpu" in str(exc.value)
+
+
+@pytest.mark.wgpu
+@pytest.mark.parametrize("kind", ["qwen3_5", "gemma3"])
+def test_batched_generations_on_wgpu_equal_the_cpus(kind, tiny_checkpoint, gpu):
+    """Continuous batching (kv-cache.sequences 3) on wgpu:0: three concurrent greedy generations, whose shared steps
+    run every row's projections together and each sequence's attention / Gated-DeltaNet on its own cache, give the
+    CPU's tokens for each prompt alone."""
+    import threading
+
+    path = tiny_checkpoint(kind)
+
+    def load(compute, store):
+        return lumen.load({"model": {"path": str(path), "compute": compute, "store": store, "hidden-layers": {
+            "kv-cache": {"context-size": 160, "sequences": 3}}}}, progress=False)
+
+    ref, on_gpu = load("cpu", "ram"), load("wgpu:0", "vram")
+    prompts = [ref.encode(p) for p in ("hello world", "The quick brown fox jumps over", "a b c d e f g")]
+    want = [list(ref.generate_tokens(p, max_tokens=10 + i)) for i, p in enumerate(prompts)]
+    on_gpu.start_batching()
+    out, errors = [None] * 3, []
+
+    def run(i):
+        try:
+            out[i] = list(on_gpu.generate_tokens(prompts[i], max_tokens=10 + i))
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(repr(exc))
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
+        assert on_gpu.batcher.batch_sizes > on_gpu.batcher.steps  # steps held several sequences
+    finally:
+        on_gpu.stop_batching()
+    assert not errors, errors
+    assert out == want
