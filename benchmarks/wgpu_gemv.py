@@ -18,12 +18,14 @@ import numpy as np
 
 from lumen_core.plugins import get_registry
 
-READ = """
+_BINDINGS = """
 @group(0) @binding(0) var<storage, read> src: array<vec4<u32>>;
 @group(0) @binding(1) var<storage, read_write> dst: array<vec4<u32>>;
 struct Params { v: array<vec4<u32>, 16> }
 @group(0) @binding(2) var<uniform> params: Params;
-@compute @workgroup_size(256)
+"""
+
+READ = _BINDINGS + """@compute @workgroup_size(256)
 fn main(@builtin(global_invocation_id) g: vec3<u32>, @builtin(num_workgroups) nw: vec3<u32>) {
   let n = params.v[0].x;
   let stride = nw.x * 256u;
@@ -37,12 +39,7 @@ fn main(@builtin(global_invocation_id) g: vec3<u32>, @builtin(num_workgroups) nw
 }
 """
 
-COPY = """
-@group(0) @binding(0) var<storage, read> src: array<vec4<u32>>;
-@group(0) @binding(1) var<storage, read_write> dst: array<vec4<u32>>;
-struct Params { v: array<vec4<u32>, 16> }
-@group(0) @binding(2) var<uniform> params: Params;
-@compute @workgroup_size(256)
+COPY = _BINDINGS + """@compute @workgroup_size(256)
 fn main(@builtin(global_invocation_id) g: vec3<u32>, @builtin(num_workgroups) nw: vec3<u32>) {
   let i = g.y * nw.x * 256u + g.x;
   if (i < params.v[0].x) { dst[i] = src[i]; }

@@ -181,6 +181,14 @@ fn ld8(r: u32, k: u32) -> V8 { let q = W[(r * w(1u) + k) >> 3u]; return scaled(r
 _WIDE_TYPE = {"f32": "vec4<f32>", "f16": "vec4<u32>", "bf16": "vec4<u32>", "fp8": "vec2<u32>"}
 _WIDE_VALUES = {"f32": 4, "f16": 8, "bf16": 8, "fp8": 8}  # values one vector holds
 
+# Q4_K / Q5_K: sub-block j's 6-bit scale and min, from the 12 bytes at o
+_SCALE_MIN = """fn scale_min(o: u32, j: u32) -> vec2<f32> {
+  if (j < 4u) { return vec2<f32>(f32(wb(o + j) & 63u), f32(wb(o + j + 4u) & 63u)); }
+  return vec2<f32>(f32((wb(o + j + 4u) & 15u) | ((wb(o + j - 4u) >> 2u) & 48u)),
+                   f32((wb(o + j + 4u) >> 4u) | ((wb(o + j) >> 2u) & 48u)));
+}
+"""
+
 _BLOCK_CODE = {
     # ModelOpt NVFP4: E2M1 pairs (low nibble first), an e4m3 scale per 16 values (S: bytes, a row of K/16 per
     # matrix row), the global f32 scale in word 12. (e2m1 x block scale) is exact; x global rounds once.
@@ -233,12 +241,7 @@ fn ld8(r: u32, k: u32) -> V8 {
     # super-blocks of 256: f16 d, f16 dmin, 12 bytes of 6-bit (scale, min) for 8 sub-blocks of 32, 128 nibble
     # bytes (sub-blocks 2i and 2i+1 in the low / high nibbles of bytes 32i..32i+31); value = d*sc * q - dmin*m
     "q4_k": """
-fn scale_min(o: u32, j: u32) -> vec2<f32> {  // sub-block j's 6-bit scale and min, from the 12 bytes at o
-  if (j < 4u) { return vec2<f32>(f32(wb(o + j) & 63u), f32(wb(o + j + 4u) & 63u)); }
-  return vec2<f32>(f32((wb(o + j + 4u) & 15u) | ((wb(o + j - 4u) >> 2u) & 48u)),
-                   f32((wb(o + j + 4u) >> 4u) | ((wb(o + j) >> 2u) & 48u)));
-}
-fn ld8(r: u32, k: u32) -> V8 {
+""" + _SCALE_MIN + """fn ld8(r: u32, k: u32) -> V8 {
   let o = (r * (w(1u) / 256u) + k / 256u) * 144u;
   let dd = W[o >> 2u];
   let j = (k & 255u) / 32u;
@@ -250,12 +253,7 @@ fn ld8(r: u32, k: u32) -> V8 {
 """ + _PICK,
     # as Q4_K, with 32 bytes of fifth bits after the scales (bit j of byte i: value i of sub-block j)
     "q5_k": """
-fn scale_min(o: u32, j: u32) -> vec2<f32> {
-  if (j < 4u) { return vec2<f32>(f32(wb(o + j) & 63u), f32(wb(o + j + 4u) & 63u)); }
-  return vec2<f32>(f32((wb(o + j + 4u) & 15u) | ((wb(o + j - 4u) >> 2u) & 48u)),
-                   f32((wb(o + j + 4u) >> 4u) | ((wb(o + j) >> 2u) & 48u)));
-}
-fn hi1(u: u32, j: u32) -> vec4<u32> {
+""" + _SCALE_MIN + """fn hi1(u: u32, j: u32) -> vec4<u32> {
   return ((vec4<u32>(u) >> vec4<u32>(j, j + 8u, j + 16u, j + 24u)) & vec4<u32>(1u)) << vec4<u32>(4u);
 }
 fn ld8(r: u32, k: u32) -> V8 {
