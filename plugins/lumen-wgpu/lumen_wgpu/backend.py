@@ -94,6 +94,10 @@ class WGPUBackend(Backend):
         return from_numpy(self.ctx, array)
 
     def to_host(self, x):
+        from .linear import Matrix
+
+        if isinstance(x, Matrix):  # a weight's values (an architecture that transposes one on load)
+            return x.to_host()
         return x._lumen_to_host() if isinstance(x, WTensor) else np.asarray(x)
 
     def use(self) -> None:

@@ -13,7 +13,7 @@ from . import gemm as tiled_gemm
 from . import gemv as fast_gemv
 from . import quant, wgsl
 from .device import pack
-from .tensor import WTensor, empty, from_numpy
+from .tensor import WTensor, elementwise, empty, from_numpy
 
 ELEM_BYTES = dict(quant.ELEMENT)  # formats of one value an element, and its bytes
 GEMV_MAX_T = 8  # up to this many rows: each workgroup reads its weight rows once for all of them
@@ -32,8 +32,9 @@ class Matrix:
     """
 
     def __init__(self, ctx, fmt: str, cols: int, chunks, row0: int, rows: int, nbytes: int, layout=None,
-                 total: int | None = None, scale_bufs=None):
+                 total: int | None = None, scale_bufs=None, keep=None):
         self.ctx, self.format, self.cols, self.chunks = ctx, fmt, cols, chunks
+        self._keep = keep  # the pooled buffer a Matrix over a tensor reads (``of``): alive while the Matrix is
         self.row0, self.rows, self._nbytes = row0, rows, nbytes
         self.layout = layout if layout is not None else quant.Layout(np.zeros((0, 0)))
         self._total = rows if total is None else total
@@ -64,9 +65,44 @@ class Matrix:
         lay.scale = None if lay.scale is None else lay.scale[:0]
         return cls(ctx, fmt, cols, chunks, 0, rows, nbytes, lay, rows, scale_bufs)
 
+    @classmethod
+    def of(cls, data) -> Matrix:
+        """``data`` itself, or a Matrix over an f32 WTensor (a Weight an architecture builds by hand around one of
+        this backend's tensors, as Qwen's vision tower does for its patch embedding): its buffer, no copy, unless
+        it is a strided view or starts inside its buffer (then one dense copy)."""
+        if isinstance(data, Matrix):
+            return data
+        if not isinstance(data, WTensor) or data.dtype != "f32":
+            raise TypeError(f"a wgpu weight holds a Matrix or an f32 tensor, not {type(data).__name__}")
+        t = data.reshape(data.shape[0], -1) if data.ndim != 2 else data
+        if not t.is_dense or t.offset:
+            t = t.dense() if t.offset == 0 else elementwise("a", [t])
+        rows, cols = t.shape
+        return cls(t.ctx, "f32", cols, [(t.buf.gpu, 0, rows)], 0, rows, 4 * rows * cols, keep=t.buf)
+
     @property
     def shape(self):
         return (self.rows, self.cols)
+
+    def to_host(self) -> np.ndarray:
+        """This view's values back on the host, as uploaded: f32, f16, or bf16 as uint16 bits (what ``weight``
+        takes back); other formats are refused (an architecture that transposes a weight on load reads one back)."""
+        dtype = {"f32": np.float32, "f16": np.float16, "bf16": np.uint16}.get(self.format)
+        if dtype is None:
+            raise NotImplementedError(f"reading a {self.format} weight back from wgpu is not supported")
+        item = np.dtype(dtype).itemsize
+        rows = []
+        for buf, row, n, _ in self.pieces():
+            raw = self.ctx.read(buf, row * self.cols * item, n * self.cols * item)
+            rows.append(np.frombuffer(raw, dtype=dtype).reshape(n, self.cols))
+        return np.concatenate(rows) if rows else np.zeros((0, self.cols), dtype)
+
+    def reshape(self, rows: int, cols: int) -> Matrix:
+        """The same matrix as (rows, cols): a Matrix already holds a weight of more dims as (first dim, the rest),
+        which is the only reshape architectures ask for (Gemma 3's patch kernel as a linear map)."""
+        if (rows, cols) != (self.rows, self.cols):
+            raise ValueError(f"a ({self.rows}, {self.cols}) weight matrix on wgpu cannot be viewed as ({rows}, {cols})")
+        return self
 
     @property
     def nbytes(self) -> int:
@@ -229,7 +265,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
 
 def linear(x: WTensor, w) -> WTensor:
     """(T, in) @ (out, in)^T -> (T, out), f32 accumulation whatever the weight's storage."""
-    m = w.data
+    m = Matrix.of(w.data)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1]) if x.ndim != 2 else x
     if x2.strides[-1] != 1:
@@ -328,7 +364,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nw: vec3
 
 def embedding(ids, w) -> WTensor:
     """Rows ``ids`` of a (vocab, H) table, as f32."""
-    m = w.data
+    m = Matrix.of(w.data)
     ctx = m.ctx
     idx = np.asarray(ids, dtype=np.int64).reshape(-1)
     if idx.size and (idx.min() < 0 or idx.max() >= m.rows):

@@ -296,7 +296,10 @@ class SiglipTower:
         self.soft_norm = w["multi_modal_projector.mm_soft_emb_norm.weight"]
         proj = w["multi_modal_projector.mm_input_projection_weight"]  # (vision hidden, text hidden): x @ W
         host = backend.to_host(proj.data)
-        self.projection = backend.weight(host.T.copy(), proj.format, "ram")
+        # a private copy, transposed: in host RAM where the backend computes from it (cpu, cuda), else where the
+        # checkpoint's placement put it (wgpu keeps weights in vram only)
+        store = "ram" if "ram" in type(backend).stores else proj.store
+        self.projection = backend.weight(host.T.copy(), proj.format, store)
 
     def _linear(self, x, wb):
         return self.ops.linear(x, wb[0]) + wb[1]
