@@ -1,4 +1,5 @@
-"""``lumen plugins``: what each installed distribution registered, grouped so that it fits on a screen.
+"""``lumen plugins``: what each installed distribution registered, and the devices each backend finds, grouped so
+that it fits on a screen.
 
 The default listing has a section per distribution and a line per kind (ops: a line per backend, their
 weight-format variants and priority overrides beside them), wrapped at the terminal's width. ``--all`` prints the
@@ -33,7 +34,9 @@ def plugins(
 ):
     """List backends, ops, architectures, checkpoint/quant/chat formats, grouped by the plugin that registered them.
 
-    Ops are listed per backend with their weight-format variants and priority overrides. --all: one row each.
+    Each backend's line "devices of ..." lists the devices it finds here (cuda:N with the GPU model, wgpu:N with the
+    adapter's driver, API and limits), or none. Ops are listed per backend with their weight-format variants and
+    priority overrides. --all: one row each.
     """
     from ...plugins import get_registry
 
