@@ -1,10 +1,11 @@
 """The architecture contract. Model plugins subclass ``Architecture``; the core never imports them.
 
 A component is ``(block, layer)``: ``("input-layer", None)``, ``("layer", i)``, ``("experts", i)``,
-``("output-layer", None)``. Placement binds each component to one backend device and store. The plan may split a
-layer's token mixer off as ``("attention", i)`` (``model.attention`` placing it apart: ``plan.split_mixers``); the
-loader folds its weights back into the layer's, and ``backends[("attention", i)]`` says where it computes (the
-layer's own backend unless ``mixer_compute_apart``).
+``("output-layer", None)``, and with ``use_mtp`` the multi-token-prediction head ``("mtp", None)``. Placement
+binds each component to one backend device and store. The plan may split a layer's token mixer off as
+``("attention", i)`` (``model.attention`` placing it apart: ``plan.split_mixers``); the loader folds its weights
+back into the layer's, and ``backends[("attention", i)]`` says where it computes (the layer's own backend unless
+``mixer_compute_apart``).
 """
 
 from __future__ import annotations
@@ -361,6 +362,20 @@ class Architecture(ABC):
         HF processor does (e.g. Qwen: one ``<|image_pad|>`` becomes ``num_tokens`` of them); ``images`` are the
         ``ImageInput`` in prompt order. Raise ``InputError`` when placeholders and images differ in number."""
         raise NotImplementedError(f"{type(self).__name__} has no vision")
+
+    # -- multi-token prediction (issue 20) --------------------------------------------------------------------
+    # ``mtp_layers``: how many multi-token-prediction layers the checkpoint carries (its ``mtp.*`` tensors); a
+    # model plugin sets it, 0 means none. The core sets ``use_mtp = True`` before ``layout`` when the config drafts
+    # with the MTP head (``draft.mtp``): the layout then puts the head's tensors in the component ``("mtp", None)``
+    # (placed with the output layer, whose lm_head it reads), which ``build`` gets in ``weights`` and ``backends``;
+    # otherwise they stay skipped.
+    mtp_layers: int = 0
+    use_mtp: bool = False
+
+    def mtp_cache_bytes(self, context: int, kv_bytes: float) -> int:
+        """Bytes of cache (KV) the MTP head needs for ``context`` tokens; the plan counts them on the output
+        layer's device when ``use_mtp``. Default 0 (no head)."""
+        return 0
 
     @abstractmethod
     def build(self, weights: dict[Component, dict[str, Any]], backends: dict[Component, Any], kv: dict):
