@@ -74,6 +74,9 @@ class Backend(ABC):
     compiles_on_first_use: bool = False
     # its cache states can be saved to and restored from host arrays by lumen_core.prefix_cache (numpy / CuPy arrays)
     prefix_cache: bool = True
+    # speculative decoding (a draft model or an MTP head, lumen_core.speculative) can run on it: its caches can be
+    # copied and rewound to an earlier position after a rejected draft; the plan refuses a draft where it cannot
+    speculative: bool = True
 
     def __init__(self, device: str, registry):
         self.device = device

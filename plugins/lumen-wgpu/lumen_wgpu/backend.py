@@ -33,6 +33,7 @@ class WGPUBackend(Backend):
     kv_types = ("f32", "f16", "bf16", "fp8")  # fp8: E4M3 bytes, rounded on write as the CPU rounds (attention.py)
     kv_stores = ("vram",)
     prefix_cache = False  # its caches (KVArray, WTensor states) have no host save/restore for lumen_core.prefix_cache
+    speculative = False  # its caches cannot be copied or rewound yet, which speculative decoding needs
 
     @classmethod
     def devices(cls) -> list[DeviceInfo]:
