@@ -24,6 +24,18 @@ from .plugins import get_registry
 from .prefix_cache import PrefixCache, save_points
 from .progress import Progress
 from .sampling import SamplingParams, make_sampler
+from .speculative import (
+    Checkpoint,
+    DraftModel,
+    MTPDrafter,
+    SpecStats,
+    accept_greedy,
+    accept_sampled,
+    draw,
+    greedy_token,
+    recording,
+    target_probs,
+)
 from .tensors import LoadReport
 from .tokenizer import StopMatcher, StreamDecoder, Tokenizer
 
@@ -43,6 +55,7 @@ class Stats:
     cached_tokens: int = 0  # prompt tokens taken from the prefix cache instead of prefilled
     # per generated token (EOS included) when the generation asked for logprobs: lumen_core.logprobs.TokenLogprob
     token_logprobs: list = field(default_factory=list)
+    speculative: SpecStats | None = None  # a speculative generation's verify steps and acceptance
 
     def summary(self) -> str:
         pre = self.prompt_tokens / self.prefill_seconds if self.prefill_seconds else 0.0
@@ -50,8 +63,9 @@ class Stats:
             return f"scored {self.prompt_tokens} tok in {self.prefill_seconds:.2f} s, {pre:.1f} tok/s"
         dec = (self.generated_tokens - 1) / self.decode_seconds if self.decode_seconds else 0.0
         images = f"{self.images} image(s) encoded in {self.image_seconds:.2f} s; " if self.images else ""
+        spec = f"; {self.speculative.summary()}" if self.speculative is not None else ""
         return (f"{images}prompt {self.prompt_tokens} tok, {pre:.1f} tok/s; generated {self.generated_tokens} tok, "
-                f"{dec:.1f} tok/s; finish: {self.finish_reason}")
+                f"{dec:.1f} tok/s; finish: {self.finish_reason}{spec}")
 
 
 class Engine:
@@ -75,6 +89,11 @@ class Engine:
         self._image_processor = None  # built on the first image, from the checkpoint's preprocessor config
         self._preprocessor_config: dict | None = None
         self._image_stats = (0, 0.0)
+        # speculative decoding (config ``draft``): tokens drafted per verify, and a new Drafter per generation
+        self.draft_tokens = 0
+        self.drafter_factory = None
+        self.draft_engine: Engine | None = None  # a draft model's own engine (not for MTP)
+        self._spec_noted = False
 
     @property
     def stats(self) -> Stats:
@@ -136,11 +155,34 @@ class Engine:
         reader = getattr(ckpt, "preprocessor_config", None)
         engine._preprocessor_config = reader() if reader is not None and ("vision", None) in weights else None
         engine.backends = backends
+        engine._set_up_drafting(resolved, progress)
         if any(b.compiles_on_first_use for b in set(backends.values())):
             with progress.phase("warm-up") as phase:
                 phase.note = "first forward: compiles the CPU kernels on a first run, cached after"
                 engine.warm_up()
         return engine
+
+    def _set_up_drafting(self, resolved: dict, progress: Progress) -> None:
+        """The config's ``draft`` block: the MTP head the model loaded, or a draft model loaded as an engine of its
+        own (its plan was counted with the main one), whose tokenizer must be the main model's."""
+        spec = self.config.draft()
+        if spec is None:
+            return
+        self.draft_tokens = spec.tokens
+        if spec.mtp:
+            if getattr(self.model, "mtp", None) is None:
+                raise CheckpointError(f"{self.config.model_path}: the model was loaded without a multi-token-"
+                                      "prediction head, so draft.mtp cannot draft; use a draft model (draft.path)")
+            model = self.model
+            self.drafter_factory = lambda context: MTPDrafter(model, context)
+            return
+        from .draft import check_draft_tokenizer
+
+        draft = Engine.load(resolved["draft_config"], progress=progress)
+        if self.tokenizer is not None:
+            check_draft_tokenizer(self.tokenizer, draft.tokenizer, self.config.model_path, draft.config.model_path)
+        self.draft_engine = draft
+        self.drafter_factory = lambda context: DraftModel(draft.model, context)
 
     def warm_up(self) -> None:
         """One short prefill and one decode step on a throwaway cache: kernels that compile on first use (numba)
@@ -243,6 +285,11 @@ class Engine:
         # a prompt with images decodes op by op: the replayed step's positions assume text-only prompts; logprobs
         # and a grammar read (and mask) every row on the host
         on_host = media or logprobs is not None or constraint is not None
+        if self.drafter_factory is not None:
+            if not on_host:
+                yield from self._speculative(prompt_ids, max_tokens, params, st)
+                return
+            self._note_plain("images, logprobs and grammars")
         eos, runner = self._eos(), (None if on_host else self.decode_runner())
         if runner:  # logits stay on the device; the backend samples them and replays its decode step
             runner.reset()
@@ -312,6 +359,101 @@ class Engine:
                 prefix.store(seen[:cache.pos], cache)  # (a pipelined chain may have run ahead: not saved)
         st.decode_seconds = time.perf_counter() - t1
 
+    def _note_plain(self, why: str) -> None:
+        if not self._spec_noted:
+            self._spec_noted = True
+            print(f"lumen: note: speculative decoding is off for generations with {why}: they decode token by "
+                  "token", file=sys.stderr)
+
+    def _speculative(self, prompt_ids: list[int], max_tokens: int, params: SamplingParams, st: Stats):
+        """``generate_tokens`` with a drafter (lumen_core.speculative): the drafter proposes up to
+        ``draft_tokens`` tokens, one main forward over them and the newest token verifies them all, and the cache
+        is rewound to what was kept. Greedy: the tokens of plain greedy decoding; sampling: the rejection rule
+        (the same distribution as plain sampling, not the same draws)."""
+        model, eos = self.model, self._eos()
+        drafter = self.drafter_factory(self.context_size)
+        records = getattr(model, "records_states", False)
+        hidden = {"hidden": True} if drafter.needs_hidden else {}
+        rng = np.random.Generator(np.random.PCG64(params.seed))
+        greedy = params.temperature == 0
+        spec = st.speculative = SpecStats()
+        cache = model.new_cache(self.context_size)
+        prefix = self.prefix_cache
+        snap, split = prefix.lookup(prompt_ids) if prefix is not None else (None, 0)
+        seen = list(prompt_ids)
+
+        def pick(row, seen) -> int:
+            row = np.asarray(row, dtype=np.float32)
+            check_logits(row, st.generated_tokens + 1, self.config.model_path)
+            return greedy_token(row, params, seen) if greedy else draw(target_probs(row, params, seen), rng)
+
+        t0 = time.perf_counter()
+        n = st.cached_tokens = prefix.restore(snap, cache) if snap is not None else 0
+        for point in save_points(n, len(prompt_ids), split) if prefix is not None else ():
+            model.forward(list(prompt_ids[n:point]), cache)
+            prefix.store(prompt_ids[:point], cache)
+            n = point
+        out = model.forward(list(prompt_ids[n:]), cache, all_logits=drafter.needs_hidden, **hidden)
+        logits, rows = out if hidden else (out, None)
+        if prefix is not None:
+            prefix.store(prompt_ids, cache)
+        pending = [pick(logits[-1], seen)]
+        drafter.start(list(prompt_ids), len(prompt_ids) - n, rows)
+        st.prefill_seconds = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        st.finish_reason = "length"
+        try:
+            while True:
+                for tok in pending:
+                    st.generated_tokens += 1
+                    if tok in eos:
+                        st.finish_reason = "stop"
+                        return
+                    yield tok
+                    seen.append(tok)
+                    fed = len(prompt_ids) + st.generated_tokens - 1  # tokens in the cache before tok, if fed plainly
+                    if fed >= self.context_size or st.generated_tokens >= max_tokens:
+                        st.finish_reason = "length"
+                        return
+                    if self.should_stop is not None and self.should_stop():
+                        st.finish_reason = "cancelled"
+                        return
+                last = pending[-1]  # the only token of pending not in the cache yet
+                k = min(self.draft_tokens, self.context_size - cache.pos - 1, max_tokens - st.generated_tokens - 1)
+                if k < 1:  # the last token the limits allow: no room to draft
+                    pending = [pick(model.forward([last], cache)[-1], seen)]
+                    continue
+                td = time.perf_counter()
+                drafts, dists = drafter.propose(last, k, params, seen, rng)
+                tv = time.perf_counter()
+                fed_ids = [last] + drafts
+                checkpoint = Checkpoint(cache, k + 1, records)
+                with recording() as trail:
+                    out = model.forward(fed_ids, cache, all_logits=True, **hidden)
+                logits, rows = out if hidden else (out, None)
+                logits = np.asarray(logits, dtype=np.float32)
+                check_logits(logits[0], st.generated_tokens + 1, self.config.model_path)
+                if greedy:
+                    targets = [greedy_token(logits[i], params, seen + drafts[:i]) for i in range(k + 1)]
+                    a = accept_greedy(targets, drafts)
+                    nxt = targets[a]
+                else:
+                    a, nxt = accept_sampled(_rows_of(logits, params, seen, drafts), dists, drafts, rng)
+                rerun = checkpoint.rewind(a + 1, trail)
+                if rerun:
+                    model.forward(fed_ids[:rerun], cache)
+                drafter.accept(fed_ids, a + 1, rows)
+                spec.verifies += 1
+                spec.drafted += k
+                spec.accepted += a
+                spec.draft_seconds += tv - td
+                spec.verify_seconds += time.perf_counter() - tv
+                pending = drafts[:a] + [nxt]
+        finally:
+            st.decode_seconds = time.perf_counter() - t1
+            if prefix is not None and cache.pos <= len(seen):
+                prefix.store(seen[:cache.pos], cache)
+
     def start_batching(self, sequences: int | None = None):
         """Run generations in shared batched steps from now on (``lumen_core.batching.Batcher``): up to
         ``sequences`` at once (default: the config's ``kv-cache.sequences``, which the plan counted). Idempotent;
@@ -331,6 +473,8 @@ class Engine:
         """Stop batching and release what the backends hold for this engine (device memory, pinned host memory);
         the engine cannot run after."""
         self.stop_batching()
+        if self.draft_engine is not None:
+            self.draft_engine.close()
         for backend in {id(b): b for b in self.backends.values()}.values():
             close = getattr(backend, "close", None)
             if close is not None:
@@ -498,6 +642,11 @@ class Engine:
 
     def _eos(self) -> set[int]:
         return set(self.tokenizer.eos_ids) if self.tokenizer else set()
+
+
+def _rows_of(logits, params: SamplingParams, seen: list[int], drafts: list[int]):
+    """``i -> p_i``: the distribution plain sampling draws from at verify row ``i`` (after the drafts before it)."""
+    return lambda i: target_probs(logits[i], params, seen + drafts[:i])
 
 
 def _extras(**options) -> dict:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from lumen_core import speculative
 from lumen_core.architecture import Model, Segmented
 from lumen_core.errors import InputError
 
@@ -72,8 +73,12 @@ class GatedDeltaNet:
         Hk, Dk = a.linear_num_key_heads, a.linear_key_head_dim
         Hv, Dv = a.linear_num_value_heads, a.linear_value_head_dim
         qkv, z, b, a_in = ops.linear_group(h, [self.qkv, self.z, self.in_b, self.in_a])
+        trail = None if isinstance(state, Segmented) else speculative.trail()
         if isinstance(state, Segmented):  # several sequences: each convolves and recurs over its own state
             x = ops.causal_conv1d_segments(qkv, self.conv, [st[0] for st in state.states], state.spans)
+        elif trail is not None:  # a speculative verify: one token at a time, the state after each one kept
+            x = ops.concat([speculative.kept(trail, state[0], ops.causal_conv1d(qkv[t:t + 1], self.conv, state[0]))
+                            for t in range(T)])
         else:
             x = ops.causal_conv1d(qkv, self.conv, state[0])  # (T, 2*Hk*Dk + Hv*Dv)
         kd = Hk * Dk
@@ -89,6 +94,9 @@ class GatedDeltaNet:
         g, beta = ops.gdn_gates(a_in, b, self.neg_a, self.dt_bias)  # log decay (<= 0), write strength (T, Hv)
         if isinstance(state, Segmented):
             o = ops.gated_delta_rule_segments(q, k, v, g, beta, [st[1] for st in state.states], state.spans)
+        elif trail is not None:
+            o = ops.concat([speculative.kept(trail, state[1], ops.gated_delta_rule(
+                q[t:t + 1], k[t:t + 1], v[t:t + 1], g[t:t + 1], beta[t:t + 1], state[1])) for t in range(T)])
         else:
             o = ops.gated_delta_rule(q, k, v, g, beta, state[1])  # (T, Hv, Dv)
         o = ops.rms_norm_gated(o, z.reshape(T, Hv, Dv), self.norm, a.rms_norm_eps)
@@ -163,6 +171,8 @@ class DecoderLayer:
 
 
 class QwenModel(Model):
+    records_states = True  # GatedDeltaNet keeps its state after each token of a verify (lumen_core.speculative)
+
     def __init__(self, arch, weights, backends, kv):
         self.arch, self.args = arch, arch.args
         self.vocab_size = arch.args.vocab_size
@@ -185,6 +195,11 @@ class QwenModel(Model):
 
             self.tower = VisionTower(arch.vision_args, weights[("vision", None)], self.vision_backend,
                                      arch.visual_prefix)
+        self.mtp = None  # the multi-token-prediction head (lumen_models_qwen.mtp), when loaded (arch.use_mtp)
+        if ("mtp", None) in weights:
+            from .mtp import MTPHead
+
+            self.mtp = MTPHead(self, weights[("mtp", None)], backends[("mtp", None)])
 
     def new_cache(self, context_size: int) -> Cache:
         states = []
@@ -282,7 +297,10 @@ class QwenModel(Model):
         x = ob.ops.rms_norm(x, self.norm, self.args.rms_norm_eps, 1.0)
         return ob.to_host(ob.ops.linear(x, self.head))
 
-    def forward(self, ids, cache: Cache, all_logits: bool = False, host: bool = True, images=None):
+    def forward(self, ids, cache: Cache, all_logits: bool = False, host: bool = True, images=None,
+                hidden: bool = False):
+        """Logits of the last row (every row with ``all_logits``). ``hidden``: return ``(logits, rows)``, where rows
+        are all T final-normed hidden states (T, H) on the output layer's backend (what the MTP head reads)."""
         start, T = cache.pos, len(ids)
         self.in_backend.use()  # a forward starts on the input layer's device (several GPUs in one plan)
         x = self.in_backend.ops.embedding(ids, self.embed)  # (T, H)
@@ -319,7 +337,8 @@ class QwenModel(Model):
             x = layer(x, state, start, rope)
         cache.pos += T
         ob = self.out_backend
-        x = ob.take(x if all_logits else x[T - 1:])
+        x = ob.take(x if all_logits or hidden else x[T - 1:])
         x = ob.ops.rms_norm(x, self.norm, self.args.rms_norm_eps, 1.0)
-        logits = ob.ops.linear(x, self.head)
-        return ob.to_host(logits) if host else logits
+        logits = ob.ops.linear(x if all_logits or not hidden else x[T - 1:], self.head)
+        logits = ob.to_host(logits) if host else logits
+        return (logits, x) if hidden else logits
