@@ -491,7 +491,9 @@ def normalize(raw: dict) -> None:
     """LumenLLM's spellings, rewritten in place (after the schema) to the one Lumen reads, with the same meaning:
     `store: "gpu"` is `vram` wherever a store is taken (LumenLLM's guide: `"vram"` (= `"gpu"`)); a flat `draft`
     {path, compute, store} is `draft.model` (omitted compute/store inherit from `model`, as LumenLLM's guide says);
-    `num-draft-tokens` omitted is 4. What cannot be read so (both draft forms, a `cuda` knob) is refused by name."""
+    `num-draft-tokens` omitted is 4. A draft is then either `{model, num-draft-tokens}` or, drafting with the
+    checkpoint's MTP head, `{mtp: true, num-draft-tokens}` (`mtp: false` is dropped: it is the draft-model form).
+    What cannot be read so (both draft forms, an MTP head with a draft model, a `cuda` knob) is refused by name."""
     _check_cuda(raw.get("cuda", {}))
     if "draft" in raw:
         raw["draft"] = _nested_draft(raw["draft"], raw["model"])
@@ -514,18 +516,28 @@ def _check_cuda(knobs: dict) -> None:
 
 
 def _nested_draft(draft: dict, model: dict) -> dict:
+    """The one form Lumen reads of a draft block written in any of the three (see ``normalize``)."""
     flat = [k for k in _FLAT_DRAFT if k in draft]
+    tokens = draft.get("num-draft-tokens", DEFAULT_DRAFT_TOKENS)
+    if draft.get("mtp"):
+        given = flat + (["model"] if "model" in draft else [])
+        if given:
+            raise ConfigError("draft.mtp", f"mtp: true drafts with the checkpoint's own multi-token-prediction head, "
+                              f"but draft.{given[0]} also names a draft model",
+                              f"remove draft.{', draft.'.join(given)} (MTP head), or set mtp to false (draft model)")
+        return {"mtp": True, "num-draft-tokens": tokens}
     if "model" in draft and flat:
         raise ConfigError(f"draft.{flat[0]}", "draft is given twice: LumenLLM's flat form (draft.path, compute, "
                           "store) and Lumen's draft.model block", "keep one of the two forms")
     if "model" not in draft and "path" not in draft:
         raise ConfigError("draft.path", "missing the draft checkpoint: draft needs 'path' (LumenLLM's flat form) "
-                          "or a 'model' block (Lumen's form)", "add draft.path")
+                          "or a 'model' block (Lumen's form), or 'mtp': true (the checkpoint's MTP head)",
+                          "add draft.path, or draft.mtp: true to draft with the model's multi-token-prediction head")
     if "model" in draft:
         nested = {"model": draft["model"]}
     else:  # omitted compute/store inherit from model (LumenLLM: "anything you omit inherits from its parent")
         nested = {"model": {k: draft.get(k, model.get(k)) for k in _FLAT_DRAFT if k in draft or k in model}}
-    nested["num-draft-tokens"] = draft.get("num-draft-tokens", DEFAULT_DRAFT_TOKENS)
+    nested["num-draft-tokens"] = tokens
     return nested
 
 
@@ -562,7 +574,7 @@ def check_structure(raw: dict, draft_root: str = "draft.model") -> None:
     path of the draft's model block as the file wrote it (`draft` for LumenLLM's flat form)."""
     _check_model(raw["model"], "model")
     _check_vision(raw)
-    if "draft" in raw:
+    if "model" in raw.get("draft", {}):
         _check_model(raw["draft"]["model"], draft_root)
 
 
@@ -582,6 +594,18 @@ class KVCacheConfig:
     allow_beyond_trained_context: bool = False
     sequences: int = 1  # generations held at once (the server's batch), each with a full cache
     prefix_cache_mb: float = 0.0  # host RAM for the prefix cache (0: off)
+
+
+@dataclass(frozen=True)
+class DraftSpec:
+    """Speculative decoding as the config asks for it (``Config.draft()``): ``tokens`` proposed per verification
+    step (num-draft-tokens); ``mtp``: drafted by the checkpoint's multi-token-prediction head; ``config``: the draft
+    model's own Config (its model block as its root, paths relative to the main config's directory), None for MTP.
+    The plan fixes the draft's context size to the main model's (``resolved["draft_config"]``)."""
+
+    tokens: int
+    mtp: bool
+    config: Config | None
 
 
 def _expanduser(text: str, where: str) -> Path:
@@ -649,17 +673,60 @@ class Config:
 
     @property
     def draft_model_path(self) -> Path | None:
+        """draft.model.path resolved as model.path is; None without a draft model (no draft, or the MTP head)."""
         draft = self.raw.get("draft")
-        if not draft:
+        if not draft or "model" not in draft:
             return None
         return _resolve_model_path(draft["model"]["path"], self.base_dir, "draft.model.path", draft["model"])
 
+    def draft(self) -> DraftSpec | None:
+        """The draft block read (None: no speculative decoding). A draft model's Config has the draft's model block
+        as its `model`, the main config's directory as its base and source ``<main source> (draft)``; it is checked
+        already (``check_structure``), so it is built as is."""
+        draft = self.raw.get("draft")
+        if not draft:
+            return None
+        if draft.get("mtp"):
+            return DraftSpec(draft["num-draft-tokens"], True, None)
+        own = Config({"model": copy.deepcopy(draft["model"])}, f"{self.source} (draft)", self.base_dir)
+        return DraftSpec(draft["num-draft-tokens"], False, own)
+
+    def with_draft(self, path: str | None = None, tokens: int | None = None, mtp: bool = False) -> Config:
+        """A copy of this config with the command line's draft options (`--draft-model PATH`, `--draft-tokens N`,
+        `--mtp`) on top, checked as a config file is. `path` replaces the config's draft with LumenLLM's flat form
+        (compute and store inherit from `model`); `mtp` with the MTP head; `tokens` sets num-draft-tokens (else the
+        config's, else 4). A relative `path` is relative to the working directory (it comes from the command line),
+        unless it is a Hugging Face model id not on disk. Nothing given: this config itself."""
+        if path is None and tokens is None and not mtp:
+            return self
+        if path is not None and not path.strip():
+            raise InputError("--draft-model: the path is empty; give the draft checkpoint's directory, .gguf file or "
+                             "Hugging Face model id")
+        if path is not None and mtp:
+            raise InputError("give --draft-model PATH (a draft model) or --mtp (the checkpoint's multi-token-"
+                             "prediction head), not both")
+        old = self.raw.get("draft")
+        if path is None and not mtp and not old:
+            raise InputError(f"--draft-tokens {tokens} needs a draft: add --draft-model PATH or --mtp, or a draft "
+                             f"block to the config {self.source}")
+        raw = copy.deepcopy(self.raw)
+        if path is not None or mtp:
+            raw["draft"] = {"mtp": True} if mtp else {"path": _cli_path(path)}
+            if old:
+                raw["draft"]["num-draft-tokens"] = old["num-draft-tokens"]
+        if tokens is not None:
+            raw["draft"]["num-draft-tokens"] = tokens
+        _check_values(raw)  # a NUL in the path, as in a file
+        return _checked(raw, self.source, self.base_dir)
+
     def _resolved(self, component: str, layer: int | None) -> _Resolved:
+        if component == "mtp":  # the multi-token-prediction head reads the lm_head: it sits with the output layer
+            component = "output-layer"
         return _resolve(_chain(self.raw["model"], "model", component, layer, self.raw.get("vision")))
 
     def placement(self, component: str, layer: int | None = None) -> Placement:
         """Effective placement of input-layer, output-layer, layer N, the token mixer (attention) of layer N, the
-        experts of layer N, or vision."""
+        experts of layer N, vision, or mtp (the multi-token-prediction head: the output layer's placement)."""
         return self._resolved(component, layer).placement
 
     def placement_path(self, component: str, layer: int | None = None) -> str:
@@ -739,7 +806,6 @@ class Config:
         """(json_path, feature) of what the engine may not support yet; it refuses those it can't do."""
         model = self.raw["model"]
         wanted = [("audio", "audio tower", "audio" in self.raw),
-                  ("draft", "speculative decoding", "draft" in self.raw),
                   ("model.attention.compute-quantization", "fp8 attention",
                    model.get("attention", {}).get("compute-quantization", "none") == "fp8")]
         return [(path, feature) for path, feature, on in wanted if on]
@@ -760,6 +826,11 @@ def load_config(source: str | os.PathLike | dict, base_dir: str | os.PathLike | 
         path = _expanduser(os.fspath(source), "")
         raw, name, base_dir = _read_json(path), str(path), path.resolve().parent
         _check_values(raw)
+    return _checked(raw, name, base_dir)
+
+
+def _checked(raw: dict, name: str, base_dir) -> Config:
+    """Schema, normalization and structural checks of a raw config read or built (it is changed in place)."""
     validate_schema(raw)
     flat_draft = isinstance(raw.get("draft"), dict) and "model" not in raw["draft"]
     normalize(raw)
@@ -767,6 +838,15 @@ def load_config(source: str | os.PathLike | dict, base_dir: str | os.PathLike | 
     config = Config(raw, name, base_dir)
     config.server_parameters()  # what `serve` refuses in its block (a blank API key) every command refuses
     return config
+
+
+def _cli_path(text: str) -> str:
+    """A checkpoint path given on the command line, absolute against the working directory (a config's paths are
+    relative to its own directory); a Hugging Face model id that is not on disk stays as it is."""
+    path = _expanduser(text, "--draft-model")
+    if path.is_absolute() or (_is_model_id(text) and not _exists(path)):
+        return text
+    return str(Path.cwd() / path)
 
 
 def _is_dir(path: Path) -> bool:

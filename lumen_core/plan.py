@@ -6,14 +6,16 @@ config that cannot run is refused before the first weight moves.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 
 from .architecture import Architecture, Component, component_label
-from .config import Placement
-from .errors import ConfigError, PlanError
+from .config import Config, Placement
+from .errors import CheckpointError, ConfigError, PlanError
 from .tensors import SCALE_SUFFIXES, check_tensors, is_nvfp4
 
 DTYPE_FORMAT = {"F32": "f32", "F16": "f16", "BF16": "bf16", "F8_E4M3": "fp8"}
@@ -21,8 +23,8 @@ KV_BYTES = {"f32": 4, "f16": 2, "bf16": 2, "fp8": 1}
 # What this version executes; the rest of the config layout is validated and refused by name.
 UNSUPPORTED = {
     "audio tower": "Lumen has no audio tower (Gemma 4 E2B/E4B's audio encoder); remove the 'audio' block",
-    "speculative decoding": "speculative decoding is not supported yet; remove the 'draft' block",
 }
+DRAFT_PREFIX = "draft."  # the draft model's plan rows, merged into the main plan
 
 
 @dataclass
@@ -210,8 +212,8 @@ def check_placement(config, arch: Architecture, registry, components: list[Compo
                 path, f"backend {p.backend!r} lacks ops {sorted(missing)} needed by {component_label(comp)}",
                 "place this component on a backend that implements them",
             )
-        if comp[0] == "layer" and ("attention", comp[1]) not in components or comp[0] == "attention":
-            _check_kv_types(config, cls)  # the KV cache lives with the token mixer
+        if comp[0] == "layer" and ("attention", comp[1]) not in components or comp[0] in ("attention", "mtp"):
+            _check_kv_types(config, cls)  # the KV cache lives with the token mixer (the MTP head's: with it)
             _check_kv_store(config, cls, comp)
         if comp[0] == "attention" and p.compute != placements[("layer", comp[1])].compute \
                 and not arch.mixer_compute_apart:
@@ -268,11 +270,43 @@ def _check_device(registry, p, path: str) -> None:
 
 
 def make_plan(config, arch: Architecture, ckpt, registry) -> tuple[Plan, dict]:
-    """Resolve placement, size every component and cache, and refuse a plan that does not fit."""
+    """Resolve placement, size every component and cache, and refuse a plan that does not fit. With a draft model
+    (``draft``) the draft is planned too, at the main model's context size, its rows and notes merged in (labels
+    ``draft.…``, notes ``draft: …``) and both models counted against the memory; ``resolved["draft_config"]`` is
+    the draft's Config with that context size (None without a draft model). With ``draft.mtp`` the checkpoint's
+    multi-token-prediction head is planned as the component ``mtp`` (the output layer's placement)."""
+    plan, resolved = plan_model(config, arch, ckpt, registry)
+    spec = config.draft()
+    resolved["draft_config"] = None
+    placements = list(resolved["placements"].values())
+    if spec is not None:
+        check_speculative(registry, resolved["placements"], "the main model")
+        if spec.config is not None:
+            draft_plan, draft_resolved, draft_config = plan_draft(config, spec.config, plan.context_size, registry)
+            check_speculative(registry, draft_resolved["placements"], "the draft model")
+            merge_draft(plan, draft_plan)
+            placements += draft_resolved["placements"].values()
+            resolved["draft_config"] = draft_config
+            plan.notes.append(f"speculative decoding: the draft model {draft_config.model_path} proposes "
+                              f"{spec.tokens} token(s) per verification step")
+        else:
+            plan.notes.append(f"speculative decoding: the checkpoint's multi-token-prediction head ({arch.mtp_layers} "
+                              f"layer(s)) proposes {spec.tokens} token(s) per verification step")
+    _fit(plan, registry, placements)
+    return plan, resolved
+
+
+def plan_model(config, arch: Architecture, ckpt, registry) -> tuple[Plan, dict]:
+    """One model's plan (its rows, notes and resolved placement), not yet held against the memory (``_fit``)."""
     check_features(config)
     config.check_ranges(arch.num_layers)
+    check_mtp(config, arch, ckpt)
     check_vision(config, arch, ckpt)
     layout = arch.layout(ckpt.tensors)
+    if arch.use_mtp and ("mtp", None) not in layout.needs:
+        raise PlanError(f"the {arch.model_type} architecture says {ckpt.path} has {arch.mtp_layers} multi-token-"
+                        "prediction layer(s) but puts none of its tensors in the ('mtp', None) component: the "
+                        "model plugin cannot load its MTP head; use a draft model instead (draft.path)")
     report = check_tensors(ckpt, layout)
     split_mixers(config, arch, layout)
     components = []
@@ -287,6 +321,8 @@ def make_plan(config, arch: Architecture, ckpt, registry) -> tuple[Plan, dict]:
     kv = config.kv_cache()
     context_notes = check_context(kv, arch, ckpt)
     context = kv.context_size or arch.max_context
+    kv_bytes = (KV_BYTES[kv.type_k] + KV_BYTES[kv.type_v]) / 2
+    kv_fmt = kv.type_k if kv.type_k == kv.type_v else f"{kv.type_k}/{kv.type_v}"
     plan = Plan(context_size=context)
     placed: set[tuple[str, str, str]] = set()  # (tensor, device, store): a tied tensor is held once per place
     converted: dict[str, dict[str, str]] = {}  # device -> {checkpoint format: what its backend converts it to}
@@ -304,14 +340,15 @@ def make_plan(config, arch: Architecture, ckpt, registry) -> tuple[Plan, dict]:
         plan.entries.append(
             PlanEntry(component_label(comp), p.backend, p.device, p.store, "+".join(fmts), nbytes)
         )
-        # a layer's KV cache (or recurrent state) lives with its token mixer: after the mixer's row when it has one
-        if comp[0] == "layer" and ("attention", comp[1]) not in placements or comp[0] == "attention":
-            kv_bytes = (KV_BYTES[kv.type_k] + KV_BYTES[kv.type_v]) / 2
-            cache = arch.cache_bytes(comp[1], context, kv_bytes) * kv.sequences  # one per generation held at once
-            kv_fmt = kv.type_k if kv.type_k == kv.type_v else f"{kv.type_k}/{kv.type_v}"
-            plan.entries.append(
-                PlanEntry(f"cache.layers.{comp[1]}", p.backend, p.device,
-                          kv.store or kv_home(registry.backend_class(p.backend), p.store), kv_fmt, cache, kind="cache")
+        # a layer's KV cache (or recurrent state) lives with its token mixer: after the mixer's row when it has one;
+        # the MTP head's with the head (on the output layer's device)
+        if comp[0] == "layer" and ("attention", comp[1]) not in placements or comp[0] in ("attention", "mtp"):
+            one = (arch.mtp_cache_bytes(context, kv_bytes) if comp[0] == "mtp"
+                   else arch.cache_bytes(comp[1], context, kv_bytes))
+            label = "cache.mtp" if comp[0] == "mtp" else f"cache.layers.{comp[1]}"
+            plan.entries.append(  # one cache per generation held at once
+                PlanEntry(label, p.backend, p.device, kv.store or kv_home(cls, p.store), kv_fmt, one * kv.sequences,
+                          kind="cache")
             )
     if ("vision", None) in placements:
         _vision_activations(arch, ckpt, registry, placements[("vision", None)], plan)
@@ -336,8 +373,109 @@ def make_plan(config, arch: Architecture, ckpt, registry) -> tuple[Plan, dict]:
     plan.notes = (config.range_notes(arch.num_layers) + placement_notes + context_notes
                   + _no_effect_notes(config, components)
                   + _expert_cache(config, arch, registry, placements, plan))
-    _fit(plan, registry, placements)
     return plan, {"placements": placements, "layout": layout, "kv": kv, "report": report}
+
+
+# ---------------------------------------------------------------- speculative decoding (draft model, MTP head)
+
+
+def check_mtp(config, arch: Architecture, ckpt) -> None:
+    """``draft.mtp``: draft with the checkpoint's multi-token-prediction head. Refused where the checkpoint has
+    none (``arch.mtp_layers`` 0); else ``arch.use_mtp`` is set, so the layout puts the head's tensors in the
+    component ``("mtp", None)``, and the checkpoint is checked again with them (shapes, before any weight loads)."""
+    spec = config.draft()
+    if spec is None or not spec.mtp:
+        return
+    if not arch.mtp_layers:
+        err = PlanError(f"draft.mtp: {ckpt.path} has no multi-token-prediction head (no mtp.* tensors / "
+                        "mtp_num_hidden_layers 0); use a draft model instead (draft.path, or --draft-model PATH)")
+        err.fix = "remove draft.mtp (or --mtp) and name a draft model: draft.path or --draft-model PATH"
+        raise err
+    arch.use_mtp = True
+    arch.check_checkpoint(ckpt)
+
+
+def check_speculative(registry, placements: dict, who: str) -> None:
+    """Speculative decoding copies and rewinds every cache (a rejected draft token is taken back): refused, naming
+    the backend and the components, where one of ``who``'s components sits on a backend that cannot
+    (``Backend.speculative`` False)."""
+    lacking: dict[str, list[str]] = {}
+    for comp, p in placements.items():
+        if not registry.backend_class(p.backend).speculative:
+            lacking.setdefault(p.backend, []).append(component_label(comp))
+    if not lacking:
+        return
+    backend, labels = next(iter(sorted(lacking.items())))
+    shown = ", ".join(labels[:3]) + (f" and {len(labels) - 3} more" if len(labels) > 3 else "")
+    fix = (f"place {who} on cpu or cuda:N (draft.model's compute/store, or draft.compute/store), or remove the draft"
+           if who == "the draft model" else
+           f"place {who} on cpu or cuda:N, or remove the draft block (and --draft-model / --mtp)")
+    err = PlanError(f"speculative decoding cannot run on backend {backend!r} yet: its caches cannot be copied or "
+                    f"rewound to an earlier position after a rejected draft token, and {who} computes {shown} there; "
+                    f"fix: {fix}")
+    err.fix = fix
+    raise err
+
+
+def plan_draft(config, draft: Config, context: int, registry) -> tuple[Plan, dict, Config]:
+    """The draft model's plan at the main model's ``context`` (and sequences), from its own checkpoint and the
+    architecture the registry has for it; returns it with its resolved placement and the draft's Config as planned
+    (what ``Engine.load`` of the draft plans again, exactly). Errors say they are about the draft: a ConfigError's
+    path is under ``draft.`` (the draft's model block is read as ``draft.model``)."""
+    from .checkpoint import open_checkpoint
+
+    try:
+        ckpt = open_checkpoint(draft.model_path, registry)
+        arch = registry.architecture_class(ckpt.config.get("model_type", "<missing>")).from_checkpoint(ckpt)
+        fixed, notes = draft_at_context(config, draft, arch, ckpt, context)
+        plan, resolved = plan_model(fixed, arch, ckpt, registry)
+    except ConfigError as exc:
+        path = DRAFT_PREFIX + exc.path if exc.path.startswith("model") else exc.path
+        raise ConfigError(path, f"the draft model: {exc.message}", exc.fix) from None
+    except CheckpointError as exc:
+        raise CheckpointError(f"the draft model: {str(exc).replace('model.path', 'draft.model.path')}") from None
+    except PlanError as exc:
+        err = PlanError(f"the draft model: {exc}")
+        err.fix = getattr(exc, "fix", None)
+        raise err from None
+    plan.notes = notes + plan.notes
+    return plan, resolved, fixed
+
+
+def draft_at_context(config, draft: Config, arch: Architecture, ckpt, context: int) -> tuple[Config, list[str]]:
+    """The draft's Config holding the main model's ``context`` tokens and ``sequences`` (it verifies every token
+    the main model holds), and notes. A draft trained on fewer tokens than ``context`` is refused unless
+    allow-beyond-trained-context (the main model's or the draft's own) says that is the user's call."""
+    main_kv, own_kv = config.kv_cache(), draft.kv_cache()
+    trained = arch.max_context
+    beyond = bool(trained and context > trained)
+    if beyond and not (main_kv.allow_beyond_trained_context or own_kv.allow_beyond_trained_context):
+        source = "GGUF context_length" if getattr(ckpt, "format", "") == "gguf" else "max_position_embeddings"
+        raise ConfigError(
+            CONTEXT_PATH,
+            f"the main model's context of {context} tokens is beyond the draft model's trained context of {trained} "
+            f"tokens ({source} of {ckpt.path}): the draft must hold as many tokens as the main model",
+            f"set {CONTEXT_PATH} to at most {trained}, or pick a draft trained on at least {context} tokens; or, if "
+            f"you handle RoPE scaling yourself, set {BEYOND_PATH}: true",
+        )
+    notes = []
+    if own_kv.context_size is not None and own_kv.context_size != context:
+        notes.append(f"config draft.model.hidden-layers.kv-cache.context-size {own_kv.context_size} is not used: the "
+                     f"draft holds the main model's context of {context} tokens (as many as the main model)")
+    raw = copy.deepcopy(draft.raw)
+    kv = raw["model"].setdefault("hidden-layers", {}).setdefault("kv-cache", {})
+    kv["sequences"] = main_kv.sequences
+    if context:
+        kv["context-size"] = context
+    if beyond:
+        kv["allow-beyond-trained-context"] = True
+    return Config(raw, draft.source, draft.base_dir), notes
+
+
+def merge_draft(plan: Plan, draft: Plan) -> None:
+    """The draft's rows and notes into the main plan: labels prefixed ``draft.``, notes ``draft: ``."""
+    plan.entries += [PlanEntry(**{**asdict(e), "component": DRAFT_PREFIX + e.component}) for e in draft.entries]
+    plan.notes += [f"draft: {n}" for n in draft.notes]
 
 
 def split_mixers(config, arch: Architecture, layout) -> None:
@@ -431,12 +569,12 @@ def _no_effect_notes(config, components: list[Component]) -> list[str]:
     return [f"config {p}: this model has no routed experts, so this placement has no effect" for p in paths]
 
 
-def _capacity(registry, placements, devices: dict[str, str] | None = None) -> dict[str, int]:
+def _capacity(registry, placements: Iterable[Placement], devices: dict[str, str] | None = None) -> dict[str, int]:
     """Bytes available per memory pool. A device whose backend cannot tell its memory (WebGPU reports no VRAM
     size: total_bytes 0) has no entry, so its pool is shown but not checked. ``devices`` gets each device's
     description."""
     cap = {"host RAM": host_available_bytes()}
-    gpus = {(p.backend, p.device) for p in placements.values() if p.backend != "cpu"}
+    gpus = {(p.backend, p.device) for p in placements if p.backend != "cpu"}
     for backend, device in sorted(gpus):  # once per device, not once per component placed there
         info = registry.backend_class(backend).device_info(device)
         if devices is not None and info.description:
@@ -446,7 +584,9 @@ def _capacity(registry, placements, devices: dict[str, str] | None = None) -> di
     return cap
 
 
-def _fit(plan: Plan, registry, placements) -> None:
+def _fit(plan: Plan, registry, placements: Iterable[Placement]) -> None:
+    """Every pool's bytes (the main model's and a draft's) against what is available; a PlanError where one is
+    short, naming the largest rows there and what to move."""
     plan.capacity = _capacity(registry, placements, plan.devices)
     for pool, need in plan.pools().items():
         have = plan.capacity.get(pool)
@@ -464,7 +604,11 @@ def fit_advice(pool: str, entries: list[PlanEntry]) -> str:
     """What to move out of an overfull memory pool, in the config's words."""
     mine = [e for e in entries if memory_pool(e.device, e.store) == pool]
     experts = sum(e.nbytes for e in mine if e.component.endswith(".experts"))
-    wide_kv = sum(e.nbytes for e in mine if e.component.startswith("cache.") and e.format != "fp8")
+    wide_kv = sum(e.nbytes for e in mine
+                  if e.component.removeprefix(DRAFT_PREFIX).startswith("cache.") and e.format != "fp8")
+    drafted = sum(e.nbytes for e in mine if e.component.startswith(DRAFT_PREFIX))
+    draft_tip = ([f"the draft model ({gib(drafted)} here) can go elsewhere (draft.model's compute/store) or be "
+                  "smaller, or draft with the checkpoint's MTP head (draft.mtp)"] if drafted else [])
     kv_tip = ("or lower hidden-layers.kv-cache.context-size (or kv-cache.sequences)" if not wide_kv else
               "or lower hidden-layers.kv-cache.context-size (or kv-cache.sequences), or make the KV cache "
               f"({gib(wide_kv)} here) fp8 with "
@@ -477,9 +621,11 @@ def fit_advice(pool: str, entries: list[PlanEntry]) -> str:
                         f"hidden-layers.experts: {{compute: {device}, store: ram}} or compute them on the CPU with "
                         "hidden-layers.experts: {compute: cpu, store: mmap}")
         tips.append("a range of layers can go to another GPU or the CPU (hidden-layers.ranges)")
+        tips += draft_tip
         tips.append(kv_tip)
         return "Fixes: " + "; ".join(tips)
-    return "Fixes: store: mmap keeps weights in the file's page cache instead of private RAM; " + kv_tip
+    return ("Fixes: store: mmap keeps weights in the file's page cache instead of private RAM; "
+            + "".join(t + "; " for t in draft_tip) + kv_tip)
 
 
 def gib(n: int) -> str:

@@ -739,8 +739,7 @@ def test_requested_features():
     raw = {**model(attention={"compute-quantization": "fp8"},
                    hidden_layers={"kv-cache": {"store": "ram", "type-k": "fp8", "type-v": "fp8"}}),
            "vision": {}, "draft": {"model": {"path": "y"}, "num-draft-tokens": 3}}
-    assert load_config(raw).requested_features() == [
-        ("draft", "speculative decoding"),
+    assert load_config(raw).requested_features() == [  # a draft (speculative decoding) is planned: issue 20
         ("model.attention.compute-quantization", "fp8 attention")]
 
 

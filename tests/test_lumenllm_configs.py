@@ -162,8 +162,10 @@ def test_example_on_cpu_generates_what_the_native_config_does(tiny_checkpoint, n
     assert len(tokens) == 8 and tokens == _greedy(ours)
 
 
-def test_gemma4_vision_draft_on_cpu_is_refused_by_name_for_its_draft(tiny_checkpoint):
-    import lumen_core as lumen
+def test_gemma4_vision_draft_on_cpu_plans_its_draft_at_the_main_context(tiny_checkpoint):
+    """The example's flat draft (issue 20): planned beside the main model, its rows labelled draft.*, at the main
+    model's context of 262144 tokens; the draft's Config as planned is what the engine loads the draft from."""
+    from lumen_core.engine import prepare
 
     path = str(tiny_checkpoint("gemma4_mm", max_position_embeddings=262144))
     raw = on_cpu(original("parameters.gemma4-26b-vision-draft.json"))
@@ -171,9 +173,13 @@ def test_gemma4_vision_draft_on_cpu_is_refused_by_name_for_its_draft(tiny_checkp
     config = load_config(raw)  # LumenLLM's flat draft is read as Lumen's draft.model
     assert config.raw["draft"] == {"model": {"path": path, "compute": "cpu", "store": "ram"}, "num-draft-tokens": 4}
     assert config.placement("vision") == Placement("cpu", "ram")  # the vision block places the tower (issue 17)
-    with pytest.raises(ConfigError) as info:
-        lumen.load(raw, progress=False)
-    assert info.value.path == "draft" and "speculative decoding" in info.value.message
+    _, _, _, plan, resolved = prepare(config)
+    labels = [e.component for e in plan.entries]
+    assert {"vision", "draft.input-layer", "draft.layers.0", "draft.cache.layers.0", "draft.output-layer"} <= set(labels)
+    assert not any(label.startswith("draft.vision") for label in labels)  # the draft has no vision block
+    draft = resolved["draft_config"]
+    assert draft.kv_cache().context_size == plan.context_size == 262144
+    assert draft.placement("layer", 0) == Placement("cpu", "ram") and str(draft.model_path) == path
 
 
 # ------------------------------------------------------------------ every key of LumenLLM's guide
@@ -237,7 +243,7 @@ def test_draft_flat_form_inherits_placement_from_model_and_nested_form_still_wor
     config = load_config(flat)
     assert config.raw["draft"] == {"model": {"path": "d", "compute": "cuda:0", "store": "vram"},
                                    "num-draft-tokens": 4}
-    assert config.requested_features() == [("draft", "speculative decoding")]
+    assert config.requested_features() == []  # speculative decoding is planned (issue 20)
     nested = {"model": {"path": "m"}, "draft": {"model": {"path": "d"}, "num-draft-tokens": 2}}
     assert load_config(nested).raw["draft"] == {"model": {"path": "d"}, "num-draft-tokens": 2}
 
@@ -298,10 +304,10 @@ def test_temp_is_temperature_on_generate(capsys, tiny_checkpoint):
 
 @pytest.mark.parametrize("command", ["generate", "chat"])
 @pytest.mark.parametrize("option, words", [
-    ("--draft-model", "--draft-model: speculative decoding is not supported yet"),
     ("--image", "no-such-image.png")])  # a missing image file: named, before the config is read
-def test_draft_model_and_a_bad_image_are_refused_by_name_before_loading(capsys, tmp_path, command, option, words):
+def test_a_bad_image_is_refused_by_name_before_loading(capsys, tmp_path, command, option, words):
     # A config that does not exist: the option is refused before anything is read. --temp parses on both commands.
+    # (--draft-model is no longer refused: tests/test_draft_config.py.)
     argv = [command, "-c", str(tmp_path / "missing.json"), "--temp", "0", option, str(tmp_path / "no-such-image.png")]
     if command == "generate":
         argv += ["--prompt", "hi"]

@@ -172,14 +172,24 @@ def test_fp8_attention_is_refused_naming_the_backend(moe48):
 
 @pytest.mark.parametrize("block, value, path, words", [
     ("audio", VISION, "audio", "audio tower"),
-    ("draft", DRAFT, "draft", "speculative decoding"),
 ])
-def test_audio_and_draft_snippets_are_refused_by_name(block, value, path, words):
+def test_the_audio_snippet_is_refused_by_name(block, value, path, words):
     config = load_config({"model": copy.deepcopy(MODEL), block: value})
     with pytest.raises(Exception) as info:
         check_features(config)
     assert f"config {path}:" in str(info.value) and words in str(info.value)
     assert "unknown key" not in str(info.value)
+
+
+def test_the_draft_snippet_reads_as_a_draft_model_with_its_placement():
+    """Speculative decoding is planned (issue 20): the guide's flat draft is a draft model on cuda:0 in VRAM,
+    proposing 4 tokens a step, no longer a refused feature."""
+    config = load_config({"model": copy.deepcopy(MODEL), "draft": DRAFT})
+    check_features(config)
+    spec = config.draft()
+    assert (spec.tokens, spec.mtp) == (4, False)
+    assert spec.config.placement("layer", 0) == Placement("cuda:0", "vram")
+    assert str(spec.config.model_path) == DRAFT["path"]
 
 
 def test_the_vision_snippet_places_the_tower_and_a_text_only_checkpoint_refuses_it(moe48):

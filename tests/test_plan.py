@@ -183,7 +183,6 @@ def test_kv_type_the_backend_cannot_keep(tiny_checkpoint):
 
 
 @pytest.mark.parametrize(("extra", "path", "words"), [
-    ({"draft": {"model": {"path": "x"}, "num-draft-tokens": 4}}, "draft", "not supported"),
     ({"audio": {"compute": "cpu"}}, "audio", "not supported"),
     # a vision block over a text-only checkpoint: nothing to load, said by name
     ({"vision": {"compute": "cpu", "store": "ram"}}, "vision", "checkpoint without a vision tower"),
