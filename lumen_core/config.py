@@ -707,8 +707,9 @@ class Config:
                              "prediction head), not both")
         old = self.raw.get("draft")
         if path is None and not mtp and not old:
+            where = "a config file" if self.source == "<dict>" else f"the config {self.source}"
             raise InputError(f"--draft-tokens {tokens} needs a draft: add --draft-model PATH or --mtp, or a draft "
-                             f"block to the config {self.source}")
+                             f"block to {where}")
         raw = copy.deepcopy(self.raw)
         if path is not None or mtp:
             raw["draft"] = {"mtp": True} if mtp else {"path": _cli_path(path)}

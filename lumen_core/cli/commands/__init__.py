@@ -15,3 +15,37 @@ ChatTemplateOpt = Annotated[
     typer.Option("--chat-template", help="Jinja chat template file to chat with (default: the config's "
                  "model.chat-template, else the checkpoint's template, else the model family's)."),
 ]
+
+# Speculative decoding (issue 20): the options that set the config's draft block, on generate, chat, serve, show-plan.
+DraftModelOpt = Annotated[
+    str | None,
+    typer.Option("--draft-model", metavar="PATH",
+                 help="Speculative decoding with this draft model (LumenLLM's option): an HF checkpoint directory, "
+                 ".gguf file or Hugging Face model id sharing the model's tokenizer. It proposes tokens the model "
+                 "verifies in one step; it computes and stores like the config's model (compute/store). Replaces "
+                 "the config's draft block."),
+]
+DraftTokensOpt = Annotated[
+    int | None,
+    typer.Option("--draft-tokens", metavar="N", min=1,
+                 help="Tokens the draft model (or MTP head) proposes per verification step (the config's "
+                 "draft.num-draft-tokens; default: the config's, else 4). Needs a draft: --draft-model, --mtp or "
+                 "the config's draft block."),
+]
+MtpOpt = Annotated[
+    bool,
+    typer.Option("--mtp", help="Speculative decoding with the checkpoint's own multi-token-prediction head (Qwen "
+                 "3.5's mtp.* tensors; draft.mtp: true) instead of a draft model; refused for a checkpoint without "
+                 "one. Replaces the config's draft block."),
+]
+
+
+def with_draft_options(config_arg: str, draft_model: str | None, draft_tokens: int | None, mtp: bool):
+    """The --config argument with --draft-model / --draft-tokens / --mtp applied: a Config checked as a config file
+    is (``Config.with_draft``; a relative --draft-model is relative to the working directory); the argument itself
+    when none is given (the engine reads it then)."""
+    if draft_model is None and draft_tokens is None and not mtp:
+        return config_arg
+    from ...config import config_from_path_or_model
+
+    return config_from_path_or_model(config_arg).with_draft(draft_model, draft_tokens, mtp)

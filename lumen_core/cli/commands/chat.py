@@ -8,8 +8,8 @@ from typing import Annotated
 
 import typer
 
-from . import ChatTemplateOpt, ConfigOpt
-from .generate import DraftModelOpt, ImageOpt, image_message, read_images, refuse_unsupported
+from . import ChatTemplateOpt, ConfigOpt, DraftModelOpt, DraftTokensOpt, MtpOpt, with_draft_options
+from .generate import ImageOpt, image_message, read_images
 
 Opt = typer.Option
 HELP = ("commands: /reset (forget the conversation), /think on|off (thinking, where the template has it), "
@@ -31,6 +31,8 @@ def chat(
     seed: Annotated[int | None, Opt(help="Random seed for sampling.")] = None,
     chat_template: ChatTemplateOpt = None,
     draft_model: DraftModelOpt = None,
+    draft_tokens: DraftTokensOpt = None,
+    mtp: MtpOpt = False,
     image: ImageOpt = None,
 ):
     """Chat with the model in the terminal: type a message, Enter; the reply streams back.
@@ -39,12 +41,13 @@ def chat(
     as JSON (nothing is executed). Commands: /reset, /think on|off, /image PATH, /exit (or Ctrl-D). The conversation is
     kept until /reset or the end of the context. A checkpoint without a chat template chats with its model
     family's (a note says so) or --chat-template FILE; a model that cannot chat is refused before loading.
+    --draft-model PATH or --mtp turn on speculative decoding (as the config's draft block does).
     """
     from ...engine import load
     from ...errors import InputError
 
-    refuse_unsupported(draft_model)
     pending = read_images(image)  # go with the first message
+    config = with_draft_options(config, draft_model, draft_tokens, mtp)
     engine = load(config, progress=True, chat_template=chat_template, chat=True, think=think)
     fmt = engine.chat_format()
     if temperature is None and "temperature" not in engine.config.sampling_defaults():

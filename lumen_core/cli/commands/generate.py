@@ -7,28 +7,14 @@ from typing import Annotated
 
 import typer
 
-from . import ChatTemplateOpt, ConfigOpt
+from . import ChatTemplateOpt, ConfigOpt, DraftModelOpt, DraftTokensOpt, MtpOpt, with_draft_options
 
 Opt = typer.Option
-# LumenLLM's --draft-model is accepted by name and refused with the reason until speculative decoding lands.
-DraftModelOpt = Annotated[str | None, Opt("--draft-model", metavar="PATH",
-                                          help="Draft model for speculative decoding (LumenLLM's option; "
-                                               "not supported yet: refused).")]
 ImageOpt = Annotated[list[str] | None, Opt("--image", metavar="PATH",
                                            help="An image for the vision tower (repeatable; needs the config's "
                                                 "vision block). Without --chat the prompt holds one placeholder "
                                                 "per image (Qwen: <|vision_start|><|image_pad|><|vision_end|>); "
                                                 "with --chat the images go before the text of the message.")]
-
-
-def refuse_unsupported(draft_model: str | None) -> None:
-    """--draft-model names what Lumen cannot do yet: an InputError naming the option and why, before anything
-    loads."""
-    from ...errors import InputError
-
-    if draft_model is not None:
-        raise InputError("--draft-model: speculative decoding is not supported yet (issue 16); leave --draft-model "
-                         "out (a config's draft block is refused the same way)")
 
 
 def read_images(paths: list[str] | None) -> list:
@@ -68,6 +54,8 @@ def generate(
     stop: Annotated[list[str] | None, Opt("--stop", help="Stop string (repeatable).")] = None,
     chat_template: ChatTemplateOpt = None,
     draft_model: DraftModelOpt = None,
+    draft_tokens: DraftTokensOpt = None,
+    mtp: MtpOpt = False,
     image: ImageOpt = None,
     quiet: Annotated[bool, Opt("--quiet", "-q", help="No progress lines or timing summary on stderr.")] = False,
 ):
@@ -76,15 +64,16 @@ def generate(
     Only the new text goes to stdout, streamed as it is produced; the loading progress (each phase and its
     time) and a timing summary go to stderr. Sampling options override the config's other-parameters. With
     --chat, a model that cannot chat (no template) or a --think its template lacks is refused before loading.
+    --draft-model PATH or --mtp turn on speculative decoding (as the config's draft block does).
     """
     from ...engine import load
     from ...errors import InputError
 
-    refuse_unsupported(draft_model)
     text = _read_prompt(prompt, prompt_file)
     images = read_images(image)
     if (system is not None or think is not None) and not chat:
         raise InputError(f"{'--system' if system is not None else '--think/--no-think'} needs --chat")
+    config = with_draft_options(config, draft_model, draft_tokens, mtp)
     engine = load(config, progress=not quiet, chat_template=chat_template, chat=chat, think=think)
     if temperature is None and "temperature" not in engine.config.sampling_defaults():
         temperature = 0.0

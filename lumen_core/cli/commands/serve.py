@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from . import ChatTemplateOpt, ConfigOpt
+from . import ChatTemplateOpt, ConfigOpt, DraftModelOpt, DraftTokensOpt, MtpOpt
 
 Opt = typer.Option
 
@@ -60,6 +60,9 @@ def serve(
                                                  "system prompt) resumes from its snapshot; 0 = off (default: "
                                                  "model.hidden-layers.kv-cache.prefix-cache-mb, else off).")] = None,
     chat_template: ChatTemplateOpt = None,
+    draft_model: DraftModelOpt = None,
+    draft_tokens: DraftTokensOpt = None,
+    mtp: MtpOpt = False,
 ):
     """Serve the model over HTTP: OpenAI (/v1/chat/completions, /v1/completions, /v1/models) and Anthropic
     (/v1/messages, /v1/messages/count_tokens) APIs, /health and /metrics (Prometheus). With --server-api (or
@@ -68,6 +71,7 @@ def serve(
     Requests share the loaded model through a queue, each with its own cache: one generation at a time, or with
     --sequences N up to N batched together (requests join and leave the batch between decode steps; more wait).
     --prefix-cache-mb keeps snapshots of earlier prompts so a chat's next turn prefills only its new tokens.
+    --draft-model PATH or --mtp turn on speculative decoding (as the config's draft block does).
     With API keys configured every route but /health needs `Authorization: Bearer KEY` or `x-api-key: KEY`.
     """
     import uvicorn
@@ -83,7 +87,7 @@ def serve(
         if problem:
             raise InputError(f"--api-key: {problem}; give the key itself, or leave --api-key out for no "
                              "authentication")
-    cfg = config_from_path_or_model(config)
+    cfg = config_from_path_or_model(config).with_draft(draft_model, draft_tokens, mtp)
     kv = cfg.raw["model"].setdefault("hidden-layers", {}).setdefault("kv-cache", {})
     if sequences is not None:
         kv["sequences"] = sequences
