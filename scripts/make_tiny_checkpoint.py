@@ -8,6 +8,11 @@ with a small vision tower, so weights are `model.language_model.*` and `model.vi
 kinds get a Gemma-style tokenizer (`<bos>` prepended, `<eos>`, `<pad>`, turn tokens; Gemma 4's template).
 Every parameter is re-drawn from a fixed seed so that no norm weight sits at its trivial 0 or 1 and a
 parity test can tell a missing `1 + w` or a swapped projection apart.
+
+The qwen3_5 and qwen3_5_moe kinds take `mtp=...` (`make(kind, out, mtp="random")`; `--mtp random` here): the
+checkpoint then carries a multi-token-prediction head as real Qwen 3.5 checkpoints do (`mtp.*` tensors, which
+transformers ignores on load, and `mtp_num_hidden_layers: 1` in the config): `"random"` draws it, `"equal"` builds
+one that predicts what the model does (`add_mtp`). Without `mtp` the checkpoint is the same, byte for byte.
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ import transformers
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 KINDS = ("qwen3_5", "qwen3_5_moe", "qwen3_5_vl", "qwen3_5_moe_vl", "gemma3", "gemma3_vl", "gemma4", "gemma4_mm")
+MTP_KINDS = ("qwen3_5", "qwen3_5_moe")
+MTP_MODES = ("random", "equal")
 MODEL_VOCAB = 1000
 
 # Chat and vision tokens the Qwen 3.5 template emits; appended after the BPE vocab as Qwen does.
@@ -60,10 +67,16 @@ Emoji make byte-level tokenizers split characters: 🙂 👍 🚀 🎉 ❤️ �
 """
 
 
-def make(kind: str, out_dir, seed: int = 0, **overrides) -> Path:
-    """Build, randomise and save a tiny checkpoint of `kind`; `overrides` go to the text config."""
+def make(kind: str, out_dir, seed: int = 0, mtp: str | None = None, **overrides) -> Path:
+    """Build, randomise and save a tiny checkpoint of `kind`; `overrides` go to the text config. `mtp`: add a
+    multi-token-prediction head ("random" or "equal": `add_mtp`; qwen3_5 and qwen3_5_moe only)."""
     if kind not in KINDS:
         raise ValueError(f"unknown kind {kind!r}; choose one of {', '.join(KINDS)}")
+    if mtp is not None:
+        if kind not in MTP_KINDS or mtp not in MTP_MODES:
+            raise ValueError(f"mtp={mtp!r} with kind {kind!r}: an MTP head is made for the kinds "
+                             f"{', '.join(MTP_KINDS)}, as mtp={' or '.join(repr(m) for m in MTP_MODES)}")
+        overrides = {**(EQUAL_MTP_OVERRIDES if mtp == "equal" else {}), **overrides, "mtp_num_hidden_layers": 1}
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     gemma = kind.startswith("gemma")
@@ -74,7 +87,11 @@ def make(kind: str, out_dir, seed: int = 0, **overrides) -> Path:
     torch.manual_seed(seed)
     model = model_class(kind)(config).to(torch.float32).eval()
     randomise(model, seed)
+    if mtp == "equal":
+        make_mtp_equal_ready(model)
     model.save_pretrained(out)
+    if mtp is not None:
+        add_mtp(model, config, out, mtp, seed)
     if gemma:
         save_gemma_tokenizer(tokenizer, out, kind, token_ids)
     else:
@@ -176,6 +193,85 @@ def build_config(kind: str, token_ids: dict[str, int], overrides: dict):
         vision_start_token_id=token_ids["<|vision_start|>"], vision_end_token_id=token_ids["<|vision_end|>"],
     )
 
+
+
+# --- the multi-token-prediction head (Qwen 3.5) -----------------------------------------------------------
+
+# The "equal" head's model: one full-attention layer (the one layer the head copies).
+EQUAL_MTP_OVERRIDES = {"num_hidden_layers": 1, "layer_types": ["full_attention"]}
+
+
+@torch.no_grad()
+def make_mtp_equal_ready(model: torch.nn.Module) -> None:
+    """The main model's changes for an "equal" MTP head (`add_mtp`): every embedding row rescaled to RMS 1, and the
+    attention's o_proj zeroed, so the one layer computes x + mlp(post_norm(x)) of the token's own embedding."""
+    embed = model.model.embed_tokens.weight
+    embed.copy_(embed / embed.pow(2).mean(-1, keepdim=True).sqrt())
+    for layer in model.model.layers:
+        layer.self_attn.o_proj.weight.zero_()
+
+
+@torch.no_grad()
+def add_mtp(model: torch.nn.Module, config, out: Path, mode: str, seed: int) -> None:
+    """Write an MTP head's tensors into the saved safetensors, as Qwen 3.5 checkpoints carry it: `mtp.fc.weight`
+    (H, 2H) over [embedding, hidden], `mtp.pre_fc_norm_embedding.weight`, `mtp.pre_fc_norm_hidden.weight`,
+    `mtp.norm.weight` ((1 + w) RMSNorms) and one full-attention decoder layer `mtp.layers.0.*` (the model's MLP
+    kind: dense, or the MoE block). transformers ignores `mtp.*` on load (`_keys_to_ignore_on_load_unexpected`).
+
+    "random": every tensor drawn as `randomise` draws the model's (norms 0.1·N(0,1) around the (1 + w) of 1,
+    matrices 0.05·N(0,1)), from seed + 1, so the model's own weights are the same as without `mtp`.
+
+    "equal": a head that provably predicts what the model predicts, to check a draft/verify loop end to end. The
+    model has one full-attention layer (`EQUAL_MTP_OVERRIDES`), embedding rows of RMS exactly 1 and a zero o_proj
+    (`make_mtp_equal_ready`). The head: `pre_fc_norm_embedding` = 0, so its (1 + w) = 1 and the norm is the identity
+    on a unit-RMS row (up to the eps in sqrt(1 + eps)); fc = [I | 0], so the hidden half is ignored and the head's
+    layer gets the token's embedding, as the model's layer does; `mtp.layers.0.*` copies `layers.0.*` and
+    `mtp.norm` copies `model.norm`. Attention is the one thing the two could differ by: the head's cache has no row
+    for the first token (position 0 has no previous hidden), so its attention would average other rows than the
+    model's; with o_proj = 0 both layers are their MLP and norms, and the head's logits for (token, any hidden)
+    equal the model's logits after that token."""
+    from safetensors.torch import load_file, save_file
+
+    H = config.hidden_size
+    if mode == "equal":
+        layer = model.model.layers[0]
+        head = {"fc.weight": torch.cat([torch.eye(H), torch.zeros(H, H)], dim=1),
+                "pre_fc_norm_embedding.weight": torch.zeros(H),
+                "pre_fc_norm_hidden.weight": 0.1 * torch.randn(H, generator=torch.Generator().manual_seed(seed + 1)),
+                "norm.weight": model.model.norm.weight.detach().clone()}
+    else:
+        one = type(config)(**{**config.to_dict(), "num_hidden_layers": 1, "layer_types": ["full_attention"]})
+        layer = type(model.model.layers[0])(one, 0).to(torch.float32)
+        randomise(layer, seed + 1)
+        gen = torch.Generator().manual_seed(seed + 2)
+        head = {"fc.weight": 0.05 * torch.randn(H, 2 * H, generator=gen)}
+        for name in ("pre_fc_norm_embedding.weight", "pre_fc_norm_hidden.weight", "norm.weight"):
+            head[name] = 0.1 * torch.randn(H, generator=gen)
+    head.update({f"layers.0.{k}": v for k, v in saved_layer(model, config, layer).items()})
+    path = out / "model.safetensors"
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: add_mtp writes into a single-file checkpoint, and save_pretrained sharded "
+                                "this one; make it smaller")
+    tensors = load_file(path)
+    tensors.update({f"mtp.{k}": v.detach().to(torch.float32).contiguous() for k, v in head.items()})
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
+@torch.no_grad()
+def saved_layer(model: torch.nn.Module, config, layer: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A full-attention decoder layer's tensors as a checkpoint stores them (names under the layer): saved through a
+    one-layer model of the same class, so transformers writes its fused MoE experts per expert, as on disk."""
+    import tempfile
+
+    from safetensors.torch import load_file
+
+    one = type(config)(**{**config.to_dict(), "num_hidden_layers": 1, "layer_types": ["full_attention"]})
+    holder = type(model)(one).to(torch.float32)
+    holder.model.layers[0].load_state_dict(layer.state_dict())
+    with tempfile.TemporaryDirectory() as tmp:
+        holder.save_pretrained(tmp)
+        saved = load_file(Path(tmp) / "model.safetensors")
+    return {k.removeprefix("model.layers.0."): v for k, v in saved.items() if k.startswith("model.layers.0.")}
 
 
 # --- Gemma 3 / Gemma 4 -----------------------------------------------------------------------------------
@@ -312,8 +408,11 @@ def main() -> None:
     parser.add_argument("out_dir")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tie-word-embeddings", action="store_true")
+    parser.add_argument("--mtp", choices=MTP_MODES, help="add a multi-token-prediction head (qwen3_5, qwen3_5_moe)")
     args = parser.parse_args()
     overrides = {"tie_word_embeddings": True} if args.tie_word_embeddings else {}
+    if args.mtp:
+        overrides["mtp"] = args.mtp
     out = make(args.kind, args.out_dir, seed=args.seed, **overrides)
     print(out)
 

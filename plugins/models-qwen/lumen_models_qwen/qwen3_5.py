@@ -12,8 +12,8 @@ from dataclasses import dataclass, field, fields
 
 import numpy as np
 
-from lumen_core.architecture import Architecture, ConfigValueError, TensorLayout, gguf_float, gguf_int
-from lumen_core.errors import InputError
+from lumen_core.architecture import Architecture, ConfigValueError, TensorLayout, gguf_float, gguf_int, read_int
+from lumen_core.errors import CheckpointError, InputError
 
 from . import vision as vt
 
@@ -22,7 +22,11 @@ LINEAR_TENSORS = ("in_proj_qkv.weight", "in_proj_z.weight", "in_proj_a.weight", 
 FULL_TENSORS = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "q_norm.weight",
                 "k_norm.weight")
 MLP_TENSORS = ("gate_proj.weight", "up_proj.weight", "down_proj.weight")
-NOT_MATRIX = ("norm.weight", "conv1d.weight")  # small vectors/filters: kept as f32 tensors
+# The multi-token-prediction (MTP) head's own tensors (``mtp.<name>``) besides its decoder layer ``mtp.layers.0.*``;
+# its pre-fc norms are (1 + w) RMSNorms like the model's.
+MTP_TENSORS = ("fc.weight", "norm.weight", "pre_fc_norm_embedding.weight", "pre_fc_norm_hidden.weight")
+MTP_NORMS = ("pre_fc_norm_embedding.weight", "pre_fc_norm_hidden.weight")
+NOT_MATRIX = ("norm.weight", "conv1d.weight") + MTP_NORMS  # small vectors/filters: kept as f32 tensors
 
 # llama.cpp's tensor names (``blk.N.<name>``) -> ours (``model.layers.N.<name>``), and whether the converter stored
 # the value shifted: it writes the (1 + w) RMSNorm weights as 1 + w (not the gated norm of the linear attention) and
@@ -145,6 +149,11 @@ class Qwen3_5(Architecture):
         vision_config = config.get("vision_config")
         self.vision_args = vt.VisionArgs.from_dict(vision_config) if isinstance(vision_config, dict) else None
         self.visual_prefix: str | None = None  # where the tower's tensors are (set by layout), None: no tower
+        # MTP layers the config declares (text_config or top level: checkpoints write either); ``mtp_layers``
+        # (what the checkpoint carries) is set by ``layout``, which sees the tensor names
+        text = config.get("text_config") or config
+        self.mtp_declared = read_int(text if "mtp_num_hidden_layers" in text else config, "mtp_num_hidden_layers",
+                                     0, 0)
 
     # -- GGUF (llama.cpp's qwen35 / qwen35moe) ------------------------------------------------------------
     @classmethod
@@ -276,10 +285,45 @@ class Qwen3_5(Architecture):
         self.visual_prefix = next((v for v in vt.PREFIXES if any(n.startswith(v) for n in names)), None)
         if self.vision and self.has_vision():  # the tower, as its own component ("vision", None)
             needs[("vision", None)] = vt.tower_tensors(self.vision_args, self.visual_prefix)
-        tower = set(needs.get(("vision", None), ()))
+        self.mtp_in_file = any(n.startswith(MTP_PREFIX) for n in names)
+        self.mtp_layers = self.mtp_declared if self.mtp_in_file else 0
+        if self.use_mtp:  # the MTP head, as its own component ("mtp", None), placed with the output layer
+            self.check_mtp()
+            needs[("mtp", None)] = self.mtp_tensors()
+        taken = set(needs.get(("vision", None), ())) | set(needs.get(("mtp", None), ()))
         skipped = {n: _skip_reason(n, self.num_layers) for n in names
-                   if n not in tower and _skip_reason(n, self.num_layers)}
+                   if n not in taken and _skip_reason(n, self.num_layers)}
         return TensorLayout(needs, skipped)
+
+    # -- multi-token prediction (issue 20) -----------------------------------------------------------------
+    def check_mtp(self) -> None:
+        """``use_mtp`` needs a checkpoint with one MTP layer (every Qwen 3.5 checkpoint has exactly one)."""
+        if self.mtp_layers == 0:
+            if self._is_gguf():
+                why = "it is a GGUF file: Lumen does not read llama.cpp's MTP block (blk.N.nextn.*) yet"
+            elif not self.mtp_in_file:
+                why = "the checkpoint has no mtp.* tensors"
+            else:
+                why = f"{self.describe('mtp_num_hidden_layers')} is 0 or missing"
+            raise CheckpointError(f"drafting with the MTP head needs a checkpoint that carries one (mtp.* tensors and "
+                                  f"mtp_num_hidden_layers >= 1 in its config), but {why}: draft with a separate "
+                                  "draft model instead")
+        if self.mtp_layers != 1:
+            raise CheckpointError(f"{self.describe('mtp_num_hidden_layers')} is {self.mtp_layers}: Lumen runs an MTP "
+                                  "head of exactly one layer (as every Qwen 3.5 checkpoint has); draft with a "
+                                  "separate draft model instead")
+
+    def mtp_tensors(self) -> list[str]:
+        """The head's tensors: fc, its norms, and one full-attention decoder layer (dense or MoE MLP, experts
+        included: the head is one component)."""
+        layer = [f"self_attn.{n}" for n in FULL_TENSORS] + ["input_layernorm.weight", "post_attention_layernorm.weight"]
+        layer += self.mlp_tensors() + self.expert_tensors()
+        return [MTP_PREFIX + n for n in MTP_TENSORS] + [f"{MTP_PREFIX}layers.0.{n}" for n in layer]
+
+    def mtp_cache_bytes(self, context: int, kv_bytes: float) -> int:
+        """The MTP layer's KV cache for ``context`` tokens (a full-attention layer's); 0 without a head."""
+        a = self.args
+        return int(self.mtp_layers * 2 * a.num_key_value_heads * a.head_dim * context * kv_bytes)
 
     # -- vision (issue 17) ---------------------------------------------------------------------------------
     def has_vision(self) -> bool:
@@ -345,7 +389,7 @@ class Qwen3_5(Architecture):
             return 0.0
         if self.is_visual(name):  # LayerNorms multiply by w
             return 0.0 if name.endswith(("norm1.weight", "norm2.weight", "norm.weight")) else None
-        return 1.0 if name.endswith(("layernorm.weight", "_norm.weight", ".norm.weight")) else None
+        return 1.0 if name.endswith(("layernorm.weight", "_norm.weight", ".norm.weight") + MTP_NORMS) else None
 
     def expected_shapes(self) -> dict:
         """Embedding, head, norms, both token mixers and the MLP as the config sizes them."""
@@ -354,7 +398,6 @@ class Qwen3_5(Architecture):
         out = {p + "embed_tokens.weight": ((a.vocab_size, hidden), vocab), p + "norm.weight": ((hidden,), hid)}
         if not a.tie_word_embeddings:
             out["lm_head.weight"] = ((a.vocab_size, hidden), vocab)
-        H, Hkv, D = a.num_attention_heads, a.num_key_value_heads, a.head_dim
         Hk, Dk = a.linear_num_key_heads, a.linear_key_head_dim
         Hv, Dv = a.linear_num_value_heads, a.linear_value_head_dim
         lin = ("linear_num_key_heads", "linear_key_head_dim", "linear_num_value_heads", "linear_value_head_dim")
@@ -374,18 +417,38 @@ class Qwen3_5(Architecture):
                     m + "norm.weight": ((Dv,), lin[3:]),
                 })
             else:
-                m, heads = L + "self_attn.", ("num_attention_heads", "head_dim", "hidden_size")
-                kv = ("num_key_value_heads", "head_dim", "hidden_size")
-                out.update({
-                    m + "q_proj.weight": ((2 * H * D, hidden), heads),  # per head: query then output gate
-                    m + "k_proj.weight": ((Hkv * D, hidden), kv), m + "v_proj.weight": ((Hkv * D, hidden), kv),
-                    m + "o_proj.weight": ((hidden, H * D), heads),
-                    m + "q_norm.weight": ((D,), ("head_dim",)), m + "k_norm.weight": ((D,), ("head_dim",)),
-                })
+                out.update(self.attention_shapes(L))
             out[L + "input_layernorm.weight"] = out[L + "post_attention_layernorm.weight"] = ((hidden,), hid)
             out.update(self.mlp_shapes(L))
         if self.vision and self.has_vision():
             out.update(self.vision_args.shapes(self.visual_prefix))
+        if self.use_mtp and self.mtp_layers:
+            out.update(self.mtp_shapes())
+        return out
+
+    def attention_shapes(self, L: str) -> dict:
+        """A gated full-attention mixer's tensors under the layer prefix ``L``."""
+        a, hidden = self.args, self.args.hidden_size
+        H, Hkv, D = a.num_attention_heads, a.num_key_value_heads, a.head_dim
+        m, heads = L + "self_attn.", ("num_attention_heads", "head_dim", "hidden_size")
+        kv = ("num_key_value_heads", "head_dim", "hidden_size")
+        return {
+            m + "q_proj.weight": ((2 * H * D, hidden), heads),  # per head: query then output gate
+            m + "k_proj.weight": ((Hkv * D, hidden), kv), m + "v_proj.weight": ((Hkv * D, hidden), kv),
+            m + "o_proj.weight": ((hidden, H * D), heads),
+            m + "q_norm.weight": ((D,), ("head_dim",)), m + "k_norm.weight": ((D,), ("head_dim",)),
+        }
+
+    def mtp_shapes(self) -> dict:
+        """The MTP head: fc (H, 2H) over [embedding, hidden], its three norms, and its full-attention layer."""
+        hidden, hid, p = self.args.hidden_size, ("hidden_size",), MTP_PREFIX
+        out = {p + "fc.weight": ((hidden, 2 * hidden), hid)}
+        for n in ("norm.weight",) + MTP_NORMS:
+            out[p + n] = ((hidden,), hid)
+        L = p + "layers.0."
+        out.update(self.attention_shapes(L))
+        out[L + "input_layernorm.weight"] = out[L + "post_attention_layernorm.weight"] = ((hidden,), hid)
+        out.update(self.mlp_shapes(L))
         return out
 
     def mlp_shapes(self, L: str) -> dict:
@@ -401,7 +464,8 @@ class Qwen3_5(Architecture):
             comps.append(("layer", i))
             if self.expert_tensors():
                 comps.append(("experts", i))
-        return comps + [("output-layer", None)]
+        comps.append(("output-layer", None))
+        return comps + [("mtp", None)] if self.use_mtp else comps
 
     # -- caches and ops ----------------------------------------------------------------------------------
     def cache_bytes(self, layer: int, context: int, kv_bytes: float) -> int:
@@ -426,6 +490,10 @@ class Qwen3_5(Architecture):
             return {"rms_norm", "linear"}
         if block == "experts":
             return {"moe_experts"}
+        if block == "mtp":  # its embedding and lm_head run on the input and output layers' backends
+            moe = {"moe_route", "moe_experts"} if self.expert_tensors() else set()
+            return {"rms_norm", "linear", "concat", "gather", "rope_tables", "apply_rope", "attention", "kv_cache",
+                    "sigmoid", "silu_mul"} | moe
         return {"rms_norm", "rms_norm_gated", "linear", "silu_mul", "sigmoid", "softplus", "exp",
                 "rope_tables", "apply_rope", "attention", "kv_cache", "causal_conv1d", "conv_state",
                 "gated_delta_rule", "delta_state", "moe_route"}
@@ -436,14 +504,17 @@ class Qwen3_5(Architecture):
         return QwenModel(self, weights, backends, kv)
 
 
+MTP_PREFIX = "mtp."  # where checkpoints keep the MTP head, for the text and the multimodal models alike
+
+
 def _skip_reason(name: str, layers: int) -> str | None:
     if name.startswith(("model.visual.", "visual.")):
         return "vision tower (not requested)"
-    if name.startswith("mtp."):
-        return "multi-token-prediction head (speculative decoding is not supported yet)"
+    if name.startswith(MTP_PREFIX):
+        return "multi-token-prediction head (not requested: it drafts tokens with draft.mtp)"
     if name.startswith("blk.") and name.split(".")[1].isdigit() and int(name.split(".")[1]) >= layers:
         # llama.cpp appends the MTP block after the decoder layers (qwen35.nextn_predict_layers)
-        return "multi-token-prediction layer (speculative decoding is not supported yet)"
+        return "multi-token-prediction layer (llama.cpp's MTP block: Lumen drafts with an HF checkpoint's mtp.*)"
     return None
 
 
