@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import json
 import shutil
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
+import lumen_core as lumen
 from lumen_core.errors import CheckpointError
 
 TOL = 1e-4
@@ -36,22 +36,14 @@ def open_arch(path):
 
 
 def load_with_mtp(path):
-    """The model with its MTP head, every component on one CPU backend, as ``Engine.load`` builds it once the plan
-    sets ``arch.use_mtp`` (``draft.mtp``) and places ``("mtp", None)``."""
-    from lumen_core.loader import load_component
-    from lumen_core.plugins import get_registry
-
-    registry = get_registry()
-    ckpt, arch = open_arch(path)
-    arch.use_mtp = True
-    arch.check_checkpoint(ckpt)
-    layout = arch.layout(ckpt.tensors)
-    backend = registry.backend_class("cpu")("cpu", registry)
-    shared: dict = {}
-    weights = {c: load_component(ckpt, arch, backend, "ram", names, shared) for c, names in layout.needs.items()}
-    model = arch.build(weights, {c: backend for c in weights}, SimpleNamespace(type_k="f32", type_v="f32"))
-    assert model.mtp is not None
-    return model
+    """The model with its MTP head (``draft.mtp``: the plan sets ``arch.use_mtp`` and places ``("mtp", None)`` with
+    the output layer), on the CPU. Every checkpoint tensor is then used, the head's included."""
+    engine = lumen.load({"model": {"path": str(path), "compute": "cpu", "store": "ram",
+                                   "hidden-layers": {"kv-cache": {"context-size": CONTEXT}}},
+                         "draft": {"mtp": True}}, progress=False)
+    assert engine.model.mtp is not None
+    assert engine.report.unused == [] and not [n for n in engine.report.skipped if n.startswith("mtp.")]
+    return engine.model
 
 
 # --- the torch reference --------------------------------------------------------------------------------------
