@@ -11,6 +11,7 @@ import json
 import math
 import os
 from collections.abc import Iterable
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 
 from .architecture import Architecture, Component, component_label
@@ -284,11 +285,11 @@ def make_plan(config, arch: Architecture, ckpt, registry) -> tuple[Plan, dict]:
         if spec.config is not None:
             draft_plan, draft_resolved, draft_config = plan_draft(config, spec.config, plan.context_size, registry)
             check_speculative(registry, draft_resolved["placements"], "the draft model")
+            plan.notes.append(f"speculative decoding: the draft model {draft_config.model_path} proposes "
+                              f"{spec.tokens} token(s) per verification step")
             merge_draft(plan, draft_plan)
             placements += draft_resolved["placements"].values()
             resolved["draft_config"] = draft_config
-            plan.notes.append(f"speculative decoding: the draft model {draft_config.model_path} proposes "
-                              f"{spec.tokens} token(s) per verification step")
         else:
             plan.notes.append(f"speculative decoding: the checkpoint's multi-token-prediction head ({arch.mtp_layers} "
                               f"layer(s)) proposes {spec.tokens} token(s) per verification step")
@@ -424,11 +425,22 @@ def plan_draft(config, draft: Config, context: int, registry) -> tuple[Plan, dic
     path is under ``draft.`` (the draft's model block is read as ``draft.model``)."""
     from .checkpoint import open_checkpoint
 
-    try:
+    with _about_the_draft():
         ckpt = open_checkpoint(draft.model_path, registry)
         arch = registry.architecture_class(ckpt.config.get("model_type", "<missing>")).from_checkpoint(ckpt)
-        fixed, notes = draft_at_context(config, draft, arch, ckpt, context)
+    fixed, notes = draft_at_context(config, draft, arch, ckpt, context)  # its refusal names the main context key
+    with _about_the_draft():
         plan, resolved = plan_model(fixed, arch, ckpt, registry)
+    plan.notes = notes + plan.notes
+    return plan, resolved, fixed
+
+
+@contextmanager
+def _about_the_draft():
+    """Errors raised while the draft model is opened or planned, said to be about it: ``the draft model: …``, a
+    ConfigError's path under ``draft.`` (the draft's model block is ``draft.model``)."""
+    try:
+        yield
     except ConfigError as exc:
         path = DRAFT_PREFIX + exc.path if exc.path.startswith("model") else exc.path
         raise ConfigError(path, f"the draft model: {exc.message}", exc.fix) from None
@@ -438,8 +450,6 @@ def plan_draft(config, draft: Config, context: int, registry) -> tuple[Plan, dic
         err = PlanError(f"the draft model: {exc}")
         err.fix = getattr(exc, "fix", None)
         raise err from None
-    plan.notes = notes + plan.notes
-    return plan, resolved, fixed
 
 
 def draft_at_context(config, draft: Config, arch: Architecture, ckpt, context: int) -> tuple[Config, list[str]]:
