@@ -259,6 +259,26 @@ def test_mtp_plans_the_head_with_the_output_layer(tiny_checkpoint):
                               "proposes 2 token(s) per verification step")
 
 
+def test_show_plan_with_mtp_on_a_checkpoint_with_a_head(tiny_checkpoint, capsys):
+    """--mtp on a tiny Qwen 3.5 with its MTP head (the Qwen plugin's layout): rows `mtp` (where output-layer is) and
+    `cache.mtp` (the plugin's ``mtp_cache_bytes`` at the context), counted in the pools; no draft.* rows."""
+    path = tiny_checkpoint("qwen3_5", mtp="random")
+    config = load_config({"model": {"path": str(path), "output-layer": {"store": "mmap"},
+                                    "hidden-layers": {"kv-cache": {"context-size": 64}}}})
+    _, _, arch, plain, _ = prepare(config)
+    assert arch.mtp_layers == 1 and "mtp" not in labels(plain)  # without draft.mtp the head is skipped
+    _, _, arch, plan, resolved = prepare(config.with_draft(mtp=True, tokens=2))
+    rows = {e.component: e for e in plan.entries}
+    assert labels(plan)[:len(plain.entries)] == labels(plain) and labels(plan)[-2:] == ["mtp", "cache.mtp"]
+    assert (rows["mtp"].store, rows["cache.mtp"].store) == ("mmap", "ram") and rows["mtp"].nbytes > 0
+    assert rows["cache.mtp"].nbytes == arch.mtp_cache_bytes(64, 4) > 0
+    assert plan.pools()["host RAM"] == plain.pools()["host RAM"] + rows["cache.mtp"].nbytes
+    assert resolved["draft_config"] is None and not any(x.startswith("draft.") for x in labels(plan))
+    code, out, err = run_cli(capsys, "show-plan", "-c", str(path), "--mtp")
+    assert code == 0, err
+    assert "cache.mtp" in out and "multi-token-prediction head (1 layer(s)) proposes 4 token(s)" in out
+
+
 # ---------------------------------------------------------------- backends that cannot rewind their caches
 
 
