@@ -182,7 +182,7 @@ class Engine:
         if self.tokenizer is not None:
             check_draft_tokenizer(self.tokenizer, draft.tokenizer, self.config.model_path, draft.config.model_path)
         self.draft_engine = draft
-        self.drafter_factory = lambda context: DraftModel(draft.model, context)
+        self.drafter_factory = lambda context: DraftModel(draft.model, context, draft.decode_runner() or None)
 
     def warm_up(self) -> None:
         """One short prefill and one decode step on a throwaway cache: kernels that compile on first use (numba)
@@ -377,7 +377,19 @@ class Engine:
         rng = np.random.Generator(np.random.PCG64(params.seed))
         greedy = params.temperature == 0
         spec = st.speculative = SpecStats()
-        cache = model.new_cache(self.context_size)
+        # a backend that replays its decode step (CUDA graphs) verifies in a graph captured per size on its cache
+        runner = self.decode_runner()
+        verify = runner if runner and hasattr(runner, "verify_graph") else None
+        if verify is not None:
+            full = verify.verify_graph(self.draft_tokens + 1, drafter.needs_hidden)  # made once (resets the cache)
+            if full is None and not self._spec_noted:
+                self._spec_noted = True
+                print(f"lumen: note: the speculative verify runs op by op: "
+                      f"{verify.verify_note(self.draft_tokens + 1, drafter.needs_hidden)}", file=sys.stderr)
+            runner.reset()
+            cache = runner.cache
+        else:
+            cache, full = model.new_cache(self.context_size), None
         prefix = self.prefix_cache
         snap, split = prefix.lookup(prompt_ids) if prefix is not None else (None, 0)
         seen = list(prompt_ids)
@@ -427,17 +439,27 @@ class Engine:
                 drafts, dists = drafter.propose(last, k, params, seen, rng)
                 tv = time.perf_counter()
                 fed_ids = [last] + drafts
-                checkpoint = Checkpoint(cache, k + 1, records)
-                with recording() as trail:
-                    out = model.forward(fed_ids, cache, all_logits=True, **hidden)
-                logits, rows = out if hidden else (out, None)
-                logits = np.asarray(logits, dtype=np.float32)
-                check_logits(logits[0], st.generated_tokens + 1, self.config.model_path)
-                if greedy:
+                graph = full if verify is not None and k == self.draft_tokens else None  # shorter: op by op
+                checkpoint = Checkpoint(cache, k + 1, records or graph is not None)
+                if graph is not None:
+                    logits, rows, trail = graph.run(fed_ids)
+                else:
+                    with recording() as trail:
+                        out = model.forward(fed_ids, cache, all_logits=True, **hidden)
+                    logits, rows = out if hidden else (out, None)
+                if graph is not None and greedy and params.repetition_penalty == 1.0:
+                    targets = verify.argmax_rows(logits)  # k + 1 integers back, not the rows
+                    a = accept_greedy(targets, drafts)
+                    nxt = targets[a]
+                elif greedy:
+                    logits = _host_rows(logits)
+                    check_logits(logits[0], st.generated_tokens + 1, self.config.model_path)
                     targets = [greedy_token(logits[i], params, seen + drafts[:i]) for i in range(k + 1)]
                     a = accept_greedy(targets, drafts)
                     nxt = targets[a]
                 else:
+                    logits = _host_rows(logits)
+                    check_logits(logits[0], st.generated_tokens + 1, self.config.model_path)
                     a, nxt = accept_sampled(_rows_of(logits, params, seen, drafts), dists, drafts, rng)
                 rerun = checkpoint.rewind(a + 1, trail)
                 if rerun:
@@ -642,6 +664,11 @@ class Engine:
 
     def _eos(self) -> set[int]:
         return set(self.tokenizer.eos_ids) if self.tokenizer else set()
+
+
+def _host_rows(logits) -> np.ndarray:
+    """Logits rows on the host as f32 (a device array is copied over)."""
+    return np.asarray(logits.get() if hasattr(logits, "get") else logits, dtype=np.float32)
 
 
 def _rows_of(logits, params: SamplingParams, seen: list[int], drafts: list[int]):

@@ -86,6 +86,22 @@ def _restore(obj, copies) -> None:
         dst[...] = src
 
 
+def record_states(trail: dict, cache) -> None:
+    """Record every recurrent state of ``cache`` as it stands (``kept``): for steps that ran without recording
+    (a replayed CUDA graph of a one-token step)."""
+    seen: set[int] = set()
+    stack = list(cache.layers)
+    while stack:
+        obj = stack.pop()
+        if obj is None or id(obj) in seen or _is_kv(obj):
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, (tuple, list)):
+            stack.extend(obj)
+        elif any(True for _ in _arrays(obj)):
+            kept(trail, obj, None)
+
+
 def _is_kv(obj) -> bool:
     return all(hasattr(obj, n) for n in ("k", "v", "capacity")) and _is_array(obj.k)
 
@@ -226,10 +242,19 @@ class Drafter:
         raise NotImplementedError
 
 
+def host_row(row) -> np.ndarray:
+    """A row of logits on the host as f32 (a CuPy array is copied over)."""
+    row = row.get() if hasattr(row, "get") else row
+    return np.asarray(row, dtype=np.float32).reshape(-1)
+
+
 def _pick(row, params: SamplingParams, seen: list[int], rng) -> tuple[int, np.ndarray | None]:
-    """A drafter's token from its row of logits: greedy, or a draw from the same chain plain sampling uses (its
-    distribution returned for the rejection rule)."""
-    row = np.asarray(row, dtype=np.float32).reshape(-1)
+    """A drafter's token from its row of logits (host or device): greedy, or a draw from the same chain plain
+    sampling uses (its distribution returned for the rejection rule). Greedy without a penalty reads one integer
+    back from a device row."""
+    if params.temperature == 0 and params.repetition_penalty == 1.0:
+        return int(row.reshape(-1).argmax()), None
+    row = host_row(row)
     if params.temperature == 0:
         return greedy_token(row, params, seen), None
     q = target_probs(row, params, seen)
@@ -242,17 +267,28 @@ class DraftModel(Drafter):
     of them); a proposal feeds ``last`` and then each draft but the last, one forward each, recorded so that
     ``accept`` can rewind it to the kept ones."""
 
-    def __init__(self, model, context_size: int):
-        self.model, self.context_size = model, context_size
-        self.records = getattr(model, "records_states", False)
+    def __init__(self, model, context_size: int, runner=None):
+        self.model, self.context_size, self.runner = model, context_size, runner
+        self.records = getattr(model, "records_states", False) or runner is not None
         self.cache = None
         self.pending: list[int] = []
         self._checkpoint = self._trail = None
         self._fed: list[int] = []
 
     def start(self, prompt_ids: list[int], computed: int, rows) -> None:
-        self.cache = self.model.new_cache(self.context_size)
+        if self.runner is not None:  # the draft's replayable one-token step (a CUDA graph) and its cache
+            self.runner.reset()
+            self.cache = self.runner.cache
+        else:
+            self.cache = self.model.new_cache(self.context_size)
         self.pending = list(prompt_ids)
+
+    def _step(self, token: int, trail: dict):
+        if self.runner is None:
+            return self.model.forward([token], self.cache, host=False)[-1]
+        row = self.runner.step(token)
+        record_states(trail, self.cache)  # the replayed step records nothing itself
+        return row
 
     def propose(self, last, k, params, seen, rng):
         if self.pending:  # what the generation kept that this cache has not seen
@@ -262,8 +298,7 @@ class DraftModel(Drafter):
         drafts, dists, feed = [], [], last
         with recording() as self._trail:
             for _ in range(k):
-                row = self.model.forward([feed], self.cache)[-1]
-                feed, q = _pick(row, params, seen + drafts, rng)
+                feed, q = _pick(self._step(feed, self._trail), params, seen + drafts, rng)
                 drafts.append(feed)
                 dists.append(q)
         self._fed = [last] + drafts[:-1]
@@ -302,7 +337,7 @@ class MTPDrafter(Drafter):
         self.ids, self.rows = list(prompt_ids[first + 1:]), rows
 
     def propose(self, last, k, params, seen, rng):
-        logits, out = self.head.forward(self.ids + [last], self.rows, self.cache)
+        logits, out = self.head.forward(self.ids + [last], self.rows, self.cache, host=False)
         self.base = self.cache.pos
         drafts, dists = [], []
         for i in range(k):
@@ -310,7 +345,7 @@ class MTPDrafter(Drafter):
             drafts.append(tok)
             dists.append(q)
             if i + 1 < k:
-                logits, out = self.head.forward([tok], out, self.cache)
+                logits, out = self.head.forward([tok], out, self.cache, host=False)
         return drafts, (None if params.temperature == 0 else dists)
 
     def accept(self, fed, keep, rows) -> None:

@@ -32,7 +32,7 @@ def test_kernel_ops_are_registered_above_the_cupy_ops():
     assert reg.op("linear", "cuda", "fp8").__name__ == "cuda_kernel_linear_fp8"
     assert reg.op("linear", "cuda", "nvfp4").__name__ == "cuda_kernel_linear_nvfp4"
     assert reg.op("embedding", "cuda", "nvfp4").__name__ == "cuda_kernel_embedding_nvfp4"
-    assert reg.op("linear", "cuda", "f32").__name__ == "cuda_kernel_linear_f32"  # GEMV for T <= 4, else cuBLAS
+    assert reg.op("linear", "cuda", "f32").__name__ == "cuda_kernel_linear_f32"  # GEMV for T <= 8, else cuBLAS
     for key in (("linear", "cuda", "bf16"), ("rms_norm", "cuda", None)):
         assert len(reg.ops[key]) == 2 and reg.ops[key][0].priority > reg.ops[key][1].priority
 
@@ -129,27 +129,27 @@ def test_gemv_fp8_per_channel_and_per_tensor_scales(cp, gemv, cpu, kind):
 @pytest.mark.gpu
 def test_linear_fp8_falls_back_above_four_tokens_and_on_unaligned_k(cp, gemv, cpu):
     rng = np.random.default_rng(12)
-    for N, K, T in [(200, 272, 7), (130, 40, 2), (130, 272, 1)]:  # T > 4 (gemm_split); K % 16 != 0; GEMV
+    for N, K, T in [(200, 272, 9), (130, 40, 2), (130, 272, 1)]:  # T > 8 (gemm_split); K % 16 != 0; GEMV
         w8, scale = fp8_weight(rng, N, K)
         wc = cpu.weight(w8, "fp8", "ram", scale=scale)
         wg = Weight(cp.asarray(w8.view(np.uint8)), "fp8", (N, K), cp.asarray(scale), wc.block)
         x = rng.normal(size=(T, K)).astype(np.float32)
         close(gemv.linear_fp8(cp.asarray(x), wg), cpu.ops.linear(x, wc), 2e-5 if T > 4 else 1e-5)
-    assert not gemv.gemv_supported("fp8", wg.data, 5, 272)
+    assert not gemv.gemv_supported("fp8", wg.data, 9, 272) and gemv.gemv_supported("fp8", wg.data, 8, 272)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["bf16", "f16"])
 def test_linear_dispatch_kernel_and_fallbacks_against_the_cpu_op(cp, gpu, cpu, gemv, fmt):
-    """Through the backend's op table: T <= 4 runs the kernel, T > 4 and K % 8 != 0 fall back to cuBLAS."""
+    """Through the backend's op table: T <= MAX_T (8) runs the kernel, T > 8 and K % 8 != 0 fall back to cuBLAS."""
     rng = np.random.default_rng(3)
     dtype = ml_dtypes.bfloat16 if fmt == "bf16" else np.float16
     assert gpu.ops.resolve("linear", fmt).__name__ == f"cuda_kernel_linear_{fmt}"
     for N, K, T in [(515, 1032, 1), (515, 1032, 2), (515, 1032, 3), (515, 1032, 4), (515, 1032, 5),
-                    (64, 100, 1), (64, 100, 9), (7, 8, 4)]:
+                    (515, 1032, 8), (515, 1032, 9), (64, 100, 1), (64, 100, 9), (7, 8, 4)]:
         w = rng.normal(size=(N, K)).astype(dtype)
         wc, wg = cpu.weight(w, fmt, "ram"), gpu.weight(w, fmt, "vram")
-        assert gemv.gemv_supported(fmt, wg.data, T, K) == (T <= 4 and K % 8 == 0)
+        assert gemv.gemv_supported(fmt, wg.data, T, K) == (T <= gemv.MAX_T and K % 8 == 0)
         x = rng.normal(size=(T, K)).astype(np.float32)
         close(gpu.ops.linear(gpu.tensor(x), wg), cpu.ops.linear(x, wc))
 

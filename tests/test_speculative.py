@@ -277,3 +277,34 @@ def test_sampled_speculative_generation_matches_plain_sampling(engines):
     assert df >= 1
     z = ((stat / df) ** (1 / 3) - (1 - 2 / (9 * df))) / math.sqrt(2 / (9 * df))
     assert 0.5 * math.erfc(z / math.sqrt(2)) > 1e-3, (hist, stat)
+
+
+# -- through the config: a draft block, and the MTP head ------------------------------------------------------------
+def test_a_config_draft_block_generates_the_plain_greedy_text(tiny_checkpoint, tmp_path):
+    main_path = tiny_checkpoint("qwen3_5")
+    near = perturbed(main_path, tmp_path / "near", 0.03)
+    plain_engine = load(str(main_path), progress=False)
+    want = list(plain_engine.generate(PROMPT, max_tokens=24, temperature=0))
+    engine = load({"model": {"path": str(main_path), "compute": "cpu", "store": "ram"},
+                   "draft": {"path": str(near), "num-draft-tokens": 3}}, progress=False)
+    assert engine.draft_tokens == 3 and engine.draft_engine is not None
+    assert list(engine.generate(PROMPT, max_tokens=24, temperature=0)) == want
+    spec = engine.stats.speculative
+    assert spec.verifies > 0 and 0 < spec.acceptance <= 1
+    assert "speculative:" in engine.stats.summary()
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_5_moe"])
+def test_mtp_drafts_are_lossless_and_an_agreeing_head_is_always_accepted(tiny_checkpoint, kind):
+    """draft.mtp: with a random head the output is plain greedy's (few drafts kept); with a head built to equal the
+    next-token model (make_tiny_checkpoint mtp="equal") every draft is kept."""
+    for mtp, check in (("random", lambda a: a < 1.0), ("equal", lambda a: a == 1.0)):
+        path = tiny_checkpoint(kind, mtp=mtp)
+        want = list(load(str(path), progress=False).generate_tokens(
+            load(str(path), progress=False).encode(PROMPT), 32))
+        engine = load({"model": {"path": str(path), "compute": "cpu", "store": "ram"},
+                       "draft": {"mtp": True, "num-draft-tokens": 4}}, progress=False)
+        assert engine.model.mtp is not None
+        got = list(engine.generate_tokens(engine.encode(PROMPT), 32))
+        assert got == want, (kind, mtp)
+        assert check(engine.stats.speculative.acceptance), (kind, mtp, engine.stats.speculative)

@@ -4,9 +4,9 @@
 The ``linear_*`` and ``rms_norm`` functions here are what ``lumen_cuda/__init__.py`` registers above the CuPy
 versions in ``ops.py``; each falls back to the CuPy reference ops (``cupy_ops``) where the kernel does not apply:
 
-- GEMV: x (T, K) with T <= MAX_T (4) tokens; above that, cuBLAS (``cupy_ops.linear_dense``). fp8 / NVFP4 above MAX_T:
-  ``gemm_split`` (the weight dequantized a slab at a time into bf16 hi + lo, ``kernels/dequant_split.cu``, then
-  three bf16 GemmEx on the tensor cores with f32 accumulation; docs/cuda.md).
+- GEMV: x (T, K) with T <= MAX_T (8) tokens; above that, cuBLAS (``cupy_ops.linear_dense``). fp8 / NVFP4 from
+  5 tokens where the GEMV does not apply: ``gemm_split`` (the weight dequantized a slab at a time into bf16 hi + lo,
+  ``kernels/dequant_split.cu``, then three bf16 GemmEx on the tensor cores with f32 accumulation; docs/cuda.md).
 - Alignment (16-byte vector loads): bf16/f16 need K % 8 == 0, fp8 K % 16 == 0 (and a column block size that is
   a multiple of 16); the weight must be C-contiguous with a 16-byte aligned base. Otherwise: the fallback.
   x is made contiguous (and copied when its base is not 16-byte aligned).
@@ -30,11 +30,15 @@ from . import cupy_ops, kernels
 from .state import derived
 from .step import device_ids
 
-MAX_T = 4  # decode GEMV up to this many tokens; cuBLAS above
+MAX_T = 8  # decode GEMV up to this many tokens (a verify of 7 drafts); the tensor-core GEMMs above
+GEMM_MIN_T = 5  # fp8 / NVFP4: the tensor-core prefill GEMM from this many tokens where the GEMV does not apply
 WARPS = 4  # warps per block (GEMV_WARPS in the .cu files)
 # Rows per warp by format and T (index T - 1); 1, 2 and 4 are compiled. From the H200 sweep in docs/cuda.md:
 # 2-byte weights read best with 2 rows at T = 1 and 4 rows at T >= 2; fp8 with 4 rows.
-ROWS = {"bf16": (2, 4, 4, 4), "f16": (2, 4, 4, 4), "fp8": (4, 4, 4, 4), "f32": (2, 4, 4, 4), "nvfp4": (2, 4, 4, 4)}
+# T = 5..8 (a speculative verify) is compiled with 2 rows only (T x ROWS accumulators per lane).
+_WIDE = (2, 2, 2, 2)
+ROWS = {"bf16": (2, 4, 4, 4) + _WIDE, "f16": (2, 4, 4, 4) + _WIDE, "fp8": (4, 4, 4, 4) + _WIDE,
+        "f32": (2, 4, 4, 4) + _WIDE, "nvfp4": (2, 4, 4, 4) + _WIDE}
 ALIGN = {"bf16": 8, "f16": 8, "fp8": 16, "f32": 4, "nvfp4": 32}  # K % this == 0: one 16-byte load per lane per step
 
 # 16-byte loads in flight per row and lane in the fp8 GEMV (GEMV_U in gemv_fp8.cu); LUMEN_CUDA_FP8_UNROLL
@@ -291,9 +295,9 @@ def nvfp4_split(data, block, global_scale, row0: int = 0, rows: int | None = Non
 
 
 def prefill_supported(x, data, T: int, N: int, K: int) -> bool:
-    """Whether the tensor-core prefill path applies: device x with T > MAX_T tokens, a C-contiguous 2-D byte
+    """Whether the tensor-core prefill path applies: device x with T >= GEMM_MIN_T tokens, a C-contiguous 2-D byte
     weight, nothing empty."""
-    return (isinstance(x, cp.ndarray) and T > MAX_T and N > 0 and K > 0 and data.ndim == 2 and
+    return (isinstance(x, cp.ndarray) and T >= GEMM_MIN_T and N > 0 and K > 0 and data.ndim == 2 and
             data.dtype == cp.uint8 and data.flags.c_contiguous)
 
 
@@ -347,7 +351,7 @@ def dequantize_fp8(w: Weight):
 
 
 def linear_fp8(x, w: Weight):  # x (..., K), w (N, K) e4m3 + scale -> (..., N) f32
-    """The fp8 GEMV for T <= 4 (aligned); T > 4: the tensor-core prefill GEMM (``gemm_split``); else the
+    """The fp8 GEMV for T <= 8 (aligned); else from T = 5: the tensor-core prefill GEMM (``gemm_split``); else the
     dequantized f32 matrix through cuBLAS SGEMM."""
     K = w.shape[-1]
     x2 = x.reshape(-1, K) if x.ndim != 2 else x
@@ -419,7 +423,7 @@ def gemv_nvfp4(x, data, block, global_scale, out=None, rows: int | None = None):
 
 
 def linear_nvfp4(x, w: Weight):  # x (..., K), w (N, K) NVFP4 -> (..., N) f32
-    """T <= 4: the NVFP4 GEMV (no cuBLAS: capturable); more tokens: the tensor-core prefill GEMM
+    """T <= 8 (aligned): the NVFP4 GEMV (no cuBLAS: capturable); else from T = 5: the tensor-core prefill GEMM
     (``gemm_split``); where neither applies, dequantize a slab of rows at a time to f32 (kernels/nvfp4.cu), then
     cuBLAS SGEMM."""
     N, K = w.shape

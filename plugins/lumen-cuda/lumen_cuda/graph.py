@@ -58,6 +58,7 @@ class GraphRunner(DecodeRunner):
         self._greedy = None  # greedy_tokens' kernel, scratch, remap table, pinned slots and events
         self._between = None  # called before each replay: the streamed-expert cache's upkeep (ExpertStreams.maintain)
         self._done = None  # step's blocking event (steps with host calls)
+        self._verify: dict = {}  # (T, hidden) -> VerifyGraph, or the reason it could not be captured (verify.py)
 
     def prepare(self) -> str | None:
         """Warm up and capture; None when the graph is ready, else why the step cannot be captured."""
@@ -103,9 +104,34 @@ class GraphRunner(DecodeRunner):
         the runner cannot step afterwards."""
         self.stream.synchronize()
         self.graph = self.logits = self._greedy = self._between = self._done = None
+        self._verify = {}
         self.inputs = StepInputs(self.inputs.ids, self.inputs.pos)  # drops host calls, constants, the streams
         self.cache = None
         self.pool.free_all_blocks()
+
+    def verify_graph(self, T: int, hidden: bool = False):
+        """The captured speculative verify of ``T`` tokens on this runner's cache (lumen_cuda.verify), made on first
+        use — which resets the cache, so ask between generations — or None when the verify cannot be captured
+        (``verify_note(T, hidden)`` says why)."""
+        from .verify import VerifyGraph
+
+        key = (T, bool(hidden))
+        if key not in self._verify:
+            graph = VerifyGraph(self, T, hidden)
+            why = graph.prepare()
+            self._verify[key] = why if why else graph
+        found = self._verify[key]
+        return None if isinstance(found, str) else found
+
+    def verify_note(self, T: int, hidden: bool = False) -> str | None:
+        found = self._verify.get((T, bool(hidden)))
+        return found if isinstance(found, str) else None
+
+    def argmax_rows(self, logits) -> list[int]:
+        from .verify import argmax_rows
+
+        with self.dev:
+            return argmax_rows(logits)
 
     def reset(self) -> None:
         self.stream.synchronize()  # steps still queued (greedy_tokens runs ahead) finish, host calls included

@@ -96,21 +96,23 @@ def _step_rope(current, pos, inv_freq):
     """cos/sin (1, rot) of the captured step's position. Text positions are equal on every M-RoPE axis, so the
     sections do not matter; the inverse frequencies are uploaded once per step (in the first warm-up, before
     capture) and kept with it (``StepInputs.constants``)."""
-    if pos.size != 1 and not (pos.ndim == 2 and pos.shape[1] == 1 and (pos == pos[0, 0]).all()):
-        raise step.NotCapturable(f"a captured decode step takes one text position, not {pos.shape}")
+    T = current.pos.size
+    text = pos.ndim == 1 or (pos.ndim == 2 and (pos == pos[:1]).all())  # M-RoPE text: every axis alike
+    if not text or pos.shape[-1] != T:
+        raise step.NotCapturable(f"a captured step of {T} token(s) takes {T} text position(s), not {pos.shape}")
     key = ("rope", tuple(float(f) for f in np.asarray(inv_freq).ravel()))
     inv = current.constants.get(key)
     if inv is None:
         inv = current.constants[key] = cp.asarray(np.asarray(inv_freq, dtype=np.float32))
     half = inv.shape[0]
-    cos, sin = cp.empty((1, 2 * half), F32), cp.empty((1, 2 * half), F32)
+    cos, sin = cp.empty((T, 2 * half), F32), cp.empty((T, 2 * half), F32)
     _step_rope_kernel(current.pos, inv, np.int32(half), cos, sin)
     return cos, sin
 
 
-_step_rope_kernel = cp.ElementwiseKernel(
+_step_rope_kernel = cp.ElementwiseKernel(  # row t: the step's position pos[t]
     "raw int32 pos, raw float32 inv, int32 half", "float32 c, float32 s",
-    "const float f = (float)pos[0] * inv[i % half]; c = cosf(f); s = sinf(f)", "lumen_step_rope")
+    "const float f = (float)pos[i / (2 * half)] * inv[i % half]; c = cosf(f); s = sinf(f)", "lumen_step_rope")
 _apply_rope = cp.ElementwiseKernel(
     "raw float32 x, raw float32 cos, raw float32 sin, int32 H, int32 D, int32 rot", "float32 y",
     """
@@ -171,6 +173,16 @@ def attention(q, k, v, cache, start: int, scale: float, window: int | None = Non
         out = _decode_attention(q, k, v, cache, start, scale, window, softcap)
         if out is not None:
             return out
+    current = step.current()
+    if current is not None and q.shape[0] == current.pos.size and not blocks:
+        # a captured speculative verify (lumen_cuda.verify): token by token through the decode kernel, each
+        # writing its row at pos[t] and attending up to it, so token t sees the ones before it
+        try:
+            return cp.concatenate([decode.attention_decode(q[t:t + 1], k[t:t + 1], v[t:t + 1], cache,
+                                                           current.pos[t:t + 1], scale, window, softcap)
+                                   for t in range(q.shape[0])])
+        except ValueError as exc:
+            raise step.NotCapturable(f"this attention ({exc})") from None
     require_host("attention over several tokens")
     return _attention.attention(q, k, v, cache, start, scale, window, softcap, blocks)
 

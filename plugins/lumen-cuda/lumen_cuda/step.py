@@ -29,8 +29,9 @@ class NotCapturable(RuntimeError):
 
 @dataclass
 class StepInputs:
-    ids: cp.ndarray  # (1,) int64: the token of this step (already through model.input_id)
-    pos: cp.ndarray  # (1,) int32: its position (tokens before it)
+    ids: cp.ndarray  # (T,) int64: the tokens of this step (already through model.input_id); T = 1 for decoding
+    # (T,) int32: their positions, pos[t] = pos[0] + t (a speculative verify's T = k + 1 tokens: lumen_cuda.verify)
+    pos: cp.ndarray
     # the expert cache of the backend whose streamed experts the step reads (stream.ExpertStreams; the runner
     # calls its maintain() before each replay), or None
     streams: Any = None
@@ -63,8 +64,8 @@ def device_ids(ids):
     """ids (a host list) as a device int64 array, or the step's ids while a decode step is prepared."""
     step = _CURRENT.get()
     if step is not None:
-        if len(ids) != 1:
-            raise NotCapturable(f"a captured decode step embeds 1 token, not {len(ids)}")
+        if len(ids) != step.ids.size:
+            raise NotCapturable(f"this captured step embeds {step.ids.size} token(s), not {len(ids)}")
         return step.ids
     return cp.asarray(np.asarray(ids, dtype=np.int64))
 

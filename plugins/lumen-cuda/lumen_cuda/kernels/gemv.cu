@@ -150,6 +150,17 @@ GEMV16_R(bf16, false, bf16, true)
 GEMV16_R(f16, true, f32, false)
 GEMV16_R(f16, true, bf16, true)
 
+// 5..8 tokens (a speculative verify of up to 7 drafts): 2 rows per warp (the accumulators are T x ROWS floats)
+#define GEMV16_WIDE(WNAME, F16, XNAME, XBF16) \
+  GEMV16(WNAME, F16, XNAME, XBF16, 5, 2)      \
+  GEMV16(WNAME, F16, XNAME, XBF16, 6, 2)      \
+  GEMV16(WNAME, F16, XNAME, XBF16, 7, 2)      \
+  GEMV16(WNAME, F16, XNAME, XBF16, 8, 2)
+GEMV16_WIDE(bf16, false, f32, false)
+GEMV16_WIDE(bf16, false, bf16, true)
+GEMV16_WIDE(f16, true, f32, false)
+GEMV16_WIDE(f16, true, bf16, true)
+
 // f32 weights: the same layout with 4 weights per 16-byte load (K % 4 == 0), x f32. Used so that f32 checkpoints
 // decode without cuBLAS (which cannot be captured in a CUDA graph) at the same bandwidth.
 template <int T, int ROWS>
@@ -222,3 +233,4 @@ __device__ __forceinline__ void gemv32(const float* __restrict__ W, const float*
 GEMV32_T(1)
 GEMV32_T(2)
 GEMV32_T(4)
+GEMV32(5, 2) GEMV32(6, 2) GEMV32(7, 2) GEMV32(8, 2)

@@ -163,3 +163,6 @@ __device__ __forceinline__ void gemv_e4m3(const unsigned char* __restrict__ W,  
 
 GEMV8_R(f32, false)
 GEMV8_R(bf16, true)
+// 5..8 tokens (a speculative verify): 2 rows per warp
+GEMV8(f32, false, 5, 2) GEMV8(f32, false, 6, 2) GEMV8(f32, false, 7, 2) GEMV8(f32, false, 8, 2)
+GEMV8(bf16, true, 5, 2) GEMV8(bf16, true, 6, 2) GEMV8(bf16, true, 7, 2) GEMV8(bf16, true, 8, 2)

@@ -136,3 +136,4 @@ __device__ __forceinline__ void gemv_e2m1(const unsigned char* __restrict__ W,  
 GEMV4_T(1)
 GEMV4_T(2)
 GEMV4_T(4)
+GEMV4(5, 2) GEMV4(6, 2) GEMV4(7, 2) GEMV4(8, 2)  // 5..8 tokens (a speculative verify)
