@@ -175,7 +175,8 @@ def test_gemma4_vision_draft_on_cpu_plans_its_draft_at_the_main_context(tiny_che
     assert config.placement("vision") == Placement("cpu", "ram")  # the vision block places the tower (issue 17)
     _, _, _, plan, resolved = prepare(config)
     labels = [e.component for e in plan.entries]
-    assert {"vision", "draft.input-layer", "draft.layers.0", "draft.cache.layers.0", "draft.output-layer"} <= set(labels)
+    assert {"vision", "draft.input-layer", "draft.layers.0", "draft.cache.layers.0",
+            "draft.output-layer"} <= set(labels)
     assert not any(label.startswith("draft.vision") for label in labels)  # the draft has no vision block
     draft = resolved["draft_config"]
     assert draft.kv_cache().context_size == plan.context_size == 262144
