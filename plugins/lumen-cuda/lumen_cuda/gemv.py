@@ -35,8 +35,9 @@ GEMM_MIN_T = 5  # fp8 / NVFP4: the tensor-core prefill GEMM from this many token
 WARPS = 4  # warps per block (GEMV_WARPS in the .cu files)
 # Rows per warp by format and T (index T - 1); 1, 2 and 4 are compiled. From the H200 sweep in docs/cuda.md:
 # 2-byte weights read best with 2 rows at T = 1 and 4 rows at T >= 2; fp8 with 4 rows.
-# T = 5..8 (a speculative verify) is compiled with 2 rows only (T x ROWS accumulators per lane).
-_WIDE = (2, 2, 2, 2)
+# T = 5..8 (a speculative verify) is compiled with 2 and 4 rows; LUMEN_CUDA_WIDE_ROWS picks (benchmarks/speculative.py
+# compares them).
+_WIDE = (int(os.environ.get("LUMEN_CUDA_WIDE_ROWS", "4")),) * 4
 ROWS = {"bf16": (2, 4, 4, 4) + _WIDE, "f16": (2, 4, 4, 4) + _WIDE, "fp8": (4, 4, 4, 4) + _WIDE,
         "f32": (2, 4, 4, 4) + _WIDE, "nvfp4": (2, 4, 4, 4) + _WIDE}
 ALIGN = {"bf16": 8, "f16": 8, "fp8": 16, "f32": 4, "nvfp4": 32}  # K % this == 0: one 16-byte load per lane per step

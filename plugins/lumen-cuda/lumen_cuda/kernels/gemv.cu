@@ -150,12 +150,15 @@ GEMV16_R(bf16, false, bf16, true)
 GEMV16_R(f16, true, f32, false)
 GEMV16_R(f16, true, bf16, true)
 
-// 5..8 tokens (a speculative verify of up to 7 drafts): 2 rows per warp (the accumulators are T x ROWS floats)
+// 5..8 tokens (a speculative verify of up to 7 drafts): 2 or 4 rows per warp (T x ROWS accumulators)
+#define GEMV16_WIDE_R(WNAME, F16, XNAME, XBF16, ROWS) \
+  GEMV16(WNAME, F16, XNAME, XBF16, 5, ROWS)          \
+  GEMV16(WNAME, F16, XNAME, XBF16, 6, ROWS)          \
+  GEMV16(WNAME, F16, XNAME, XBF16, 7, ROWS)          \
+  GEMV16(WNAME, F16, XNAME, XBF16, 8, ROWS)
 #define GEMV16_WIDE(WNAME, F16, XNAME, XBF16) \
-  GEMV16(WNAME, F16, XNAME, XBF16, 5, 2)      \
-  GEMV16(WNAME, F16, XNAME, XBF16, 6, 2)      \
-  GEMV16(WNAME, F16, XNAME, XBF16, 7, 2)      \
-  GEMV16(WNAME, F16, XNAME, XBF16, 8, 2)
+  GEMV16_WIDE_R(WNAME, F16, XNAME, XBF16, 2)  \
+  GEMV16_WIDE_R(WNAME, F16, XNAME, XBF16, 4)
 GEMV16_WIDE(bf16, false, f32, false)
 GEMV16_WIDE(bf16, false, bf16, true)
 GEMV16_WIDE(f16, true, f32, false)
@@ -234,3 +237,4 @@ GEMV32_T(1)
 GEMV32_T(2)
 GEMV32_T(4)
 GEMV32(5, 2) GEMV32(6, 2) GEMV32(7, 2) GEMV32(8, 2)
+GEMV32(5, 4) GEMV32(6, 4) GEMV32(7, 4) GEMV32(8, 4)

@@ -166,3 +166,5 @@ GEMV8_R(bf16, true)
 // 5..8 tokens (a speculative verify): 2 rows per warp
 GEMV8(f32, false, 5, 2) GEMV8(f32, false, 6, 2) GEMV8(f32, false, 7, 2) GEMV8(f32, false, 8, 2)
 GEMV8(bf16, true, 5, 2) GEMV8(bf16, true, 6, 2) GEMV8(bf16, true, 7, 2) GEMV8(bf16, true, 8, 2)
+GEMV8(f32, false, 5, 4) GEMV8(f32, false, 6, 4) GEMV8(f32, false, 7, 4) GEMV8(f32, false, 8, 4)
+GEMV8(bf16, true, 5, 4) GEMV8(bf16, true, 6, 4) GEMV8(bf16, true, 7, 4) GEMV8(bf16, true, 8, 4)
