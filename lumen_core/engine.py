@@ -484,6 +484,9 @@ class Engine:
 
         if self.batcher is None:
             self.batcher = Batcher(self, sequences or self.config.kv_cache().sequences)
+            if self.drafter_factory is not None:
+                print("lumen: note: speculative decoding is off while generations run batched (kv-cache.sequences "
+                      "> 1): a batched step shares the weight reads among sequences instead", file=sys.stderr)
         return self.batcher
 
     def exclusive(self, fn):

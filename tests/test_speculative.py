@@ -308,3 +308,33 @@ def test_mtp_drafts_are_lossless_and_an_agreeing_head_is_always_accepted(tiny_ch
         got = list(engine.generate_tokens(engine.encode(PROMPT), 32))
         assert got == want, (kind, mtp)
         assert check(engine.stats.speculative.acceptance), (kind, mtp, engine.stats.speculative)
+
+
+def test_cli_generate_with_a_draft_model_and_with_mtp(capsys, tiny_checkpoint):
+    """`lumen generate --draft-model PATH` / `--mtp`: the text of plain greedy generation, and the speculative
+    statistics on stderr."""
+    from lumen_core.cli import main
+
+    def run(*argv):
+        try:
+            main(list(argv))
+        except SystemExit as exc:
+            assert not exc.code, capsys.readouterr().err
+        return capsys.readouterr()
+
+    ckpt = str(tiny_checkpoint("qwen3_5", mtp="equal"))
+    base = ("generate", "-c", ckpt, "--prompt", PROMPT, "-n", "16", "--temperature", "0")
+    plain_out = run(*base).out
+    for extra in (("--draft-model", ckpt, "--draft-tokens", "3"), ("--mtp",)):
+        got = run(*base, *extra)
+        assert got.out == plain_out, extra
+        assert "speculative:" in got.err and "acceptance 100.0%" in got.err, got.err
+
+
+def test_server_metrics_count_speculative_steps(tiny_checkpoint):
+    from lumen_core.server.service import Metrics
+
+    m = Metrics()
+    m.spec_verifies, m.spec_drafted, m.spec_accepted = 3, 12, 9
+    text = m.prometheus(0)
+    assert "lumen_speculative_verifies_total 3" in text and "lumen_speculative_accepted_tokens_total 9" in text

@@ -111,6 +111,9 @@ class Metrics:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens the prefix cache supplied
+    spec_verifies: int = 0  # speculative decoding: verify steps, drafted and accepted tokens
+    spec_drafted: int = 0
+    spec_accepted: int = 0
     latency_sum: float = 0.0
     latency_count: int = 0
     timeouts: int = 0
@@ -145,6 +148,17 @@ class Metrics:
                   "# HELP lumen_cached_prompt_tokens_total Prompt tokens taken from the prefix cache, not prefilled.",
                   "# TYPE lumen_cached_prompt_tokens_total counter",
                   f"lumen_cached_prompt_tokens_total {self.cached_tokens}"]
+        if self.spec_verifies:
+            lines += ["# HELP lumen_speculative_verifies_total Speculative verify steps (one main forward each).",
+                      "# TYPE lumen_speculative_verifies_total counter",
+                      f"lumen_speculative_verifies_total {self.spec_verifies}",
+                      "# HELP lumen_speculative_drafted_tokens_total Tokens the drafter proposed.",
+                      "# TYPE lumen_speculative_drafted_tokens_total counter",
+                      f"lumen_speculative_drafted_tokens_total {self.spec_drafted}",
+                      "# HELP lumen_speculative_accepted_tokens_total Drafted tokens the main model kept "
+                      "(/ drafted = acceptance rate; (accepted + verifies) / verifies = tokens per verify).",
+                      "# TYPE lumen_speculative_accepted_tokens_total counter",
+                      f"lumen_speculative_accepted_tokens_total {self.spec_accepted}"]
         lines += self.ttft.lines("lumen_time_to_first_token_seconds",
                                  "From queueing to the first generated token (queue wait, prefill).")
         lines += self.itl.lines("lumen_inter_token_latency_seconds",
@@ -316,6 +330,11 @@ class Service:
         self.metrics.prompt_tokens += stats.prompt_tokens
         self.metrics.completion_tokens += stats.generated_tokens
         self.metrics.cached_tokens += stats.cached_tokens
+        spec = getattr(stats, "speculative", None)
+        if spec is not None:
+            self.metrics.spec_verifies += spec.verifies
+            self.metrics.spec_drafted += spec.drafted
+            self.metrics.spec_accepted += spec.accepted
         if stats.generated_tokens:
             self.metrics.ttft.observe(job.started - job.queued_at + stats.prefill_seconds)
         if stats.generated_tokens > 1 and stats.decode_seconds > 0:
