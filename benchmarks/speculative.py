@@ -143,6 +143,35 @@ def row(name: str, main_path: Path, draft_path: Path, ks, prompt_len: int, steps
     return out
 
 
+def profile(main_path: Path, k: int) -> None:
+    """Kernel-level trace (benchmarks/cuda_profile.py) of 4 plain step replays and 4 verify replays of k + 1 tokens."""
+    import numpy as np
+    from cuda_profile import kernel_trace
+
+    engine = load(main_path, 2048)
+    runner = engine.decode_runner()
+    graph = runner.verify_graph(k + 1)
+    prompt = np.random.RandomState(0).randint(3, VOCAB - 1, 128).tolist()
+    runner.reset()
+    engine.model.forward(prompt, runner.cache)
+    base = runner.cache.pos
+
+    def steps():
+        for _ in range(4):
+            runner.step(5)
+            runner.cache.pos = base
+
+    def verifies():
+        for _ in range(4):
+            graph.run([5] * (k + 1))
+            runner.cache.pos = base
+
+    steps(), verifies()
+    kernel_trace("plain step", steps, 4)
+    kernel_trace(f"verify of {k + 1} tokens", verifies, 4)
+    engine.close()
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default="9b-bf16,9b-fp8,35b-a3b-bf16")
@@ -153,6 +182,8 @@ def main(argv=None):
     p.add_argument("--decode", type=int, default=96)
     p.add_argument("--workdir", default="/tmp/lumen-bench")
     p.add_argument("--json")
+    p.add_argument("--profile", type=int, metavar="K", help="only a kernel trace of a step and a verify of K + 1 "
+                   "tokens on the first model")
     a = p.parse_args(argv)
     work = Path(a.workdir)
     work.mkdir(parents=True, exist_ok=True)
@@ -160,6 +191,10 @@ def main(argv=None):
     bound = read_bandwidth()
     print(f"read bandwidth {bound / 1e9:.0f} GB/s", flush=True)
     rows = []
+    if a.profile:
+        shape, fmt = a.models.split(",")[0].rsplit("-", 1)
+        path = build(shape, a.moe_layers if shape.startswith("35b") else a.layers, VOCAB, work)
+        return profile(path if fmt == "bf16" else quantized(path, fmt), a.profile)
     for spec in a.models.split(","):
         shape, fmt = spec.rsplit("-", 1)
         layers = a.moe_layers if shape.startswith("35b") else a.layers

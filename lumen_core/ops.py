@@ -70,6 +70,11 @@ OPTIONAL = {
                               "sequence",
     "gated_delta_rule_segments": "(q, k (T, Hk, Dk), v (T, Hv, Dv), g, beta (T, Hv), states [delta state], spans) "
                                  "-> (T, Hv, Dv): gated_delta_rule per sequence",
+    # a speculative verify (lumen_core.speculative): the T tokens one at a time, and the state after each one (a
+    # list per token of the state's arrays, in lumen_core.speculative's field order), so a rewind can pick one
+    "causal_conv1d_kept": "(x (T, C), w (C, K), state) -> ((T, C), [[arrays of the state after token t]])",
+    "gated_delta_rule_kept": "(q, k (T, Hk, Dk), v (T, Hv, Dv), g, beta (T, Hv), state) -> ((T, Hv, Dv), "
+                             "[[arrays of the state after token t]])",
 }
 
 
@@ -100,6 +105,29 @@ def _gated_delta_rule_segments(ops, q, k, v, g, beta, states, spans):
     return _per_span(ops, spans, lambda i, *a: ops.gated_delta_rule(*a, states[i]), q, k, v, g, beta)
 
 
-COMPOSITES = {"linear_group": _linear_group, "gdn_gates": _gdn_gates, "attention_segments": _attention_segments,
+def _state_arrays(state) -> list:
+    from .speculative import state_copy
+
+    return state_copy(state)
+
+
+def _causal_conv1d_kept(ops, x, w, state):
+    ys, kept = [], []
+    for t in range(x.shape[0]):
+        ys.append(ops.causal_conv1d(x[t:t + 1], w, state))
+        kept.append(_state_arrays(state))
+    return (ys[0] if len(ys) == 1 else ops.concat(ys)), kept
+
+
+def _gated_delta_rule_kept(ops, q, k, v, g, beta, state):
+    os_, kept = [], []
+    for t in range(q.shape[0]):
+        os_.append(ops.gated_delta_rule(q[t:t + 1], k[t:t + 1], v[t:t + 1], g[t:t + 1], beta[t:t + 1], state))
+        kept.append(_state_arrays(state))
+    return (os_[0] if len(os_) == 1 else ops.concat(os_)), kept
+
+
+COMPOSITES = {"causal_conv1d_kept": _causal_conv1d_kept, "gated_delta_rule_kept": _gated_delta_rule_kept,
+              "linear_group": _linear_group, "gdn_gates": _gdn_gates, "attention_segments": _attention_segments,
               "causal_conv1d_segments": _causal_conv1d_segments,
               "gated_delta_rule_segments": _gated_delta_rule_segments}

@@ -59,8 +59,18 @@ def trail() -> dict | None:
 
 def kept(trail: dict, state, result):
     """Record a copy of ``state``'s arrays (after the token just computed) and return ``result`` unchanged."""
-    trail.setdefault(id(state), []).append([a.copy() for _, _, a in _arrays(state)])
+    trail.setdefault(id(state), []).append(state_copy(state))
     return result
+
+
+def keep_all(trail: dict, state, copies: list) -> None:
+    """Record ``copies`` (one list of ``state``'s arrays per token, as the ``*_kept`` ops return them)."""
+    trail.setdefault(id(state), []).extend(copies)
+
+
+def state_copy(state) -> list:
+    """Copies of a state's arrays, in the order ``rewind`` restores them."""
+    return [a.copy() for _, _, a in _arrays(state)]
 
 
 def _arrays(obj) -> Iterator[tuple]:
@@ -292,7 +302,11 @@ class DraftModel(Drafter):
 
     def propose(self, last, k, params, seen, rng):
         if self.pending:  # what the generation kept that this cache has not seen
-            self.model.forward(self.pending, self.cache)
+            if self.runner is not None and len(self.pending) <= 2:  # the last draft of a verify that kept them all
+                for token in self.pending:
+                    self.runner.step(token)
+            else:  # the prompt
+                self.model.forward(self.pending, self.cache)
             self.pending = []
         self._checkpoint = Checkpoint(self.cache, k, self.records)
         drafts, dists, feed = [], [], last

@@ -134,3 +134,34 @@ def test_cuda_mtp_drafts(tiny_checkpoint, cp, kind):
         assert engine.decode_runner().verify_graph(4, True) is not None, engine.decode_runner().verify_note(4, True)
         engine.close()
         plain.close()
+
+
+@pytest.mark.gpu
+def test_kept_kernels_equal_token_by_token_steps(cp):
+    """decode.gated_delta_rule_kept / causal_conv1d_kept (T tokens in one launch) give bit for bit the outputs and
+    states of T one-token steps (gated_delta_step / causal_conv1d_step), the state after every token kept."""
+    from lumen_cuda import decode
+    from lumen_cuda.delta import ConvState, DeltaState
+
+    rng = np.random.default_rng(5)
+    T, Hk, Hv, Dk, Dv, C, K = 5, 2, 4, 64, 32, 200, 4
+
+    def f(*shape):
+        return cp.asarray(rng.standard_normal(shape).astype(np.float32))
+
+    q, k, v = f(T, Hk, Dk), f(T, Hk, Dk), f(T, Hv, Dv)
+    g, beta = -cp.abs(f(T, Hv)), cp.abs(f(T, Hv)) / 4
+    s0 = f(Hv, Dk, Dv)
+    a, b = DeltaState(s0.copy()), DeltaState(s0.copy())
+    out, states = decode.gated_delta_rule_kept(q, k, v, g, beta, a)
+    for t in range(T):
+        o = decode.gated_delta_step(q[t:t + 1], k[t:t + 1], v[t:t + 1], g[t:t + 1], beta[t:t + 1], b)
+        np.testing.assert_array_equal(out[t:t + 1].get(), o.get())
+        np.testing.assert_array_equal(states[t][0].get(), b.s.get())
+    np.testing.assert_array_equal(a.s.get(), b.s.get())
+    x, w, x0 = f(T, C), f(C, K), f(K - 1, C)
+    ca, cb = ConvState(x0.copy()), ConvState(x0.copy())
+    y, states = decode.causal_conv1d_kept(x, w, ca)
+    for t in range(T):
+        np.testing.assert_array_equal(y[t:t + 1].get(), decode.causal_conv1d_step(x[t:t + 1], w, cb).get())
+        np.testing.assert_array_equal(states[t][0].get(), cb.x.get())

@@ -59,6 +59,9 @@ def register_ops(register):
     # optional ops (lumen_core.ops.OPTIONAL): fused projections, and the Gated-DeltaNet gates in one kernel
     register("linear_group", "cuda", _host_aware("linear_group", _lazy_kernel("linear_group")))
     register("gdn_gates", "cuda", _lazy("gdn_gates"))
+    # a speculative verify's Gated-DeltaNet: T tokens in one launch each, the states after every token kept
+    register("causal_conv1d_kept", "cuda", _lazy("causal_conv1d_kept"))
+    register("gated_delta_rule_kept", "cuda", _lazy("gated_delta_rule_kept"))
     # a batched step's token mixers: the decoding sequences' rows in one launch per op (lumen_cuda.batch_decode)
     for op in ("attention_segments", "causal_conv1d_segments", "gated_delta_rule_segments"):
         register(op, "cuda", _lazy_batch(op))

@@ -183,3 +183,50 @@ def causal_conv1d_step(x, w, state: ConvState):
         _fn(GDN_FILE, "conv1d_step")((-(-C // CONV_THREADS),), (CONV_THREADS,),
                                      (xc, wc, sx, y, np.int32(C), np.int32(K)))
     return y
+
+
+# -- a speculative verify: T tokens of one sequence, the state after each kept (lumen_core.speculative) ------------
+def gated_delta_rule_kept(q, k, v, g, beta, state: DeltaState):
+    """The gated delta rule over T tokens one at a time in one launch (``gdn_steps_r*``): q, k (T, Hk, Dk),
+    v (T, Hv, Dv), g, beta (T, Hv) -> ((T, Hv, Dv), [[state after token t]]); each token computes exactly what
+    ``gated_delta_step`` computes for it; the states are views of one (T, Hv, Dk, Dv) buffer."""
+    T, Hk, Dk = q.shape
+    _, Hv, Dv = v.shape
+    s = state.s
+    if k.shape != q.shape or v.shape[0] != T or g.shape != (T, Hv) or beta.shape != (T, Hv) or s.shape != (Hv, Dk, Dv):
+        raise ValueError(f"shapes: q {q.shape}, k {k.shape}, v {v.shape}, g {g.shape}, beta {beta.shape}, "
+                         f"state {s.shape}")
+    if Hk == 0 or Hv % Hk:
+        raise ValueError(f"v heads {Hv} not a multiple of k heads {Hk}")
+    rpt = next((r for r in GDN_RPT if Dk <= 8 * r), None)
+    if rpt is None or Dk == 0 or Dv == 0:
+        raise ValueError(f"key head dim {Dk} unsupported (1..{8 * GDN_RPT[-1]}) or value head dim {Dv}")
+    if not isinstance(s, cp.ndarray) or s.dtype != F32 or not s.flags.c_contiguous:
+        raise ValueError("delta state must be a C-contiguous f32 CuPy array")
+    qc, kc, vc = _f32(q, "q"), _f32(k, "k"), _f32(v, "v")
+    gc, bc = _f32(g, "g"), _f32(beta, "beta")
+    out = cp.empty((T, Hv, Dv), dtype=F32)
+    snaps = cp.empty((T, Hv, Dk, Dv), dtype=F32)
+    _fn(GDN_FILE, f"gdn_steps_r{rpt}")((Hv, -(-Dv // 32)), (GDN_THREADS,),
+                                       (qc, kc, vc, gc, bc, s, out, snaps, np.int32(T), np.int32(Hk), np.int32(Hv),
+                                        np.int32(Dk), np.int32(Dv), np.float32(Dk ** -0.5)))
+    return out, [[snaps[t]] for t in range(T)]
+
+
+def causal_conv1d_kept(x, w, state: ConvState):
+    """``causal_conv1d_step`` over T tokens in one launch (``conv1d_steps``): x (T, C) -> ((T, C), [[state after
+    token t]]), the states views of one (T, K-1, C) buffer."""
+    T, C = x.shape
+    K = w.shape[-1]
+    sx = state.x
+    if w.shape != (C, K) or K < 2 or sx.shape != (K - 1, C):
+        raise ValueError(f"shapes: x {x.shape}, w {w.shape}, state {sx.shape} (kernel size >= 2)")
+    if not isinstance(sx, cp.ndarray) or sx.dtype != F32 or not sx.flags.c_contiguous:
+        raise ValueError("conv state must be a C-contiguous f32 CuPy array")
+    xc, wc = _f32(x, "x"), _f32(w, "w")
+    y = cp.empty((T, C), dtype=F32)
+    snaps = cp.empty((T, K - 1, C), dtype=F32)
+    if C:
+        _fn(GDN_FILE, "conv1d_steps")((-(-C // CONV_THREADS),), (CONV_THREADS,),
+                                      (xc, wc, sx, y, snaps, np.int32(T), np.int32(C), np.int32(K)))
+    return y, [[snaps[t]] for t in range(T)]

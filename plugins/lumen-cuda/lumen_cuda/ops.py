@@ -224,6 +224,16 @@ def causal_conv1d(x, w, state):
     return _delta.causal_conv1d(x, w, state)
 
 
+def causal_conv1d_kept(x, w, state):
+    """A speculative verify's conv over T tokens in one launch, the state after each kept (lumen_cuda.decode)."""
+    return decode.causal_conv1d_kept(x, w, state)
+
+
+def gated_delta_rule_kept(q, k, v, g, beta, state):
+    """A speculative verify's recurrence over T tokens in one launch, the state after each kept."""
+    return decode.gated_delta_rule_kept(q, k, v, g, beta, state)
+
+
 # -- mixture of experts ------------------------------------------------------------------------------------
 def moe_route(logits, k: int, normalize: bool = True):  # logits (T, E) -> weights (T, k) f32, ids (T, k) int64
     return moe.route(logits, k, normalize)

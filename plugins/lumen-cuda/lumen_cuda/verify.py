@@ -33,6 +33,11 @@ class VerifyGraph:
         self.runner, self.T, self.hidden = runner, T, hidden
         with runner.dev:
             self.inputs = StepInputs(cp.zeros((T,), cp.int64), cp.zeros((T,), cp.int32))
+            self._offsets = cp.arange(T, dtype=cp.int32)
+            # the ids go over from page-locked memory, asynchronously (a pageable copy would wait for the stream)
+            self._pinned = cp.cuda.alloc_pinned_memory(8 * T)
+            self._copied = cp.cuda.Event(disable_timing=True)
+        self._host_ids = np.frombuffer(self._pinned, dtype=np.int64, count=T)
         self.graph = self.logits = self.rows = self.trail = None
 
     def _forward(self):
@@ -81,8 +86,12 @@ class VerifyGraph:
         if r.cache.pos + self.T > r.cache.capacity:
             raise ValueError(f"the cache holds {r.cache.capacity} tokens; {self.T} more from {r.cache.pos} do not fit")
         with r.dev, r.stream:
-            self.inputs.ids.set(np.array([r.model.input_id(int(t)) for t in ids], dtype=np.int64))
-            self.inputs.pos.set(np.arange(r.cache.pos, r.cache.pos + self.T, dtype=np.int32))
+            self._copied.synchronize()  # the previous replay's ids have left the pinned buffer
+            self._host_ids[:] = [r.model.input_id(int(t)) for t in ids]
+            cp.cuda.runtime.memcpyAsync(self.inputs.ids.data.ptr, self._host_ids.ctypes.data, 8 * self.T,
+                                        cp.cuda.runtime.memcpyHostToDevice, r.stream.ptr)
+            self._copied.record(r.stream)
+            cp.add(self._offsets, np.int32(r.cache.pos), out=self.inputs.pos)  # pos[t] = pos + t, on the device
             self.graph.launch(r.stream)
         r.cache.pos += self.T
         return self.logits, self.rows, self.trail

@@ -77,8 +77,8 @@ class GatedDeltaNet:
         if isinstance(state, Segmented):  # several sequences: each convolves and recurs over its own state
             x = ops.causal_conv1d_segments(qkv, self.conv, [st[0] for st in state.states], state.spans)
         elif trail is not None:  # a speculative verify: one token at a time, the state after each one kept
-            x = ops.concat([speculative.kept(trail, state[0], ops.causal_conv1d(qkv[t:t + 1], self.conv, state[0]))
-                            for t in range(T)])
+            x, states = ops.causal_conv1d_kept(qkv, self.conv, state[0])
+            speculative.keep_all(trail, state[0], states)
         else:
             x = ops.causal_conv1d(qkv, self.conv, state[0])  # (T, 2*Hk*Dk + Hv*Dv)
         kd = Hk * Dk
@@ -95,8 +95,8 @@ class GatedDeltaNet:
         if isinstance(state, Segmented):
             o = ops.gated_delta_rule_segments(q, k, v, g, beta, [st[1] for st in state.states], state.spans)
         elif trail is not None:
-            o = ops.concat([speculative.kept(trail, state[1], ops.gated_delta_rule(
-                q[t:t + 1], k[t:t + 1], v[t:t + 1], g[t:t + 1], beta[t:t + 1], state[1])) for t in range(T)])
+            o, states = ops.gated_delta_rule_kept(q, k, v, g, beta, state[1])
+            speculative.keep_all(trail, state[1], states)
         else:
             o = ops.gated_delta_rule(q, k, v, g, beta, state[1])  # (T, Hv, Dv)
         o = ops.rms_norm_gated(o, z.reshape(T, Hv, Dv), self.norm, a.rms_norm_eps)

@@ -22,7 +22,8 @@ template <int RPT>
 __device__ __forceinline__ void gdn_step(const float* __restrict__ q, const float* __restrict__ k,
                                          const float* __restrict__ v, const float* __restrict__ g,
                                          const float* __restrict__ beta, float* __restrict__ S,
-                                         float* __restrict__ out, int Hk, int Hv, int Dk, int Dv, float qscale) {
+                                         float* __restrict__ out, int Hk, int Hv, int Dk, int Dv, float qscale,
+                                         float* __restrict__ snap = nullptr) {
   __shared__ float qs[GDN_WARPS * RPT], ks[GDN_WARPS * RPT];
   __shared__ float red[GDN_WARPS][32];
   __shared__ float ssq[2][GDN_WARPS];
@@ -89,7 +90,10 @@ __device__ __forceinline__ void gdn_step(const float* __restrict__ q, const floa
     const int i = w * RPT + m;
     if (i < Dk) {
       s[m] = __fadd_rn(s[m], __fmul_rn(ks[i], delta));
-      if (col) S[base + (long long)i * Dv + j] = s[m];
+      if (col) {
+        S[base + (long long)i * Dv + j] = s[m];
+        if (snap) snap[base + (long long)i * Dv + j] = s[m];
+      }
       o = fmaf(qs[i], s[m], o);
     }
   }
@@ -123,6 +127,27 @@ __device__ __forceinline__ void gdn_step(const float* __restrict__ q, const floa
                   out + b * Hv * Dv, Hk, Hv, Dk, Dv, qscale);                                                  \
   }
 
+// T tokens of one sequence in order (a speculative verify): token t reads rows t of q, k (T, Hk, Dk), v (T, Hv, Dv),
+// g, beta (T, Hv), writes row t of out (T, Hv, Dv) and the state after it to snaps[t] (T, Hv, Dk, Dv); S ends as the
+// state after the last token. Each thread rereads the state rows it wrote itself: no other block touches them.
+#define GDN_STEPS(RPT)                                                                                         \
+  extern "C" __global__ void __launch_bounds__(GDN_WARPS * 32) gdn_steps_r##RPT(                              \
+      const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,                   \
+      const float* __restrict__ g, const float* __restrict__ beta, float* __restrict__ S,                      \
+      float* __restrict__ out, float* __restrict__ snaps, int T, int Hk, int Hv, int Dk, int Dv,               \
+      float qscale) {                                                                                          \
+    for (int t = 0; t < T; ++t) {                                                                              \
+      gdn_step<RPT>(q + (long long)t * Hk * Dk, k + (long long)t * Hk * Dk, v + (long long)t * Hv * Dv,        \
+                    g + (long long)t * Hv, beta + (long long)t * Hv, S, out + (long long)t * Hv * Dv, Hk, Hv,  \
+                    Dk, Dv, qscale, snaps + (long long)t * Hv * Dk * Dv);                                      \
+      __syncthreads();                                                                                         \
+    }                                                                                                          \
+  }
+
+GDN_STEPS(4)
+GDN_STEPS(8)
+GDN_STEPS(16)
+GDN_STEPS(32)
 GDN_STEP(4)
 GDN_STEP(8)
 GDN_STEP(16)
@@ -163,4 +188,21 @@ extern "C" __global__ void __launch_bounds__(128) conv1d_step_batch(const float*
                                                                      int C, int K) {
   const long long b = blockIdx.y;
   conv1d_one(x + b * C, w, states[b], y + b * C, C, K);
+}
+
+// T tokens of one sequence in order (a speculative verify): row t of x (T, C) -> row t of y (T, C), the state after
+// token t to snaps[t] (T, K-1, C). One thread per channel: it alone reads and writes its channel of the state.
+extern "C" __global__ void __launch_bounds__(128) conv1d_steps(const float* __restrict__ x,  // (T, C)
+                                                                const float* __restrict__ w,  // (C, K)
+                                                                float* __restrict__ state,    // (K-1, C)
+                                                                float* __restrict__ y,        // (T, C)
+                                                                float* __restrict__ snaps,    // (T, K-1, C)
+                                                                int T, int C, int K) {
+  const int c = blockIdx.x * blockDim.x + threadIdx.x;
+  if (c >= C) return;
+  for (int t = 0; t < T; ++t) {
+    conv1d_one(x + (long long)t * C, w, state, y + (long long)t * C, C, K);
+    for (int r = 0; r < K - 1; ++r)
+      snaps[((long long)t * (K - 1) + r) * C + c] = state[(long long)r * C + c];
+  }
 }
