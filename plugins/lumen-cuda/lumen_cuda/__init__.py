@@ -17,9 +17,9 @@ from lumen_core.ops import CONTRACT
 # (``CUDABackend.stored_format``), others are refused there.
 LINEAR_FORMATS = ("f32", "bf16", "f16", "fp8", "nvfp4")
 # Hand-written kernels (lumen_cuda.gemv, kernels/*.cu) registered above the CuPy ops; each falls back to the CuPy
-# op where it does not apply (GEMV: more than 4 tokens, or K not a multiple of 8 / 16). fp8: the GEMV for T <= 4,
-# else dequantize + cuBLAS; nvfp4: the NVFP4 GEMV for T <= 4, else dequantize kernel + cuBLAS; f32: a GEMV for T <= 4
-# (cuBLAS cannot be captured in a CUDA graph), else cuBLAS.
+# op where it does not apply (GEMV: more than 8 tokens, or K not a multiple of 8 / 16). fp8 / nvfp4: the GEMV for
+# T <= 8, else from 5 tokens the tensor-core gemm_split, else dequantize + cuBLAS; f32: a GEMV for T <= 8 (cuBLAS
+# cannot be captured in a CUDA graph), else cuBLAS.
 KERNEL_PRIORITY = 10
 KERNEL_OPS = (("linear", "linear_f32", "f32"),
               ("linear", "linear_bf16", "bf16"), ("linear", "linear_f16", "f16"), ("linear", "linear_fp8", "fp8"),

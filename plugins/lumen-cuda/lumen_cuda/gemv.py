@@ -84,7 +84,7 @@ def gemv_supported(fmt: str, data, T: int, K: int, block=None) -> bool:
 
 
 def gemv16(x, w, fmt: str, out=None, rows: int | None = None):
-    """y (T, N) f32 = x (T, K) @ w.T for w (N, K) bf16 bits (uint16) or f16; 1 <= T <= 4, K % 8 == 0."""
+    """y (T, N) f32 = x (T, K) @ w.T for w (N, K) bf16 bits (uint16) or f16; 1 <= T <= 8, K % 8 == 0."""
     x = _prep_x(x)
     T, K = x.shape
     N = w.shape[0]
@@ -97,7 +97,7 @@ def gemv16(x, w, fmt: str, out=None, rows: int | None = None):
 
 
 def gemv32(x, w, out=None, rows: int | None = None):
-    """y (T, N) f32 = x (T, K) f32 @ w.T for w (N, K) f32; 1 <= T <= 4, K % 4 == 0 (no cuBLAS: capturable)."""
+    """y (T, N) f32 = x (T, K) f32 @ w.T for w (N, K) f32; 1 <= T <= 8, K % 4 == 0 (no cuBLAS: capturable)."""
     if x.dtype == cp.uint16:
         raise ValueError("this GEMV takes f32 activations, not bf16 bits")
     x = _prep_x(x)
@@ -111,7 +111,7 @@ def gemv32(x, w, out=None, rows: int | None = None):
     return y
 
 
-def linear_f32(x, w: Weight):  # x (..., K), w (N, K) f32 -> (..., N): the GEMV for T <= 4, else cuBLAS
+def linear_f32(x, w: Weight):  # x (..., K), w (N, K) f32 -> (..., N): the GEMV for T <= 8, else cuBLAS
     K = w.shape[-1]
     x2 = x.reshape(-1, K) if x.ndim != 2 else x
     if isinstance(x, cp.ndarray) and w.data.dtype == cp.float32 and gemv_supported("f32", w.data, x2.shape[0], K):
@@ -407,7 +407,7 @@ def dequantize_nvfp4(w: Weight):
 
 def gemv_nvfp4(x, data, block, global_scale, out=None, rows: int | None = None):
     """y (T, N) f32 = x (T, K) f32 @ W.T for an NVFP4 W: packed codes ``data`` (N, K/2), e4m3 ``block`` scales
-    (N, K/16), f32 ``global_scale``; dequantized in registers (kernels/gemv_nvfp4.cu); 1 <= T <= 4, K % 32 == 0."""
+    (N, K/16), f32 ``global_scale``; dequantized in registers (kernels/gemv_nvfp4.cu); 1 <= T <= 8, K % 32 == 0."""
     if x.dtype == cp.uint16:
         raise ValueError("this GEMV takes f32 activations, not bf16 bits")
     x = _prep_x(x)
