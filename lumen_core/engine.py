@@ -405,7 +405,7 @@ class Engine:
             model.forward(list(prompt_ids[n:point]), cache)
             prefix.store(prompt_ids[:point], cache)
             n = point
-        out = model.forward(list(prompt_ids[n:]), cache, all_logits=drafter.needs_hidden, **hidden)
+        out = model.forward(list(prompt_ids[n:]), cache, **hidden)  # hidden: every row; logits: the last
         logits, rows = out if hidden else (out, None)
         if prefix is not None:
             prefix.store(prompt_ids, cache)
