@@ -338,3 +338,22 @@ def test_server_metrics_count_speculative_steps(tiny_checkpoint):
     m.spec_verifies, m.spec_drafted, m.spec_accepted = 3, 12, 9
     text = m.prometheus(0)
     assert "lumen_speculative_verifies_total 3" in text and "lumen_speculative_accepted_tokens_total 9" in text
+
+
+@pytest.mark.parametrize("draft", ["model", "mtp"])
+def test_speculation_with_the_prefix_cache(tiny_checkpoint, tmp_path, draft):
+    """A prompt resumed from the prefix cache drafts on (the MTP head has no entries for the restored part: fewer
+    drafts kept, the same tokens) and a speculative generation's cache, rewound along the way, is saved and reused."""
+    path = tiny_checkpoint("qwen3_5", mtp="equal")
+    model = {"path": str(path), "compute": "cpu", "store": "ram",
+             "hidden-layers": {"kv-cache": {"context-size": 512, "prefix-cache-mb": 64}}}
+    block = {"mtp": True} if draft == "mtp" else {"path": str(perturbed(path, tmp_path / "near", 0.03))}
+    engine = load({"model": model, "draft": {**block, "num-draft-tokens": 3}}, progress=False)
+    plain = load(str(path), progress=False)
+    first = engine.encode(PROMPT)
+    reply = list(engine.generate_tokens(first, 12))
+    assert reply == list(plain.generate_tokens(first, 12))
+    second = first + reply + engine.encode(" and then")
+    got = list(engine.generate_tokens(second, 16))
+    assert engine.stats.cached_tokens > 0 and engine.stats.speculative.verifies > 0
+    assert got == list(plain.generate_tokens(second, 16))
