@@ -347,8 +347,11 @@ def plan_model(config, arch: Architecture, ckpt, registry) -> tuple[Plan, dict]:
             one = (arch.mtp_cache_bytes(context, kv_bytes) if comp[0] == "mtp"
                    else arch.cache_bytes(comp[1], context, kv_bytes))
             label = "cache.mtp" if comp[0] == "mtp" else f"cache.layers.{comp[1]}"
-            plan.entries.append(  # one cache per generation held at once
-                PlanEntry(label, p.backend, p.device, kv.store or kv_home(cls, p.store), kv_fmt, one * kv.sequences,
+            # one cache per generation held at once; the MTP head's: one (only a generation that runs alone drafts:
+            # batched generations do not)
+            held = 1 if comp[0] == "mtp" else kv.sequences
+            plan.entries.append(
+                PlanEntry(label, p.backend, p.device, kv.store or kv_home(cls, p.store), kv_fmt, one * held,
                           kind="cache")
             )
     if ("vision", None) in placements:
@@ -419,7 +422,7 @@ def check_speculative(registry, placements: dict, who: str) -> None:
 
 
 def plan_draft(config, draft: Config, context: int, registry) -> tuple[Plan, dict, Config]:
-    """The draft model's plan at the main model's ``context`` (and sequences), from its own checkpoint and the
+    """The draft model's plan at the main model's ``context`` (one sequence), from its own checkpoint and the
     architecture the registry has for it; returns it with its resolved placement and the draft's Config as planned
     (what ``Engine.load`` of the draft plans again, exactly). Errors say they are about the draft: a ConfigError's
     path is under ``draft.`` (the draft's model block is read as ``draft.model``)."""
@@ -453,9 +456,10 @@ def _about_the_draft():
 
 
 def draft_at_context(config, draft: Config, arch: Architecture, ckpt, context: int) -> tuple[Config, list[str]]:
-    """The draft's Config holding the main model's ``context`` tokens and ``sequences`` (it verifies every token
-    the main model holds), and notes. A draft trained on fewer tokens than ``context`` is refused unless
-    allow-beyond-trained-context (the main model's or the draft's own) says that is the user's call."""
+    """The draft's Config holding the main model's ``context`` tokens (it drafts after every token the main model
+    holds) and one sequence (only a generation that runs alone drafts: batched ones do not), and notes. A draft
+    trained on fewer tokens than ``context`` is refused unless allow-beyond-trained-context (the main model's or
+    the draft's own) says that is the user's call."""
     main_kv, own_kv = config.kv_cache(), draft.kv_cache()
     trained = arch.max_context
     beyond = bool(trained and context > trained)
@@ -474,7 +478,7 @@ def draft_at_context(config, draft: Config, arch: Architecture, ckpt, context: i
                      f"draft holds the main model's context of {context} tokens (as many as the main model)")
     raw = copy.deepcopy(draft.raw)
     kv = raw["model"].setdefault("hidden-layers", {}).setdefault("kv-cache", {})
-    kv["sequences"] = main_kv.sequences
+    kv["sequences"] = 1
     if context:
         kv["context-size"] = context
     if beyond:

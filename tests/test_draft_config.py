@@ -232,7 +232,7 @@ def with_stand_in_head(arch, tensor: str, cache_bytes):
 def test_mtp_plans_the_head_with_the_output_layer(tiny_checkpoint):
     """draft.mtp sets use_mtp before the layout; the head's row `mtp` is placed as the output layer (store mmap
     here, apart from the layers' ram: its tensor is counted again there) and its cache `cache.mtp` holds
-    ``mtp_cache_bytes(context, kv_bytes)`` per sequence on that device."""
+    ``mtp_cache_bytes(context, kv_bytes)`` once on that device (batched generations do not draft)."""
     path = tiny_checkpoint("qwen3_5")
     registry = get_registry()
     ckpt = open_checkpoint(path, registry)
@@ -252,7 +252,8 @@ def test_mtp_plans_the_head_with_the_output_layer(tiny_checkpoint):
     assert (rows["mtp"].device, rows["mtp"].store) == ("cpu", "mmap")
     assert rows["mtp"].nbytes == ckpt.tensors[tensor].nbytes
     assert calls == [(80, 2.0)]
-    assert (rows["cache.mtp"].kind, rows["cache.mtp"].store, rows["cache.mtp"].nbytes) == ("cache", "ram", 2000)
+    # one cache although kv-cache.sequences is 2: only a generation that runs alone drafts
+    assert (rows["cache.mtp"].kind, rows["cache.mtp"].store, rows["cache.mtp"].nbytes) == ("cache", "ram", 1000)
     assert labels(plan)[-2:] == ["mtp", "cache.mtp"] and resolved["draft_config"] is None
     assert ("mtp", None) in resolved["layout"].needs
     assert plan.notes[-1] == ("speculative decoding: the checkpoint's multi-token-prediction head (1 layer(s)) "
