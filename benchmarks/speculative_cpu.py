@@ -69,10 +69,13 @@ def main(argv=None):
     p.add_argument("--json")
     a = p.parse_args(argv)
     limit_threads(a.threads)
+    import importlib
+
     import numpy as np
 
     from lumen_core.speculative import DraftModel
-    from speculative import OracleDrafter
+
+    OracleDrafter = importlib.import_module("speculative").OracleDrafter  # benchmarks/speculative.py
 
     work = Path(a.workdir)
     main_path = build(work / f"cpu-main-h{a.hidden}-l{a.layers}", a.hidden, a.layers, a.intermediate)

@@ -4,8 +4,8 @@ class is registered by name and every op is a thin wrapper that imports the impl
 Module order: each module of the package imports (at its top or inside a function) only modules listed before it
 in ``MODULE_ORDER``, so there is no import cycle (tests/test_cuda_engines.py checks it from the source). In words:
 kernels (compiled code), state, step, pinned, the CuPy references and the kernels' launchers, then moe and the
-streamed experts on top of them, then ops (the contract, which routes to all of them), then graph (the decode
-runner), then the backend, then this package (the registration).
+streamed experts on top of them, then ops (the contract, which routes to all of them), then verify (a speculative
+verify's graph) and graph (the decode runner), then the backend, then this package (the registration).
 """
 
 import functools
@@ -29,8 +29,8 @@ KERNEL_OPS = (("linear", "linear_f32", "f32"),
 
 MODULE_ORDER = (
     "kernels", "state", "step", "pinned", "delta", "sampler", "cupy_ops", "flash", "hostcall", "attention",
-    "vision_ops", "gdn_prefill", "decode", "gemv", "moe", "hostweights", "stream", "ops", "batch_decode", "graph",
-    "backend",
+    "vision_ops", "gdn_prefill", "decode", "gemv", "moe", "hostweights", "stream", "ops", "batch_decode", "verify",
+    "graph", "backend",
     "__init__",
 )
 
