@@ -12,7 +12,7 @@ from lumen_core.config import load_config
 
 EXAMPLES = sorted((Path(__file__).resolve().parents[1] / "examples").glob("*.json"))
 KIND = {"tiny-qwen-cpu.json": "qwen3_5", "tiny-qwen-moe-cpu-mmap.json": "qwen3_5_moe",
-        "tiny-qwen-serve.json": "qwen3_5"}
+        "tiny-qwen-serve.json": "qwen3_5", "tiny-qwen-mtp.json": ("qwen3_5", {"mtp": "equal"})}
 WGPU = {"tiny-qwen-moe-wgpu-cpu-experts.json": "qwen3_5_moe"}  # need a wgpu adapter (lavapipe in CI)
 
 
@@ -40,11 +40,15 @@ def test_tiny_example_runs(name, tiny_checkpoint, write_config, request):
     if name in WGPU:
         request.getfixturevalue("wgpu_pair")  # skips without an adapter (fails under LUMEN_REQUIRE_WGPU=1)
     raw = json.loads((EXAMPLES[0].parent / name).read_text())
-    raw["model"]["path"] = str(tiny_checkpoint({**KIND, **WGPU}[name]))
+    spec = {**KIND, **WGPU}[name]
+    kind, overrides = spec if isinstance(spec, tuple) else (spec, {})
+    raw["model"]["path"] = str(tiny_checkpoint(kind, **overrides))
     engine = lumen.load(str(write_config(raw)), progress=False)
     ids = list(engine.generate_tokens(engine.encode("Hello"), max_tokens=4))
     assert len(ids) == engine.stats.generated_tokens - (engine.stats.finish_reason == "stop") >= 0
     assert engine.plan.context_size == raw["model"]["hidden-layers"]["kv-cache"]["context-size"]
+    if "draft" in raw:  # speculative: every draft of the agreeing head kept
+        assert engine.stats.speculative.verifies > 0 and engine.stats.speculative.acceptance == 1.0
 
 
 @pytest.mark.wgpu
