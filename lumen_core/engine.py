@@ -287,7 +287,7 @@ class Engine:
         on_host = media or logprobs is not None or constraint is not None
         if self.drafter_factory is not None:
             if not on_host:
-                yield from self._speculative(prompt_ids, max_tokens, params, st)
+                yield from self._speculative(prompt_ids, max_tokens, params, st, save_at)
                 return
             self._note_plain("images, logprobs and grammars")
         eos, runner = self._eos(), (None if on_host else self.decode_runner())
@@ -365,7 +365,8 @@ class Engine:
             print(f"lumen: note: speculative decoding is off for generations with {why}: they decode token by "
                   "token", file=sys.stderr)
 
-    def _speculative(self, prompt_ids: list[int], max_tokens: int, params: SamplingParams, st: Stats):
+    def _speculative(self, prompt_ids: list[int], max_tokens: int, params: SamplingParams, st: Stats,
+                     save_at: int | None = None):
         """``generate_tokens`` with a drafter (lumen_core.speculative): the drafter proposes up to
         ``draft_tokens`` tokens, one main forward over them and the newest token verifies them all, and the cache
         is rewound to what was kept. Greedy: the tokens of plain greedy decoding; sampling: the rejection rule
@@ -401,7 +402,7 @@ class Engine:
 
         t0 = time.perf_counter()
         n = st.cached_tokens = prefix.restore(snap, cache) if snap is not None else 0
-        for point in save_points(n, len(prompt_ids), split) if prefix is not None else ():
+        for point in save_points(n, len(prompt_ids), split, save_at) if prefix is not None else ():
             model.forward(list(prompt_ids[n:point]), cache)
             prefix.store(prompt_ids[:point], cache)
             n = point
