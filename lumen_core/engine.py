@@ -33,6 +33,7 @@ from .speculative import (
     accept_sampled,
     draw,
     greedy_token,
+    host_rows,
     recording,
     target_probs,
 )
@@ -453,13 +454,13 @@ class Engine:
                     a = accept_greedy(targets, drafts)
                     nxt = targets[a]
                 elif greedy:
-                    logits = _host_rows(logits)
+                    logits = host_rows(logits)
                     check_logits(logits[0], st.generated_tokens + 1, self.config.model_path)
                     targets = [greedy_token(logits[i], params, seen + drafts[:i]) for i in range(k + 1)]
                     a = accept_greedy(targets, drafts)
                     nxt = targets[a]
                 else:
-                    logits = _host_rows(logits)
+                    logits = host_rows(logits)
                     check_logits(logits[0], st.generated_tokens + 1, self.config.model_path)
                     a, nxt = accept_sampled(_rows_of(logits, params, seen, drafts), dists, drafts, rng)
                 rerun = checkpoint.rewind(a + 1, trail)
@@ -668,11 +669,6 @@ class Engine:
 
     def _eos(self) -> set[int]:
         return set(self.tokenizer.eos_ids) if self.tokenizer else set()
-
-
-def _host_rows(logits) -> np.ndarray:
-    """Logits rows on the host as f32 (a device array is copied over)."""
-    return np.asarray(logits.get() if hasattr(logits, "get") else logits, dtype=np.float32)
 
 
 def _rows_of(logits, params: SamplingParams, seen: list[int], drafts: list[int]):

@@ -96,19 +96,32 @@ def _restore(obj, copies) -> None:
         dst[...] = src
 
 
+def _leaves(cache) -> Iterator:
+    """Each state object of ``cache`` once, in layer order: its K/V caches (full or rings) and its recurrent states
+    (dataclasses holding arrays, e.g. Gated-DeltaNet's conv and delta states, inside tuples or lists)."""
+    seen: set[int] = set()
+
+    def walk(obj):
+        if obj is None or id(obj) in seen:
+            return
+        seen.add(id(obj))
+        if _is_kv(obj):
+            yield obj
+        elif isinstance(obj, (tuple, list)):
+            for o in obj:
+                yield from walk(o)
+        elif any(True for _ in _arrays(obj)):
+            yield obj
+
+    for state in cache.layers:
+        yield from walk(state)
+
+
 def record_states(trail: dict, cache) -> None:
     """Record every recurrent state of ``cache`` as it stands (``kept``): for steps that ran without recording
     (a replayed CUDA graph of a one-token step)."""
-    seen: set[int] = set()
-    stack = list(cache.layers)
-    while stack:
-        obj = stack.pop()
-        if obj is None or id(obj) in seen or _is_kv(obj):
-            continue
-        seen.add(id(obj))
-        if isinstance(obj, (tuple, list)):
-            stack.extend(obj)
-        elif any(True for _ in _arrays(obj)):
+    for obj in _leaves(cache):
+        if not _is_kv(obj):
             kept(trail, obj, None)
 
 
@@ -126,26 +139,12 @@ class Checkpoint:
         self.cache, self.pos, self.T = cache, cache.pos, T
         self.rings: list[tuple] = []  # (ring, slots of positions pos.., saved k rows, saved v rows)
         self.states: list[tuple] = []  # (recurrent state object, its arrays' copies or None when recorded)
-        seen: set[int] = set()
-        for state in cache.layers:
-            self._walk(state, records, seen)
-
-    def _walk(self, obj, records: bool, seen: set) -> None:
-        if obj is None or id(obj) in seen:
-            return
-        seen.add(id(obj))
-        if _is_kv(obj):
-            if obj.capacity < self.cache.capacity:  # a ring: position p lives in slot p % capacity
-                slots = [(self.pos + t) % obj.capacity for t in range(self.T)]
+        for obj in _leaves(cache):
+            if not _is_kv(obj):
+                self.states.append((obj, None if records else state_copy(obj)))
+            elif obj.capacity < cache.capacity:  # a ring: position p lives in slot p % capacity
+                slots = [(self.pos + t) % obj.capacity for t in range(T)]
                 self.rings.append((obj, slots, obj.k[:, slots].copy(), obj.v[:, slots].copy()))
-            return
-        if isinstance(obj, (tuple, list)):  # e.g. Gated-DeltaNet's (conv state, delta state)
-            for o in obj:
-                self._walk(o, records, seen)
-            return
-        if not any(True for _ in _arrays(obj)):
-            return
-        self.states.append((obj, None if records else [a.copy() for _, _, a in _arrays(obj)]))
 
     def rewind(self, keep: int, trail: dict | None = None) -> int:
         """Keep the first ``keep`` (>= 1) tokens of the forward. Returns how many tokens the caller must run again
@@ -252,10 +251,14 @@ class Drafter:
         raise NotImplementedError
 
 
+def host_rows(x) -> np.ndarray:
+    """Logits on the host as f32 (a CuPy array is copied over), in their shape."""
+    return np.asarray(x.get() if hasattr(x, "get") else x, dtype=np.float32)
+
+
 def host_row(row) -> np.ndarray:
-    """A row of logits on the host as f32 (a CuPy array is copied over)."""
-    row = row.get() if hasattr(row, "get") else row
-    return np.asarray(row, dtype=np.float32).reshape(-1)
+    """One row of logits on the host as f32, flat."""
+    return host_rows(row).reshape(-1)
 
 
 def _pick(row, params: SamplingParams, seen: list[int], rng) -> tuple[int, np.ndarray | None]:

@@ -20,6 +20,7 @@ from lumen_core.speculative import (
     DraftModel,
     accept_sampled,
     draw,
+    record_states,
     recording,
 )
 
@@ -167,6 +168,24 @@ def test_a_rewound_cache_holds_what_plain_decoding_wrote(engines, kind):
     la = model.forward([23], a)
     lb = model.forward([23], b)
     np.testing.assert_allclose(la, lb, rtol=1e-4, atol=1e-4)
+
+
+def test_record_states_records_what_a_recording_forward_keeps(engines):
+    """record_states (for replayed steps that record nothing themselves) keeps, per recurrent state, the same arrays
+    a one-token forward under recording() keeps."""
+    main, _ = engines("qwen3_5")
+    model = main.model
+    cache = model.new_cache(64)
+    model.forward(main.encode(PROMPT), cache)
+    with recording() as during:
+        model.forward([7], cache)
+    after: dict = {}
+    record_states(after, cache)
+    assert list(after) == list(during) and len(after) > 0
+    for got, want in zip(after.values(), during.values(), strict=True):
+        assert len(got) == len(want) == 1
+        for a, b in zip(got[0], want[0], strict=True):
+            np.testing.assert_array_equal(a, b)
 
 
 def _leaves(obj):
