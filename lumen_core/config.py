@@ -492,7 +492,8 @@ def normalize(raw: dict) -> None:
     `store: "gpu"` is `vram` wherever a store is taken (LumenLLM's guide: `"vram"` (= `"gpu"`)); a flat `draft`
     {path, compute, store} is `draft.model` (omitted compute/store inherit from `model`, as LumenLLM's guide says);
     `num-draft-tokens` omitted is 4. A draft is then either `{model, num-draft-tokens}` or, drafting with the
-    checkpoint's MTP head, `{mtp: true, num-draft-tokens}` (`mtp: false` is dropped: it is the draft-model form).
+    checkpoint's MTP head, `{mtp: true, num-draft-tokens}` (`mtp: false` is dropped: it is the draft-model form);
+    `fallback`, a boolean in any form, is kept where written (omitted: true, ``Config.draft()``).
     What cannot be read so (both draft forms, an MTP head with a draft model, a `cuda` knob) is refused by name."""
     _check_cuda(raw.get("cuda", {}))
     if "draft" in raw:
@@ -519,13 +520,18 @@ def _nested_draft(draft: dict, model: dict) -> dict:
     """The one form Lumen reads of a draft block written in any of the three (see ``normalize``)."""
     flat = [k for k in _FLAT_DRAFT if k in draft]
     tokens = draft.get("num-draft-tokens", DEFAULT_DRAFT_TOKENS)
+    fallback = {"fallback": draft["fallback"]} if "fallback" in draft else {}
+    if fallback and not isinstance(draft["fallback"], bool):  # the schema says so first, in a file or a dict
+        raise ConfigError("draft.fallback", f"{draft['fallback']!r} is not a boolean",
+                          "write true (plain decoding where it is measured faster: the default) or false (always "
+                          "speculate)")
     if draft.get("mtp"):
         given = flat + (["model"] if "model" in draft else [])
         if given:
             raise ConfigError("draft.mtp", f"mtp: true drafts with the checkpoint's own multi-token-prediction head, "
                               f"but draft.{given[0]} also names a draft model",
                               f"remove draft.{', draft.'.join(given)} (MTP head), or set mtp to false (draft model)")
-        return {"mtp": True, "num-draft-tokens": tokens}
+        return {"mtp": True, "num-draft-tokens": tokens, **fallback}
     if "model" in draft and flat:
         raise ConfigError(f"draft.{flat[0]}", "draft is given twice: LumenLLM's flat form (draft.path, compute, "
                           "store) and Lumen's draft.model block", "keep one of the two forms")
@@ -538,6 +544,7 @@ def _nested_draft(draft: dict, model: dict) -> dict:
     else:  # omitted compute/store inherit from model (LumenLLM: "anything you omit inherits from its parent")
         nested = {"model": {k: draft.get(k, model.get(k)) for k in _FLAT_DRAFT if k in draft or k in model}}
     nested["num-draft-tokens"] = tokens
+    nested.update(fallback)
     return nested
 
 
@@ -601,11 +608,14 @@ class DraftSpec:
     """Speculative decoding as the config asks for it (``Config.draft()``): ``tokens`` proposed per verification
     step (num-draft-tokens); ``mtp``: drafted by the checkpoint's multi-token-prediction head; ``config``: the draft
     model's own Config (its model block as its root, paths relative to the main config's directory), None for MTP.
-    The plan fixes the draft's context size to the main model's (``resolved["draft_config"]``)."""
+    The plan fixes the draft's context size to the main model's (``resolved["draft_config"]``). ``fallback``
+    (draft.fallback): plain rounds where they are measured faster (``lumen_core.speculative.Fallback``); False:
+    every round drafts."""
 
     tokens: int
     mtp: bool
     config: Config | None
+    fallback: bool = True
 
 
 def _expanduser(text: str, where: str) -> Path:
@@ -686,18 +696,21 @@ class Config:
         draft = self.raw.get("draft")
         if not draft:
             return None
+        fallback = draft.get("fallback", True)
         if draft.get("mtp"):
-            return DraftSpec(draft["num-draft-tokens"], True, None)
+            return DraftSpec(draft["num-draft-tokens"], True, None, fallback)
         own = Config({"model": copy.deepcopy(draft["model"])}, f"{self.source} (draft)", self.base_dir)
-        return DraftSpec(draft["num-draft-tokens"], False, own)
+        return DraftSpec(draft["num-draft-tokens"], False, own, fallback)
 
-    def with_draft(self, path: str | None = None, tokens: int | None = None, mtp: bool = False) -> Config:
+    def with_draft(self, path: str | None = None, tokens: int | None = None, mtp: bool = False,
+                   fallback: bool | None = None) -> Config:
         """A copy of this config with the command line's draft options (`--draft-model PATH`, `--draft-tokens N`,
-        `--mtp`) on top, checked as a config file is. `path` replaces the config's draft with LumenLLM's flat form
-        (compute and store inherit from `model`); `mtp` with the MTP head; `tokens` sets num-draft-tokens (else the
-        config's, else 4). A relative `path` is relative to the working directory (it comes from the command line),
-        unless it is a Hugging Face model id not on disk. Nothing given: this config itself."""
-        if path is None and tokens is None and not mtp:
+        `--mtp`, `--no-draft-fallback`) on top, checked as a config file is. `path` replaces the config's draft with
+        LumenLLM's flat form (compute and store inherit from `model`); `mtp` with the MTP head; `tokens` sets
+        num-draft-tokens (else the config's, else 4); `fallback` sets draft.fallback (else the config's, else true).
+        A relative `path` is relative to the working directory (it comes from the command line), unless it is a
+        Hugging Face model id not on disk. Nothing given: this config itself."""
+        if path is None and tokens is None and not mtp and fallback is None:
             return self
         if path is not None and not path.strip():
             raise InputError("--draft-model: the path is empty; give the draft checkpoint's directory, .gguf file or "
@@ -708,15 +721,19 @@ class Config:
         old = self.raw.get("draft")
         if path is None and not mtp and not old:
             where = "a config file" if self.source == "<dict>" else f"the config {self.source}"
-            raise InputError(f"--draft-tokens {tokens} needs a draft: add --draft-model PATH or --mtp, or a draft "
-                             f"block to {where}")
+            option = f"--draft-tokens {tokens}" if tokens is not None else "--no-draft-fallback"
+            raise InputError(f"{option} needs a draft: add --draft-model PATH or --mtp, or a draft block to {where}")
         raw = copy.deepcopy(self.raw)
         if path is not None or mtp:
             raw["draft"] = {"mtp": True} if mtp else {"path": _cli_path(path)}
             if old:
                 raw["draft"]["num-draft-tokens"] = old["num-draft-tokens"]
+                if "fallback" in old:
+                    raw["draft"]["fallback"] = old["fallback"]
         if tokens is not None:
             raw["draft"]["num-draft-tokens"] = tokens
+        if fallback is not None:
+            raw["draft"]["fallback"] = fallback
         _check_values(raw)  # a NUL in the path, as in a file
         return _checked(raw, self.source, self.base_dir)
 

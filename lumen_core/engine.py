@@ -26,7 +26,9 @@ from .progress import Progress
 from .sampling import SamplingParams, make_sampler
 from .speculative import (
     Checkpoint,
+    Drafter,
     DraftModel,
+    Fallback,
     MTPDrafter,
     SpecStats,
     accept_greedy,
@@ -95,6 +97,11 @@ class Engine:
         self.drafter_factory = None
         self.draft_engine: Engine | None = None  # a draft model's own engine (not for MTP)
         self._spec_noted = False
+        # falling back to plain rounds where they are faster (config draft.fallback; speculative.Fallback): the
+        # round timer (a test may swap it) and what earlier generations measured, per drafter and draft length
+        self.draft_fallback = True
+        self.spec_clock = time.perf_counter
+        self._spec_memory: dict = {}
 
     @property
     def stats(self) -> Stats:
@@ -169,7 +176,7 @@ class Engine:
         spec = self.config.draft()
         if spec is None:
             return
-        self.draft_tokens = spec.tokens
+        self.draft_tokens, self.draft_fallback = spec.tokens, spec.fallback
         if spec.mtp:
             if getattr(self.model, "mtp", None) is None:
                 raise CheckpointError(f"{self.config.model_path}: the model was loaded without a multi-token-"
@@ -371,7 +378,9 @@ class Engine:
         """``generate_tokens`` with a drafter (lumen_core.speculative): the drafter proposes up to
         ``draft_tokens`` tokens, one main forward over them and the newest token verifies them all, and the cache
         is rewound to what was kept. Greedy: the tokens of plain greedy decoding; sampling: the rejection rule
-        (the same distribution as plain sampling, not the same draws)."""
+        (the same distribution as plain sampling, not the same draws). Where plain decoding is faster (timed round
+        by round, ``speculative.Fallback``; off with draft.fallback false) it runs plain rounds instead: the main
+        model forwards the newest token alone and the drafter is told (``skip``)."""
         model, eos = self.model, self._eos()
         drafter = self.drafter_factory(self.context_size)
         records = getattr(model, "records_states", False)
@@ -379,11 +388,17 @@ class Engine:
         rng = np.random.Generator(np.random.PCG64(params.seed))
         greedy = params.temperature == 0
         spec = st.speculative = SpecStats()
+        memory = self._spec_memory.setdefault((self.drafter_factory, self.draft_tokens), {})
+        # a drafter that cannot be told about plain rounds (no skip of its own) is never skipped
+        fallback = self.draft_fallback and type(drafter).skip is not Drafter.skip
+        policy, clock = Fallback(memory, fallback), self.spec_clock
         # a backend that replays its decode step (CUDA graphs) verifies in a graph captured per size on its cache
         runner = self.decode_runner()
         verify = runner if runner and hasattr(runner, "verify_graph") else None
         if verify is not None:
             full = verify.verify_graph(self.draft_tokens + 1, drafter.needs_hidden)  # made once (resets the cache)
+            # a plain round replays the decode step; one that must give the MTP head its hidden row, a verify of 1
+            one = verify.verify_graph(1, True) if drafter.needs_hidden and fallback else None
             if full is None and not self._spec_noted:
                 self._spec_noted = True
                 print(f"lumen: note: the speculative verify runs op by op: "
@@ -391,7 +406,7 @@ class Engine:
             runner.reset()
             cache = runner.cache
         else:
-            cache, full = model.new_cache(self.context_size), None
+            cache, full, one = model.new_cache(self.context_size), None, None
         prefix = self.prefix_cache
         snap, split = prefix.lookup(prompt_ids) if prefix is not None else (None, 0)
         seen = list(prompt_ids)
@@ -400,6 +415,26 @@ class Engine:
             row = np.asarray(row, dtype=np.float32)
             check_logits(row, st.generated_tokens + 1, self.config.model_path)
             return greedy_token(row, params, seen) if greedy else draw(target_probs(row, params, seen), rng)
+
+        def plain_round(last: int, tell: bool = True) -> int:
+            """The next token from the main model alone (``last`` forwarded), as plain decoding computes it: its
+            replayed step where it has one. The drafter is told (``skip``; not for the generation's last token):
+            it catches up when it drafts again."""
+            if verify is not None and not drafter.needs_hidden:
+                logits, rows, on_device = runner.step(last), None, True
+            elif one is not None:
+                logits, rows, _ = one.run([last])
+                on_device = True
+            else:
+                out = model.forward([last], cache, **hidden)
+                (logits, rows), on_device = (out if hidden else (out, None)), False
+            if on_device and greedy and params.repetition_penalty == 1.0:
+                tok = verify.argmax_rows(logits)[-1]  # one integer back, as the verify's greedy acceptance reads
+            else:
+                tok = pick(host_rows(logits)[-1], seen)
+            if tell:
+                drafter.skip([last], rows)
+            return tok
 
         t0 = time.perf_counter()
         n = st.cached_tokens = prefix.restore(snap, cache) if snap is not None else 0
@@ -435,7 +470,13 @@ class Engine:
                 last = pending[-1]  # the only token of pending not in the cache yet
                 k = min(self.draft_tokens, self.context_size - cache.pos - 1, max_tokens - st.generated_tokens - 1)
                 if k < 1:  # the last token the limits allow: no room to draft
-                    pending = [pick(model.forward([last], cache)[-1], seen)]
+                    pending = [plain_round(last, tell=False)]
+                    continue
+                start = clock()
+                if not policy.speculate():  # plain decoding has been faster lately (or is being timed)
+                    pending = [plain_round(last)]
+                    spec.plain_rounds += 1
+                    policy.record(False, 1, clock() - start)
                     continue
                 td = time.perf_counter()
                 drafts, dists = drafter.propose(last, k, params, seen, rng)
@@ -473,6 +514,7 @@ class Engine:
                 spec.draft_seconds += tv - td
                 spec.verify_seconds += time.perf_counter() - tv
                 pending = drafts[:a] + [nxt]
+                policy.record(True, a + 1, clock() - start)
         finally:
             st.decode_seconds = time.perf_counter() - t1
             if prefix is not None and cache.pos <= len(seen):

@@ -7,6 +7,11 @@ plain sampling's.
 Drafters (``Drafter``): a smaller model of the same tokenizer (``DraftModel``, the ``draft`` block) or the main
 model's own multi-token-prediction head (``MTPDrafter``, Qwen 3.5's ``mtp.*``).
 
+Falling back (``Fallback``): speculation does not always pay (an MoE verify reads the experts of every token; a
+draft that is rarely right costs its steps for nothing). The engine times each round and, unless the draft block
+says ``fallback: false``, runs plain rounds (the main model alone, one token; the drafter told with ``skip``)
+while they are faster; docs/speculative.md explains the policy.
+
 Rolling a cache back (``Checkpoint``): after a verify that fed ``k + 1`` tokens and kept ``keep`` of them, a cache
 must hold exactly its first ``pos + keep`` tokens again.
 
@@ -217,6 +222,7 @@ class SpecStats:
     accepted: int = 0
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
+    plain_rounds: int = 0  # tokens decoded without drafts because plain decoding was faster (Fallback, probes too)
 
     @property
     def acceptance(self) -> float:
@@ -229,7 +235,91 @@ class SpecStats:
 
     def summary(self) -> str:
         return (f"speculative: {self.verifies} verify steps, {self.drafted} drafted, acceptance "
-                f"{100 * self.acceptance:.1f}%, {self.tokens_per_verify:.2f} tokens per verify")
+                f"{100 * self.acceptance:.1f}%, {self.tokens_per_verify:.2f} tokens per verify, "
+                f"{self.plain_rounds} tokens decoded plainly (fallback)")
+
+
+# -- falling back to plain decoding ---------------------------------------------------------------------------------
+@dataclass
+class Pace:
+    """Seconds per emitted token of one kind of round, as decayed sums: a new round weighs 1, the one before
+    ``decay``, the one before that ``decay**2``...; the ratio is the time per token over the last few rounds (a
+    round that emitted 5 tokens counts 5 times as much as one that emitted 1, as a total time per total tokens)."""
+
+    seconds: float = 0.0
+    tokens: float = 0.0
+    rounds: int = 0
+
+    def add(self, seconds: float, tokens: int, decay: float) -> None:
+        self.seconds = self.seconds * decay + seconds
+        self.tokens = self.tokens * decay + tokens
+        self.rounds += 1
+
+    @property
+    def per_token(self) -> float | None:
+        """Seconds per emitted token; None before the first round."""
+        return self.seconds / self.tokens if self.rounds else None
+
+
+class Fallback:
+    """Chooses, round by round, between a speculative round (drafts and a verify) and a plain one (the main model
+    alone, one token), by which emitted tokens faster lately (docs/speculative.md §Falling back).
+
+    It runs one kind (``drafting``: speculative at first, or what the memory of earlier generations found faster)
+    and probes the other every ``interval`` emitted tokens for ``PROBE_ROUNDS`` timed rounds; after a probe it
+    switches if the other kind was more than ``MARGIN`` faster per token (hysteresis: noise does not make it flap).
+    A probe that confirms the kind doubles the interval (up to ``MAX_INTERVAL``: a settled choice costs little
+    probing); a switch starts it again at ``FIRST_PROBE``. The first speculative round of each stretch is not timed:
+    it also feeds the drafter what it skipped (a draft model's prompt, the tokens of the plain rounds before), in
+    one batched forward, which plain rounds put off rather than cost. ``memory``: a dict kept by the caller across
+    generations (the paces and the interval), so a generation starts from what the last one found.
+    ``enabled`` False: always speculative, nothing measured."""
+
+    PROBE_ROUNDS = 4
+    FIRST_PROBE = 16  # emitted tokens before the first probe
+    MAX_INTERVAL = 512
+    MARGIN = 0.1
+    DECAY = 0.8
+
+    def __init__(self, memory: dict | None = None, enabled: bool = True):
+        self.enabled = enabled
+        self.memory = memory if memory is not None else {}
+        self.paces = self.memory.setdefault("paces", {True: Pace(), False: Pace()})
+        self.interval = self.memory.setdefault("interval", self.FIRST_PROBE)
+        spec, plain = self.paces[True].per_token, self.paces[False].per_token
+        self.drafting = spec is None or plain is None or spec <= plain
+        self.probing = 0  # timed rounds of the other kind left in the probe under way
+        self.since = 0  # tokens emitted since the last probe (or the start)
+        self.previous: bool | None = None  # the kind of the last round
+
+    def speculate(self) -> bool:
+        """Whether the next round drafts."""
+        return not self.enabled or self.drafting != (self.probing > 0)
+
+    def record(self, drafted: bool, tokens: int, seconds: float) -> None:
+        """A round of that kind emitted ``tokens`` in ``seconds`` (wall clock, the result on the host)."""
+        if not self.enabled:
+            return
+        timed = not drafted or self.previous is True  # a stretch's first speculative round also catches up
+        self.previous = drafted
+        if timed:
+            self.paces[drafted].add(seconds, tokens, self.DECAY)
+        if self.probing and drafted != self.drafting:  # a round of the probe
+            self.probing -= timed
+            if not self.probing:
+                self._decide()
+        else:
+            self.since += tokens
+            if self.since >= self.interval:
+                self.probing, self.since = self.PROBE_ROUNDS, 0
+
+    def _decide(self) -> None:
+        now, other = self.paces[self.drafting].per_token, self.paces[not self.drafting].per_token
+        if now is not None and other is not None and other < now * (1 - self.MARGIN):
+            self.drafting, self.interval = not self.drafting, self.FIRST_PROBE
+        else:
+            self.interval = min(2 * self.interval, self.MAX_INTERVAL)
+        self.memory["interval"] = self.interval
 
 
 # -- drafters ------------------------------------------------------------------------------------------------------
@@ -237,7 +327,11 @@ class Drafter:
     """Proposes tokens for one generation. ``start`` after the main prefill; ``propose(last, k, ...)`` -> (k drafts,
     their distributions or None when greedy) given ``last``, the newest token (not yet in the main cache);
     ``accept(fed, keep, rows)`` after the verify fed ``fed`` = [last] + drafts and kept ``keep`` of them (``rows``:
-    the main model's hidden rows of that forward, for drafters with ``needs_hidden``)."""
+    the main model's hidden rows of that forward, for drafters with ``needs_hidden``); ``skip(fed, rows)`` after a
+    plain round, a forward of ``fed`` = [last] without drafts (``rows`` as for ``accept``): the drafter proposed
+    nothing and must still learn the token, so that a later ``propose`` starts from the right context. ``skip`` runs
+    no model: it queues what the next ``propose`` catches up on (a plain round must cost what a plain step does).
+    A drafter class that does not override ``skip`` is never skipped: the engine's fallback stays off for it."""
 
     needs_hidden = False
 
@@ -248,6 +342,9 @@ class Drafter:
         raise NotImplementedError
 
     def accept(self, fed: list[int], keep: int, rows) -> None:
+        raise NotImplementedError
+
+    def skip(self, fed: list[int], rows) -> None:
         raise NotImplementedError
 
 
@@ -330,6 +427,9 @@ class DraftModel(Drafter):
         if rerun:
             self.model.forward(self._fed[:rerun], self.cache)
 
+    def skip(self, fed, rows) -> None:
+        self.pending.extend(fed)  # fed at the next propose, with what else is pending, in one forward
+
 
 class MTPDrafter(Drafter):
     """The main model's multi-token-prediction head (``model.mtp``: Qwen 3.5's ``mtp.*``). Its entry at a position
@@ -367,4 +467,11 @@ class MTPDrafter(Drafter):
 
     def accept(self, fed, keep, rows) -> None:
         self.cache.pos = self.base
-        self.ids, self.rows = list(fed[1:keep]), rows[:keep]
+        # a copy: rows may be a captured verify's output buffer, which a plain round's replay (skip) can overwrite
+        self.ids, self.rows = list(fed[1:keep]), rows[:keep].copy()
+
+    def skip(self, fed, rows) -> None:
+        # the head has not seen fed[0] (no propose ran): it joins the catch-up with the main model's row at it, and
+        # the next token pairs with the last of rows. A copy (concat makes one): rows may be a replay's buffer.
+        self.ids += list(fed)
+        self.rows = rows.copy() if self.rows is None or not len(self.rows) else self.head.ops.concat([self.rows, rows])

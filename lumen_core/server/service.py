@@ -114,6 +114,7 @@ class Metrics:
     spec_verifies: int = 0  # speculative decoding: verify steps, drafted and accepted tokens
     spec_drafted: int = 0
     spec_accepted: int = 0
+    spec_plain: int = 0  # tokens decoded plainly by the fallback while drafting was on (SpecStats.plain_rounds)
     latency_sum: float = 0.0
     latency_count: int = 0
     timeouts: int = 0
@@ -148,7 +149,7 @@ class Metrics:
                   "# HELP lumen_cached_prompt_tokens_total Prompt tokens taken from the prefix cache, not prefilled.",
                   "# TYPE lumen_cached_prompt_tokens_total counter",
                   f"lumen_cached_prompt_tokens_total {self.cached_tokens}"]
-        if self.spec_verifies:
+        if self.spec_verifies or self.spec_plain:
             lines += ["# HELP lumen_speculative_verifies_total Speculative verify steps (one main forward each).",
                       "# TYPE lumen_speculative_verifies_total counter",
                       f"lumen_speculative_verifies_total {self.spec_verifies}",
@@ -158,7 +159,11 @@ class Metrics:
                       "# HELP lumen_speculative_accepted_tokens_total Drafted tokens the main model kept "
                       "(/ drafted = acceptance rate; (accepted + verifies) / verifies = tokens per verify).",
                       "# TYPE lumen_speculative_accepted_tokens_total counter",
-                      f"lumen_speculative_accepted_tokens_total {self.spec_accepted}"]
+                      f"lumen_speculative_accepted_tokens_total {self.spec_accepted}",
+                      "# HELP lumen_speculative_plain_rounds_total Rounds decoded without drafts (one token each) "
+                      "because plain decoding was measured faster, probes included (draft.fallback).",
+                      "# TYPE lumen_speculative_plain_rounds_total counter",
+                      f"lumen_speculative_plain_rounds_total {self.spec_plain}"]
         lines += self.ttft.lines("lumen_time_to_first_token_seconds",
                                  "From queueing to the first generated token (queue wait, prefill).")
         lines += self.itl.lines("lumen_inter_token_latency_seconds",
@@ -335,6 +340,7 @@ class Service:
             self.metrics.spec_verifies += spec.verifies
             self.metrics.spec_drafted += spec.drafted
             self.metrics.spec_accepted += spec.accepted
+            self.metrics.spec_plain += spec.plain_rounds
         if stats.generated_tokens:
             self.metrics.ttft.observe(job.started - job.queued_at + stats.prefill_seconds)
         if stats.generated_tokens > 1 and stats.decode_seconds > 0:

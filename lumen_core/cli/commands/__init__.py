@@ -38,14 +38,24 @@ MtpOpt = Annotated[
                  "3.5's mtp.* tensors; draft.mtp: true) instead of a draft model; refused for a checkpoint without "
                  "one. Replaces the config's draft block."),
 ]
+NoDraftFallbackOpt = Annotated[
+    bool,
+    typer.Option("--no-draft-fallback",
+                 help="Speculate on every round (draft.fallback: false). By default the engine times its rounds and "
+                 "decodes without drafts while that is faster (an MoE model, a draft that is rarely right), "
+                 "trying speculation again now and then; the output is the same either way. Needs a draft: "
+                 "--draft-model, --mtp or the config's draft block."),
+]
 
 
-def with_draft_options(config_arg: str, draft_model: str | None, draft_tokens: int | None, mtp: bool):
-    """The --config argument with --draft-model / --draft-tokens / --mtp applied: a Config checked as a config file
-    is (``Config.with_draft``; a relative --draft-model is relative to the working directory); the argument itself
-    when none is given (the engine reads it then)."""
-    if draft_model is None and draft_tokens is None and not mtp:
+def with_draft_options(config_arg: str, draft_model: str | None, draft_tokens: int | None, mtp: bool,
+                       no_fallback: bool = False):
+    """The --config argument with --draft-model / --draft-tokens / --mtp / --no-draft-fallback applied: a Config
+    checked as a config file is (``Config.with_draft``; a relative --draft-model is relative to the working
+    directory); the argument itself when none is given (the engine reads it then)."""
+    if draft_model is None and draft_tokens is None and not mtp and not no_fallback:
         return config_arg
     from ...config import config_from_path_or_model
 
-    return config_from_path_or_model(config_arg).with_draft(draft_model, draft_tokens, mtp)
+    return config_from_path_or_model(config_arg).with_draft(draft_model, draft_tokens, mtp,
+                                                            False if no_fallback else None)

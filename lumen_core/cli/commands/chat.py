@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from . import ChatTemplateOpt, ConfigOpt, DraftModelOpt, DraftTokensOpt, MtpOpt, with_draft_options
+from . import ChatTemplateOpt, ConfigOpt, DraftModelOpt, DraftTokensOpt, MtpOpt, NoDraftFallbackOpt, with_draft_options
 from .generate import ImageOpt, image_message, read_images
 
 Opt = typer.Option
@@ -33,6 +33,7 @@ def chat(
     draft_model: DraftModelOpt = None,
     draft_tokens: DraftTokensOpt = None,
     mtp: MtpOpt = False,
+    no_draft_fallback: NoDraftFallbackOpt = False,
     image: ImageOpt = None,
 ):
     """Chat with the model in the terminal: type a message, Enter; the reply streams back.
@@ -41,13 +42,14 @@ def chat(
     as JSON (nothing is executed). Commands: /reset, /think on|off, /image PATH, /exit (or Ctrl-D). The conversation is
     kept until /reset or the end of the context. A checkpoint without a chat template chats with its model
     family's (a note says so) or --chat-template FILE; a model that cannot chat is refused before loading.
-    --draft-model PATH or --mtp turn on speculative decoding (as the config's draft block does).
+    --draft-model PATH or --mtp turn on speculative decoding (as the config's draft block does); it falls back
+    to plain decoding while that is measured faster, unless --no-draft-fallback.
     """
     from ...engine import load
     from ...errors import InputError
 
     pending = read_images(image)  # go with the first message
-    config = with_draft_options(config, draft_model, draft_tokens, mtp)
+    config = with_draft_options(config, draft_model, draft_tokens, mtp, no_draft_fallback)
     engine = load(config, progress=True, chat_template=chat_template, chat=True, think=think)
     fmt = engine.chat_format()
     if temperature is None and "temperature" not in engine.config.sampling_defaults():

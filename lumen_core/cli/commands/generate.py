@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from . import ChatTemplateOpt, ConfigOpt, DraftModelOpt, DraftTokensOpt, MtpOpt, with_draft_options
+from . import ChatTemplateOpt, ConfigOpt, DraftModelOpt, DraftTokensOpt, MtpOpt, NoDraftFallbackOpt, with_draft_options
 
 Opt = typer.Option
 ImageOpt = Annotated[list[str] | None, Opt("--image", metavar="PATH",
@@ -56,6 +56,7 @@ def generate(
     draft_model: DraftModelOpt = None,
     draft_tokens: DraftTokensOpt = None,
     mtp: MtpOpt = False,
+    no_draft_fallback: NoDraftFallbackOpt = False,
     image: ImageOpt = None,
     quiet: Annotated[bool, Opt("--quiet", "-q", help="No progress lines or timing summary on stderr.")] = False,
 ):
@@ -64,7 +65,8 @@ def generate(
     Only the new text goes to stdout, streamed as it is produced; the loading progress (each phase and its
     time) and a timing summary go to stderr. Sampling options override the config's other-parameters. With
     --chat, a model that cannot chat (no template) or a --think its template lacks is refused before loading.
-    --draft-model PATH or --mtp turn on speculative decoding (as the config's draft block does).
+    --draft-model PATH or --mtp turn on speculative decoding (as the config's draft block does); it falls back
+    to plain decoding while that is measured faster, unless --no-draft-fallback.
     """
     from ...engine import load
     from ...errors import InputError
@@ -73,7 +75,7 @@ def generate(
     images = read_images(image)
     if (system is not None or think is not None) and not chat:
         raise InputError(f"{'--system' if system is not None else '--think/--no-think'} needs --chat")
-    config = with_draft_options(config, draft_model, draft_tokens, mtp)
+    config = with_draft_options(config, draft_model, draft_tokens, mtp, no_draft_fallback)
     engine = load(config, progress=not quiet, chat_template=chat_template, chat=chat, think=think)
     if temperature is None and "temperature" not in engine.config.sampling_defaults():
         temperature = 0.0

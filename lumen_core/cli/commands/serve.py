@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from . import ChatTemplateOpt, ConfigOpt, DraftModelOpt, DraftTokensOpt, MtpOpt
+from . import ChatTemplateOpt, ConfigOpt, DraftModelOpt, DraftTokensOpt, MtpOpt, NoDraftFallbackOpt
 
 Opt = typer.Option
 
@@ -63,6 +63,7 @@ def serve(
     draft_model: DraftModelOpt = None,
     draft_tokens: DraftTokensOpt = None,
     mtp: MtpOpt = False,
+    no_draft_fallback: NoDraftFallbackOpt = False,
 ):
     """Serve the model over HTTP: OpenAI (/v1/chat/completions, /v1/completions, /v1/models) and Anthropic
     (/v1/messages, /v1/messages/count_tokens) APIs, /health and /metrics (Prometheus). With --server-api (or
@@ -71,7 +72,8 @@ def serve(
     Requests share the loaded model through a queue, each with its own cache: one generation at a time, or with
     --sequences N up to N batched together (requests join and leave the batch between decode steps; more wait).
     --prefix-cache-mb keeps snapshots of earlier prompts so a chat's next turn prefills only its new tokens.
-    --draft-model PATH or --mtp turn on speculative decoding (as the config's draft block does).
+    --draft-model PATH or --mtp turn on speculative decoding (as the config's draft block does); it falls back
+    to plain decoding while that is measured faster, unless --no-draft-fallback.
     With API keys configured every route but /health needs `Authorization: Bearer KEY` or `x-api-key: KEY`.
     """
     import uvicorn
@@ -87,7 +89,8 @@ def serve(
         if problem:
             raise InputError(f"--api-key: {problem}; give the key itself, or leave --api-key out for no "
                              "authentication")
-    cfg = config_from_path_or_model(config).with_draft(draft_model, draft_tokens, mtp)
+    cfg = config_from_path_or_model(config).with_draft(draft_model, draft_tokens, mtp,
+                                                       False if no_draft_fallback else None)
     kv = cfg.raw["model"].setdefault("hidden-layers", {}).setdefault("kv-cache", {})
     if sequences is not None:
         kv["sequences"] = sequences
