@@ -7,6 +7,7 @@ rotated over enough copies to defeat the L2.
 
     python benchmarks/cuda_gemv.py [--json PATH] [--tokens 1,4] [--reps 20]
     python benchmarks/cuda_gemv.py --fp8-sweep     # fp8 at T = 1: unroll 2 / 4 x rows per warp
+    python benchmarks/cuda_gemv.py --wide-sweep --tokens 5,7   # bf16 at a verify's T: rows x warps x unroll
 
 Bytes counted per call: the weight (+ fp8 scales) + x + y. "% copy" = GB/s over the device-to-device copy's GB/s
 (read + write); "% read" = over a read-only streaming kernel's GB/s (the ceiling a GEMV can reach).
@@ -15,6 +16,7 @@ Bytes counted per call: the weight (+ fp8 scales) + x + y. "% copy" = GB/s over 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import statistics
@@ -224,11 +226,57 @@ def fp8_sweep(reps: int, read_bw: float) -> None:
         cp.get_default_memory_pool().free_all_blocks()
 
 
+WIDE_SHAPES = [  # the 9B shape's decode matrices (bf16): a verify of T = k + 1 tokens reads each once
+    ("9b gdn in 12352x4096", 12352, 4096), ("9b mlp up 24576x4096", 24576, 4096),
+    ("9b mlp down 4096x12288", 4096, 12288), ("9b out 4096x4096", 4096, 4096),
+    ("lm_head 248320x4096", 248320, 4096),
+]
+
+
+def wide_sweep(reps: int, read_bw: float, tokens: list[int]) -> None:
+    """The bf16 GEMV at T = 1 (the defaults) and at each T of ``tokens`` (a speculative verify) for rows per warp
+    x warps per block x unroll: time, % of the read bandwidth, time over T = 1's, and whether y equals T = 1's
+    rows bit for bit (each row's sum runs in the same order whatever T, rows, warps: it must)."""
+    print("\n| shape | T | rows | warps | unroll | us | % of read BW | time / T=1 | same bits as T=1 |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
+    for name, N, K in WIDE_SHAPES:
+        wide_shape(name, N, K, reps, read_bw, tokens)
+        cp.get_default_memory_pool().free_all_blocks()
+
+
+def wide_shape(name: str, N: int, K: int, reps: int, read_bw: float, tokens: list[int]) -> None:
+    cp.random.seed(0)
+    nsets = max(2, math.ceil(ROTATE_BYTES / (2 * N * K)))
+    wb = [bf16_bits(cp.random.standard_normal((N, K), dtype=cp.float32) * 0.02) for _ in range(nsets)]
+    x = cp.random.standard_normal((max(tokens), K), dtype=cp.float32)
+    cp.cuda.Device().synchronize()  # timed() runs on its own non-blocking stream: let the weights' kernels finish
+    nbytes = 2 * N * K
+    y1 = cp.empty((1, N), cp.float32)
+    t1, _ = timed(lambda i: gemv.gemv16(x[:1], wb[i], "bf16", out=y1), nsets, reps)
+    print(f"| {name} | 1 | {gemv.ROWS['bf16'][0]} | {gemv.WARPS} | 2 | {t1 * 1e6:.1f} | "
+          f"{100 * nbytes / t1 / read_bw:.0f}% | 1.00 | - |", flush=True)
+    ones = cp.concatenate([gemv.gemv16(x[t:t + 1], wb[0], "bf16") for t in range(max(tokens))])
+    for T, rows, warps, unroll in itertools.product(tokens, (2, 4, 8), (4, 8), (1, 2)):
+        y = cp.empty((T, N), cp.float32)
+
+        def call(i, r=rows, w=warps, u=unroll, T=T, y=y):
+            gemv.gemv16(x[:T], wb[i], "bf16", out=y, rows=r, warps=w, unroll=u)
+
+        got = gemv.gemv16(x[:T], wb[0], "bf16", rows=rows, warps=warps, unroll=unroll)
+        same = "yes" if bool((got == ones[:T]).all()) else f"no ({float(cp.abs(got - ones[:T]).max()):.1e})"
+        t, _ = timed(call, nsets, reps)
+        print(f"| {name} | {T} | {rows} | {warps} | {unroll} | {t * 1e6:.1f} | {100 * nbytes / t / read_bw:.0f}% | "
+              f"{t / t1:.2f} | {same} |", flush=True)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--fp8-sweep", action="store_true", help="only the fp8 unroll x rows sweep at T = 1")
+    ap.add_argument("--wide-sweep", action="store_true",
+                    help="only the bf16 GEMV at the --tokens T (5..8: a speculative verify) for rows x warps x unroll, "
+                         "against T = 1")
     ap.add_argument("--json", help="write every measurement here")
-    ap.add_argument("--tokens", default="1,4", help="token counts T (1..4)")
+    ap.add_argument("--tokens", default="1,4", help="token counts T (1..8)")
     ap.add_argument("--reps", type=int, default=20, help="calls per CUDA graph")
     ap.add_argument("--shapes", type=int, default=len(SHAPES), help="only the first N shapes")
     args = ap.parse_args(argv)
@@ -244,6 +292,9 @@ def main(argv=None):
     rows_out = []
     if args.fp8_sweep:
         fp8_sweep(args.reps, read_bw)
+        return 0
+    if args.wide_sweep:
+        wide_sweep(args.reps, read_bw, tokens)
         return 0
 
     def record(shape, T, impl, rows, t, nbytes, mode, err=None):

@@ -94,6 +94,25 @@ def test_gemv16_against_numpy(cp, gemv, fmt, xdtype, rows):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("rows", [2, 4, 8])
+@pytest.mark.parametrize("xdtype", ["f32", "bf16"])
+@pytest.mark.parametrize("fmt", ["bf16", "f16"])
+def test_wide_gemv16_against_numpy_and_one_token(cp, gemv, fmt, xdtype, rows):
+    """The 5..8-token GEMV (a speculative verify) against numpy, and each of its rows bit for bit the one-token
+    GEMV's (each row's sum runs in the same order whatever T and rows: the verify's logits are plain decode's)."""
+    rng = np.random.default_rng(300 + 10 * rows + (xdtype == "bf16"))
+    for N, K in SHAPES16:
+        w = rng.normal(size=(N, K)).astype(ml_dtypes.bfloat16 if fmt == "bf16" else np.float16)
+        wd = cp.asarray(w.view(np.uint16) if fmt == "bf16" else w)
+        for T in (5, 6, 7, 8):
+            x, xk = activations(rng, T, K, xdtype)
+            y = gemv.gemv16(cp.asarray(xk), wd, fmt, out=poisoned(cp, T, N), rows=rows)
+            close(y, x.astype(np.float64) @ w.astype(np.float64).T)
+            for t in range(T):
+                np.testing.assert_array_equal(y[t].get(), gemv.gemv16(cp.asarray(xk[t:t + 1]), wd, fmt)[0].get())
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("rows", [1, 2, 4])
 @pytest.mark.parametrize("xdtype", ["f32", "bf16"])
 def test_gemv_fp8_block_scales_against_the_cpu_op(cp, gemv, cpu, xdtype, rows):

@@ -165,3 +165,72 @@ def test_kept_kernels_equal_token_by_token_steps(cp):
     for t in range(T):
         np.testing.assert_array_equal(y[t:t + 1].get(), decode.causal_conv1d_step(x[t:t + 1], w, cb).get())
         np.testing.assert_array_equal(states[t][0].get(), cb.x.get())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv", ["f32", "bf16", "f16", "fp8"])
+@pytest.mark.parametrize("window,softcap", [(None, None), (6, None), (None, 30.0)])
+def test_attention_verify_equals_token_by_token_decode(cp, kv, window, softcap):
+    """decode.attention_verify (the T rows written first, then every token attending up to its own position in
+    one launch) gives bit for bit the outputs and cache of T attention_decode calls in order, on a full cache of
+    each type, with GQA (8 query heads over 2 kv heads), a window and a softcap; positions past 32 so that
+    several splits are combined. A ring cache is refused (the caller then goes token by token)."""
+    from lumen_cuda import decode
+    from lumen_cuda.attention import kv_cache, sliding_kv_cache
+
+    rng = np.random.default_rng(7)
+    T, Hq, Hkv, D, ctx, start = 5, 8, 2, 64, 96, 41
+
+    def f(*shape):
+        return cp.asarray(rng.standard_normal(shape).astype(np.float32))
+
+    q, k, v = f(T, Hq, D), f(T, Hkv, D), f(T, Hkv, D)
+    past_k, past_v = f(start, Hkv, D), f(start, Hkv, D)
+    caches = [kv_cache(ctx, Hkv, D, kv), kv_cache(ctx, Hkv, D, kv)]
+    for c in caches:  # the same past in both, through the one-token kernel
+        for p in range(start):
+            decode.attention_decode(q[:1], past_k[p:p + 1], past_v[p:p + 1], c, cp.asarray([p], cp.int32), 0.125)
+    pos = cp.arange(start, start + T, dtype=cp.int32)
+    got = decode.attention_verify(q, k, v, caches[0], pos, 0.125, window, softcap, chunk=32)
+    want = cp.concatenate([decode.attention_decode(q[t:t + 1], k[t:t + 1], v[t:t + 1], caches[1], pos[t:t + 1],
+                                                   0.125, window, softcap, chunk=32) for t in range(T)])
+    np.testing.assert_array_equal(got.get(), want.get())
+    np.testing.assert_array_equal(caches[0].k.get(), caches[1].k.get())
+    np.testing.assert_array_equal(caches[0].v.get(), caches[1].v.get())
+    with pytest.raises(ValueError, match="full KVCache"):
+        decode.attention_verify(q, k, v, sliding_kv_cache(8, Hkv, D, kv), pos, 0.125, 8)
+
+
+@pytest.mark.gpu
+def test_greedy_chain_equals_stepwise_argmax(cuda_engines):
+    """GraphRunner.greedy_chain (each argmax fed to the next replay on the device, one read at the end) gives the
+    tokens of replaying step by step and taking each argmax on the host, from a token and from a logits row, and
+    advances the cache and calls ``after`` once per replay."""
+    main, _ = cuda_engines("qwen3_5")
+    ids = main.encode(PROMPT)
+    r = main.decode_runner()
+    assert r, "the tiny Qwen decodes through the captured graph"
+    k = 6
+
+    def fed_prompt():
+        r.reset()
+        for t in ids[:-1]:
+            r.step(t)
+
+    fed_prompt()
+    want, tok = [], ids[-1]
+    for _ in range(k):
+        tok = int(r.step(tok).reshape(-1).argmax())
+        want.append(tok)
+    fed_prompt()
+    calls = []
+    got = r.greedy_chain(k, token=ids[-1], after=lambda: calls.append(r.cache.pos))
+    assert got == want
+    assert r.cache.pos == len(ids) - 1 + k and calls == list(range(len(ids), len(ids) + k))
+    fed_prompt()
+    row = r.step(ids[-1])
+    calls.clear()
+    got = r.greedy_chain(k, logits=row, after=lambda: calls.append(r.cache.pos))
+    assert got == want
+    assert r.cache.pos == len(ids) - 1 + k and len(calls) == k - 1
+    r.reset()

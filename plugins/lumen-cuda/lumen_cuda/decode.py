@@ -13,6 +13,8 @@ Launch configurations:
 - ``attention_decode``: ``attn_split_k<K>_v<V>`` grid (nsplit, Hkv, ceil(G / 8)), 128 threads, G = Hq / Hkv,
   nsplit = ceil(ctx / chunk), chunk = ``split_chunk(ctx)`` (a power of two in 32..256); then ``attn_combine``
   grid (Hq,), 128 threads.
+- ``attention_verify`` (T tokens of a speculative verify, full cache): ``kv_store_k<K>_v<V>`` grid (T, Hkv), then
+  ``attn_split_multi_k<K>_v<V>`` grid (nsplit, Hkv, ceil(G / 8) * T), then ``attn_combine_batch`` grid (Hq, T).
 - ``gated_delta_step``: ``gdn_step_r<RPT>`` grid (Hv, ceil(Dv / 32)), 256 threads, RPT = 4/8/16/32 for
   Dk <= 32/64/128/256.
 - ``causal_conv1d_step``: ``conv1d_step`` grid ceil(C / 128), 128 threads.
@@ -59,6 +61,32 @@ def split_chunk(ctx: int) -> int:
     return min(256, max(32, 1 << (want - 1).bit_length()))
 
 
+def _check_attention(Hq: int, D: int, kc, vc, window, chunk) -> tuple[int, int]:
+    """What the split kernels support, for caches kc (Hkv, ctx, D) / vc (Hkv, ctx, Dv): ValueError naming what is
+    not; -> (positions per split, splits)."""
+    Hkv, ctx, Dv = vc.shape
+    if Hkv == 0 or Hq % Hkv:
+        raise ValueError(f"query heads {Hq} not a multiple of kv heads {Hkv}")
+    for name, d in (("head dim", D), ("value head dim", Dv)):
+        if not 0 < d <= MAX_HEAD_DIM or d % 4:
+            raise ValueError(f"{name} {d} unsupported (a multiple of 4, at most {MAX_HEAD_DIM})")
+    for name, a in (("k", kc), ("v", vc)):
+        if a.dtype not in _KV_NAMES:
+            raise ValueError(f"cache {name} dtype {a.dtype} unsupported (f32, f16, bf16 bits as uint16, fp8 as "
+                             "uint8)")
+        if not a.flags.c_contiguous or a.data.ptr % 16:
+            raise ValueError(f"cache {name} must be C-contiguous with a 16-byte aligned base")
+    if window is not None and window < 1:
+        raise ValueError(f"attention window {window} unsupported")
+    chunk = int(chunk or split_chunk(ctx))
+    if not 1 <= chunk <= 512:
+        raise ValueError(f"attention split of {chunk} positions unsupported (1..512)")
+    nsplit = -(-ctx // chunk)
+    if nsplit > MAX_SPLITS:
+        raise ValueError(f"a cache of {ctx} positions needs {nsplit} splits (at most {MAX_SPLITS})")
+    return chunk, nsplit
+
+
 # -- attention ----------------------------------------------------------------------------------------------------
 def attention_decode(q, k, v, cache, pos, scale: float, window: int | None = None,
                      softcap: float | None = None, chunk: int | None = None):
@@ -88,29 +116,11 @@ def attention_decode(q, k, v, cache, pos, scale: float, window: int | None = Non
         window = None
     if (write and (k.shape != (1, Hkv, D) or v.shape != (1, Hkv, Dv))) or kc.shape != (Hkv, ctx, D):
         raise ValueError(f"shapes: q {q.shape}, k {k.shape}, v {v.shape}, cache k {kc.shape}, v {vc.shape}")
-    if Hkv == 0 or Hq % Hkv:
-        raise ValueError(f"query heads {Hq} not a multiple of kv heads {Hkv}")
-    for name, d in (("head dim", D), ("value head dim", Dv)):
-        if not 0 < d <= MAX_HEAD_DIM or d % 4:
-            raise ValueError(f"{name} {d} unsupported (a multiple of 4, at most {MAX_HEAD_DIM})")
-    for name, a in (("k", kc), ("v", vc)):
-        if a.dtype not in _KV_NAMES:
-            raise ValueError(f"cache {name} dtype {a.dtype} unsupported (f32, f16, bf16 bits as uint16, fp8 as "
-                             "uint8)")
-        if not a.flags.c_contiguous or a.data.ptr % 16:
-            raise ValueError(f"cache {name} must be C-contiguous with a 16-byte aligned base")
-    if window is not None and window < 1:
-        raise ValueError(f"attention window {window} unsupported")
+    chunk, nsplit = _check_attention(Hq, D, kc, vc, window, chunk)
     if not isinstance(pos, cp.ndarray) or pos.size != 1:
         raise ValueError("pos must be a device array of one int32 (this token's position)")
     if pos.dtype != cp.int32:
         pos = pos.astype(cp.int32)  # a device op: still graph-capturable
-    chunk = int(chunk or split_chunk(ctx))
-    if not 1 <= chunk <= 512:
-        raise ValueError(f"attention split of {chunk} positions unsupported (1..512)")
-    nsplit = -(-ctx // chunk)
-    if nsplit > MAX_SPLITS:
-        raise ValueError(f"a cache of {ctx} positions needs {nsplit} splits (at most {MAX_SPLITS})")
 
     G = Hq // Hkv
     qc = _f32(q, "q").reshape(Hq, D)
@@ -134,6 +144,54 @@ def attention_decode(q, k, v, cache, pos, scale: float, window: int | None = Non
                                    (o_part, ml_part, pos, out, np.int32(Hq), np.int32(Dv), np.int32(chunk), win,
                                     np.int32(nsplit)),
                                    shared_mem=4 * nsplit)
+    return out
+
+
+def attention_verify(q, k, v, cache, pos, scale: float, window: int | None = None, softcap: float | None = None,
+                     chunk: int | None = None):
+    """T tokens of one sequence (a speculative verify) in three launches: q (T, Hq, D), k (T, Hkv, D), v (T, Hkv, Dv)
+    f32 at the positions in ``pos`` (a device int32 array (T,), ascending) -> (T, Hq, Dv) f32.
+
+    ``kv_store`` writes the T new rows into slots pos[t] of a full cache (encoded as ``attention_decode`` encodes
+    them), ``attn_split_multi`` attends every query up to its own position (grid z over tokens and head groups),
+    ``attn_combine_batch`` combines per (head, token). Token t reads only rows <= pos[t], all written before the
+    launch, so the result has the bits of T ``attention_decode`` calls in order (each writes its row, then attends
+    up to it), at a fraction of the launches. A ring cache is refused (ValueError): a later token's row would
+    overwrite a slot an earlier token still attends."""
+    if not isinstance(cache, KVCache):
+        raise ValueError(f"attention_verify needs a full KVCache, not {type(cache).__name__}")
+    if q.ndim != 3 or k.ndim != 3 or v.ndim != 3:
+        raise ValueError(f"attention_verify takes (T, heads, dim) arrays: q {q.shape}, k {k.shape}, v {v.shape}")
+    T, Hq, D = q.shape
+    kc, vc = cache.k, cache.v
+    Hkv, ctx, Dv = vc.shape
+    if k.shape != (T, Hkv, D) or v.shape != (T, Hkv, Dv) or kc.shape != (Hkv, ctx, D):
+        raise ValueError(f"shapes: q {q.shape}, k {k.shape}, v {v.shape}, cache k {kc.shape}, v {vc.shape}")
+    chunk, nsplit = _check_attention(Hq, D, kc, vc, window, chunk)
+    if not isinstance(pos, cp.ndarray) or pos.shape != (T,):
+        raise ValueError(f"pos must be a device array of {T} int32 (the tokens' positions)")
+    if pos.dtype != cp.int32:
+        pos = pos.astype(cp.int32)
+    G = Hq // Hkv
+    zg = -(-G // ATTN_GM)
+    names = (_KV_NAMES[kc.dtype], _KV_NAMES[vc.dtype])
+    _fn(ATTN_FILE, "kv_store_k{}_v{}".format(*names))(
+        (T, Hkv), (ATTN_NT,), (_f32(k, "k"), _f32(v, "v"), kc, vc, pos, np.int32(ctx), np.int32(Hkv), np.int32(D),
+                               np.int32(Dv)))
+    o_part = cp.empty((T, nsplit, Hq, Dv), dtype=F32)
+    ml_part = cp.empty((T, nsplit, Hq, 2), dtype=F32)
+    out = cp.empty((T, Hq, Dv), dtype=F32)
+    win = np.int32(window or 0)
+    smem = 4 * min(ATTN_GM, G) * (D + chunk + (ATTN_NT // 32) * 128)
+    _fn(ATTN_FILE, "attn_split_multi_k{}_v{}".format(*names))(
+        (nsplit, Hkv, zg * T), (ATTN_NT,),
+        (_f32(q, "q"), kc, vc, pos, o_part, ml_part, np.int32(ctx), np.int32(D), np.int32(Dv), np.int32(Hq),
+         np.int32(G), np.int32(chunk), np.float32(scale), np.float32(softcap or 0.0), win, np.int32(zg)),
+        shared_mem=smem)
+    _fn(ATTN_FILE, "attn_combine_batch")(
+        (Hq, T), (ATTN_NT,),
+        (o_part, ml_part, pos, out, np.int32(Hq), np.int32(Dv), np.int32(chunk), win, np.int32(nsplit)),
+        shared_mem=4 * nsplit)
     return out
 
 

@@ -35,11 +35,12 @@ GEMM_MIN_T = 5  # fp8 / NVFP4: the tensor-core prefill GEMM from this many token
 WARPS = 4  # warps per block (GEMV_WARPS in the .cu files)
 # Rows per warp by format and T (index T - 1); 1, 2 and 4 are compiled. From the H200 sweep in docs/cuda.md:
 # 2-byte weights read best with 2 rows at T = 1 and 4 rows at T >= 2; fp8 with 4 rows.
-# T = 5..8 (a speculative verify) is compiled with 2 and 4 rows; LUMEN_CUDA_WIDE_ROWS picks (benchmarks/speculative.py
-# compares them).
-_WIDE = (int(os.environ.get("LUMEN_CUDA_WIDE_ROWS", "4")),) * 4
-ROWS = {"bf16": (2, 4, 4, 4) + _WIDE, "f16": (2, 4, 4, 4) + _WIDE, "fp8": (4, 4, 4, 4) + _WIDE,
-        "f32": (2, 4, 4, 4) + _WIDE, "nvfp4": (2, 4, 4, 4) + _WIDE}
+# T = 5..8 (a speculative verify): 2-byte weights are compiled with 2, 4 and 8 rows, 8 (each activation load feeds
+# 8 rows' FMAs) measured best over the 9B layer's matrices at T = 5 and 7 (benchmarks/cuda_gemv.py --wide-sweep,
+# docs/cuda.md); the other formats with 2 and 4 rows (4). LUMEN_CUDA_WIDE_ROWS overrides the 2-byte choice.
+_WIDE16 = (int(os.environ.get("LUMEN_CUDA_WIDE_ROWS", "8")),) * 4
+ROWS = {"bf16": (2, 4, 4, 4) + _WIDE16, "f16": (2, 4, 4, 4) + _WIDE16, "fp8": (4, 4, 4, 4) + (4,) * 4,
+        "f32": (2, 4, 4, 4) + (4,) * 4, "nvfp4": (2, 4, 4, 4) + (4,) * 4}
 ALIGN = {"bf16": 8, "f16": 8, "fp8": 16, "f32": 4, "nvfp4": 32}  # K % this == 0: one 16-byte load per lane per step
 
 # 16-byte loads in flight per row and lane in the fp8 GEMV (GEMV_U in gemv_fp8.cu); LUMEN_CUDA_FP8_UNROLL
@@ -83,16 +84,20 @@ def gemv_supported(fmt: str, data, T: int, K: int, block=None) -> bool:
     return not (fmt == "fp8" and block is not None and block[1] % 16)
 
 
-def gemv16(x, w, fmt: str, out=None, rows: int | None = None):
-    """y (T, N) f32 = x (T, K) @ w.T for w (N, K) bf16 bits (uint16) or f16; 1 <= T <= 8, K % 8 == 0."""
+def gemv16(x, w, fmt: str, out=None, rows: int | None = None, warps: int = WARPS, unroll: int | None = None):
+    """y (T, N) f32 = x (T, K) @ w.T for w (N, K) bf16 bits (uint16) or f16; 1 <= T <= 8, K % 8 == 0.
+    ``rows`` per warp (1, 2, 4; 8 from T = 5), ``warps`` per block and ``unroll`` (16-byte loads in flight per row
+    and lane) override the defaults (benchmarks/cuda_gemv.py --wide-sweep)."""
     x = _prep_x(x)
     T, K = x.shape
     N = w.shape[0]
     assert w.shape == (N, K) and fmt in ("bf16", "f16") and gemv_supported(fmt, w, T, K), (fmt, w.shape, x.shape)
     rows = rows or ROWS[fmt][T - 1]
     y = _out(out, T, N)
-    fn = _fn("gemv", f"gemv_{fmt}_x{_xname(x)}_t{T}_r{rows}")
-    fn(((N + rows * WARPS - 1) // (rows * WARPS),), (WARPS * 32,), (w, x, y, np.int32(N), np.int32(K)))
+    options = (() if warps == WARPS else (f"-DGEMV_WARPS={warps}",))
+    options += () if unroll is None else (f"-DGEMV_U={unroll}",)
+    fn = _fn("gemv", f"gemv_{fmt}_x{_xname(x)}_t{T}_r{rows}", options)
+    fn(((N + rows * warps - 1) // (rows * warps),), (warps * 32,), (w, x, y, np.int32(N), np.int32(K)))
     return y
 
 

@@ -56,6 +56,7 @@ class GraphRunner(DecodeRunner):
         self.graph = None
         self.logits = None  # the graph's output buffer (1, vocab) f32, in the private pool
         self._greedy = None  # greedy_tokens' kernel, scratch, remap table, pinned slots and events
+        self._chain = None  # greedy_chain's raw tokens (device), pinned copy and event
         self._between = None  # called before each replay: the streamed-expert cache's upkeep (ExpertStreams.maintain)
         self._done = None  # step's blocking event (steps with host calls)
         self._verify: dict = {}  # (T, hidden) -> VerifyGraph, or the reason it could not be captured (verify.py)
@@ -103,7 +104,7 @@ class GraphRunner(DecodeRunner):
         """Free the graph, its private pool, the cache and the step's buffers now (queued steps finish first);
         the runner cannot step afterwards."""
         self.stream.synchronize()
-        self.graph = self.logits = self._greedy = self._between = self._done = None
+        self.graph = self.logits = self._greedy = self._chain = self._between = self._done = None
         self._verify = {}
         self.inputs = StepInputs(self.inputs.ids, self.inputs.pos)  # drops host calls, constants, the streams
         self.cache = None
@@ -173,16 +174,11 @@ class GraphRunner(DecodeRunner):
     def sampler(self, params):
         return DeviceSampler(params)
 
-    def greedy_tokens(self, token: int):
-        """The greedy continuation of ``token``, pipelined: after each replay ``greedy_next`` (kernels/greedy.cu)
-        writes the argmax to the next step's input id (through the model's input_id remapping) and advances the
-        position on the device, so the next replay is queued before the host has read this token; the host reads
-        each token from pinned memory one step behind the GPU. Up to two steps run ahead of the consumer (their
-        cache writes lie past the last token yielded: harmless, since ``reset`` precedes every generation)."""
-        n = self.logits.size
+    def _greedy_parts(self):
+        """greedy_next's kernel, scratch, remap table, two raw-token slots, pinned memory and events (made once)."""
         if self._greedy is None:
             with self.dev:
-                vocab = getattr(self.model, "vocab_size", n)
+                vocab = getattr(self.model, "vocab_size", self.logits.size)
                 pairs = [(t, i) for t in range(vocab) if (i := self.model.input_id(t)) != t]
                 remap = np.array(pairs or [(0, 0)], dtype=np.int64).reshape(-1)
                 self._greedy = (
@@ -191,7 +187,56 @@ class GraphRunner(DecodeRunner):
                     cp.zeros(1, cp.uint32), cp.asarray(remap), np.int32(len(pairs)),
                     [cp.empty(1, cp.int64) for _ in range(2)],  # raw tokens per slot (device)
                     cp.cuda.alloc_pinned_memory(16), [self._event(), self._event()])
-        fn, part_v, part_i, counter, remap, nremap, raw, pinned, events = self._greedy
+        return self._greedy
+
+    def greedy_chain(self, k: int, token: int | None = None, logits=None, after=None) -> list[int]:
+        """``k`` greedy tokens with one synchronisation (a draft model's proposal): each step's argmax becomes the
+        next step's input on the device (``greedy_next``), and the host reads the ``k`` tokens once at the end.
+        The chain starts from ``token`` (replayed first, at ``cache.pos``) or, with ``token`` None, from ``logits``
+        (a device row (vocab,) of the position just before ``cache.pos``: e.g. a verify graph's last row). Then
+        k - 1 more replays, each fed the token before it: ``cache.pos`` advances by k (token given) or k - 1.
+        ``after()`` runs after each replay, on this runner's stream (enqueued work: recording the states)."""
+        fn, part_v, part_i, counter, remap, nremap, _, _, _ = self._greedy_parts()
+        if self._chain is None or self._chain[0].size < k:
+            with self.dev:
+                self._chain = (cp.empty(max(k, 8), cp.int64), cp.cuda.alloc_pinned_memory(8 * max(k, 8)),
+                               self._event())
+        raw, pinned, done = self._chain
+        n = self.logits.size
+        if self.cache.pos + k - (token is None) > self.cache.capacity:
+            raise ValueError(f"the cache holds {self.cache.capacity} tokens; {k} more from {self.cache.pos} do not fit")
+        self._check()
+        with self.dev, self.stream:
+            if token is not None:
+                self.inputs.ids.fill(self.model.input_id(int(token)))
+            self.inputs.pos.fill(self.cache.pos - (token is None))  # greedy_next adds one
+            row = self.logits.reshape(-1) if token is not None else logits.reshape(-1)
+            for i in range(k):
+                if i or token is not None:
+                    if self._between is not None:
+                        self._between()
+                    self.graph.launch(self.stream)
+                    self.cache.pos += 1
+                    if after is not None:
+                        after()
+                    row = self.logits.reshape(-1)
+                fn((GREEDY_BLOCKS,), (GREEDY_THREADS,), (row, np.int32(n), part_v, part_i, counter, self.inputs.ids,
+                                                         self.inputs.pos, raw[i:i + 1], remap, nremap))
+            cp.cuda.runtime.memcpyAsync(pinned.ptr, raw.data.ptr, 8 * k, cp.cuda.runtime.memcpyDeviceToHost,
+                                        self.stream.ptr)
+            done.record(self.stream)
+        done.synchronize()
+        self._check()
+        return [int(t) for t in np.frombuffer(pinned, dtype=np.int64, count=k)]
+
+    def greedy_tokens(self, token: int):
+        """The greedy continuation of ``token``, pipelined: after each replay ``greedy_next`` (kernels/greedy.cu)
+        writes the argmax to the next step's input id (through the model's input_id remapping) and advances the
+        position on the device, so the next replay is queued before the host has read this token; the host reads
+        each token from pinned memory one step behind the GPU. Up to two steps run ahead of the consumer (their
+        cache writes lie past the last token yielded: harmless, since ``reset`` precedes every generation)."""
+        n = self.logits.size
+        fn, part_v, part_i, counter, remap, nremap, raw, pinned, events = self._greedy_parts()
         host = np.frombuffer(pinned, dtype=np.int64, count=2)
         logits = self.logits.reshape(-1)
         pending, launches = [], [0]

@@ -175,9 +175,12 @@ def attention(q, k, v, cache, start: int, scale: float, window: int | None = Non
             return out
     current = step.current()
     if current is not None and q.shape[0] == current.pos.size and not blocks:
-        # a captured speculative verify (lumen_cuda.verify): token by token through the decode kernel, each
-        # writing its row at pos[t] and attending up to it, so token t sees the ones before it
+        # a captured speculative verify (lumen_cuda.verify): a full cache takes the T rows first and every token
+        # attends up to its own position in one launch; a ring token by token through the decode kernel (each
+        # writing its row at pos[t] and attending up to it: a later row may take a slot an earlier token reads)
         try:
+            if isinstance(cache, _attention.KVCache):
+                return decode.attention_verify(q, k, v, cache, current.pos, scale, window, softcap)
             return cp.concatenate([decode.attention_decode(q[t:t + 1], k[t:t + 1], v[t:t + 1], cache,
                                                            current.pos[t:t + 1], scale, window, softcap)
                                    for t in range(q.shape[0])])

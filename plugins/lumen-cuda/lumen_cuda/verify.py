@@ -4,8 +4,10 @@ and replayed for every verify of that size.
 
 What changes from the one-token decode step (graph.py): the step's ``StepInputs`` hold ``T`` ids and ``T``
 positions (``pos[t] = pos[0] + t``, written by the host before each replay). Embedding gathers the ``T`` ids, the
-rope tables are built from the ``T`` positions, and attention runs the decode kernel once per token (token ``t``
-writes its K/V row at ``pos[t]`` and attends up to it: ``ops.attention``). The projections, norms and MoE run over
+rope tables are built from the ``T`` positions, and attention over a full cache writes the ``T`` K/V rows and
+attends each token up to its own position in one launch (``decode.attention_verify``); a sliding-window ring
+runs the decode kernel once per token (token ``t`` writes its row at ``pos[t]`` and attends up to it:
+``ops.attention``). The projections, norms and MoE run over
 the ``T`` rows at once (GEMV up to 8 tokens: one read of each weight for the whole verify). The forward is captured
 under ``lumen_core.speculative.recording()``: Gated-DeltaNet steps its conv and recurrent states token by token and
 copies them after each token into buffers of the graph, so that after a replay the rewind copies back the state

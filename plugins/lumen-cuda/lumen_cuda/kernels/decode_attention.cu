@@ -22,6 +22,9 @@
 //   5. Values, per slab of 128 columns (4 a lane): each warp accumulates its keys (8 rows loaded at a time),
 //      the 4 warp partials are summed in warp order through shared memory. o_part[s, hq] = sum_t exp(s_t - m)
 //      v_t (not normalised).
+// attn_split_multi / kv_store (a speculative verify of T tokens, one full cache): kv_store writes the T rows,
+//   then attn_split_multi attends query t up to pos[t] (grid z over t and head groups; nothing written) and
+//   attn_combine_batch combines per (head, t): the bits of T attn_split + attn_combine calls in order.
 // attn_combine: grid (Hq,), ATTN_NT threads: log-sum-exp over the splits that intersect [lo, pos] (read from
 //   pos, so idle splits are never read): out = sum_s e^(m_s - M) o_s / sum_s e^(m_s - M) l_s.
 //
@@ -326,6 +329,31 @@ __device__ __forceinline__ void attn_split(const float* __restrict__ q,     // (
                        kcs[b], vcs[b], pos_p + b, slot_p + b, o_part + b * nsplit * Hq * Dv,                     \
                        ml_part + b * nsplit * Hq * 2, ctx, D, Dv, Hq, G, chunk, scale, softcap, window,          \
                        blockIdx.z % zg, reinterpret_cast<float*>(attn_smem4));                                  \
+  }                                                                                                              \
+  /* T queries of one sequence (a speculative verify) over one full cache whose T new rows kv_store wrote */     \
+  /* first: grid (nsplit, Hkv, zg * T), block z = t * zg + (head group); query t attends up to pos_p[t]; */       \
+  /* nothing is written; partials (T, nsplit, Hq, ...) for attn_combine_batch */                                 \
+  extern "C" __global__ void __launch_bounds__(ATTN_NT) attn_split_multi_k##KNAME##_v##VNAME(                  \
+      const float* __restrict__ q, void* kc, void* vc, const int* __restrict__ pos_p,                             \
+      float* __restrict__ o_part, float* __restrict__ ml_part, int ctx, int D, int Dv, int Hq, int G, int chunk,  \
+      float scale, float softcap, int window, int zg) {                                                          \
+    extern __shared__ float4 attn_smem4[];                                                                       \
+    const int t = blockIdx.z / zg;                                                                               \
+    const long long nsplit = gridDim.x;                                                                          \
+    attn_split<KT, VT>(q + (long long)t * Hq * D, nullptr, nullptr, kc, vc, pos_p + t, pos_p + t,                \
+                       o_part + t * nsplit * Hq * Dv, ml_part + t * nsplit * Hq * 2, ctx, D, Dv, Hq, G, chunk,    \
+                       scale, softcap, window, blockIdx.z % zg, reinterpret_cast<float*>(attn_smem4));            \
+  }                                                                                                              \
+  /* kv_store_k<K>_v<V>(k (T, Hkv, D), v (T, Hkv, Dv) f32, K cache, V cache, pos (T,), ctx, Hkv, D, Dv): */       \
+  /* row t goes to slot pos[t] of a full cache, encoded as attn_split encodes it; grid (T, Hkv) */                \
+  extern "C" __global__ void __launch_bounds__(ATTN_NT) kv_store_k##KNAME##_v##VNAME(                          \
+      const float* __restrict__ kn, const float* __restrict__ vn, void* kc, void* vc,                            \
+      const int* __restrict__ pos_p, int ctx, int Hkv, int D, int Dv) {                                          \
+    const int t = blockIdx.x, h = blockIdx.y, slot = pos_p[t];                                                   \
+    const long long kb = ((long long)h * ctx + slot) * D, vb = ((long long)h * ctx + slot) * Dv;                 \
+    const long long ks = ((long long)t * Hkv + h) * D, vs = ((long long)t * Hkv + h) * Dv;                       \
+    for (int i = threadIdx.x; i < D; i += ATTN_NT) store_enc<KT>(kc, kb + i, kn[ks + i]);                         \
+    for (int i = threadIdx.x; i < Dv; i += ATTN_NT) store_enc<VT>(vc, vb + i, vn[vs + i]);                        \
   }
 
 #define ATTN_SPLIT_V(KNAME, KT)          \

@@ -14,7 +14,9 @@
 #ifndef GEMV_WARPS
 #define GEMV_WARPS 4
 #endif
-#define GEMV_U 2
+#ifndef GEMV_U
+#define GEMV_U 2  // 16-byte loads in flight per row and lane (-DGEMV_U=1 for the wide-T sweep)
+#endif
 
 __device__ __forceinline__ uint4 ld_stream16(const void* p) {
   uint4 v;
@@ -150,7 +152,8 @@ GEMV16_R(bf16, false, bf16, true)
 GEMV16_R(f16, true, f32, false)
 GEMV16_R(f16, true, bf16, true)
 
-// 5..8 tokens (a speculative verify of up to 7 drafts): 2 or 4 rows per warp (T x ROWS accumulators)
+// 5..8 tokens (a speculative verify of up to 7 drafts): 2, 4 or 8 rows per warp (T x ROWS accumulators; 8 rows
+// read each activation load into 8 rows' FMAs, half the activation loads per weight byte of 4 rows)
 #define GEMV16_WIDE_R(WNAME, F16, XNAME, XBF16, ROWS) \
   GEMV16(WNAME, F16, XNAME, XBF16, 5, ROWS)          \
   GEMV16(WNAME, F16, XNAME, XBF16, 6, ROWS)          \
@@ -158,7 +161,8 @@ GEMV16_R(f16, true, bf16, true)
   GEMV16(WNAME, F16, XNAME, XBF16, 8, ROWS)
 #define GEMV16_WIDE(WNAME, F16, XNAME, XBF16) \
   GEMV16_WIDE_R(WNAME, F16, XNAME, XBF16, 2)  \
-  GEMV16_WIDE_R(WNAME, F16, XNAME, XBF16, 4)
+  GEMV16_WIDE_R(WNAME, F16, XNAME, XBF16, 4)  \
+  GEMV16_WIDE_R(WNAME, F16, XNAME, XBF16, 8)
 GEMV16_WIDE(bf16, false, f32, false)
 GEMV16_WIDE(bf16, false, bf16, true)
 GEMV16_WIDE(f16, true, f32, false)
