@@ -375,7 +375,8 @@ class DraftModel(Drafter):
     """A smaller model of the same tokenizer with its own cache. Its cache holds every token the generation kept
     except ``pending`` (tokens it has not fed yet: the prompt at first, the last draft after a verify that kept all
     of them); a proposal feeds ``last`` and then each draft but the last, one forward each, recorded so that
-    ``accept`` can rewind it to the kept ones."""
+    ``accept`` can rewind it to the kept ones. Greedy drafting on a replayed step (a CUDA graph) chains the steps
+    on the device (``_chains``)."""
 
     def __init__(self, model, context_size: int, runner=None):
         self.model, self.context_size, self.runner = model, context_size, runner
@@ -400,6 +401,12 @@ class DraftModel(Drafter):
         record_states(trail, self.cache)  # the replayed step records nothing itself
         return row
 
+    def _chains(self, params: SamplingParams) -> bool:
+        """Whether greedy drafting runs as the runner's device chain (``greedy_chain``: each argmax feeds the next
+        replay on the device; the host reads the k tokens once) rather than step by step with a read per token."""
+        return (self.runner is not None and hasattr(self.runner, "greedy_chain") and params.temperature == 0
+                and params.repetition_penalty == 1.0)
+
     def propose(self, last, k, params, seen, rng):
         if self.pending:  # what the generation kept that this cache has not seen
             if self.runner is not None and len(self.pending) <= 2:  # the last draft of a verify that kept them all
@@ -411,10 +418,14 @@ class DraftModel(Drafter):
         self._checkpoint = Checkpoint(self.cache, k, self.records)
         drafts, dists, feed = [], [], last
         with recording() as self._trail:
-            for _ in range(k):
-                feed, q = _pick(self._step(feed, self._trail), params, seen + drafts, rng)
-                drafts.append(feed)
-                dists.append(q)
+            if self._chains(params):  # greedy on a replayed step: the k steps back to back, one read at the end
+                trail = self._trail
+                drafts = self.runner.greedy_chain(k, token=last, after=lambda: record_states(trail, self.cache))
+            else:
+                for _ in range(k):
+                    feed, q = _pick(self._step(feed, self._trail), params, seen + drafts, rng)
+                    drafts.append(feed)
+                    dists.append(q)
         self._fed = [last] + drafts[:-1]
         return drafts, (None if params.temperature == 0 else dists)
 
