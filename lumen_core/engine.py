@@ -389,8 +389,11 @@ class Engine:
         greedy = params.temperature == 0
         spec = st.speculative = SpecStats()
         memory = self._spec_memory.setdefault((self.drafter_factory, self.draft_tokens), {})
-        # a drafter that cannot be told about plain rounds (no skip of its own) is never skipped
-        fallback = self.draft_fallback and type(drafter).skip is not Drafter.skip
+        # a drafter that cannot be told about plain rounds (no skip of its own) is never skipped; a seeded sampled
+        # generation keeps to speculation: which rounds are plain depends on timings, and plain and speculative
+        # rounds consume the seed's draws differently, so switching would make the seed's output vary run to run
+        fallback = (self.draft_fallback and type(drafter).skip is not Drafter.skip
+                    and (greedy or params.seed is None))
         policy, clock = Fallback(memory, fallback), self.spec_clock
         # a backend that replays its decode step (CUDA graphs) verifies in a graph captured per size on its cache
         runner = self.decode_runner()

@@ -130,6 +130,24 @@ def test_a_really_slow_drafter_is_switched_off_on_the_wall_clock(qwen):
         plain(engine)
 
 
+def test_a_seeded_sampled_generation_keeps_to_speculation_and_reproduces(qwen):
+    """Sampled with an explicit seed, the slow drafter is not switched off (plain and speculative rounds draw
+    differently, and the switch depends on timings): the same seed gives the same tokens twice, every round
+    drafts. Without a seed the same drafter is switched off."""
+    engine, _, ids = qwen
+    clock = FakeClock()
+    made = drafting(engine, lambda c: Costly(DraftModel(engine.model, c), cost=10, clock=clock), clock=clock)
+    try:
+        runs = [list(engine.generate_tokens(ids, 40, SamplingParams(temperature=0.8, top_k=20, seed=11)))
+                for _ in range(2)]
+        assert runs[0] == runs[1] and len(runs[0]) == 40
+        assert engine.stats.speculative.plain_rounds == 0 and "skip" not in made[0].log + made[1].log
+        list(engine.generate_tokens(ids, 60, SamplingParams(temperature=0.8, top_k=20)))
+        assert engine.stats.speculative.plain_rounds > 0 and "skip" in made[2].log
+    finally:
+        plain(engine)
+
+
 def test_with_fallback_off_every_round_drafts(qwen):
     engine, want, ids = qwen
     clock = FakeClock()
