@@ -3,6 +3,8 @@
     python benchmarks/cuda_models.py [--models 9b-bf16,9b-fp8,35b-a3b-fp8,g4-26b-a4b-bf16 --layers 32
                                       --moe-layers 8 --prompts 512,4096 --decode 64 --workdir /tmp/lumen-bench
                                       --placements vram,stream,stream-cache64,cpu-experts --json out.json]
+    python benchmarks/cuda_models.py --full-depth --no-hf [--models 9b-bf16,9b-fp8,35b-a3b-fp8,g4-26b-a4b-bf16]
+        # issue 21's table: every row at its real depth, per-layer and outside-the-layers time, llama.cpp beside
 
 Rows (random checkpoints built by transformers in bf16 and saved; fp8 copies written by ``lumen quantize``):
 
@@ -70,29 +72,114 @@ def parse_args(argv=None):
                         "down (T > 1), down_t1; values 1, 2 or 4, the compiled ones): a tuning sweep, for every format")
     p.add_argument("--workdir", default="/tmp/lumen-bench")
     p.add_argument("--json")
+    p.add_argument("--full-depth", action="store_true",
+                   help="issue 21's table instead: every --models row at its real depth (9B 32 layers, 35B-A3B 40, "
+                        "Gemma-4-26B-A4B 30) and at one period of its layer kinds (4 / 4 / 6 layers), both "
+                        "checkpoints written directly in their format (benchmarks/full_depth.py), decode and prefill "
+                        "split into time per layer and time outside the layers, beside llama.cpp's figures")
+    p.add_argument("--keep", action="store_true", help="--full-depth: keep the checkpoints (default: each row's "
+                   "are deleted after it, so that the next fits the disk)")
     return p.parse_args(argv)
+
+
+# issue 21's llama.cpp figures (its sm_90 build on the same machine type, same shapes; Q8_0 for fp8): decode tok/s,
+# prefill tok/s at 512 and 4096 (None: not measured)
+LLAMA_CPP = {"9b-bf16": (181.5, {512: 16800, 4096: 19100}), "9b-fp8": (216.0, {512: 8800, 4096: 9400}),
+             "35b-a3b-fp8": (205.0, {512: 5000, 4096: None})}
+FULL_DEPTH = {"9b": (32, 4), "35b-a3b": (40, 4), "g4-26b-a4b": (30, 6)}  # (real layers, one period of layer kinds)
+
+
+def full_depth_rows(args, prompts, bw: float) -> dict:
+    """Each model at its real depth and at one period, both timed; per-layer time = the difference over the layers
+    between them, non-layer time = the rest (embedding, lm_head, sampling, launch and host time per step)."""
+    import shutil
+
+    from full_depth import write_checkpoint
+
+    rows = {}
+    for name in args.models.split(","):
+        shape, fmt = name.rsplit("-", 1)
+        deep, short = FULL_DEPTH[shape]
+        timed = {}
+        for layers in (short, deep):
+            t = time.perf_counter()
+            path = write_checkpoint(shape, layers, fmt, Path(args.workdir), args.vocab)
+            print(f"{name} ({layers} layers): checkpoint ready in {time.perf_counter() - t:.0f}s", file=sys.stderr)
+            per_token, params, _ = bytes_per_token(path)
+            timed[layers] = {"lumen": time_lumen(path, prompts, args.decode), "bytes": per_token, "params": params}
+            if not args.keep:
+                shutil.rmtree(path)
+            gc.collect()
+        a, b = timed[short], timed[deep]
+        step = {n: 1 / r["lumen"]["decode"] for n, r in timed.items()}
+        layer_s = (step[deep] - step[short]) / (deep - short)
+        row = {"layers": deep, "bytes_per_token": b["bytes"], "active_params": b["params"],
+               "decode": b["lumen"]["decode"], "decode_layer_us": 1e6 * layer_s,
+               "decode_outside_us": 1e6 * (step[deep] - deep * layer_s),
+               "layer_bytes": (b["bytes"] - a["bytes"]) / (deep - short), "prefill": {}, "graph": b["lumen"]["graph"]}
+        for n in prompts:
+            ts = {k: n / r["lumen"]["prefill"][n] for k, r in timed.items()}
+            per = (ts[deep] - ts[short]) / (deep - short)
+            row["prefill"][n] = {"tok_s": b["lumen"]["prefill"][n], "layer_ms": 1e3 * per,
+                                 "outside_ms": 1e3 * (ts[deep] - deep * per)}
+        rows[name] = row
+        print(f"{name}: {json.dumps(row, default=str)[:400]}", file=sys.stderr)
+        if args.json:
+            Path(args.json).write_text(json.dumps({"args": vars(args), "bandwidth": bw, "full_depth": rows},
+                                                  indent=2, default=str))
+    print(f"\nread bandwidth measured: {bw / 1e9:.0f} GB/s; bf16 tensor-core peak {BF16_PEAK / 1e12:.0f} TFLOP/s; "
+          "llama.cpp: issue 21's figures\n")
+    print("| model | layers | decode tok/s | % of bound | per layer µs (% of its bytes' bound) | outside layers µs | "
+          "llama.cpp | Lumen / llama.cpp |" + "".join(f" prefill {n} tok/s | per layer ms | outside ms | "
+                                                      f"% TC | llama.cpp | ratio |" for n in prompts))
+    print("|" + "---|" * (8 + 6 * len(prompts)))
+    for name, r in rows.items():
+        bound = bw / r["bytes_per_token"]
+        layer_bound_us = 1e6 * r["layer_bytes"] / bw
+        ref = LLAMA_CPP.get(name)
+        ratio = f"{r['decode'] / ref[0]:.2f}x" if ref else "-"
+        line = (f"| {name}{'' if r['graph'] else ' (no graph)'} | {r['layers']} | {r['decode']:.1f} | "
+                f"{r['decode'] / bound:.1%} | {r['decode_layer_us']:.1f} ({layer_bound_us / r['decode_layer_us']:.0%})"
+                f" | {r['decode_outside_us']:.0f} | {ref[0] if ref else '-'} | {ratio} |")
+        for n in prompts:
+            p = r["prefill"][n]
+            tc = p["tok_s"] * 2 * r["active_params"] / BF16_PEAK
+            lref = ref[1].get(n) if ref else None
+            ratio = f"{p['tok_s'] / lref:.2f}x" if lref else "-"
+            line += (f" {p['tok_s']:.0f} | {p['layer_ms']:.2f} | {p['outside_ms']:.1f} | {tc:.1%} | "
+                     f"{lref or '-'} | {ratio} |")
+        print(line)
+    return rows
+
+
+def hf_config(shape: str, layers: int, vocab: int, dims: dict | None = None):
+    """(transformers config, model class) of a shape at ``layers`` layers; ``dims`` overrides its sizes (the
+    full-depth writer's tiny template: benchmarks/full_depth.py)."""
+    import transformers as tf
+
+    dims = {**SHAPES[shape], **(dims or {})}
+    if shape.startswith("g4"):
+        kinds = ["sliding_attention"] * 5 + ["full_attention"]
+        g4_vocab = 262144 if vocab == 248320 else vocab  # Gemma 4's own vocabulary at the default
+        cfg = tf.Gemma4TextConfig(vocab_size=g4_vocab, vocab_size_per_layer_input=g4_vocab, num_hidden_layers=layers,
+                                  layer_types=[kinds[i % 6] for i in range(layers - 1)] + ["full_attention"], **dims)
+        return cfg, tf.Gemma4ForCausalLM
+    moe = shape in MOE_SHAPES
+    cfg_cls, model_cls = (tf.Qwen3_5MoeTextConfig, tf.Qwen3_5MoeForCausalLM) if moe else (
+        tf.Qwen3_5TextConfig, tf.Qwen3_5ForCausalLM)
+    cfg = cfg_cls(vocab_size=vocab, num_hidden_layers=layers, tie_word_embeddings=False,
+                  rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
+                                   "mrope_section": [11, 11, 10], "mrope_interleaved": True}, **dims)
+    return cfg, model_cls
 
 
 def build(shape: str, layers: int, vocab: int, workdir: Path) -> Path:
     import torch
-    import transformers as tf
 
     out = workdir / f"{shape}-l{layers}-bf16"
     if (out / "config.json").exists():
         return out
-    if shape.startswith("g4"):
-        kinds = ["sliding_attention"] * 5 + ["full_attention"]
-        cfg = tf.Gemma4TextConfig(vocab_size=262144, vocab_size_per_layer_input=262144, num_hidden_layers=layers,
-                                  layer_types=[kinds[i % 6] for i in range(layers - 1)] + ["full_attention"],
-                                  **SHAPES[shape])
-        model_cls = tf.Gemma4ForCausalLM
-    else:
-        moe = shape in MOE_SHAPES
-        cfg_cls, model_cls = (tf.Qwen3_5MoeTextConfig, tf.Qwen3_5MoeForCausalLM) if moe else (
-            tf.Qwen3_5TextConfig, tf.Qwen3_5ForCausalLM)
-        cfg = cfg_cls(vocab_size=vocab, num_hidden_layers=layers, tie_word_embeddings=False,
-                      rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
-                                       "mrope_section": [11, 11, 10], "mrope_interleaved": True}, **SHAPES[shape])
+    cfg, model_cls = hf_config(shape, layers, vocab)
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = model_cls(cfg).to(torch.bfloat16)
@@ -296,6 +383,9 @@ def main(argv=None):
     workdir.mkdir(parents=True, exist_ok=True)
     prompts = [int(p) for p in args.prompts.split(",")]
     bw = read_bandwidth()
+    if args.full_depth:
+        full_depth_rows(args, prompts, bw)
+        return
     pcie = pinned_bandwidth()
     results, hf_cache, placed = {}, {}, {}
     for name in args.models.split(","):
