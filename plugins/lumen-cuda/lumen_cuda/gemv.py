@@ -26,7 +26,7 @@ import numpy as np
 
 from lumen_core.backend import Weight
 
-from . import cupy_ops, kernels
+from . import cupy_ops, kernels, sm120
 from .state import derived
 from .step import device_ids
 
@@ -439,8 +439,12 @@ def linear_nvfp4(x, w: Weight):  # x (..., K), w (N, K) NVFP4 -> (..., N) f32
         y = gemv_nvfp4(x2, w.data, w.scale.block, w.scale.global_scale)
         return y if x.ndim == 2 else y.reshape(*x.shape[:-1], N)
     if prefill_supported(x, w.data, x2.shape[0], N, K):
-        y = gemm_split(x2, N, lambda r, n, out: nvfp4_split(w.data, w.scale.block, w.scale.global_scale, r, n,
-                                                            out))
+        terms = sm120.available()  # SM120 + LUMEN_CUDA_SM120_MMA only (lossy, opt-in: docs/cuda.md issue 21)
+        if terms:
+            y = sm120.linear_nvfp4(x2, w, terms)
+        else:
+            y = gemm_split(x2, N, lambda r, n, out: nvfp4_split(w.data, w.scale.block, w.scale.global_scale, r, n,
+                                                                out))
         return y if x.ndim == 2 else y.reshape(*x.shape[:-1], N)
     # fallback where neither applies (T <= 4 with K % 32 != 0, a strided weight): f32 slabs through SGEMM
     step = max(1, NVFP4_SLAB // max(K, 1))
