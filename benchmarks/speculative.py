@@ -13,9 +13,9 @@ Per row and k: decode tok/s (plain: the captured one-token graph with on-device 
 verify graph of k + 1 tokens + rewind), the speedup, tokens per verify, and the cost of one verify replay relative
 to one plain step replay (both timed alone, 20 replays each). Then k = 4 once more with the fallback on (the
 default ``draft.fallback``: plain rounds where they are measured faster), after one untimed generation in which the
-engine's policy learns: its tok/s and how many tokens it decoded plainly. Shapes: benchmarks/cuda_models.py (``--layers`` for
-the 9B, ``--moe-layers`` for the 35B-A3B: the whole 40 layers do not fit the machine's disk). Dev tool: cupy, torch,
-transformers.
+engine's policy learns: its tok/s and how many tokens it decoded plainly. Shapes: benchmarks/cuda_models.py
+(``--layers`` for the 9B, ``--moe-layers`` for the 35B-A3B: the whole 40 layers do not fit the machine's disk).
+Dev tool: cupy, torch, transformers.
 """
 
 from __future__ import annotations
