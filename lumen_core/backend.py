@@ -96,10 +96,20 @@ class Backend(ABC):
         formats (raw bytes per row)."""
 
     @classmethod
-    def stored_format(cls, fmt: str) -> str:
-        """The format this backend keeps a weight of checkpoint format ``fmt`` in: ``fmt`` itself, unless the
-        backend converts it on load (cuda: GGUF block formats to bf16). The plan counts the stored bytes."""
+    def stored_format(cls, fmt: str, store: str = "ram") -> str:
+        """The format this backend keeps a weight of checkpoint format ``fmt`` in, placed with ``store``: ``fmt``
+        itself, unless the backend converts it on load (cuda: GGUF block formats to bf16; cpu, store ram: GGUF
+        4-6-bit formats to int8 codes). The plan counts the stored bytes (``stored_nbytes``)."""
         return fmt
+
+    # why ``stored_format`` converts (the plan's note says it)
+    conversion_reason = "this backend has no kernel that reads them as stored"
+
+    @classmethod
+    def stored_nbytes(cls, fmt: str, shape: tuple, store: str) -> int | None:
+        """Bytes a weight of checkpoint format ``fmt`` and logical ``shape`` takes once loaded with ``store``, where
+        the backend's layout is not a plain dtype (None: the checkpoint's bytes, or ``stored_format``'s dtype)."""
+        return None
 
     def configure_expert_cache(self, slots: int | None) -> None:
         """Called before loading when routed experts compute here from one of ``expert_stores``: how many experts

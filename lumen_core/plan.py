@@ -104,14 +104,18 @@ def weight_format(ckpt, name: str) -> str:
 PLAIN_BYTES = {"f32": 4, "f16": 2, "bf16": 2}
 
 
-def tensor_bytes(ckpt, arch: Architecture, name: str, backend_cls=None) -> int:
-    """Bytes the tensor takes once loaded; ``backend_cls``: the backend it is loaded on (``stored_format``)."""
+def tensor_bytes(ckpt, arch: Architecture, name: str, backend_cls=None, store: str = "ram") -> int:
+    """Bytes the tensor takes once loaded; ``backend_cls``: the backend it is loaded on with ``store``
+    (``stored_format``, ``stored_nbytes``)."""
     info = ckpt.tensors[name]
     if not arch.is_matrix(name):
         return max(1, info.nbytes // _itemsize(info)) * 4  # small tensors are kept as f32
     if backend_cls is not None:
         fmt = weight_format(ckpt, name)
-        stored = backend_cls.stored_format(fmt)
+        own = backend_cls.stored_nbytes(fmt, tuple(info.shape), store)
+        if own is not None:
+            return own
+        stored = backend_cls.stored_format(fmt, store)
         if stored != fmt:
             return math.prod(info.shape) * PLAIN_BYTES[stored]
     scales = (ckpt.tensors.get(name + s) for s in SCALE_SUFFIXES)
@@ -327,17 +331,19 @@ def plan_model(config, arch: Architecture, ckpt, registry) -> tuple[Plan, dict]:
     plan = Plan(context_size=context)
     placed: set[tuple[str, str, str]] = set()  # (tensor, device, store): a tied tensor is held once per place
     converted: dict[str, dict[str, str]] = {}  # device -> {checkpoint format: what its backend converts it to}
+    why_converted: dict[str, str] = {}  # device -> its backend's reason (Backend.conversion_reason)
     for comp in components:
         p = placements[comp]
         names = layout.needs.get(comp, [])
         cls = registry.backend_class(p.backend)
         given = {weight_format(ckpt, n) for n in names if arch.is_matrix(n)}
-        fmts = sorted({cls.stored_format(f) for f in given}) or ["f32"]
-        converted.setdefault(p.device, {}).update({f: cls.stored_format(f) for f in given
-                                                   if cls.stored_format(f) != f})
+        fmts = sorted({cls.stored_format(f, p.store) for f in given}) or ["f32"]
+        converted.setdefault(p.device, {}).update({f: cls.stored_format(f, p.store) for f in given
+                                                   if cls.stored_format(f, p.store) != f})
+        why_converted[p.device] = cls.conversion_reason
         fresh = [n for n in names if (n, p.device, p.store) not in placed]
         placed.update((n, p.device, p.store) for n in names)
-        nbytes = sum(tensor_bytes(ckpt, arch, n, cls) for n in fresh)
+        nbytes = sum(tensor_bytes(ckpt, arch, n, cls, p.store) for n in fresh)
         plan.entries.append(
             PlanEntry(component_label(comp), p.backend, p.device, p.store, "+".join(fmts), nbytes)
         )
@@ -359,8 +365,8 @@ def plan_model(config, arch: Architecture, ckpt, registry) -> tuple[Plan, dict]:
     for device, fmts in sorted(converted.items()):
         if fmts:
             pairs = ", ".join(f"{f} -> {to}" for f, to in sorted(fmts.items()))
-            placement_notes.append(f"{device}: weights converted on load ({pairs}): this backend has no kernel that "
-                                   "reads them as stored; the plan counts the converted bytes")
+            placement_notes.append(f"{device}: weights converted on load ({pairs}): {why_converted[device]}; the plan "
+                                   "counts the converted bytes")
     if kv.prefix_cache_mb:  # snapshots of earlier prompts' caches, in host RAM (lumen_core.prefix_cache)
         lacking = sorted({p.backend for p in placements.values()
                           if not registry.backend_class(p.backend).prefix_cache})

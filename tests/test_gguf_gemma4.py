@@ -187,7 +187,10 @@ def test_quantized_gguf_equals_transformers_on_its_weights(variant, engines, kin
 
 def test_block_quantized_weights_stay_in_their_format(variant, engines):
     """Q8_0 / Q4_K_M matrices (routed experts included: one matrix per expert, split from llama.cpp's stacked
-    tensor) reach the CPU in their GGUF block format, computed by the fused kernels."""
+    tensor) reach the CPU in their GGUF block format, computed by the fused kernels, or (4-6-bit formats held in
+    RAM) as their int8 codes (lumen_cpu.int8): never widened to floats."""
+    from lumen_cpu.backend import CPUBackend
+
     for kind in ("q8_0", "q4_k_m"):
         engine = engines[kind]
         ckpt = GGUFCheckpoint(gguf_file(variant, kind))
@@ -203,8 +206,8 @@ def test_block_quantized_weights_stay_in_their_format(variant, engines):
             assert experts and all(f != "f32" for f in experts.values()), experts
             stacked = {ckpt.ggml_type(f"blk.0.{n}").lower() for n in ("ffn_gate_up_exps.weight",
                                                                        "ffn_down_exps.weight")}
-            assert stacked == {formats[f"model.layers.0.experts.0.{n}.weight"] for n in ("gate_up_proj",
-                                                                                      "down_proj")}
+            assert {CPUBackend.stored_format(f, "ram") for f in stacked} == {
+                formats[f"model.layers.0.experts.0.{n}.weight"] for n in ("gate_up_proj", "down_proj")}
 
 
 def test_experts_mapped_from_the_file_give_the_same_logits():

@@ -203,17 +203,21 @@ def test_quantized_gguf_equals_transformers_on_its_weights(name, kind):
 
 
 def test_quantized_files_keep_their_block_formats(name):
-    """Q4_K_M: the K-quant and fallback blocks are loaded as stored (the CPU's fused kernels), routed experts too."""
-    engine = engine_for(gguf_path(name, "q4_k_m"))
-    ckpt = open_checkpoint(gguf_path(name, "q4_k_m"))
+    """Q4_K_M: with store mmap the K-quant and fallback blocks are loaded as stored (the CPU's fused kernels), routed
+    experts too; with store ram they are repacked to int8 codes (lumen_cpu.int8), never widened to floats."""
+    path = gguf_path(name, "q4_k_m")
+    ckpt = open_checkpoint(path)
     types = {ckpt.ggml_type(n) for n in ckpt.tensors}
     assert {"Q4_K", "Q6_K", "Q5_0", "Q8_0"} <= types
-    layer = engine.model.layers[0]
-    if name == "qwen35moe":
-        down = [w.format for w in layer.mlp.down]
-        assert set(down) == {"q4_k"}, down  # the stacked routed experts, split per expert, still Q4_K
-    else:
-        assert layer.mlp.down.format == "q4_k"
+    for store, want in (("mmap", "q4_k"), ("ram", "i8")):
+        engine = lumen.load({"model": {"path": str(path), "compute": "cpu", "store": store,
+                                       "hidden-layers": {"kv-cache": {"context-size": CONTEXT}}}}, progress=False)
+        layer = engine.model.layers[0]
+        if name == "qwen35moe":
+            down = [w.format for w in layer.mlp.down]
+            assert set(down) == {want}, down  # the stacked routed experts, split per expert
+        else:
+            assert layer.mlp.down.format == want
 
 
 def test_config_from_gguf_agrees_with_hf(name):

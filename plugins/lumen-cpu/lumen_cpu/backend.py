@@ -21,8 +21,28 @@ class CPUBackend(Backend):
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         return [DeviceInfo("cpu", total, host_available_bytes(), f"{os.cpu_count()} cores")]
 
+    conversion_reason = ("GGUF 4-6-bit blocks held in RAM become int8 codes with f32 scales, the same values, "
+                         "decoded ~2x faster (lumen_cpu.int8; store mmap keeps the file's bytes)")
+
+    @classmethod
+    def stored_format(cls, fmt: str, store: str = "ram") -> str:
+        from .int8 import FORMATS
+
+        return "i8" if store == "ram" and fmt in FORMATS else fmt
+
+    @classmethod
+    def stored_nbytes(cls, fmt: str, shape: tuple, store: str) -> int | None:
+        from .int8 import nbytes
+
+        return nbytes(fmt, shape) if cls.stored_format(fmt, store) == "i8" else None
+
     def weight(self, array, fmt: str, store: str, scale=None, shape=None) -> Weight:
-        # ram: a private copy (the file can go away); mmap: a view on the page cache, read on use.
+        # ram: a private copy (the file can go away); mmap: a view on the page cache, read on use. GGUF 4-6-bit
+        # formats in RAM: repacked to int8 codes (lumen_cpu.int8), the copy the file's bytes would have been.
+        if self.stored_format(fmt, store) == "i8":
+            from .int8 import repack
+
+            return repack(array, fmt, shape or np.asarray(array).shape)
         if fmt == "nvfp4":  # scale = (e4m3 block scales (N, K/16), f32 global scale): kept as stored
             from .nvfp4 import weight
 

@@ -220,7 +220,7 @@ class CUDABackend(Backend):
             self.dev.synchronize()
 
     @classmethod
-    def stored_format(cls, fmt: str) -> str:
+    def stored_format(cls, fmt: str, store: str = "vram") -> str:
         """GGUF block formats (q8_0, q4_k, ...) are dequantized to bf16 on load: no CUDA kernel reads them yet."""
         return "bf16" if is_gguf_block(fmt) else fmt
 

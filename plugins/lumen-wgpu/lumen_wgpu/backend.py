@@ -58,7 +58,7 @@ class WGPUBackend(Backend):
         raise PlanError(f"device {device!r} does not exist; wgpu finds {len(devices)} adapter(s): {present}")
 
     @classmethod
-    def stored_format(cls, fmt: str) -> str:
+    def stored_format(cls, fmt: str, store: str = "vram") -> str:
         return fmt if fmt in NATIVE else "bf16" if _is_gguf_block(fmt) else fmt
 
     def __init__(self, device: str, registry):

@@ -1,0 +1,220 @@
+"""GGUF 4-6-bit block formats repacked at load into int8 codes (format ``i8``): the CPU's decode GEMV is bound by
+decoding those codes, not by memory (issue 22: benchmarks/cpu_gemv_layout.py, benchmarks/README.md), so a weight
+held in RAM (store ``ram``) is stored as one signed byte a value plus its block's f32 scale and, for the formats
+with a minimum (Q4_K, Q5_K), its f32 minimum:
+
+    value = scale[block] x code - min[block]        (blocks of 32 values; Q6_K: 16, no minimum)
+
+computed with the same f32 operations as ``lumen_cpu.fused``'s decoders (Q4_K: (d x sc) x q - dmin x m; Q6_K:
+(d x sc) x q), so every dequantized value is bit for bit what the file's block holds, and the GEMV sums the same
+products in the same lanes as the fused kernel. It costs 1.6-2.2x the file's bytes (the plan counts them:
+``CPUBackend.stored_nbytes``); store ``mmap`` keeps the file's bytes and the fused kernels. Q8_0 is not repacked
+(its codes are bytes already: the fused kernel reads it as fast).
+
+``I8Data`` holds the three arrays and slices by rows like an array (a Gemma 4 expert's gate_up matrix is split
+into its gate and up rows as a row view), so a ``Weight`` of format ``i8`` has ``scale`` None as the GGUF formats
+do.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from lumen_core.backend import Weight
+
+from .fused import F16, GEMV_MAX_T, PARALLEL_MIN_BYTES, TILE_ROWS, _h, _one_thread, _scale_min_k4
+
+# checkpoint format -> (values per scale, has a minimum)
+FORMATS = {"q4_0": (32, False), "q5_0": (32, False), "q4_k": (32, True), "q5_k": (32, True), "q6_k": (16, False)}
+_KIND = {f: i for i, f in enumerate(FORMATS)}
+
+
+class I8Data:
+    """The repacked matrix: ``q`` (R, C) int8 codes, ``s`` (R, C / bs) f32 scales, ``m`` (R, C / 32) f32 minimums
+    or None. Indexing takes rows of all three."""
+
+    def __init__(self, q: np.ndarray, s: np.ndarray, m: np.ndarray | None):
+        self.q, self.s, self.m = q, s, m
+
+    def __getitem__(self, rows) -> I8Data:
+        return I8Data(self.q[rows], self.s[rows], None if self.m is None else self.m[rows])
+
+    def __len__(self) -> int:
+        return self.q.shape[0]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.q.shape
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.nbytes + self.s.nbytes + (0 if self.m is None else self.m.nbytes)
+
+
+def nbytes(fmt: str, shape) -> int:
+    """Bytes an ``fmt`` matrix of ``shape`` takes once repacked."""
+    bs, mins = FORMATS[fmt]
+    n = int(np.prod(shape))
+    return n + 4 * (n // bs) + (4 * (n // 32) if mins else 0)
+
+
+def repack(raw: np.ndarray, fmt: str, shape) -> Weight:
+    """A Weight of format ``i8`` from the file's blocks ``raw`` (R, bytes per row) of ``fmt`` and logical ``shape``."""
+    R, C = (int(d) for d in shape)
+    bs, mins = FORMATS[fmt]
+    raw = np.ascontiguousarray(np.asarray(raw).reshape(R, -1))
+    q = np.empty((R, C), np.int8)
+    s = np.empty((R, C // bs), np.float32)
+    m = np.empty((R, C // 32), np.float32) if mins else np.empty((R, 0), np.float32)
+    _unpack(_KIND[fmt], raw, q, s, m, F16)
+    return Weight(I8Data(q, s, m if mins else None), "i8", (R, C), None, None)
+
+
+# -- unpacking: one row's blocks -> codes, scales, minimums (the decoders of lumen_cpu.fused, stopped before the
+#    multiply) --------------------------------------------------------------------------------------------------
+@njit(cache=True, parallel=True)
+def _unpack(kind, raw, q, s, m, tab):
+    for r in prange(raw.shape[0]):
+        row, qr, sr, mr = raw[r], q[r], s[r], m[r]
+        if kind == 0:  # q4_0: 18-byte blocks: f16 d, 16 bytes of nibbles; code - 8
+            for b in range(qr.shape[0] // 32):
+                o = b * 18
+                sr[b] = _h(tab, row[o], row[o + 1])
+                for j in range(16):
+                    byte = row[o + 2 + j]
+                    qr[b * 32 + j] = np.int32(byte & 0x0F) - 8
+                    qr[b * 32 + j + 16] = np.int32(byte >> 4) - 8
+        elif kind == 1:  # q5_0: 22-byte blocks: f16 d, u32 high bits, 16 nibble bytes; code - 16
+            for b in range(qr.shape[0] // 32):
+                o = b * 22
+                sr[b] = _h(tab, row[o], row[o + 1])
+                qh = np.uint32(row[o + 2]) | (np.uint32(row[o + 3]) << 8) | (np.uint32(row[o + 4]) << 16) | \
+                    (np.uint32(row[o + 5]) << 24)
+                for j in range(16):
+                    byte = row[o + 6 + j]
+                    qr[b * 32 + j] = (np.int32(byte & 0x0F) | np.int32(((qh >> j) & 1) << 4)) - 16
+                    qr[b * 32 + j + 16] = (np.int32(byte >> 4) | np.int32(((qh >> (j + 16)) & 1) << 4)) - 16
+        elif kind == 2 or kind == 3:  # q4_k (144-byte super-blocks) / q5_k (176): d, dmin, 12 scale bytes, ...
+            size = 144 if kind == 2 else 176
+            for b in range(qr.shape[0] // 256):
+                o = b * size
+                d, dmin = _h(tab, row[o], row[o + 1]), _h(tab, row[o + 2], row[o + 3])
+                sc6 = row[o + 4:o + 16]
+                for j in range(8):
+                    sc, mn = _scale_min_k4(sc6, j)
+                    sr[b * 8 + j] = d * np.float32(sc)
+                    mr[b * 8 + j] = dmin * np.float32(mn)
+                    shift = 4 * (j % 2)
+                    base = o + (16 if kind == 2 else 48) + (j // 2) * 32
+                    for i in range(32):
+                        code = (row[base + i] >> shift) & 0x0F
+                        if kind == 3:
+                            code |= ((row[o + 16 + i] >> j) & 0x01) << 4
+                        qr[b * 256 + j * 32 + i] = code
+        else:  # q6_k: 210-byte super-blocks: 128 ql, 64 qh, 16 int8 scales, f16 d; a scale per 16; code - 32
+            for b in range(qr.shape[0] // 256):
+                o = b * 210
+                d = _h(tab, row[o + 208], row[o + 209])
+                for v16 in range(16):
+                    sr[b * 16 + v16] = d * np.float32((np.int32(row[o + 192 + v16]) ^ 0x80) - 0x80)
+                for g in range(8):
+                    h, c, shift, s2 = g // 4, g % 2, 4 * ((g // 2) % 2), 2 * (g % 4)
+                    for p in range(32):
+                        lo = (row[o + h * 64 + c * 32 + p] >> shift) & 0x0F
+                        hi = (row[o + 128 + h * 32 + p] >> s2) & 0x03
+                        qr[b * 256 + g * 32 + p] = np.int32(lo | (hi << 4)) - 32
+
+
+# -- GEMV: x (T, C) f32 -> out (T, R); the fused kernels' expressions, lane by lane ---------------------------------
+@njit(cache=True, parallel=True, fastmath=True)
+def _gemv32(q, s, x, out):  # a scale per 32: code x (scale x x), as the fused Q4_0 / Q5_0 kernels
+    for r in prange(q.shape[0]):
+        for t in range(x.shape[0]):
+            acc = np.zeros(32, np.float32)
+            for b in range(q.shape[1] // 32):
+                d = s[r, b]
+                for i in range(32):
+                    acc[i] += np.float32(q[r, b * 32 + i]) * (d * x[t, b * 32 + i])
+            out[t, r] = acc.sum()
+
+
+@njit(cache=True, parallel=True, fastmath=True)
+def _gemv32_min(q, s, m, x, out):  # (scale x code - min) x x, as the fused Q4_K / Q5_K kernels
+    for r in prange(q.shape[0]):
+        for t in range(x.shape[0]):
+            acc = np.zeros(32, np.float32)
+            for b in range(q.shape[1] // 32):
+                ds, dm = s[r, b], m[r, b]
+                for i in range(32):
+                    acc[i] += (ds * np.float32(q[r, b * 32 + i]) - dm) * x[t, b * 32 + i]
+            out[t, r] = acc.sum()
+
+
+@njit(cache=True, parallel=True, fastmath=True)
+def _gemv16(q, s, x, out):  # a scale per 16, 32 values a step: (scale x code) x x, as the fused Q6_K kernel
+    for r in prange(q.shape[0]):
+        for t in range(x.shape[0]):
+            acc = np.zeros(32, np.float32)
+            for b in range(q.shape[1] // 32):
+                d0, d1 = s[r, 2 * b], s[r, 2 * b + 1]
+                for i in range(16):
+                    acc[i] += d0 * np.float32(q[r, b * 32 + i]) * x[t, b * 32 + i]
+                    acc[i + 16] += d1 * np.float32(q[r, b * 32 + 16 + i]) * x[t, b * 32 + 16 + i]
+            out[t, r] = acc.sum()
+
+
+@njit(cache=True)  # serial (between BLAS calls, as fused._dequant); no fastmath: no FMA, the exact values
+def _dequant(q, s, m, out):  # -> out (R, C) f32: scale x code - min
+    bs = q.shape[1] // s.shape[1]
+    for r in range(q.shape[0]):
+        if m.shape[1] > 0:
+            for b in range(q.shape[1] // 32):
+                d, dm = s[r, b], m[r, b]
+                for i in range(32):
+                    out[r, b * 32 + i] = d * np.float32(q[r, b * 32 + i]) - dm
+        else:
+            for b in range(q.shape[1] // bs):
+                d = s[r, b]
+                for i in range(bs):
+                    out[r, b * bs + i] = d * np.float32(q[r, b * bs + i])
+
+
+def dequantize_rows(w: Weight, start: int = 0, stop: int | None = None) -> np.ndarray:
+    """Rows start:stop of an ``i8`` Weight as float32 (bit for bit the GGUF block's values)."""
+    d = w.data[start:stop]
+    out = np.empty(d.q.shape, np.float32)
+    _dequant(d.q, d.s, d.m if d.m is not None else np.empty((d.q.shape[0], 0), np.float32), out)
+    return out
+
+
+def _gemv(d: I8Data, x, out, tab=None):
+    if d.m is not None:
+        _gemv32_min(d.q, d.s, d.m, x, out)
+    elif d.s.shape[1] * 16 == d.q.shape[1]:
+        _gemv16(d.q, d.s, x, out)
+    else:
+        _gemv32(d.q, d.s, x, out)
+
+
+def linear(x, w: Weight):  # x (T, C) f32, w (R, C) i8 -> (T, R)
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    T, R = x.shape[0], w.shape[0]
+    out = np.empty((T, R), np.float32)
+    if T <= GEMV_MAX_T:
+        if w.data.nbytes >= PARALLEL_MIN_BYTES:
+            _gemv(w.data, x, out)
+        else:
+            _one_thread(_gemv, w.data, x, out)
+        return out
+    for r in range(0, R, TILE_ROWS):
+        out[:, r:r + TILE_ROWS] = x @ dequantize_rows(w, r, r + TILE_ROWS).T
+    return out
+
+
+def embedding(ids, w: Weight):  # ids (T,), w (vocab, H) i8 -> (T, H): only the rows asked for
+    idx = np.asarray(ids, dtype=np.int64)
+    d = w.data[idx]
+    out = np.empty(d.q.shape, np.float32)
+    _dequant(d.q, d.s, d.m if d.m is not None else np.empty((d.q.shape[0], 0), np.float32), out)
+    return out
