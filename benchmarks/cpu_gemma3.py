@@ -40,7 +40,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--decode", type=int, default=64, help="greedy steps after the first --prefill prompt")
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--context", type=int, default=1024)
-    p.add_argument("--engines", nargs="+", default=["lumen", "llama.cpp", "transformers"])
+    p.add_argument("--engines", nargs="+", default=["lumen", "llama.cpp", "transformers"],
+                   help="any of lumen, lumen-mmap (store mmap: GGUF blocks decoded per use, not repacked to int8), "
+                        "llama.cpp, transformers")
     p.add_argument("--max-foreign", type=float, default=0.05)
     p.add_argument("--tries", type=int, default=5)
     p.add_argument("--backoff", type=float, default=2.0)
@@ -51,13 +53,16 @@ def parse_args(argv=None) -> argparse.Namespace:
 class Lumen:
     name = "Lumen"
 
-    def __init__(self, path: Path, context: int):
-        self.path, self.context = path, context
+    def __init__(self, path: Path, context: int, store: str | None = None):
+        self.path, self.context, self.store = path, context, store
+        if store:
+            self.name = f"Lumen ({store})"
 
     def load(self):
         import lumen_core as lumen
 
-        self.engine = lumen.load({"model": {"path": str(self.path),
+        store = {"store": self.store} if self.store else {}  # the default: ram (GGUF 4-6-bit blocks as int8)
+        self.engine = lumen.load({"model": {"path": str(self.path), **store,
                                             "hidden-layers": {"kv-cache": {"context-size": self.context}}}},
                                  progress=False)
 
@@ -210,6 +215,7 @@ def main(argv=None) -> None:
     ids = tok.encode(TEXT)
     prompts = {n: ids[:n] for n in args.prefill}
     makers = {"lumen": lambda: Lumen(path, args.context),
+              "lumen-mmap": lambda: Lumen(path, args.context, "mmap"),  # the file's blocks, decoded per use
               "llama.cpp": lambda: LlamaCpp(path, args.context, args.threads),
               "transformers": lambda: Transformers(path)}
     engines = [makers[name]() for name in args.engines]
