@@ -27,12 +27,16 @@ def register_ops(register):
 
 
 def _lazy_fused(op: str, module: str = "fused"):
-    """Importing numba costs ~0.5 s: only a plan that uses a quantized weight pays it."""
+    """Importing numba costs ~0.5 s: only a plan that uses a quantized weight pays it. The function is looked up
+    once, on the first call (a decode step makes ~120 of these calls)."""
+    found = []
 
     def call(*args, **kwargs):
-        from importlib import import_module
+        if not found:
+            from importlib import import_module
 
-        return getattr(import_module(f"lumen_cpu.{module}"), op)(*args, **kwargs)
+            found.append(getattr(import_module(f"lumen_cpu.{module}"), op))
+        return found[0](*args, **kwargs)
 
     call.__name__ = f"{module}_{op}"
     return call
