@@ -294,20 +294,27 @@ def dequantize_rows(w: Weight, start: int = 0, stop: int | None = None) -> np.nd
     return out
 
 
-def linear(x, w: Weight):  # x (T, C) f32, w (R, C) block-quantized -> (T, R)
+def gemv_or_tiles(x, w: Weight, kernel, data, rows) -> np.ndarray:
+    """x (T, C) @ w.T: up to GEMV_MAX_T tokens ``kernel(data, x, out, F16)`` (on one thread for a small ``data``),
+    more: ``rows(w, start, stop)`` (f32 rows) a tile at a time, multiplied by BLAS. Shared by the fused GGUF kernels
+    and the int8 layout (lumen_cpu.int8)."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     T, R = x.shape[0], w.shape[0]
     out = np.empty((T, R), np.float32)
     if T <= GEMV_MAX_T:
-        raw = w.data.view(np.int8) if w.format == "q8_0" else w.data
-        if raw.nbytes >= PARALLEL_MIN_BYTES:
-            GEMV[w.format](raw, x, out, F16)
+        if data.nbytes >= PARALLEL_MIN_BYTES:
+            kernel(data, x, out, F16)
         else:
-            _one_thread(GEMV[w.format], raw, x, out)
+            _one_thread(kernel, data, x, out)
         return out
     for r in range(0, R, TILE_ROWS):
-        out[:, r:r + TILE_ROWS] = x @ dequantize_rows(w, r, r + TILE_ROWS).T
+        out[:, r:r + TILE_ROWS] = x @ rows(w, r, r + TILE_ROWS).T
     return out
+
+
+def linear(x, w: Weight):  # x (T, C) f32, w (R, C) block-quantized -> (T, R)
+    raw = w.data.view(np.int8) if w.format == "q8_0" else w.data
+    return gemv_or_tiles(x, w, GEMV[w.format], raw, dequantize_rows)
 
 
 def embedding(ids, w: Weight):  # ids (T,), w (vocab, H) quantized -> (T, H): only the rows asked for

@@ -23,7 +23,7 @@ from numba import njit, prange
 
 from lumen_core.backend import Weight
 
-from .fused import F16, GEMV_MAX_T, PARALLEL_MIN_BYTES, TILE_ROWS, _h, _one_thread, _scale_min_k4
+from .fused import F16, _h, _scale_min_k4, gemv_or_tiles
 
 # checkpoint format -> (values per scale, has a minimum)
 FORMATS = {"q4_0": (32, False), "q5_0": (32, False), "q4_k": (32, True), "q5_k": (32, True), "q6_k": (16, False)}
@@ -198,18 +198,7 @@ def _gemv(d: I8Data, x, out, tab=None):
 
 
 def linear(x, w: Weight):  # x (T, C) f32, w (R, C) i8 -> (T, R)
-    x = np.ascontiguousarray(x, dtype=np.float32)
-    T, R = x.shape[0], w.shape[0]
-    out = np.empty((T, R), np.float32)
-    if T <= GEMV_MAX_T:
-        if w.data.nbytes >= PARALLEL_MIN_BYTES:
-            _gemv(w.data, x, out)
-        else:
-            _one_thread(_gemv, w.data, x, out)
-        return out
-    for r in range(0, R, TILE_ROWS):
-        out[:, r:r + TILE_ROWS] = x @ dequantize_rows(w, r, r + TILE_ROWS).T
-    return out
+    return gemv_or_tiles(x, w, _gemv, w.data, dequantize_rows)
 
 
 def embedding(ids, w: Weight):  # ids (T,), w (vocab, H) i8 -> (T, H): only the rows asked for
