@@ -1,7 +1,7 @@
-"""GGUF 4-6-bit formats repacked to int8 codes at load (lumen_cpu.int8, store ram): every dequantized value bit
-for bit gguf's, the GEMV equal to the fused kernel's (which reads the file's blocks) and to dequantize-then-matmul,
-row views (a Gemma 4 expert's gate/up halves) and the embedding lookup, the CPU backend repacking only in RAM, and
-the plan counting the repacked bytes with a note that says so."""
+"""GGUF block formats (4-6-bit and Q8_0) repacked to int8 codes at load (lumen_cpu.int8, store ram): every
+dequantized value bit for bit gguf's, the GEMV equal to the fused kernel's (which reads the file's blocks) and to
+dequantize-then-matmul, row views (a Gemma 4 expert's gate/up halves) and the embedding lookup, the CPU backend
+repacking only in RAM, and the plan counting the repacked bytes with a note that says so."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from test_fused import random_blocks, reference
 
 from lumen_core.backend import Weight
 
-TYPES = ["Q5_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K"]
+TYPES = ["Q5_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K", "Q8_0"]
 
 
 @pytest.mark.parametrize("name", TYPES)
@@ -53,7 +53,7 @@ def test_the_cpu_backend_repacks_in_ram_only_and_counts_it():
     raw = random_blocks("Q4_K", 8, 256)
     cls = CPUBackend
     assert cls.stored_format("q4_k", "ram") == "i8" and cls.stored_format("q4_k", "mmap") == "q4_k"
-    assert cls.stored_format("q8_0", "ram") == "q8_0"  # bytes already: not repacked
+    assert cls.stored_format("q8_0", "ram") == "i8"  # aligned rows and f32 scales: ~15% faster, 6% more bytes
     assert cls.stored_nbytes("q4_k", (8, 256), "ram") == 8 * 256 + 4 * 8 * 256 // 32 * 2
     assert cls.stored_nbytes("q6_k", (8, 256), "ram") == 8 * 256 + 4 * 8 * 256 // 16
     assert cls.stored_nbytes("q4_k", (8, 256), "mmap") is None

@@ -22,7 +22,7 @@ def register_ops(register):
         for op in ("linear", "embedding"):
             register(op, "cpu", _lazy_fused(op), variant=fmt, priority=FUSED_PRIORITY)
     register("linear", "cpu", _lazy_fused("linear", "fp8"), variant="fp8", priority=FUSED_PRIORITY)
-    for op in ("linear", "embedding"):  # GGUF 4-6-bit formats repacked to int8 codes at load (store ram)
+    for op in ("linear", "embedding"):  # GGUF block formats repacked to int8 codes at load (store ram)
         register(op, "cpu", _lazy_fused(op, "int8"), variant="i8", priority=FUSED_PRIORITY)
 
 

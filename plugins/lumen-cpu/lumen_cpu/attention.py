@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import ml_dtypes
 import numpy as np
+from numba import njit, prange
 
 F32 = np.float32
 KV_DTYPES = {"f32": np.float32, "f16": np.float16, "bf16": ml_dtypes.bfloat16, "fp8": ml_dtypes.float8_e4m3fn}
@@ -43,7 +44,8 @@ class RingKVCache:
     k: np.ndarray  # (kv_heads, window, head_dim): position p lives in slot p % window
     v: np.ndarray  # (kv_heads, window, head_dim_v)
     # What the last call attended over, (first position, keys (Hkv, S, D) f32, values (Hkv, S, Dv) f32): the ring
-    # alone cannot serve a KV-sharing reader once a long prefill has overwritten the older slots.
+    # alone cannot serve a KV-sharing reader once a long prefill has overwritten the older slots. After a one-token
+    # decode (which cannot overwrite what it read) it is (first position, None, S): read from the ring itself.
     recent: tuple | None = None
 
     @property
@@ -73,6 +75,8 @@ def attention(q, k, v, cache, start: int, scale: float, window: int | None = Non
     ``blocks``: position ranges [(first, end)] within this call (an image's tokens) whose queries also see every
     key of their range, later ones included (still within the window: keys j > start+i-window).
     """
+    if q.shape[0] == 1 and blocks is None and _decodable(q, cache):
+        return _decode_step(q, k, v, cache, start, scale, window, softcap)
     if isinstance(cache, RingKVCache):
         lo, keys, vals = _ring_update(cache, k, v, start, window)
     else:
@@ -93,6 +97,9 @@ def attention_shared(q, cache, start: int, scale: float, window: int | None = No
     lo = 0 if window is None else max(0, start - window + 1)
     if isinstance(cache, RingKVCache):
         first, keys, vals = cache.recent
+        if keys is None:  # the last call was a one-token decode: the ring still holds every position it saw
+            slots = np.arange(first, first + vals) % cache.capacity
+            keys, vals = cache.k[:, slots].astype(F32, copy=False), cache.v[:, slots].astype(F32, copy=False)
         if lo < first or end > first + keys.shape[1]:
             raise ValueError(f"positions {lo}..{end - 1} are not in the shared ring's last call")
         keys, vals = keys[:, lo - first:end - first], vals[:, lo - first:end - first]
@@ -100,6 +107,67 @@ def attention_shared(q, cache, start: int, scale: float, window: int | None = No
         keys = cache.k[:, lo:end].astype(F32, copy=False)
         vals = cache.v[:, lo:end].astype(F32, copy=False)
     return _attend(q, keys, vals, start, lo, scale, window, softcap, blocks)
+
+
+# -- one-token decode over f32 caches: read in place, no gather ------------------------------------------------
+# fastmath without nnan/ninf: a NaN from a corrupt weight must still reach the logits, where the engine reports it.
+_FM = {"reassoc", "contract", "nsz", "arcp"}
+
+
+def _decodable(q, cache) -> bool:
+    return q.dtype == F32 and cache.k.dtype == F32 and cache.v.dtype == F32
+
+
+def _decode_step(q, k, v, cache, start: int, scale: float, window: int | None, softcap: float | None):
+    """attention() for one token over an f32 KVCache or RingKVCache: write the new entry, then one kernel reads the
+    window where it lies (a ring's slots wrap) -- what _ring_update's gather + _attend compute, without the copies."""
+    cap = cache.capacity
+    lo = 0 if window is None else max(0, start - window + 1)
+    if isinstance(cache, RingKVCache):
+        if window is None or window > cap:
+            raise ValueError(f"a ring KV cache of {cap} positions cannot serve attention window {window}")
+        cache.k[:, start % cap] = k[0]
+        cache.v[:, start % cap] = v[0]
+        cache.recent = (lo, None, start + 1 - lo)  # attention_shared reads these positions from the ring
+    else:
+        cache.k[:, start] = k[0]
+        cache.v[:, start] = v[0]
+        cap = start + 2  # positions never wrap: p % cap == p for p <= start
+    out = np.empty((1, q.shape[1], cache.v.shape[2]), F32)
+    _decode_kernel(np.ascontiguousarray(q[0]), cache.k, cache.v, lo, start + 1, cap, F32(scale),
+                   F32(softcap or 0.0), out[0])
+    return out
+
+
+@njit(cache=True, parallel=True, fastmath=_FM)
+def _decode_kernel(q, kc, vc, lo, end, cap, scale, softcap, out):  # q (Hq, D); kc (Hkv, *, D); out (Hq, Dv)
+    group = q.shape[0] // kc.shape[0]
+    n = end - lo
+    for h in prange(q.shape[0]):
+        kh = h // group
+        s = np.empty(n, np.float32)
+        top = np.float32(-np.inf)
+        for j in range(n):
+            row = kc[kh, (lo + j) % cap]
+            acc = np.float32(0.0)
+            for d in range(q.shape[1]):
+                acc += q[h, d] * row[d]
+            acc *= scale
+            if softcap > 0:
+                acc = np.float32(np.tanh(acc / softcap)) * softcap
+            s[j] = acc
+            top = max(top, acc)
+        total = np.float32(0.0)
+        for j in range(n):
+            s[j] = np.exp(s[j] - top)
+            total += s[j]
+        o = np.zeros(vc.shape[2], np.float32)
+        for j in range(n):
+            p = s[j] / total
+            row = vc[kh, (lo + j) % cap]
+            for d in range(o.shape[0]):
+                o[d] += p * row[d]
+        out[h] = o
 
 
 def _ring_update(cache: RingKVCache, k, v, start: int, window: int | None):

@@ -6,6 +6,7 @@ Activations are float32 numpy arrays; weights are ``Weight`` objects in their st
 from __future__ import annotations
 
 import numpy as np
+from numba import njit
 
 from lumen_core import rope as _rope
 from lumen_core.backend import Weight
@@ -46,10 +47,33 @@ def embedding(ids, w: Weight):  # ids list[int] (T,), w (vocab, H) -> (T, H)
 
 # -- elementwise and norms ---------------------------------------------------------------------------------
 def rms_norm(x, w, eps: float, offset: float = 0.0):  # x (..., D), w (D,) or None
-    # einsum, not np.mean(x * x): half the time on decode-sized rows (~100 norms a token on Gemma 3 270M)
-    mean_sq = np.einsum("...i,...i->...", x, x)[..., None] * F32(1.0 / x.shape[-1])
-    y = x * (1.0 / np.sqrt(mean_sq + F32(eps)))
-    return y if w is None else y * (w + F32(offset)) if offset else y * w
+    # One compiled kernel: ~100 norms a token on Gemma 3 270M, 3 us each where numpy's einsum + 3 ufuncs took 24.
+    if x.dtype != F32 or (w is not None and w.dtype != F32):
+        mean_sq = np.mean(x.astype(F32) ** 2, axis=-1, keepdims=True)
+        y = (x * (1.0 / np.sqrt(mean_sq + F32(eps)))).astype(F32)
+        return y if w is None else y * (w + F32(offset)) if offset else y * w
+    rows = np.ascontiguousarray(x).reshape(-1, x.shape[-1])
+    out = np.empty_like(rows)
+    _rms_rows(rows, _NO_WEIGHT if w is None else w, w is not None, F32(eps), F32(offset), out)
+    return out.reshape(x.shape)
+
+
+_NO_WEIGHT = np.empty(0, F32)
+
+
+@njit(cache=True, fastmath={"reassoc", "contract", "nsz", "arcp"})  # no nnan: a NaN must reach the logits
+def _rms_rows(x, w, weighted, eps, offset, out):  # x (N, D) -> out: x / sqrt(mean(x^2) + eps) * (w + offset)
+    for r in range(x.shape[0]):
+        acc = np.float32(0.0)
+        for i in range(x.shape[1]):
+            acc += x[r, i] * x[r, i]
+        inv = np.float32(1.0) / np.sqrt(acc * np.float32(1.0 / x.shape[1]) + eps)
+        if weighted:
+            for i in range(x.shape[1]):
+                out[r, i] = x[r, i] * inv * (w[i] + offset)
+        else:
+            for i in range(x.shape[1]):
+                out[r, i] = x[r, i] * inv
 
 
 def rms_norm_gated(x, gate, w, eps: float):  # norm(x) * w * silu(gate); x, gate (..., D)
