@@ -1,9 +1,9 @@
 """Fused dequantizing matmuls for GGUF block formats (numba): weights stay quantized in memory.
 
 Each kernel decodes a block into float32 exactly as ``gguf.quants.dequantize`` does (same operations in
-the same order), then multiplies by the activations. Small batches (decode) run a GEMV that reads every
-weight byte once for all rows of ``x``; large batches (prefill) dequantize a tile of rows into a scratch
-buffer and hand it to BLAS. The only difference from dequantize-then-matmul is the summation order.
+the same order), then multiplies by the activations. One token (decode) runs a GEMV that reads every weight byte
+once; more (prefill, a speculative verify) decode four rows at a time into f32 and multiply them by every token
+(lumen_cpu.gemm). The only difference from dequantize-then-matmul is the summation order.
 """
 
 from __future__ import annotations
@@ -13,11 +13,14 @@ from numba import get_num_threads, njit, prange, set_num_threads
 
 from lumen_core.backend import Weight
 
-GEMV_MAX_T = 8  # up to this many tokens the fused GEMV beats dequantize + BLAS
+from .gemm import FASTMATH, block4, token_chunk
+
+# Up to 3 tokens the GEMV (each row's bytes read once, decoded per token) beats the 4-row GEMM, whose 4 x 4 register
+# block needs 4 tokens; from 4 on the GEMM wins (benchmarks/cpu_gemm.py).
+GEMV_MAX_T = 3
 # Below this many weight bytes a GEMV runs on one thread: waking the pool costs more than it saves, and on a
 # busy machine a parallel region waits for its slowest (descheduled) thread.
 PARALLEL_MIN_BYTES = 1 << 16
-TILE_ROWS = 4096  # rows dequantized per BLAS call in the tiled path (4096 x 640 f32 = 10 MB)
 
 
 # float16 bit pattern -> float32: a 256 KB table is faster than decoding the bits per block in the kernels.
@@ -294,27 +297,41 @@ def dequantize_rows(w: Weight, start: int = 0, stop: int | None = None) -> np.nd
     return out
 
 
-def gemv_or_tiles(x, w: Weight, kernel, data, rows) -> np.ndarray:
-    """x (T, C) @ w.T: up to GEMV_MAX_T tokens ``kernel(data, x, out, F16)`` (on one thread for a small ``data``),
-    more: ``rows(w, start, stop)`` (f32 rows) a tile at a time, multiplied by BLAS. Shared by the fused GGUF kernels
-    and the int8 layout (lumen_cpu.int8)."""
+def gemv_or_gemm(x, w: Weight, gemv, gemm, data) -> np.ndarray:
+    """x (T, C) @ w.T: up to GEMV_MAX_T tokens ``gemv(data, x, out, F16)`` (on one thread for a small ``data``),
+    more ``gemm(data, x, out, tokens a chunk)``. Shared by the fused GGUF kernels and the int8 layout
+    (lumen_cpu.int8)."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     T, R = x.shape[0], w.shape[0]
     out = np.empty((T, R), np.float32)
     if T <= GEMV_MAX_T:
         if data.nbytes >= PARALLEL_MIN_BYTES:
-            kernel(data, x, out, F16)
+            gemv(data, x, out, F16)
         else:
-            _one_thread(kernel, data, x, out)
-        return out
-    for r in range(0, R, TILE_ROWS):
-        out[:, r:r + TILE_ROWS] = x @ rows(w, r, r + TILE_ROWS).T
+            _one_thread(gemv, data, x, out)
+    else:
+        gemm(data, x, out, token_chunk(x.shape[1]))
     return out
+
+
+@njit(cache=True, parallel=True, fastmath=FASTMATH)
+def _gemm_blocks(kind, raw, x, out, chunk, tab):  # rows decoded by _dequant (exact), four at a time
+    R, C = raw.shape[0], x.shape[1]
+    for t0 in range(0, x.shape[0], chunk):
+        t1 = min(x.shape[0], t0 + chunk)
+        for quad in prange((R + 3) // 4):
+            r = 4 * quad
+            n = min(4, R - r)
+            w = np.empty((4, C), np.float32)
+            _dequant(kind, raw[r:r + n], w[:n], tab)
+            block4(w, n, x, t0, t1, out, r)
 
 
 def linear(x, w: Weight):  # x (T, C) f32, w (R, C) block-quantized -> (T, R)
     raw = w.data.view(np.int8) if w.format == "q8_0" else w.data
-    return gemv_or_tiles(x, w, GEMV[w.format], raw, dequantize_rows)
+    kind = FORMATS.index(w.format)
+    return gemv_or_gemm(x, w, GEMV[w.format],
+                        lambda data, x, out, chunk: _gemm_blocks(kind, w.data, x, out, chunk, F16), raw)
 
 
 def embedding(ids, w: Weight):  # ids (T,), w (vocab, H) quantized -> (T, H): only the rows asked for

@@ -24,7 +24,8 @@ from numba import njit, prange
 
 from lumen_core.backend import Weight
 
-from .fused import F16, _h, _scale_min_k4, gemv_or_tiles
+from .fused import F16, _h, _scale_min_k4, gemv_or_gemm
+from .gemm import FASTMATH, block4
 
 # checkpoint format -> (values per scale, has a minimum)
 FORMATS = {"q4_0": (32, False), "q5_0": (32, False), "q4_k": (32, True), "q5_k": (32, True), "q6_k": (16, False),
@@ -172,16 +173,20 @@ def _gemv16(q, s, x, out):  # a scale per 16, 32 values a step: (scale x code) x
             out[t, r] = acc.sum()
 
 
-@njit(cache=True)  # serial (between BLAS calls, as fused._dequant); no fastmath: no FMA, the exact values
+@njit(cache=True)  # serial; no fastmath: no FMA, the exact values
 def _dequant(q, s, m, out):  # -> out (R, C) f32: scale x code - min
+    # The minimum's blocks through 1-D slices and a loop over their length: LLVM vectorizes that form (2.2x faster,
+    # measured), not the same loop indexing the 2-D arrays, which it unrolls into scalar conversions.
     bs = q.shape[1] // s.shape[1]
     for r in range(q.shape[0]):
+        qr, orow = q[r], out[r]
         if m.shape[1] > 0:
             for b in range(q.shape[1] // 32):
                 d, dm = s[r, b], m[r, b]
-                for i in range(32):
-                    out[r, b * 32 + i] = d * np.float32(q[r, b * 32 + i]) - dm
-        else:
+                qb, ob = qr[b * 32:b * 32 + 32], orow[b * 32:b * 32 + 32]
+                for i in range(qb.shape[0]):
+                    ob[i] = d * np.float32(qb[i]) - dm
+        else:  # (this form, 2-D indexing, vectorizes here: measured 1.5x faster than the slices for Q6_K's 16)
             for b in range(q.shape[1] // bs):
                 d = s[r, b]
                 for i in range(bs):
@@ -205,8 +210,25 @@ def _gemv(d: I8Data, x, out, tab=None):
         _gemv32(d.q, d.s, x, out)
 
 
+@njit(cache=True, parallel=True, fastmath=FASTMATH)
+def _gemm_rows(q, s, m, x, out, chunk):  # rows decoded by _dequant (exact), four at a time
+    R, C = q.shape
+    for t0 in range(0, x.shape[0], chunk):
+        t1 = min(x.shape[0], t0 + chunk)
+        for quad in prange((R + 3) // 4):
+            r = 4 * quad
+            n = min(4, R - r)
+            w = np.empty((4, C), np.float32)
+            _dequant(q[r:r + n], s[r:r + n], m[r:r + n], w[:n])
+            block4(w, n, x, t0, t1, out, r)
+
+
+def _gemm(d: I8Data, x, out, chunk):
+    _gemm_rows(d.q, d.s, d.m if d.m is not None else np.empty((d.q.shape[0], 0), np.float32), x, out, chunk)
+
+
 def linear(x, w: Weight):  # x (T, C) f32, w (R, C) i8 -> (T, R)
-    return gemv_or_tiles(x, w, _gemv, w.data, dequantize_rows)
+    return gemv_or_gemm(x, w, _gemv, _gemm, w.data)
 
 
 def embedding(ids, w: Weight):  # ids (T,), w (vocab, H) i8 -> (T, H): only the rows asked for
