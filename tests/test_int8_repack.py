@@ -49,6 +49,32 @@ def test_repacked_rows_and_embedding(name):
     assert np.allclose(int8.linear(x, half), x @ ref[10:30].T, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("tokens", [1, 3, 6], ids=["gemv", "gemv-batch", "gemm"])
+@pytest.mark.parametrize("names", [("Q5_0", "Q5_0", "Q8_0"), ("Q4_K", "Q5_K"), ("Q5_0", "Q4_K", "Q6_K")],
+                         ids=["same-layout", "same-layout-minimum", "mixed"])
+def test_linear_group_joins_same_layout_matrices_and_equals_each_linear(tokens, names):
+    """q/k/v, gate/up: matrices of one layout (32 values a scale, with or without a minimum) are joined on the first
+    call, each Weight then a row view of the joined one (held once); mixed layouts run one linear each. Either way
+    every output is what ``linear`` gives each weight (the same row sums: bit for bit as a GEMV)."""
+    x = np.random.default_rng(5).normal(size=(tokens, 512)).astype(np.float32)
+    ws = [int8.repack(random_blocks(name, rows, 512, seed=i), name.lower(), (rows, 512))
+          for i, (name, rows) in enumerate(zip(names, (96, 33, 64), strict=False))]
+    want = [int8.linear(x, w) for w in ws]
+    values = [int8.dequantize_rows(w) for w in ws]
+    from lumen_core.plugins import get_registry
+
+    op = get_registry().op("linear_group", "cpu")
+    got = op(x, ws)
+    again = op(x, ws)
+    for g, a, e, w in zip(got, again, want, ws, strict=True):
+        assert g.shape == (tokens, w.shape[0]) and np.array_equal(g, a)
+        assert np.abs(g - e).max() <= (0 if tokens <= 3 else 1e-6 * np.abs(e).max())
+    joined = names != ("Q5_0", "Q4_K", "Q6_K")
+    bases = {id(w.data.q.base) for w in ws if w.data.q.base is not None}
+    assert (len(bases) == 1 and all(w.data.q.base is not None for w in ws)) == joined
+    assert all(np.array_equal(int8.dequantize_rows(w), v) for w, v in zip(ws, values, strict=True))
+
+
 def test_the_cpu_backend_repacks_in_ram_only_and_counts_it():
     raw = random_blocks("Q4_K", 8, 256)
     cls = CPUBackend

@@ -105,3 +105,19 @@ def test_fp8_kv_cache_rounds_and_saturates_like_e4m3(ring):
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
     if not ring:
         assert fp8.k[0, 0, 0].astype(np.float32) == 448.0 and fp8.v[1, 1, 2].astype(np.float32) == -448.0
+
+
+@pytest.mark.parametrize("shape,rot", [((1, 4, 256), 256), ((7, 3, 64), 32), ((2, 2, 80), 64)])
+def test_apply_rope_rotates_half_as_the_formula_does(shape, rot):
+    """The compiled rotate-half (full and partial rotary: dims past ``rot`` pass through) gives the formula's f32
+    bits: x1 cos - x2 sin, x2 cos + x1 sin, two products then the sum."""
+    rng = np.random.default_rng(7)
+    x = rng.normal(size=shape).astype(np.float32)
+    cos, sin = cpu("rope_tables")(list(range(40, 40 + shape[0])), [10000.0 ** (-2 * i / rot) for i in range(rot // 2)])
+    half = rot // 2
+    x1, x2 = x[..., :half], x[..., half:rot]
+    c, s = cos[:, None, :], sin[:, None, :]
+    want = np.concatenate([x1 * c[..., :half] + (-x2) * s[..., :half], x2 * c[..., half:] + x1 * s[..., half:],
+                           x[..., rot:]], axis=-1)
+    got = cpu("apply_rope")(x, cos, sin)
+    assert got.dtype == np.float32 and np.array_equal(got, want)

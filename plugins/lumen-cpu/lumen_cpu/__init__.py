@@ -24,6 +24,8 @@ def register_ops(register):
     register("linear", "cpu", _lazy_fused("linear", "fp8"), variant="fp8", priority=FUSED_PRIORITY)
     for op in ("linear", "embedding"):  # GGUF block formats repacked to int8 codes at load (store ram)
         register(op, "cpu", _lazy_fused(op, "int8"), variant="i8", priority=FUSED_PRIORITY)
+    # q/k/v, gate/up: int8 matrices in one parallel region a decode step (any other format: one linear each)
+    register("linear_group", "cpu", _lazy_fused("linear_group", "int8"))
 
 
 def _lazy_fused(op: str, module: str = "fused"):

@@ -19,6 +19,8 @@ do.
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 from numba import njit, prange
 
@@ -229,6 +231,59 @@ def _gemm(d: I8Data, x, out, chunk):
 
 def linear(x, w: Weight):  # x (T, C) f32, w (R, C) i8 -> (T, R)
     return gemv_or_gemm(x, w, _gemv, _gemm, w.data)
+
+
+def linear_group(x, ws: list[Weight]) -> list[np.ndarray]:
+    """``[linear(x, w) for w in ws]`` (the ``linear_group`` op: a layer's q/k/v, its gate/up). Where every weight is
+    ``i8`` with the same layout, the matrices are joined on the first call (``_joined``) and each call is one
+    ``linear`` over the joined rows: one parallel region reading one contiguous stream (a decode step's gate+up
+    2.9 MB: 138 against 167 us as two calls, cold, 2 cores); the outputs are column views of its result, the same
+    per-row sums. Otherwise each weight through the registered ``linear`` of its format."""
+    joined = _joined(ws)
+    if joined is None:
+        from .ops import _lin
+
+        return [_lin(x, w) for w in ws]
+    y = linear(x, joined)
+    out, r = [], 0
+    for w in ws:
+        out.append(y[:, r:r + w.shape[0]])
+        r += w.shape[0]
+    return out
+
+
+_GROUPS = "_lumen_cpu_groups"  # the joined Weights of the groups a weight leads, kept on that weight
+
+
+def _joined(ws: list[Weight]) -> Weight | None:
+    """One ``i8`` Weight holding ws' rows in order, made on the group's first call: each w.data becomes a row view
+    into it, so the matrices live once (the separate arrays are freed). None where they cannot join (formats,
+    widths, scale layouts or minimums differ)."""
+    groups = ws[0].__dict__.setdefault(_GROUPS, [])
+    for refs, joined in groups:
+        if len(refs) == len(ws) and all(r() is w for r, w in zip(refs, ws, strict=True)):
+            return joined
+    joined = _join(ws)
+    groups.append((tuple(weakref.ref(w) for w in ws), joined))
+    return joined
+
+
+def _join(ws: list[Weight]) -> Weight | None:
+    if len(ws) < 2 or any(w.format != "i8" for w in ws):
+        return None
+    d0 = ws[0].data
+    if any(w.data.q.shape[1] != d0.q.shape[1] or w.data.s.shape[1] != d0.s.shape[1] or
+           (w.data.m is None) != (d0.m is None) for w in ws):
+        return None
+    q = np.concatenate([w.data.q for w in ws])
+    s = np.concatenate([w.data.s for w in ws])
+    m = None if d0.m is None else np.concatenate([w.data.m for w in ws])
+    data, r = I8Data(q, s, m), 0
+    for w in ws:
+        n = w.shape[0]
+        w.data = data[r:r + n]
+        r += n
+    return Weight(data, "i8", q.shape, None, None, store=ws[0].store)
 
 
 def embedding(ids, w: Weight):  # ids (T,), w (vocab, H) i8 -> (T, H): only the rows asked for
