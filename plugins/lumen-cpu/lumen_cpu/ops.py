@@ -11,6 +11,7 @@ from numba import njit
 from lumen_core import rope as _rope
 from lumen_core.backend import Weight
 
+from .activations import gated
 from .attention import KVCache, attention, kv_cache
 from .delta import causal_conv1d, conv_state, delta_state, gated_delta_rule
 
@@ -101,11 +102,15 @@ def exp(x):
     return np.exp(x)
 
 
-def silu_mul(gate, up):
-    return silu(gate) * up
+def silu_mul(gate, up):  # f32: one compiled pass (lumen_cpu.activations)
+    out = gated(gate, up, 1)
+    return silu(gate) * up if out is None else out
 
 
-def gelu_tanh_mul(gate, up):
+def gelu_tanh_mul(gate, up):  # f32: one compiled pass, g / (1 + exp(-2y)) (lumen_cpu.activations)
+    out = gated(gate, up, 0)
+    if out is not None:
+        return out
     # gate * gate * gate, not gate**3: numpy's float32 power is ~100x slower (94 us on 2048 values)
     g = 0.5 * gate * (1.0 + np.tanh(F32(0.7978845608028654) * (gate + F32(0.044715) * (gate * gate * gate))))
     return g * up
