@@ -51,3 +51,22 @@ def test_nan_in_a_value_reaches_the_output():
     att.attention(q[:1], k[:1], v[:1], cache, 0, 0.5)
     out = att.attention(q[1:], k[1:], v[1:], cache, 1, 0.5)
     assert np.isnan(out[0, 0]).any() and not np.isnan(out[0, HQ - 1]).any()  # only the heads that read it
+
+
+@pytest.mark.parametrize("ring", [False, True], ids=["full", "ring"])
+def test_unwritten_cache_slots_are_never_read(ring):
+    """Caches are allocated without zeroing (np.empty): filled with NaN first, every prefill, decode step and
+    KV-sharing read gives the numbers a zeroed cache gives, so no path reads a slot it has not written."""
+    q, k, v = _qkv(14, 4)
+    outs = []
+    for fill in (0.0, np.nan):
+        cache = att.sliding_kv_cache(5, HKV, D, head_dim_v=DV) if ring else att.kv_cache(32, HKV, D, head_dim_v=DV)
+        cache.k[:], cache.v[:] = fill, fill
+        window = 5 if ring else None
+        got = [att.attention(q[:4], k[:4], v[:4], cache, 0, 0.25, window),
+               att.attention_shared(q[:4], cache, 0, 0.25, window)]
+        for t in range(4, 14):
+            got.append(att.attention(q[t:t + 1], k[t:t + 1], v[t:t + 1], cache, t, 0.25, window))
+            got.append(att.attention_shared(q[t:t + 1], cache, t, 0.25, window))
+        outs.append(np.concatenate([g.reshape(-1) for g in got]))
+    assert np.isfinite(outs[1]).all() and np.array_equal(outs[0], outs[1])

@@ -55,17 +55,19 @@ class RingKVCache:
         return self.k.shape[1]
 
 
+# Caches are allocated, not zeroed: attention reads only positions written before (or in) the same call, and np.zeros
+# of a request's caches cost ~1.4 ms of a 16-token Gemma 3 270M first token (18 layers; np.empty ~0.05 ms).
 def kv_cache(context: int, kv_heads: int, head_dim: int, type_k: str = "f32", type_v: str | None = None,
              head_dim_v: int | None = None):
-    k = np.zeros((kv_heads, context, head_dim), KV_DTYPES[type_k])
-    v = np.zeros((kv_heads, context, head_dim_v or head_dim), KV_DTYPES[type_v or type_k])
+    k = np.empty((kv_heads, context, head_dim), KV_DTYPES[type_k])
+    v = np.empty((kv_heads, context, head_dim_v or head_dim), KV_DTYPES[type_v or type_k])
     return KVCache(k, v)
 
 
 def sliding_kv_cache(window: int, kv_heads: int, head_dim: int, type_k: str = "f32", type_v: str | None = None,
                      head_dim_v: int | None = None):
-    k = np.zeros((kv_heads, window, head_dim), KV_DTYPES[type_k])
-    v = np.zeros((kv_heads, window, head_dim_v or head_dim), KV_DTYPES[type_v or type_k])
+    k = np.empty((kv_heads, window, head_dim), KV_DTYPES[type_k])
+    v = np.empty((kv_heads, window, head_dim_v or head_dim), KV_DTYPES[type_v or type_k])
     return RingKVCache(k, v)
 
 
