@@ -295,8 +295,9 @@ def test_attention_prefill_then_decode(gpu, cpu, kv, window, softcap):
         close(gpu.ops.attention_shared(gpu.tensor(q), caches[1], start, D ** -0.5, window, softcap),
               cpu.ops.attention_shared(q, caches[0], start, D ** -0.5, window, softcap), 1e-5)
         start += n
-    np.testing.assert_array_equal(_kv_bits(caches[1].k), _kv_bits(caches[0].k))
-    np.testing.assert_array_equal(_kv_bits(caches[1].v), _kv_bits(caches[0].v))
+    # the positions written (the CPU's caches are allocated, not zeroed: the rest is whatever memory held)
+    np.testing.assert_array_equal(_kv_bits(caches[1].k)[:, :start], _kv_bits(caches[0].k)[:, :start])
+    np.testing.assert_array_equal(_kv_bits(caches[1].v)[:, :start], _kv_bits(caches[0].v)[:, :start])
 
 
 @pytest.mark.gpu
