@@ -111,6 +111,11 @@ class Backend(ABC):
         the backend's layout is not a plain dtype (None: the checkpoint's bytes, or ``stored_format``'s dtype)."""
         return None
 
+    def configure_threads(self, threads: int) -> None:
+        """Called before loading, on a backend that computes components of the plan, when the config sets its
+        thread count (``cpu.threads``). Backends without a host thread pool are never called."""
+        raise NotImplementedError(f"backend {self.name!r} has no thread pool to configure")
+
     def configure_expert_cache(self, slots: int | None) -> None:
         """Called before loading when routed experts compute here from one of ``expert_stores``: how many experts
         to keep resident (None: the backend's default). Backends with no ``expert_stores`` are never called."""

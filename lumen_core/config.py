@@ -792,6 +792,10 @@ class Config:
         return any(_resolve(_chain(self.raw["model"], "model", c, layer)).placement
                    != _resolve(_chain(model, "model", c, layer)).placement for c in ("layer", "experts"))
 
+    def cpu_threads(self) -> int | None:
+        """cpu.threads: the CPU backend's compute threads (None: its default, one per core)."""
+        return self.raw.get("cpu", {}).get("threads")
+
     def expert_cache(self) -> int | None:
         """model.hidden-layers.experts.cache: experts kept in VRAM per GPU for streamed experts (None: default)."""
         return self.raw["model"].get("hidden-layers", {}).get("experts", {}).get("cache")

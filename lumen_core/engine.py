@@ -149,6 +149,7 @@ class Engine:
         elif chat:
             raise InputError(f"{config.model_path} has no tokenizer, so it cannot chat")
         backends = _backends(resolved["placements"], registry)
+        _configure_threads(config.cpu_threads(), backends)
         for comp, p in resolved["placements"].items():  # routed experts streamed from a host store to a GPU
             if comp[0] == "experts" and p.store in registry.backend_class(p.backend).expert_stores:
                 backends[comp].configure_expert_cache(config.expert_cache())
@@ -822,6 +823,18 @@ def _backends(placements: dict, registry) -> dict:
             by_device[p.device] = registry.backend_class(p.backend)(p.device, registry)
         out[comp] = by_device[p.device]
     return out
+
+
+def _configure_threads(threads: int | None, backends: dict) -> None:
+    """cpu.threads to the CPU backend, before any weight is read (the int8 repack already runs on the pool)."""
+    if threads is None:
+        return
+    cpus = {id(b): b for b in backends.values() if b.name == "cpu"}
+    if not cpus:
+        print(f"lumen: note: cpu.threads ({threads}) has no effect: no component computes on the CPU",
+              file=sys.stderr)
+    for b in cpus.values():
+        b.configure_threads(threads)
 
 
 def load(source, progress: bool | Progress | None = None, chat_template: str | os.PathLike | None = None,

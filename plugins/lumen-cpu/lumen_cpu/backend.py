@@ -56,6 +56,27 @@ class CPUBackend(Backend):
             block = scale_block(shape, scale.shape)
         return Weight(data, fmt, shape, scale, block)
 
+    def configure_threads(self, threads: int) -> None:
+        """cpu.threads: the numba pool every CPU kernel of the process runs on starts with ``threads`` threads
+        (numba's own default: one per core, or NUMBA_NUM_THREADS). The pool starts once per process, at the first
+        parallel kernel, so a later load can only ask for the count it already has."""
+        import numba
+        from numba.np.ufunc import parallel
+
+        from lumen_core.errors import ConfigError
+
+        if parallel._is_initialized:
+            running = parallel.NUM_THREADS
+            if threads != running:
+                raise ConfigError("cpu.threads", f"{threads} threads asked, but this process's CPU thread pool already "
+                                  f"runs {running} (it starts once, at the first CPU kernel)",
+                                  f"set cpu.threads to {running} or leave it out, or load in a new process")
+            return
+        # numba reads its pool size from these two at the launch (numba.config's value is what set_num_threads
+        # checks against; parallel.NUM_THREADS is what it launches): both, before the first parallel kernel
+        numba.config.NUMBA_NUM_THREADS = threads
+        parallel.NUM_THREADS = threads
+
     def tensor(self, array):
         # Always a private copy: small checkpoint tensors must not keep a view on the mapped file. Integer
         # arrays (expert ids routed on another device) keep their type; everything else becomes f32.

@@ -1,0 +1,80 @@
+"""cpu.threads: the CPU backend's compute pool (numba) starts with the configured number of threads; a pool already
+running with another count is refused by name; bad values are config errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import lumen_core as lumen
+from lumen_core.errors import ConfigError
+
+
+def test_a_fresh_process_runs_its_cpu_kernels_on_the_configured_threads(tiny_checkpoint, tmp_path):
+    path = tiny_checkpoint("gemma3")
+    config = tmp_path / "c.json"
+    config.write_text(json.dumps({"model": {"path": str(path), "compute": "cpu", "store": "ram"},
+                                  "cpu": {"threads": 1}}))
+    script = textwrap.dedent(f"""
+        import numba, numpy as np, lumen_core as lumen
+        from numba import njit, prange
+        engine = lumen.load({str(config)!r}, progress=False)
+        cache = engine.model.new_cache(64)
+        logits = engine.model.forward([1, 2, 3, 4, 5], cache)
+        assert np.isfinite(logits).all()
+
+        @njit(parallel=True)
+        def ids(out):
+            for i in prange(out.shape[0]):
+                out[i] = numba.get_thread_id()
+        out = np.zeros(64, np.int64)
+        ids(out)
+        print(numba.get_num_threads(), numba.config.NUMBA_NUM_THREADS, len(set(out.tolist())))
+    """)
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == ["1", "1", "1"]
+
+
+def test_a_running_pool_of_another_size_is_refused_by_name(tiny_checkpoint):
+    import numba
+    from lumen_cpu import int8
+
+    from lumen_core.backend import Weight
+
+    q = np.ones((64, 32), np.int8)
+    w = Weight(int8.I8Data(q, np.ones((64, 1), np.float32), None), "i8", (64, 32))
+    int8.linear(np.ones((1, 32), np.float32), w)  # a parallel kernel: the pool is running now
+    running = numba.config.NUMBA_NUM_THREADS
+    path = tiny_checkpoint("gemma3")
+    with pytest.raises(ConfigError, match=rf"cpu\.threads.*{running + 1} threads asked.*already runs {running}"):
+        lumen.load({"model": {"path": str(path)}, "cpu": {"threads": running + 1}}, progress=False)
+    engine = lumen.load({"model": {"path": str(path)}, "cpu": {"threads": running}}, progress=False)
+    assert engine.model is not None
+
+
+@pytest.mark.parametrize("cpu,match", [({"threads": 0}, r"cpu\.threads"), ({"threads": "4"}, r"cpu\.threads"),
+                                       ({"thread": 4}, r"unknown key 'thread'")])
+def test_bad_cpu_blocks_are_config_errors(tiny_checkpoint, cpu, match):
+    with pytest.raises(ConfigError, match=match):
+        lumen.load({"model": {"path": str(tiny_checkpoint("gemma3"))}, "cpu": cpu}, progress=False)
+
+
+def test_cpu_threads_without_a_cpu_component_says_it_has_no_effect(capsys):
+    from lumen_core.engine import _configure_threads
+
+    class Gpu:
+        name = "cuda"
+
+        def configure_threads(self, threads):
+            raise AssertionError("only the CPU backend takes cpu.threads")
+
+    _configure_threads(4, {("layer", 0): Gpu()})
+    assert "cpu.threads (4) has no effect: no component computes on the CPU" in capsys.readouterr().err
+    _configure_threads(None, {("layer", 0): Gpu()})
+    assert capsys.readouterr().err == ""
