@@ -107,3 +107,17 @@ def test_the_plan_counts_repacked_bytes_and_says_so():
         formats = {e.format for e in plan.entries if e.kind != "cache"}
         assert any("i8" in f for f in formats) == (store == "ram"), formats
     assert rows["ram"] > rows["mmap"] * 1.1
+
+
+def test_f16_scales_read_exactly_in_the_kernels():
+    """Q4_0 / Q5_0 / Q8_0 keep the file's f16 d as its bits (half an f32 scale's bytes): the kernels widen them
+    exactly, zero, subnormals, the largest and negative values included (GEMV and dequantize)."""
+    special = np.array([0.0, -0.0, 6e-8, 3e-5, 6.1e-5, 1.0, -2.5, 65504.0, 0.0123], np.float16)
+    R = special.size
+    q = np.random.default_rng(9).integers(-127, 128, size=(R, 32), dtype=np.int8)
+    w = Weight(int8.I8Data(q, special.view(np.uint16).reshape(R, 1), None), "i8", (R, 32))
+    want = q.astype(np.float32) * special.astype(np.float32)[:, None]
+    assert np.array_equal(int8.dequantize_rows(w), want)
+    x = np.random.default_rng(10).normal(size=(1, 32)).astype(np.float32)
+    np.testing.assert_allclose(int8.linear(x, w), x @ want.T, rtol=1e-5, atol=1e-30)
+    assert int8.repack(random_blocks("Q8_0", 4, 64), "q8_0", (4, 64)).data.nbytes == 4 * 34 * 2

@@ -1,7 +1,8 @@
 """GGUF block formats repacked at load into int8 codes (format ``i8``): the CPU's decode GEMV is bound by
 decoding those codes, not by memory (issue 22: benchmarks/cpu_gemv_layout.py, benchmarks/README.md), so a weight
-held in RAM (store ``ram``) is stored as one signed byte a value plus its block's f32 scale and, for the formats
-with a minimum (Q4_K, Q5_K), its f32 minimum:
+held in RAM (store ``ram``) is stored as one signed byte a value plus its block's scale (the file's f16 d for
+Q4_0 / Q5_0 / Q8_0, kept as its bits; f32 for the K-quants, whose scales are products) and, for the formats with a
+minimum (Q4_K, Q5_K), its f32 minimum:
 
     value = scale[block] x code - min[block]        (blocks of 32 values; Q6_K: 16, no minimum)
 
@@ -9,8 +10,9 @@ computed with the same f32 operations as ``lumen_cpu.fused``'s decoders (Q4_K: (
 (d x sc) x q), so every dequantized value is bit for bit what the file's block holds, and the GEMV sums the same
 products in the same lanes as the fused kernel. It costs 1.6-2.2x the file's bytes (the plan counts them:
 ``CPUBackend.stored_nbytes``); store ``mmap`` keeps the file's bytes and the fused kernels. Q8_0's codes are bytes
-already, but its 34-byte blocks leave them unaligned: repacked (1.06x the bytes) its GEMV runs ~15% faster
-(Gemma 3 270M's 178 MB lm_head: 9.4 against 10.9 ms on 2 cores, 2026-12-01).
+already, but its 34-byte blocks leave them unaligned: repacked (the file's bytes: codes aligned, the f16 scales
+apart) its GEMV runs ~15% faster (Gemma 3 270M's 178 MB lm_head: 9.4 against 10.9 ms on 2 cores with f32 scales,
+2026-12-01).
 
 ``I8Data`` holds the three arrays and slices by rows like an array (a Gemma 4 expert's gate_up matrix is split
 into its gate and up rows as a row view), so a ``Weight`` of format ``i8`` has ``scale`` None as the GGUF formats
@@ -22,22 +24,28 @@ from __future__ import annotations
 import weakref
 
 import numpy as np
-from numba import njit, prange
+from numba import njit, prange, types
+from numba.extending import overload
 
 from lumen_core.backend import Weight
 
+from .bitcast import as_f32
 from .fused import F16, _h, _scale_min_k4, gemv_or_gemm
 from .gemm import FASTMATH, block4
 
 # checkpoint format -> (values per scale, has a minimum)
 FORMATS = {"q4_0": (32, False), "q5_0": (32, False), "q4_k": (32, True), "q5_k": (32, True), "q6_k": (16, False),
            "q8_0": (32, False)}
+# The formats whose block scale is the file's f16 d: kept as its 16 bits (read exactly as f32 by ``scale_at``), half
+# the bytes of an f32 scale (Q8_0 in RAM then takes the file's 34 bytes a block: Gemma 3 270M's 178 MB lm_head).
+# K-quants' scales are products (d x sub-block scale) and stay f32.
+F16_SCALES = ("q4_0", "q5_0", "q8_0")
 _KIND = {f: i for i, f in enumerate(FORMATS)}
 
 
 class I8Data:
-    """The repacked matrix: ``q`` (R, C) int8 codes, ``s`` (R, C / bs) f32 scales, ``m`` (R, C / 32) f32 minimums
-    or None. Indexing takes rows of all three."""
+    """The repacked matrix: ``q`` (R, C) int8 codes, ``s`` (R, C / bs) scales (f32, or the file's f16 bits as
+    uint16 for ``F16_SCALES``), ``m`` (R, C / 32) f32 minimums or None. Indexing takes rows of all three."""
 
     def __init__(self, q: np.ndarray, s: np.ndarray, m: np.ndarray | None):
         self.q, self.s, self.m = q, s, m
@@ -61,7 +69,7 @@ def nbytes(fmt: str, shape) -> int:
     """Bytes an ``fmt`` matrix of ``shape`` takes once repacked."""
     bs, mins = FORMATS[fmt]
     n = int(np.prod(shape))
-    return n + 4 * (n // bs) + (4 * (n // 32) if mins else 0)
+    return n + (2 if fmt in F16_SCALES else 4) * (n // bs) + (4 * (n // 32) if mins else 0)
 
 
 def repack(raw: np.ndarray, fmt: str, shape) -> Weight:
@@ -73,7 +81,26 @@ def repack(raw: np.ndarray, fmt: str, shape) -> Weight:
     s = np.empty((R, C // bs), np.float32)
     m = np.empty((R, C // 32), np.float32) if mins else np.empty((R, 0), np.float32)
     _unpack(_KIND[fmt], raw, q, s, m, F16)
+    if fmt in F16_SCALES:  # the file's f16 values, widened by _unpack: narrowing them back is exact
+        s = s.astype(np.float16).view(np.uint16)
     return Weight(I8Data(q, s, m if mins else None), "i8", (R, C), None, None)
+
+
+def scale_at(s, r, b):
+    """Block b's scale of row r as f32: ``s`` holds f32 scales or f16 bits (``F16_SCALES``); numba picks one at
+    compile time (``_scale_at``)."""
+    return np.float32(s[r, b]) if s.dtype != np.uint16 else np.float32(np.uint16(s[r, b]).view(np.float16))
+
+
+@overload(scale_at, inline="always")
+def _scale_at(s, r, b):
+    if s.dtype == types.uint16:
+        def f16(s, r, b):  # the 15 magnitude bits moved into an f32 and rescaled by 2^112 (exact: subnormals and
+            h = np.uint32(s[r, b])  # zero too), the sign bit put back: no 256 KB table gather
+            return as_f32(((h & np.uint32(0x7FFF)) << np.uint32(13)) | ((h & np.uint32(0x8000)) << np.uint32(16))) \
+                * np.float32(5.192296858534828e33)
+        return f16
+    return lambda s, r, b: s[r, b]
 
 
 # -- unpacking: one row's blocks -> codes, scales, minimums (the decoders of lumen_cpu.fused, stopped before the
@@ -144,7 +171,7 @@ def _gemv32(q, s, x, out):  # a scale per 32: code x (scale x x), as the fused Q
         for t in range(x.shape[0]):
             acc = np.zeros(32, np.float32)
             for b in range(q.shape[1] // 32):
-                d = s[r, b]
+                d = scale_at(s, r, b)
                 for i in range(32):
                     acc[i] += np.float32(q[r, b * 32 + i]) * (d * x[t, b * 32 + i])
             out[t, r] = acc.sum()
@@ -190,7 +217,7 @@ def _dequant(q, s, m, out):  # -> out (R, C) f32: scale x code - min
                     ob[i] = d * np.float32(qb[i]) - dm
         else:  # (this form, 2-D indexing, vectorizes here: measured 1.5x faster than the slices for Q6_K's 16)
             for b in range(q.shape[1] // bs):
-                d = s[r, b]
+                d = scale_at(s, r, b)
                 for i in range(bs):
                     out[r, b * bs + i] = d * np.float32(q[r, b * bs + i])
 
@@ -272,7 +299,7 @@ def _join(ws: list[Weight]) -> Weight | None:
     if len(ws) < 2 or any(w.format != "i8" for w in ws):
         return None
     d0 = ws[0].data
-    if any(w.data.q.shape[1] != d0.q.shape[1] or w.data.s.shape[1] != d0.s.shape[1] or
+    if any(w.data.q.shape[1] != d0.q.shape[1] or w.data.s.shape[1] != d0.s.shape[1] or w.data.s.dtype != d0.s.dtype or
            (w.data.m is None) != (d0.m is None) for w in ws):
         return None
     q = np.concatenate([w.data.q for w in ws])
