@@ -21,7 +21,7 @@ class CPUBackend(Backend):
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         return [DeviceInfo("cpu", total, host_available_bytes(), f"{os.cpu_count()} cores")]
 
-    conversion_reason = ("GGUF blocks held in RAM become int8 codes with f32 scales, the same values, decoded "
+    conversion_reason = ("GGUF blocks held in RAM become int8 codes with block scales, the same values, decoded "
                          "~2x faster (4-6-bit) or ~15% faster (Q8_0) (lumen_cpu.int8; store mmap keeps the file's "
                          "bytes)")
 
