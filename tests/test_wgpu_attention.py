@@ -249,9 +249,9 @@ def test_rows_read_and_written_from_the_host(pair, kv):
     assert got.dtype == wattn.KV_TYPES[kv] and got.shape == (2, 10, 16)
     np.testing.assert_array_equal(bits(got), bits(caches[0].k[:, 3:13]))
     np.testing.assert_array_equal(bits(caches[1].v[...])[:, 3:13], bits(caches[0].v[:, 3:13]))
-    q = rand(rng, 1, 4, 16)
-    close(gpu.ops.attention_shared(gpu.tensor(q), caches[1], 12, 0.25),
-          cpu.ops.attention_shared(q, caches[0], 12, 0.25), TOL)
+    q = rand(rng, 1, 4, 16)  # a window of 10 at position 12: keys 3..12, the rows written
+    close(gpu.ops.attention_shared(gpu.tensor(q), caches[1], 12, 0.25, 10),
+          cpu.ops.attention_shared(q, caches[0], 12, 0.25, 10), TOL)
 
 
 def test_table_rows(pair):
@@ -274,6 +274,7 @@ def test_a_captured_decode_step_replays_at_later_positions(pair, monkeypatch, ri
     rng = np.random.default_rng(15)
     hq, hkv, d, n0 = 4, 2, 32, 40
     caches = tuple(b.ops.sliding_kv_cache(window, hkv, d) if ring else b.ops.kv_cache(200, hkv, d) for b in (cpu, gpu))
+    caches[0].k[:], caches[0].v[:] = 0, 0  # the replays below skip positions: both sides read those slots as zeros
     run_sequence(pair, caches, (n0,), hq, hkv, d, window, 2.0, seed=16)
     step = [gpu.tensor(np.zeros((1, h, d), np.float32)) for h in (hq, hkv, hkv)]  # the step's input buffers
     ctx = gpu.ctx
