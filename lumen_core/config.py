@@ -737,6 +737,14 @@ class Config:
         _check_values(raw)  # a NUL in the path, as in a file
         return _checked(raw, self.source, self.base_dir)
 
+    def with_threads(self, threads: int | None) -> Config:
+        """A copy with the command line's `--threads N` as cpu.threads (None: this config itself)."""
+        if threads is None:
+            return self
+        raw = copy.deepcopy(self.raw)
+        raw.setdefault("cpu", {})["threads"] = threads
+        return _checked(raw, self.source, self.base_dir)
+
     def _resolved(self, component: str, layer: int | None) -> _Resolved:
         if component == "mtp":  # the multi-token-prediction head reads the lm_head: it sits with the output layer
             component = "output-layer"

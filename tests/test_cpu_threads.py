@@ -78,3 +78,26 @@ def test_cpu_threads_without_a_cpu_component_says_it_has_no_effect(capsys):
     assert "cpu.threads (4) has no effect: no component computes on the CPU" in capsys.readouterr().err
     _configure_threads(None, {("layer", 0): Gpu()})
     assert capsys.readouterr().err == ""
+
+
+def test_the_threads_option_sets_cpu_threads(tiny_checkpoint, tmp_path):
+    """--threads N is cpu.threads from the command line (on generate, chat, serve, perplexity): a fresh process
+    generates with it; 0 is refused by the option; the config copy keeps the rest of the config."""
+    import shutil
+    from pathlib import Path
+
+    from lumen_core.config import load_config
+
+    path = tiny_checkpoint("gemma3")
+    config = tmp_path / "c.json"
+    config.write_text(json.dumps({"model": {"path": str(path)}, "cpu": {"threads": 2}}))
+    cfg = load_config(config).with_threads(1)
+    assert cfg.cpu_threads() == 1 and cfg.raw["model"]["path"] == str(path)
+    assert load_config(config).with_threads(None).cpu_threads() == 2
+    lumen = shutil.which("lumen") or str(Path(sys.executable).with_name("lumen"))
+    ok = subprocess.run([lumen, "generate", "-c", str(config), "-p", "Hi", "-n", "2", "-q", "--threads", "1"],
+                        capture_output=True, text=True, timeout=300)
+    assert ok.returncode == 0 and "Traceback" not in ok.stderr, ok.stderr
+    bad = subprocess.run([lumen, "generate", "-c", str(config), "-p", "Hi", "--threads", "0"], capture_output=True,
+                         text=True, timeout=120)
+    assert bad.returncode == 2 and "--threads" in bad.stderr and "Traceback" not in bad.stderr

@@ -48,6 +48,24 @@ NoDraftFallbackOpt = Annotated[
 ]
 
 
+ThreadsOpt = Annotated[
+    int | None,
+    typer.Option("--threads", metavar="N", min=1,
+                 help="Threads of the CPU backend's compute pool (the config's cpu.threads): every component computed "
+                 "on the CPU uses them. Default: the config's, else one per core (NUMBA_NUM_THREADS where set)."),
+]
+
+
+def with_threads(config, threads: int | None):
+    """The --config argument (or a Config) with --threads N applied as cpu.threads; unchanged when not given."""
+    if threads is None:
+        return config
+    from ...config import Config, config_from_path_or_model
+
+    cfg = config if isinstance(config, Config) else config_from_path_or_model(config)
+    return cfg.with_threads(threads)
+
+
 def with_draft_options(config_arg: str, draft_model: str | None, draft_tokens: int | None, mtp: bool,
                        no_fallback: bool = False):
     """The --config argument with --draft-model / --draft-tokens / --mtp / --no-draft-fallback applied: a Config

@@ -8,7 +8,17 @@ from typing import Annotated
 
 import typer
 
-from . import ChatTemplateOpt, ConfigOpt, DraftModelOpt, DraftTokensOpt, MtpOpt, NoDraftFallbackOpt, with_draft_options
+from . import (
+    ChatTemplateOpt,
+    ConfigOpt,
+    DraftModelOpt,
+    DraftTokensOpt,
+    MtpOpt,
+    NoDraftFallbackOpt,
+    ThreadsOpt,
+    with_draft_options,
+    with_threads,
+)
 from .generate import ImageOpt, image_message, read_images
 
 Opt = typer.Option
@@ -35,6 +45,7 @@ def chat(
     mtp: MtpOpt = False,
     no_draft_fallback: NoDraftFallbackOpt = False,
     image: ImageOpt = None,
+    threads: ThreadsOpt = None,
 ):
     """Chat with the model in the terminal: type a message, Enter; the reply streams back.
 
@@ -49,7 +60,7 @@ def chat(
     from ...errors import InputError
 
     pending = read_images(image)  # go with the first message
-    config = with_draft_options(config, draft_model, draft_tokens, mtp, no_draft_fallback)
+    config = with_threads(with_draft_options(config, draft_model, draft_tokens, mtp, no_draft_fallback), threads)
     engine = load(config, progress=True, chat_template=chat_template, chat=True, think=think)
     fmt = engine.chat_format()
     if temperature is None and "temperature" not in engine.config.sampling_defaults():

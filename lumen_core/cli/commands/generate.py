@@ -7,7 +7,17 @@ from typing import Annotated
 
 import typer
 
-from . import ChatTemplateOpt, ConfigOpt, DraftModelOpt, DraftTokensOpt, MtpOpt, NoDraftFallbackOpt, with_draft_options
+from . import (
+    ChatTemplateOpt,
+    ConfigOpt,
+    DraftModelOpt,
+    DraftTokensOpt,
+    MtpOpt,
+    NoDraftFallbackOpt,
+    ThreadsOpt,
+    with_draft_options,
+    with_threads,
+)
 
 Opt = typer.Option
 ImageOpt = Annotated[list[str] | None, Opt("--image", metavar="PATH",
@@ -58,6 +68,7 @@ def generate(
     mtp: MtpOpt = False,
     no_draft_fallback: NoDraftFallbackOpt = False,
     image: ImageOpt = None,
+    threads: ThreadsOpt = None,
     quiet: Annotated[bool, Opt("--quiet", "-q", help="No progress lines or timing summary on stderr.")] = False,
 ):
     """Generate text from a prompt with the model and placement the config describes.
@@ -75,7 +86,7 @@ def generate(
     images = read_images(image)
     if (system is not None or think is not None) and not chat:
         raise InputError(f"{'--system' if system is not None else '--think/--no-think'} needs --chat")
-    config = with_draft_options(config, draft_model, draft_tokens, mtp, no_draft_fallback)
+    config = with_threads(with_draft_options(config, draft_model, draft_tokens, mtp, no_draft_fallback), threads)
     engine = load(config, progress=not quiet, chat_template=chat_template, chat=chat, think=think)
     if temperature is None and "temperature" not in engine.config.sampling_defaults():
         temperature = 0.0

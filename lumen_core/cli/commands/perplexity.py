@@ -7,13 +7,14 @@ from typing import Annotated
 
 import typer
 
-from . import ConfigOpt
+from . import ConfigOpt, ThreadsOpt, with_threads
 
 
 def perplexity(
     config: ConfigOpt,
     text_file: Annotated[str, typer.Option("--text-file", "-f", help="UTF-8 text to score.")],
     as_json: Annotated[bool, typer.Option("--json", help='Print {"tokens", "nll", "perplexity"}.')] = False,
+    threads: ThreadsOpt = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress lines or timing summary on stderr.")]
     = False,
 ):
@@ -30,7 +31,7 @@ def perplexity(
         text = open(text_file, encoding="utf-8").read()
     except (OSError, UnicodeDecodeError) as exc:
         raise InputError(f"cannot read --text-file {text_file}: {exc}") from None
-    engine = load(config, progress=not quiet)
+    engine = load(with_threads(config, threads), progress=not quiet)
     result = engine.perplexity(text)
     if as_json:
         typer.echo(json.dumps(result))

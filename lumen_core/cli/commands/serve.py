@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from . import ChatTemplateOpt, ConfigOpt, DraftModelOpt, DraftTokensOpt, MtpOpt, NoDraftFallbackOpt
+from . import ChatTemplateOpt, ConfigOpt, DraftModelOpt, DraftTokensOpt, MtpOpt, NoDraftFallbackOpt, ThreadsOpt
 
 Opt = typer.Option
 
@@ -64,6 +64,7 @@ def serve(
     draft_tokens: DraftTokensOpt = None,
     mtp: MtpOpt = False,
     no_draft_fallback: NoDraftFallbackOpt = False,
+    threads: ThreadsOpt = None,
 ):
     """Serve the model over HTTP: OpenAI (/v1/chat/completions, /v1/completions, /v1/models) and Anthropic
     (/v1/messages, /v1/messages/count_tokens) APIs, /health and /metrics (Prometheus). With --server-api (or
@@ -90,7 +91,7 @@ def serve(
             raise InputError(f"--api-key: {problem}; give the key itself, or leave --api-key out for no "
                              "authentication")
     cfg = config_from_path_or_model(config).with_draft(draft_model, draft_tokens, mtp,
-                                                       False if no_draft_fallback else None)
+                                                       False if no_draft_fallback else None).with_threads(threads)
     kv = cfg.raw["model"].setdefault("hidden-layers", {}).setdefault("kv-cache", {})
     if sequences is not None:
         kv["sequences"] = sequences
