@@ -319,7 +319,7 @@ def test_load_config_raises_only_config_errors(env, tmp_path_factory):
 def test_validate_and_generate_agree_and_never_trace_back(env, tmp_path_factory, capsys):
     path = tmp_path_factory.mktemp("fuzz-cli") / "c.json"
 
-    @settings(max_examples=500, **SETTINGS)
+    @settings(max_examples=600, **SETTINGS)
     @given(raw=configs(env), style=STYLES)
     def check(raw, style):
         path.write_text(config_text(raw, style))

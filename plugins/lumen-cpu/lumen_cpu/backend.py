@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 
 import numpy as np
 
@@ -59,18 +60,19 @@ class CPUBackend(Backend):
     def configure_threads(self, threads: int) -> None:
         """cpu.threads: the numba pool every CPU kernel of the process runs on starts with ``threads`` threads
         (numba's own default: one per core, or NUMBA_NUM_THREADS). The pool starts once per process, at the first
-        parallel kernel, so a later load can only ask for the count it already has."""
+        parallel kernel; a later load in the same process that asks for another count gets min(asked, running) for
+        the loading thread (numba's per-thread setting) and a note saying so: the pool cannot be resized."""
         import numba
         from numba.np.ufunc import parallel
-
-        from lumen_core.errors import ConfigError
 
         if parallel._is_initialized:
             running = parallel.NUM_THREADS
             if threads != running:
-                raise ConfigError("cpu.threads", f"{threads} threads asked, but this process's CPU thread pool already "
-                                  f"runs {running} (it starts once, at the first CPU kernel)",
-                                  f"set cpu.threads to {running} or leave it out, or load in a new process")
+                use = min(threads, running)
+                numba.set_num_threads(use)
+                print(f"lumen: note: cpu.threads {threads}: this process's CPU thread pool already runs {running} "
+                      f"threads (it starts once, at the first CPU kernel); this thread uses {use}, others "
+                      f"{running}. Set cpu.threads before the first load, or in a new process.", file=sys.stderr)
             return
         # numba reads its pool size from these two at the launch (numba.config's value is what set_num_threads
         # checks against; parallel.NUM_THREADS is what it launches): both, before the first parallel kernel
