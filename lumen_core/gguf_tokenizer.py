@@ -90,6 +90,9 @@ def tokenizer_from_metadata(metadata: dict, path: str | Path | None = None):
 
 
 CACHE_VERSION = 1  # bump when build() changes what it produces
+# The cache keeps its most recently used files within this many bytes (Gemma's 262k vocabulary: 21 MB a file): a
+# GGUF moved, edited or made in a temporary directory leaves an entry no key will match again.
+CACHE_MAX_BYTES = 512 << 20
 
 
 def cache_dir() -> Path:
@@ -106,6 +109,7 @@ def _cached_build(metadata: dict, path: Path) -> tuple[Built, str]:
     try:
         entry = json.loads(cached.read_text(encoding="utf-8"))
         backend = tokenizers.Tokenizer.from_str(entry.pop("backend"))
+        _touch(cached)  # most recently used: the last file pruning removes
         return Built(backend, entry["special_tokens"], entry["bos_id"], set(entry["eos_ids"]), entry["add_bos"],
                      entry["add_eos"], entry["chat_template"]), "from the cache"
     except Exception:  # no cache yet, or a corrupt one (tokenizers raises plain Exception): rebuild it
@@ -121,7 +125,42 @@ def _cached_build(metadata: dict, path: Path) -> tuple[Built, str]:
         tmp.replace(cached)  # atomic: a concurrent reader never sees half a file
     except OSError:  # a read-only home only costs the rebuild next time
         return built, f"built; could not cache it in {cache_dir()}"
+    prune(cached.parent, keep=cached)
     return built, f"built from the GGUF vocabulary, cached in {cache_dir()} for the next run"
+
+
+def _touch(path: Path) -> None:
+    try:
+        os.utime(path)
+    except OSError:  # a read-only cache still serves
+        pass
+
+
+def prune(directory: Path, max_bytes: int | None = None, keep: Path | None = None) -> int:
+    """Delete the least recently used cache files (by modification time, which a read refreshes) until the rest fit
+    in ``max_bytes`` (default ``CACHE_MAX_BYTES``); ``keep`` is never deleted. Returns the files deleted. Files
+    another process deletes meanwhile, or that cannot be deleted, are skipped."""
+    limit = CACHE_MAX_BYTES if max_bytes is None else max_bytes
+    entries = []
+    for f in directory.glob("*.json"):
+        try:
+            st = f.stat()
+        except OSError:
+            continue
+        entries.append((st.st_mtime_ns, st.st_size, f))
+    total, removed = sum(size for _, size, _ in entries), 0
+    for _, size, f in sorted(entries, key=lambda e: e[0]):
+        if total <= limit:
+            break
+        if keep is not None and f == keep:
+            continue
+        try:
+            f.unlink()
+        except OSError:
+            continue
+        total -= size
+        removed += 1
+    return removed
 
 
 class Built:

@@ -30,3 +30,20 @@ def test_cache_round_trip_and_corruption(gguf_path, tmp_path, monkeypatch):
     monkeypatch.setattr(gguf_tokenizer, "build", lambda *a: calls.append(1) or real_build(*a))
     third = GGUFCheckpoint(gguf_path).load_tokenizer()
     assert calls == [1] and third.encode(TEXT) == first.encode(TEXT)
+
+
+def test_the_cache_keeps_its_most_recently_used_files_within_its_size(tmp_path):
+    """A GGUF moved or made in a temporary directory leaves an entry no key matches again: past CACHE_MAX_BYTES the
+    least recently used files go (a read refreshes a file), never the one just written."""
+    import os
+
+    d = tmp_path / "tokenizers"
+    d.mkdir()
+    for i in range(6):
+        f = d / f"{i}.json"
+        f.write_text("x" * 100)
+        os.utime(f, ns=(i * 10**9, i * 10**9))
+    os.utime(d / "1.json", ns=(99 * 10**9, 99 * 10**9))  # read last: most recently used
+    assert gguf_tokenizer.prune(d, max_bytes=350, keep=d / "0.json") == 3
+    assert sorted(f.name for f in d.glob("*.json")) == ["0.json", "1.json", "5.json"]
+    assert gguf_tokenizer.prune(d, max_bytes=10**6) == 0
