@@ -333,6 +333,7 @@ class _Layer:
                 self.scales = [_typed(np.asarray(w.scale.block).view(np.uint8) for w in role) for role in mats]
                 self.gs = [np.array([np.float32(w.scale.global_scale) for w in role], F32) for role in mats]
         self.ok = ok
+        self.addresses = None  # _one_token's, made on its first call
 
 
 _LAYERS: dict[int, _Layer] = {}
@@ -378,8 +379,12 @@ def _call(L: _Layer, x, ids, weights, act: str):
     if not L.ok:
         return None
     x = np.ascontiguousarray(x, dtype=F32)
-    ids = np.asarray(ids, dtype=np.int64)
+    ids = np.ascontiguousarray(ids, dtype=np.int64)
     T, k = ids.shape
+    if T == 1 and L.fmt in NATIVE:
+        out = _one_token(L, x, ids, np.ascontiguousarray(weights, dtype=F32), ACTS[act])
+        if out is not None:
+            return out
     out = np.zeros((T, L.H), F32)
     step = max(1, MAX_SLOTS // max(k, 1))
     for t0 in range(0, T, step):
@@ -436,6 +441,30 @@ def _combine(ys, order, weights, k, out):
                     acc[c] += ys[i, c] * w
         for c in range(H):
             out[t, c] += acc[c]
+
+
+NATIVE = ("fp8", "nvfp4")  # formats with compiled row kernels (lumen_cpu.native), used for one token
+
+
+def _native():
+    from . import native
+
+    return native if native.available else None
+
+
+def _one_token(L: _Layer, x, ids, weights, act: int):
+    """One token's experts in one compiled call (lumen_cpu.native); None where that path does not apply."""
+    nat = _native()
+    if nat is None:
+        return None
+    if L.addresses is None:  # the arrays' addresses (the _Layer holds the arrays): no typed list to unbox
+        L.addresses = [np.array([a.ctypes.data for a in role], np.int64) for role in (*L.data, *L.scales)]
+    if L.fmt == "fp8":
+        (bg, cg), _, (bd, cd) = L.blocks
+        sgs, sds = L.scales[0][0].shape[1], L.scales[2][0].shape[1]
+        return nat.moe_fp8(*L.addresses, sgs, sds, bg, cg, bd, cd, L.I, x, ids, weights, act, get_num_threads(),
+                           CHUNK)
+    return nat.moe_nvfp4(*L.addresses, *L.gs, L.I, x, ids, weights, act, get_num_threads(), CHUNK)
 
 
 def _run(L: _Layer, x, ids, weights, out, t0: int, act: int) -> None:

@@ -1,0 +1,220 @@
+"""The compiled row kernels of ``_native.c`` (fp8 and NVFP4 rows dotted with one f32 vector, decoded in registers
+with AVX-512 / AVX2), and the numba kernels that call them on numba's threads.
+
+``setup.py`` builds ``_native`` at install time; it is optional: where no C compiler was found the package installs
+without it, ``available`` is False and the pure-numba kernels (``fp8``, ``nvfp4_fused``, ``moe_fused``) do this work.
+The library is loaded into LLVM's symbol table (``llvmlite.binding.load_library_permanently``) and the kernels call
+its functions by name (``numba.types.ExternalFunction``), so the numba kernels that call them stay cacheable.
+
+Environment (read once, at import):
+
+- ``LUMEN_CPU_NATIVE=0``: do not load the library (the numba kernels run; for comparisons).
+- ``LUMEN_CPU_ISA=avx512|avx2|scalar``: the highest instruction set the kernels may use (default avx512); the CPU's
+  own support caps it. ``level`` is the one in use.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.machinery
+import os
+from pathlib import Path
+
+import numpy as np
+from numba import njit, prange, types
+
+from lumen_core.errors import ConfigError
+
+from .moe_fused import _act
+
+F32 = np.float32
+LEVELS = {"scalar": 0, "avx2": 1, "avx512": 2}
+NAMES = {v: k for k, v in LEVELS.items()}
+
+
+def _library() -> Path | None:
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        path = Path(__file__).with_name("_native" + suffix)
+        if path.exists():
+            return path
+    return None
+
+
+def _load() -> tuple[bool, str | None]:
+    isa = os.environ.get("LUMEN_CPU_ISA", "avx512")
+    if isa not in LEVELS:
+        raise ConfigError(f"LUMEN_CPU_ISA={isa!r}: expected one of {', '.join(LEVELS)} (or leave it unset)")
+    path = _library()
+    if path is None or os.environ.get("LUMEN_CPU_NATIVE", "1") == "0":
+        return False, None
+    from llvmlite import binding
+
+    binding.load_library_permanently(str(path))
+    lib = ctypes.CDLL(str(path))
+    lib.lumen_native_init.restype = ctypes.c_int
+    lib.lumen_native_init.argtypes = [ctypes.c_int]
+    return True, NAMES[lib.lumen_native_init(LEVELS[isa])]
+
+
+available, level = _load()
+
+_i = types.int64  # pointers travel as integers (the same register in the x86-64 and AArch64 calling conventions)
+# out[i] = sum over column blocks b of S[(r0+i)//br, b] * (e4m3 codes of row r0+i in block b) . x
+fp8_rows = types.ExternalFunction("lumen_fp8_rows", types.void(_i, _i, _i, _i, _i, _i, _i, _i, _i, _i, _i))
+# out[i] = gs * sum over blocks of 16 of e4m3(s[r0+i, b]) * (E2M1 codes of the block) . x, x permuted (permute)
+nvfp4_rows = types.ExternalFunction("lumen_nvfp4_rows",
+                                    types.void(_i, _i, _i, _i, _i, _i, _i, _i, types.float32, _i))
+nvfp4_permute = types.ExternalFunction("lumen_nvfp4_permute", types.void(_i, _i, _i))
+
+
+@njit(inline="always")
+def permuted_at(c, K):
+    """Where column c of a vector goes in ``lumen_nvfp4_permute``'s order (per 32 columns the even ones, then the
+    odd; a last block of 16 stays)."""
+    base = c - c % 32
+    if base + 32 > K:
+        return c
+    q = c % 32
+    return base + q // 2 if q % 2 == 0 else base + 16 + q // 2
+
+
+@njit(inline="always")
+def _share(ntask, w, nw):  # worker w's contiguous range of tasks
+    return w * ntask // nw, (w + 1) * ntask // nw
+
+
+# -- one token through a matrix ----------------------------------------------------------------------------------
+@njit(cache=True, parallel=True)
+def gemv_fp8(raw, x, out, s, br, bc, rows, threads):
+    """out (N,) = W x: raw (N, K) e4m3 bytes, s the block scales (rows of blocks, columns of blocks)."""
+    N, K = raw.shape
+    ntask = (N + rows - 1) // rows
+    nw = min(ntask, threads)
+    for w in prange(nw):
+        t0, t1 = _share(ntask, w, nw)
+        r0, r1 = t0 * rows, min(N, t1 * rows)
+        if r1 > r0:
+            fp8_rows(raw.ctypes.data, K, r0, r1 - r0, K, x.ctypes.data, s.ctypes.data, s.shape[1], br, bc,
+                     out[r0:].ctypes.data)
+
+
+@njit(cache=True, parallel=True)
+def gemv_nvfp4(packed, block, gs, x, out, rows, threads):
+    """out (N,) = W x for an NVFP4 matrix: packed (N, K/2) E2M1 codes, block (N, K/16) e4m3 scales, gs global."""
+    N, K = packed.shape[0], x.shape[0]
+    xp = np.empty(K, F32)
+    nvfp4_permute(x.ctypes.data, K, xp.ctypes.data)
+    ntask = (N + rows - 1) // rows
+    nw = min(ntask, threads)
+    for w in prange(nw):
+        t0, t1 = _share(ntask, w, nw)
+        r0, r1 = t0 * rows, min(N, t1 * rows)
+        if r1 > r0:
+            nvfp4_rows(packed.ctypes.data, packed.shape[1], block.ctypes.data, block.shape[1], r0, r1 - r0, K,
+                       xp.ctypes.data, gs, out[r0:].ctypes.data)
+
+
+# -- routed experts of a few tokens (decode) ----------------------------------------------------------------------
+# One call a layer (sorting, both matrices' parallel regions and the weighted sum: the Python and dispatch cost of a
+# call is paid once). Each valid (token, slot) pair is its own task list: an expert picked by two tokens is read
+# twice, so this path is for one token (moe_fused's sorted kernels share an expert's rows between tokens).
+# Tasks of (slot, chunk rows), each worker a contiguous range of them; h and ys have a row per slot; for NVFP4 h
+# is written in permuted order (the down matrix reads it so).
+@njit(inline="always")
+def _slots(ids, E):  # the valid (token, slot) pairs in slot order: their experts, tokens and flat slot indices
+    T, k = ids.shape
+    ex, tok, flat = np.empty(T * k, np.int64), np.empty(T * k, np.int64), np.empty(T * k, np.int64)
+    n = 0
+    for t in range(T):
+        for j in range(k):
+            e = ids[t, j]
+            if 0 <= e < E:
+                ex[n], tok[n], flat[n] = e, t, t * k + j
+                n += 1
+    return ex[:n], tok[:n], flat[:n]
+
+
+@njit(inline="always")
+def _combine(ys, tok, flat, wts, T, H):  # out[t] = sum over j = 0 .. k-1 (in that order) of w[t, j] ys[slot]
+    out = np.zeros((T, H), F32)
+    k = wts.shape[1]
+    for i in range(tok.shape[0]):
+        w = wts[tok[i], flat[i] % k]
+        for c in range(H):
+            out[tok[i], c] += ys[i, c] * w
+    return out
+
+
+@njit(cache=True, parallel=True)
+def moe_fp8(G, U, D, SG, SU, SD, sgs, sds, bg, cg, bd, cd, I, x, ids, wts, act, threads, chunk):
+    """Routed fp8 experts for x (T, H), ids / wts (T, k): the weighted sum of each token's experts (T, H). G, U, D
+    (E,): the addresses of each expert's e4m3 matrices (gate and up (I, H), down (H, I)); SG, SU, SD: of their f32
+    block scales, rows of sgs (gate / up) or sds (down) values; (bg, cg), (bd, cd): the blocks' shapes."""
+    T, H = x.shape
+    ex, tok, flat = _slots(ids, G.shape[0])
+    n = ex.shape[0]
+    h, ys = np.empty((n, I), F32), np.empty((n, H), F32)
+    nch = (I + chunk - 1) // chunk
+    ntask = n * nch
+    nw = max(1, min(ntask, threads))
+    for w in prange(nw):
+        gate, up = np.empty(chunk, F32), np.empty(chunk, F32)
+        t0, t1 = _share(ntask, w, nw)
+        for task in range(t0, t1):
+            j, r0 = task // nch, (task % nch) * chunk
+            m = min(r0 + chunk, I) - r0
+            e, xa = ex[j], x[tok[j]:].ctypes.data
+            fp8_rows(G[e], H, r0, m, H, xa, SG[e], sgs, bg, cg, gate.ctypes.data)
+            fp8_rows(U[e], H, r0, m, H, xa, SU[e], sgs, bg, cg, up.ctypes.data)
+            for r in range(m):
+                h[j, r0 + r] = _act(gate[r], act) * up[r]
+    nch = (H + chunk - 1) // chunk
+    ntask = n * nch
+    nw = max(1, min(ntask, threads))
+    for w in prange(nw):
+        t0, t1 = _share(ntask, w, nw)
+        for task in range(t0, t1):
+            j, r0 = task // nch, (task % nch) * chunk
+            e = ex[j]
+            fp8_rows(D[e], I, r0, min(r0 + chunk, H) - r0, I, h[j:].ctypes.data, SD[e], sds, bd, cd,
+                     ys[j, r0:].ctypes.data)
+    return _combine(ys, tok, flat, wts, T, H)
+
+
+@njit(cache=True, parallel=True)
+def moe_nvfp4(G, U, D, BG, BU, BD, gsg, gsu, gsd, I, x, ids, wts, act, threads, chunk):
+    """Routed NVFP4 experts for x (T, H), ids / wts (T, k): the weighted sum of each token's experts (T, H). G, U,
+    D (E,): the addresses of each expert's packed codes (gate and up (I, H/2), down (H, I/2)); BG, BU, BD: of their
+    e4m3 block scales (a row's 1/16 as many); gsg, gsu, gsd: the global scales."""
+    T, H = x.shape
+    ex, tok, flat = _slots(ids, G.shape[0])
+    n = ex.shape[0]
+    xp = np.empty((T, H), F32)
+    for t in range(T):
+        nvfp4_permute(x[t:].ctypes.data, H, xp[t:].ctypes.data)
+    hp, ys = np.empty((n, I), F32), np.empty((n, H), F32)
+    nch = (I + chunk - 1) // chunk
+    ntask = n * nch
+    nw = max(1, min(ntask, threads))
+    for w in prange(nw):
+        gate, up = np.empty(chunk, F32), np.empty(chunk, F32)
+        t0, t1 = _share(ntask, w, nw)
+        for task in range(t0, t1):
+            j, r0 = task // nch, (task % nch) * chunk
+            m = min(r0 + chunk, I) - r0
+            e, xa = ex[j], xp[tok[j]:].ctypes.data
+            nvfp4_rows(G[e], H // 2, BG[e], H // 16, r0, m, H, xa, gsg[e], gate.ctypes.data)
+            nvfp4_rows(U[e], H // 2, BU[e], H // 16, r0, m, H, xa, gsu[e], up.ctypes.data)
+            for r in range(m):
+                hp[j, permuted_at(r0 + r, I)] = _act(gate[r], act) * up[r]
+    nch = (H + chunk - 1) // chunk
+    ntask = n * nch
+    nw = max(1, min(ntask, threads))
+    for w in prange(nw):
+        t0, t1 = _share(ntask, w, nw)
+        for task in range(t0, t1):
+            j, r0 = task // nch, (task % nch) * chunk
+            e = ex[j]
+            nvfp4_rows(D[e], I // 2, BD[e], I // 16, r0, min(r0 + chunk, H) - r0, I, hp[j:].ctypes.data, gsd[e],
+                       ys[j, r0:].ctypes.data)
+    return _combine(ys, tok, flat, wts, T, H)
