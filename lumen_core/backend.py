@@ -116,6 +116,13 @@ class Backend(ABC):
         thread count (``cpu.threads``). Backends without a host thread pool are never called."""
         raise NotImplementedError(f"backend {self.name!r} has no thread pool to configure")
 
+    def release_threads(self) -> None:
+        """Called on a thread that is about to wait while another thread computes on this backend (a GPU graph's
+        host nodes run this backend's ops on a driver thread): free the calling thread's idle worker threads, if
+        the backend keeps a pool per calling thread, so that they do not compete with the other thread's. The
+        default does nothing."""
+        return None
+
     def configure_expert_cache(self, slots: int | None) -> None:
         """Called before loading when routed experts compute here from one of ``expert_stores``: how many experts
         to keep resident (None: the backend's default). Backends with no ``expert_stores`` are never called."""

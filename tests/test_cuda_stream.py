@@ -159,7 +159,15 @@ def test_experts_on_the_cpu_with_the_rest_on_the_gpu_equal_the_cpu(checkpoint):
     runner = mixed.decode_runner()
     if "nvfp4" not in str(path):  # the tiny NVFP4 checkpoint's narrow matrices fall back to cuBLAS: no graph
         assert runner and len(runner.inputs.host_calls) == sum(c.endswith(".experts") for c in backends)
+        # each replay first lets the CPU backend free this thread's idle OpenMP pool (Backend.release_threads)
+        assert {type(hc.target).__name__ for hc in runner.inputs.host_calls} == {"CPUBackend"}
+        released = []
+        target = runner.inputs.host_calls[0].target
+        target.release_threads = lambda: released.append(1)
     assert list(mixed.generate_tokens(ids, STEPS)) == list(cpu.generate_tokens(ids, STEPS))  # pipelined greedy
+    if "nvfp4" not in str(path):
+        assert STEPS - 1 <= len(released) <= STEPS + 2, released  # once a replay (one backend), not a host call
+        del target.release_threads
     sampled = {"temperature": 0.8, "top_k": 5, "seed": 3}  # runner.step per token, sampled on the device
     assert 1 <= len(list(mixed.generate_tokens(ids, STEPS, SamplingParams(**sampled)))) <= STEPS
     print(f"{name}: max |dlogit| prefill {errs[0]:.2e} decode {errs[1]:.2e}")

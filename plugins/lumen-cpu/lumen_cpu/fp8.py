@@ -136,6 +136,13 @@ def linear(x, w: Weight):  # x (T, K) f32, w (N, K) fp8 -> (T, N)
         s, br, bc = scales(w)
         threads = get_num_threads()
         rows = min(CHUNK[1], max(CHUNK[0], N // (4 * threads)))  # long tasks (sequential reads), enough of them
+        from . import native
+
+        if native.available:  # the compiled rows (lumen_cpu/_native.c), on numba's threads
+            use = 1 if raw.nbytes < PARALLEL_MIN_BYTES else threads
+            for t in range(T):
+                native.gemv_fp8(raw, x[t], out[t], s, br, bc, rows, use)
+            return out
         if raw.nbytes < PARALLEL_MIN_BYTES:
             set_num_threads(1)
         try:

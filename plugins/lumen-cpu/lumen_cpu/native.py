@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 from numba import njit, prange, types
 
-from lumen_core.errors import ConfigError
+from lumen_core.errors import LumenError
 
 from .moe_fused import _act
 
@@ -40,23 +40,41 @@ def _library() -> Path | None:
     return None
 
 
-def _load() -> tuple[bool, str | None]:
+_lib: list = []
+
+
+def use(isa: str) -> str:
+    """Let the kernels use at most ``isa`` (avx512, avx2, scalar) from now on; the level in use (the CPU's support
+    caps it). For tests and comparisons; LUMEN_CPU_ISA sets it at import."""
+    global level
+    if isa not in LEVELS:
+        raise LumenError(f"LUMEN_CPU_ISA={isa!r}: expected one of {', '.join(LEVELS)} (or leave it unset)")
+    if not _lib:
+        raise RuntimeError("lumen_cpu's C kernels are not loaded (native.available is False)")
+    level = NAMES[_lib[0].lumen_native_init(LEVELS[isa])]
+    return level
+
+
+def _load() -> bool:
     isa = os.environ.get("LUMEN_CPU_ISA", "avx512")
     if isa not in LEVELS:
-        raise ConfigError(f"LUMEN_CPU_ISA={isa!r}: expected one of {', '.join(LEVELS)} (or leave it unset)")
+        raise LumenError(f"LUMEN_CPU_ISA={isa!r}: expected one of {', '.join(LEVELS)} (or leave it unset)")
     path = _library()
     if path is None or os.environ.get("LUMEN_CPU_NATIVE", "1") == "0":
-        return False, None
+        return False
     from llvmlite import binding
 
     binding.load_library_permanently(str(path))
     lib = ctypes.CDLL(str(path))
     lib.lumen_native_init.restype = ctypes.c_int
     lib.lumen_native_init.argtypes = [ctypes.c_int]
-    return True, NAMES[lib.lumen_native_init(LEVELS[isa])]
+    _lib.append(lib)
+    use(isa)
+    return True
 
 
-available, level = _load()
+level: str | None = None
+available = _load()
 
 _i = types.int64  # pointers travel as integers (the same register in the x86-64 and AArch64 calling conventions)
 # out[i] = sum over column blocks b of S[(r0+i)//br, b] * (e4m3 codes of row r0+i in block b) . x

@@ -85,6 +85,12 @@ def gemv(w: Weight, x: np.ndarray, out: np.ndarray) -> None:
     """out (N,) = W x for one token x (K,) f32."""
     packed, block, gs = _parts(w)
     threads = get_num_threads()
+    from . import native
+
+    if native.available:  # the compiled rows (lumen_cpu/_native.c), on numba's threads
+        native.gemv_nvfp4(packed, block, gs, np.ascontiguousarray(x, dtype=F32), out, CHUNK,
+                          1 if packed.nbytes < PARALLEL_MIN_BYTES else threads)
+        return
     if packed.nbytes < PARALLEL_MIN_BYTES:
         set_num_threads(1)
     try:

@@ -333,7 +333,7 @@ class CUDABackend(Backend):
         from . import hostcall  # a decode step being prepared: the crossing becomes nodes of the graph
 
         self.dev.use()
-        return hostcall.call(fn, list(args), current)
+        return hostcall.call(fn, list(args), current, target)
 
     def use(self) -> None:
         self.dev.use()

@@ -151,7 +151,7 @@ class GraphRunner(DecodeRunner):
             self.inputs.pos.fill(self.cache.pos)
             if self._between is not None:
                 self._between()
-            self.graph.launch(self.stream)
+            self._launch()
             if self.inputs.host_calls:  # the sampler's read would spin on a core the host nodes need: sleep here
                 if self._done is None:
                     self._done = self._event()
@@ -159,6 +159,17 @@ class GraphRunner(DecodeRunner):
                 self._done.synchronize()
         self.cache.pos += 1
         return self.logits
+
+    def _launch(self) -> None:
+        """Replay the graph on this runner's stream. With host calls, their backends first release this thread's
+        idle worker threads (``Backend.release_threads``): the host nodes compute on CUDA's driver thread, whose
+        own pool would otherwise share the cores with this one (docs/cuda.md)."""
+        released = []
+        for hc in self.inputs.host_calls:
+            if hc.target is not None and not any(hc.target is b for b in released):
+                released.append(hc.target)
+                hc.target.release_threads()
+        self.graph.launch(self.stream)
 
     def _event(self):
         """An event the host waits on. With host calls in the step, a blocking one: the waiting thread sleeps
@@ -215,7 +226,7 @@ class GraphRunner(DecodeRunner):
                 if i or token is not None:
                     if self._between is not None:
                         self._between()
-                    self.graph.launch(self.stream)
+                    self._launch()
                     self.cache.pos += 1
                     if after is not None:
                         after()
@@ -249,7 +260,7 @@ class GraphRunner(DecodeRunner):
             with self.dev, self.stream:
                 if self._between is not None:
                     self._between()
-                self.graph.launch(self.stream)
+                self._launch()
                 self.cache.pos += 1
                 fn((GREEDY_BLOCKS,), (GREEDY_THREADS,), (logits, np.int32(n), part_v, part_i, counter,
                                                          self.inputs.ids, self.inputs.pos, raw[slot], remap, nremap))

@@ -87,8 +87,8 @@ def _pinned(shape, dtype, keep: list) -> np.ndarray:
 class HostCall:
     """One crossing of a captured step: fixed page-locked buffers and the host function between them."""
 
-    def __init__(self, fn, args: list[cp.ndarray], errors: list):
-        self.fn, self.errors, self._memory = fn, errors, []
+    def __init__(self, fn, args: list[cp.ndarray], errors: list, target=None):
+        self.fn, self.errors, self._memory, self.target = fn, errors, [], target  # target: the backend fn computes on
         self.inputs = [_pinned(a.shape, a.dtype, self._memory) for a in args]
         self.output = _pinned(args[0].shape, args[0].dtype, self._memory)
         self.key = next(_KEYS)
@@ -115,11 +115,12 @@ class HostCall:
         np.copyto(self.output, result, casting="same_kind")
 
 
-def call(fn, args, step) -> cp.ndarray:
+def call(fn, args, step, target=None) -> cp.ndarray:
     """``fn`` on numpy views of ``args`` as nodes of the step being prepared (``step.StepInputs``, which keeps
-    the HostCall and collects its errors; see the module docstring)."""
+    the HostCall and collects its errors; see the module docstring). ``target``: the backend ``fn`` computes on
+    (its ``release_threads`` is called on the launching thread before each replay)."""
     args = [a if isinstance(a, cp.ndarray) else cp.asarray(a) for a in args]
-    hc = HostCall(fn, args, step.host_errors)
+    hc = HostCall(fn, args, step.host_errors, target)
     step.host_calls.append(hc)
     return hc.queue(args)
 

@@ -1,0 +1,172 @@
+"""lumen_cpu's C row kernels (lumen_cpu/_native.c, lumen_cpu/native.py) against float64 references, at every
+instruction-set level this CPU runs (AVX-512, AVX2, scalar), on shapes with tails (columns not a multiple of 32,
+blocks not a multiple of 16), every e4m3 code (subnormals included) and the paths that use them: the dense one-token
+GEMVs and one token's routed experts. The package's install builds the library; a missing build fails here."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from lumen_core.backend import Weight, scale_block
+from lumen_core.quantize import quantize_nvfp4
+
+native = pytest.importorskip("lumen_cpu.native")
+F32 = np.float32
+E4M3 = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+FINITE = np.array([b for b in range(256) if b & 0x7F != 0x7F], np.uint8)  # every code but the two NaNs
+
+
+def levels() -> list[str]:
+    """The levels this CPU runs (use() caps a request at the CPU's support)."""
+    got = []
+    for isa in ("avx512", "avx2", "scalar"):
+        if native.use(isa) == isa:
+            got.append(isa)
+    native.use("avx512")
+    return got
+
+
+@pytest.fixture(params=["avx512", "avx2", "scalar"])
+def isa(request):
+    assert native.available, ("lumen_cpu's C kernels were not built: `pip install -e plugins/lumen-cpu` compiles "
+                              "lumen_cpu/_native.c and needs a C compiler (gcc / clang)")
+    if request.param not in levels():
+        pytest.skip(f"this CPU does not run {request.param}")
+    native.use(request.param)
+    yield request.param
+    native.use("avx512")
+
+
+def rel(got, ref) -> float:
+    return float(np.abs(np.asarray(got, np.float64) - ref).max() / max(np.abs(ref).max(), 1e-30))
+
+
+@pytest.mark.parametrize("K,block", [(2048, (128, 128)), (80, (16, 48)), (200, (1, 200)), (48, (7, 16))])
+def test_fp8_rows_equal_float64(isa, K, block):
+    from lumen_cpu import fp8
+
+    rng = np.random.default_rng(K)
+    N = 37
+    raw = rng.choice(FINITE, size=(N, K)).astype(np.uint8)
+    br, bc = block
+    S = rng.uniform(0.25, 4, size=(-(-N // br), -(-K // bc))).astype(F32)
+    x = rng.normal(size=K).astype(F32)
+    ref = (E4M3[raw] * np.repeat(np.repeat(S, br, 0), bc, 1)[:N, :K]) @ x.astype(np.float64)
+    out = np.full(N, np.nan, F32)
+    native.gemv_fp8(raw, x, out, S, br, bc, 8, 2)
+    assert rel(out, ref) < 1e-5, isa
+    w = Weight(raw.view(ml_dtypes.float8_e4m3fn), "fp8", (N, K), S, (br, bc))
+    assert rel(fp8.linear(x[None], w)[0], ref) < 1e-5  # the registered op takes this path for one token
+
+
+def test_every_e4m3_code_decodes_exactly(isa):
+    """One row per code, x one-hot: the dot is the code's value (zero, subnormals, the largest normals, signs)."""
+    K = 64
+    raw = np.zeros((len(FINITE), K), np.uint8)
+    raw[:, 5] = FINITE
+    x = np.zeros(K, F32)
+    x[5] = 1
+    out = np.full(len(FINITE), np.nan, F32)
+    native.gemv_fp8(raw, x, out, np.ones((1, 1), F32), len(FINITE), K, 16, 1)
+    assert np.array_equal(out, E4M3[FINITE].astype(F32))
+
+
+@pytest.mark.parametrize("K", [2048, 512, 48, 16, 96])
+def test_nvfp4_rows_equal_float64(isa, K):
+    from lumen_cpu import nvfp4, nvfp4_fused
+
+    rng = np.random.default_rng(K)
+    N = 45
+    packed, bs, gs = quantize_nvfp4(rng.normal(size=(N, K)).astype(F32))
+    w = nvfp4.weight(packed, (bs, gs), (N, K), "ram")
+    # every e4m3 code as a block scale somewhere (subnormal scales included), positive only as quantizers write
+    block = np.asarray(w.scale.block).view(np.uint8)
+    codes = FINITE[FINITE < 0x7F]
+    block.reshape(-1)[:min(block.size, len(codes))] = codes[:block.size]
+    dense = nvfp4.dequantize(w).astype(np.float64)
+    x = rng.normal(size=K).astype(F32)
+    ref = dense @ x.astype(np.float64)
+    out = np.full(N, np.nan, F32)
+    nvfp4_fused.gemv(w, x, out)
+    assert rel(out, ref) < 1e-5, isa
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+@pytest.mark.parametrize("H,I", [(2048, 512), (80, 48)])
+def test_one_token_experts_equal_the_per_expert_path(isa, fmt, H, I):
+    """moe_fused's one-token path (one compiled call a layer) against ops.moe_experts_per_expert (each matrix
+    dequantized, f32 matmuls)."""
+    from lumen_cpu import moe_fused, nvfp4, ops
+
+    rng = np.random.default_rng(H + I)
+    E, k = 12, 4
+
+    def one(N, K):
+        if fmt == "fp8":
+            data = (rng.normal(size=(N, K)) * 40).astype(ml_dtypes.float8_e4m3fn)
+            s = rng.uniform(0.5, 2, size=(-(-N // 32), -(-K // 32))).astype(F32) * 0.01
+            return Weight(data, "fp8", (N, K), s, scale_block((N, K), s.shape))
+        packed, bs, gs = quantize_nvfp4(rng.normal(size=(N, K)).astype(F32) * 0.1)
+        return nvfp4.weight(packed, (bs, gs), (N, K), "ram")
+
+    gate_up = [(one(I, H), one(I, H)) for _ in range(E)]
+    down = [one(H, I) for _ in range(E)]
+    x = rng.normal(size=(1, H)).astype(F32)
+    ids = np.array([[3, 11, 7, 0]])
+    w = rng.uniform(size=(1, k)).astype(F32)
+    for act in ("silu", "gelu_tanh"):
+        ref = ops.moe_experts_per_expert(x, ids, w, gate_up, down, act)
+        got = moe_fused.experts(x, ids, w, gate_up, down, act)
+        assert got.shape == (1, H)
+        assert rel(got, ref.astype(np.float64)) < 2e-5, (fmt, act)
+
+
+def test_a_bad_isa_is_named():
+    env = dict(os.environ, LUMEN_CPU_ISA="avx9000")
+    r = subprocess.run([sys.executable, "-c", "import lumen_cpu.native"], env=env, capture_output=True, text=True)
+    assert r.returncode != 0
+    assert "LUMEN_CPU_ISA='avx9000': expected one of scalar, avx2, avx512" in r.stderr
+
+
+def test_disabled_library_leaves_the_numba_kernels():
+    code = ("import numpy as np, ml_dtypes\n"
+            "from lumen_cpu import native, fp8\n"
+            "from lumen_core.backend import Weight\n"
+            "assert not native.available\n"
+            "raw = np.arange(64 * 32, dtype=np.uint8).reshape(64, 32) % 0x70\n"
+            "w = Weight(raw.view(ml_dtypes.float8_e4m3fn), 'fp8', (64, 32), np.float32(0.5))\n"
+            "x = np.linspace(-1, 1, 32, dtype=np.float32)\n"
+            "ref = raw.view(ml_dtypes.float8_e4m3fn).astype(np.float64) * 0.5 @ x\n"
+            "assert np.abs(fp8.linear(x[None], w)[0] - ref).max() < 1e-4 * np.abs(ref).max()\n"
+            "print('ok')\n")
+    env = dict(os.environ, LUMEN_CPU_NATIVE="0")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "ok"
+
+
+def test_release_threads_frees_the_pool_and_kernels_still_run():
+    """CPUBackend.release_threads (called by a GPU graph's runner before each replay with host calls) frees the
+    calling thread's OpenMP pool; the next parallel kernel makes it again and computes the same values."""
+    from lumen_cpu import moe_fused
+    from lumen_cpu.backend import CPUBackend, _gomp
+
+    rng = np.random.default_rng(0)
+    raw = rng.choice(FINITE, size=(64, 256)).astype(np.uint8)
+    x = rng.normal(size=256).astype(F32)
+    out1, out2 = np.empty(64, F32), np.empty(64, F32)
+    native.gemv_fp8(raw, x, out1, np.ones((1, 1), F32), 64, 256, 16, 2)
+    import numba
+
+    if numba.threading_layer() == "omp":
+        assert _gomp() is not None, "numba runs GNU OpenMP here, but its omp_pause_resource_all was not found"
+    CPUBackend.release_threads(object.__new__(CPUBackend))
+    native.gemv_fp8(raw, x, out2, np.ones((1, 1), F32), 64, 256, 16, 2)
+    assert np.array_equal(out1, out2)
+    assert moe_fused is not None
