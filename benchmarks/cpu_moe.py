@@ -124,8 +124,11 @@ def main() -> None:
     from lumen_cpu import moe_fused, ops
 
     H, I, k = SHAPES[args.shape]
+    from lumen_cpu import native
+
     print(f"{args.shape}: H {H}, I {I}, top-{k}, {args.experts} experts; numba {numba.get_num_threads()} threads, "
-          f"threading layer {numba.config.THREADING_LAYER}")
+          f"threading layer {numba.config.THREADING_LAYER}; C row kernels: "
+          f"{native.level if native.available else 'off (numba kernels)'}")
     bound = read_bandwidth()
     print(f"read bandwidth (bound): {bound / 1e9:.1f} GB/s")
     print("| format | tokens | per-expert ms (hot) | fused ms (hot) | ratio | fused GB/s hot | fused ms (cold) | "
