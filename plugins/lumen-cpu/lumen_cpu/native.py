@@ -163,6 +163,12 @@ def _combine(ys, tok, flat, wts, T, H):  # out[t] = sum over j = 0 .. k-1 (in th
     return out
 
 
+@njit(inline="always")
+def _plan(n, rows, chunk, threads):  # n matrices of ``rows`` rows in tasks of chunk rows: (chunks, tasks, workers)
+    nch = (rows + chunk - 1) // chunk
+    return nch, n * nch, max(1, min(n * nch, threads))
+
+
 @njit(cache=True, parallel=True)
 def moe_fp8(G, U, D, SG, SU, SD, sgs, sds, bg, cg, bd, cd, I, x, ids, wts, act, threads, chunk):
     """Routed fp8 experts for x (T, H), ids / wts (T, k): the weighted sum of each token's experts (T, H). G, U, D
@@ -172,9 +178,7 @@ def moe_fp8(G, U, D, SG, SU, SD, sgs, sds, bg, cg, bd, cd, I, x, ids, wts, act, 
     ex, tok, flat = _slots(ids, G.shape[0])
     n = ex.shape[0]
     h, ys = np.empty((n, I), F32), np.empty((n, H), F32)
-    nch = (I + chunk - 1) // chunk
-    ntask = n * nch
-    nw = max(1, min(ntask, threads))
+    nch, ntask, nw = _plan(n, I, chunk, threads)
     for w in prange(nw):
         gate, up = np.empty(chunk, F32), np.empty(chunk, F32)
         t0, t1 = _share(ntask, w, nw)
@@ -186,9 +190,7 @@ def moe_fp8(G, U, D, SG, SU, SD, sgs, sds, bg, cg, bd, cd, I, x, ids, wts, act, 
             fp8_rows(U[e], H, r0, m, H, xa, SU[e], sgs, bg, cg, up.ctypes.data)
             for r in range(m):
                 h[j, r0 + r] = _act(gate[r], act) * up[r]
-    nch = (H + chunk - 1) // chunk
-    ntask = n * nch
-    nw = max(1, min(ntask, threads))
+    nch, ntask, nw = _plan(n, H, chunk, threads)
     for w in prange(nw):
         t0, t1 = _share(ntask, w, nw)
         for task in range(t0, t1):
@@ -211,9 +213,7 @@ def moe_nvfp4(G, U, D, BG, BU, BD, gsg, gsu, gsd, I, x, ids, wts, act, threads, 
     for t in range(T):
         nvfp4_permute(x[t:].ctypes.data, H, xp[t:].ctypes.data)
     hp, ys = np.empty((n, I), F32), np.empty((n, H), F32)
-    nch = (I + chunk - 1) // chunk
-    ntask = n * nch
-    nw = max(1, min(ntask, threads))
+    nch, ntask, nw = _plan(n, I, chunk, threads)
     for w in prange(nw):
         gate, up = np.empty(chunk, F32), np.empty(chunk, F32)
         t0, t1 = _share(ntask, w, nw)
@@ -225,9 +225,7 @@ def moe_nvfp4(G, U, D, BG, BU, BD, gsg, gsu, gsd, I, x, ids, wts, act, threads, 
             nvfp4_rows(U[e], H // 2, BU[e], H // 16, r0, m, H, xa, gsu[e], up.ctypes.data)
             for r in range(m):
                 hp[j, permuted_at(r0 + r, I)] = _act(gate[r], act) * up[r]
-    nch = (H + chunk - 1) // chunk
-    ntask = n * nch
-    nw = max(1, min(ntask, threads))
+    nch, ntask, nw = _plan(n, H, chunk, threads)
     for w in prange(nw):
         t0, t1 = _share(ntask, w, nw)
         for task in range(t0, t1):
