@@ -170,3 +170,32 @@ def test_release_threads_frees_the_pool_and_kernels_still_run():
     native.gemv_fp8(raw, x, out2, np.ones((1, 1), F32), 64, 256, 16, 2)
     assert np.array_equal(out1, out2)
     assert moe_fused is not None
+
+
+def test_strided_block_scales_take_the_sorted_kernels():
+    """NVFP4 experts whose block scales are a strided view (not whole rows in a row): the C rows step by whole rows,
+    so the one-token path declines and the sorted numba kernels answer, equal to the per-expert path."""
+    import copy
+
+    from lumen_cpu import moe_fused, nvfp4, ops
+
+    rng = np.random.default_rng(5)
+    H, I, E = 64, 32, 6
+
+    def one(N, K):
+        packed, bs, gs = quantize_nvfp4(rng.normal(size=(N, K)).astype(F32) * 0.1)
+        w = nvfp4.weight(packed, (bs, gs), (N, K), "ram")
+        wide = np.zeros((N, 2 * (K // 16)), np.asarray(w.scale.block).dtype)
+        wide[:, ::2] = np.asarray(w.scale.block)
+        w.scale = copy.copy(w.scale)
+        w.scale.block = wide[:, ::2]
+        assert not w.scale.block.flags.c_contiguous
+        return w
+
+    gate_up = [(one(I, H), one(I, H)) for _ in range(E)]
+    down = [one(H, I) for _ in range(E)]
+    x = rng.normal(size=(1, H)).astype(F32)
+    ids, w = np.array([[1, 4]]), np.array([[0.3, 0.7]], F32)
+    got = moe_fused.experts(x, ids, w, gate_up, down)
+    assert moe_fused._LAYERS[id(gate_up[0][0])].addresses is False
+    assert rel(got, ops.moe_experts_per_expert(x, ids, w, gate_up, down).astype(np.float64)) < 2e-5

@@ -458,7 +458,11 @@ def _one_token(L: _Layer, x, ids, weights, act: int):
     if nat is None:
         return None
     if L.addresses is None:  # the arrays' addresses (the _Layer holds the arrays): no typed list to unbox
-        L.addresses = [np.array([a.ctypes.data for a in role], np.int64) for role in (*L.data, *L.scales)]
+        roles = (*L.data, *L.scales)
+        dense = all(a.flags.c_contiguous for role in roles for a in role)  # the C rows step by whole rows
+        L.addresses = [np.array([a.ctypes.data for a in role], np.int64) for role in roles] if dense else False
+    if L.addresses is False:
+        return None
     if L.fmt == "fp8":
         (bg, cg), _, (bd, cd) = L.blocks
         sgs, sds = L.scales[0][0].shape[1], L.scales[2][0].shape[1]
