@@ -127,6 +127,56 @@ def test_one_token_experts_equal_the_per_expert_path(isa, fmt, H, I):
         assert rel(got, ref.astype(np.float64)) < 2e-5, (fmt, act)
 
 
+@pytest.mark.parametrize("K", [2048, 48])
+def test_nvfp4_decode_rows_equal_dequantize(isa, K):
+    """The several-token kernels' row decoder: bit for bit nvfp4.dequantize, rows written ldo apart."""
+    from lumen_cpu import nvfp4
+
+    rng = np.random.default_rng(K + 1)
+    N = 9
+    packed, bs, gs = quantize_nvfp4(rng.normal(size=(N, K)).astype(F32))
+    w = nvfp4.weight(packed, (bs, gs), (N, K), "ram")
+    block = np.asarray(w.scale.block).view(np.uint8)
+    out = np.full((N - 2, K + 5), np.nan, F32)
+    decode_rows(packed, block, 2, N - 2, np.float32(gs), out)
+    assert np.array_equal(out[:, :K], nvfp4.dequantize(w)[2:])
+    assert np.isnan(out[:, K:]).all()  # nothing past each row's K values
+
+
+def decode_rows(packed, block, r0, n, gs, out):
+    from numba import njit
+
+    @njit
+    def run(packed, block, r0, n, gs, out):
+        native.nvfp4_decode_rows(packed.ctypes.data, packed.shape[1], block.ctypes.data, block.shape[1], r0, n,
+                                 2 * packed.shape[1], gs, out.ctypes.data, out.shape[1])
+
+    run(packed, block, r0, n, gs, out)
+
+
+@pytest.mark.parametrize("T", [5, 40])
+def test_several_token_nvfp4_experts_equal_the_per_expert_path(isa, T):
+    """Several tokens (prefill): the sorted kernels decode each chunk's rows with the C decoder."""
+    from lumen_cpu import moe_fused, nvfp4, ops
+
+    rng = np.random.default_rng(T)
+    H, I, E, k = 96, 80, 8, 3
+
+    def one(N, K):
+        packed, bs, gs = quantize_nvfp4(rng.normal(size=(N, K)).astype(F32) * 0.1)
+        return nvfp4.weight(packed, (bs, gs), (N, K), "ram")
+
+    gate_up = [(one(I, H), one(I, H)) for _ in range(E)]
+    down = [one(H, I) for _ in range(E)]
+    x = rng.normal(size=(T, H)).astype(F32)
+    ids = np.stack([rng.choice(E, k, replace=False) for _ in range(T)])
+    w = rng.uniform(size=(T, k)).astype(F32)
+    got = moe_fused.experts(x, ids, w, gate_up, down, "gelu_tanh")
+    assert moe_fused._LAYERS[id(gate_up[0][0])].dense
+    ref = ops.moe_experts_per_expert(x, ids, w, gate_up, down, "gelu_tanh")
+    assert rel(got, ref.astype(np.float64)) < 2e-5
+
+
 def test_a_bad_isa_is_named():
     env = dict(os.environ, LUMEN_CPU_ISA="avx9000")
     r = subprocess.run([sys.executable, "-c", "import lumen_cpu.native"], env=env, capture_output=True, text=True)
@@ -135,6 +185,8 @@ def test_a_bad_isa_is_named():
 
 
 def test_disabled_library_leaves_the_numba_kernels():
+    """LUMEN_CPU_NATIVE=0 (as where no compiler built the library): fp8 rows and several-token NVFP4 experts run on
+    the numba kernels (the latter link against the cfunc that stands in for the C row decoder)."""
     code = ("import numpy as np, ml_dtypes\n"
             "from lumen_cpu import native, fp8\n"
             "from lumen_core.backend import Weight\n"
@@ -144,6 +196,17 @@ def test_disabled_library_leaves_the_numba_kernels():
             "x = np.linspace(-1, 1, 32, dtype=np.float32)\n"
             "ref = raw.view(ml_dtypes.float8_e4m3fn).astype(np.float64) * 0.5 @ x\n"
             "assert np.abs(fp8.linear(x[None], w)[0] - ref).max() < 1e-4 * np.abs(ref).max()\n"
+            "from lumen_core.quantize import quantize_nvfp4\n"
+            "from lumen_cpu import moe_fused, nvfp4, ops\n"
+            "rng = np.random.default_rng(0)\n"
+            "def mk(N, K):\n"
+            "    packed, bs, gs = quantize_nvfp4(rng.normal(size=(N, K)).astype(np.float32))\n"
+            "    return nvfp4.weight(packed, (bs, gs), (N, K), 'ram')\n"
+            "gu, dn = [(mk(32, 64), mk(32, 64)) for _ in range(4)], [mk(64, 32) for _ in range(4)]\n"
+            "xs, ws = rng.normal(size=(6, 64)).astype(np.float32), np.ones((6, 2), np.float32)\n"
+            "ids = np.stack([np.arange(6) % 4, (np.arange(6) + 1) % 4], axis=1)\n"
+            "ref = ops.moe_experts_per_expert(xs, ids, ws, gu, dn)\n"
+            "assert np.abs(moe_fused.experts(xs, ids, ws, gu, dn) - ref).max() < 1e-4 * np.abs(ref).max()\n"
             "print('ok')\n")
     env = dict(os.environ, LUMEN_CPU_NATIVE="0")
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
@@ -197,5 +260,5 @@ def test_strided_block_scales_take_the_sorted_kernels():
     x = rng.normal(size=(1, H)).astype(F32)
     ids, w = np.array([[1, 4]]), np.array([[0.3, 0.7]], F32)
     got = moe_fused.experts(x, ids, w, gate_up, down)
-    assert moe_fused._LAYERS[id(gate_up[0][0])].addresses is False
+    assert not moe_fused._LAYERS[id(gate_up[0][0])].dense
     assert rel(got, ops.moe_experts_per_expert(x, ids, w, gate_up, down).astype(np.float64)) < 2e-5

@@ -74,3 +74,12 @@ def gated(gate, up, kind: int):
     out = np.empty(g.shape, F32)
     (_serial if g.shape[0] < PARALLEL_MIN else _parallel)(g, u, out, kind)
     return out.reshape(gate.shape)
+
+
+@njit(inline="always", fastmath=True)
+def moe_act(a, kind):
+    """A routed expert's gate activation, one value (lumen_cpu.moe_fused, lumen_cpu.native): kind 0 silu, 1 gelu_tanh
+    (numpy's formulas; the MoE kernels' own codes, ``moe_fused.ACTS``)."""
+    if kind == 0:
+        return a / (F32(1.0) + np.exp(-a))
+    return F32(0.5) * a * (F32(1.0) + np.tanh(F32(0.7978845608028654) * (a + F32(0.044715) * (a * a * a))))

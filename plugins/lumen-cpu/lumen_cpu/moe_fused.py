@@ -24,8 +24,11 @@ from numba import get_num_threads, njit, prange
 from numba.typed import List
 
 from . import fp8
+from .activations import moe_act as _act
 from .bitcast import as_f32
 from .fp8 import decode_dot, decode_row, dot, expand_scales, scale_x
+from .native import available as native_available
+from .native import nvfp4_decode_rows
 from .nvfp4_fused import dot_bits, e2m1, split
 
 F32 = np.float32
@@ -33,13 +36,6 @@ CHUNK = 64  # rows per parallel task (a worker's range of tasks is contiguous: l
 MAX_SLOTS = 8192  # (token, expert) pairs per kernel call: bounds the (slots, H) f32 scratch (64 MiB at H = 2048)
 ACTS = {"silu": 0, "gelu_tanh": 1}
 E4M3 = fp8.E4M3  # NVFP4 block scales decode through this table
-
-
-@njit(inline="always", fastmath=True)
-def _act(a, kind):
-    if kind == 0:
-        return a / (F32(1.0) + np.exp(-a))
-    return F32(0.5) * a * (F32(1.0) + np.tanh(F32(0.7978845608028654) * (a + F32(0.044715) * (a * a * a))))
 
 
 @njit(inline="always", fastmath=True)
@@ -227,7 +223,7 @@ def _dot_bits_scratch(K):  # dot_bits' scratch for rows of K values: x's even an
 
 
 @njit(cache=True, parallel=True, fastmath=True)
-def _gate_up_nvfp4(G, U, BG, BU, gsg, gsu, e4m3, x, experts, offs, toks, h, act, threads, most):
+def _gate_up_nvfp4(G, U, BG, BU, gsg, gsu, e4m3, x, experts, offs, toks, h, act, threads, most, compiled):
     n, I, K = experts.shape[0], h.shape[1], x.shape[1]
     nch = (I + CHUNK - 1) // CHUNK
     ntask = n * nch
@@ -251,16 +247,22 @@ def _gate_up_nvfp4(G, U, BG, BU, gsg, gsu, e4m3, x, experts, offs, toks, h, act,
                     h[offs[j], r] = _act(gate[r - r0], act) * dot_bits(u[r], bus[r], gsu[e], xe, xo, e4m3, sb)
                 continue
             r1, m = min(r0 + CHUNK, I), offs[j + 1] - offs[j]
-            for r in range(r0, r1):
-                _expand_nvfp4(bgs[r], e4m3, eg)
-                _expand_nvfp4(bus[r], e4m3, eu)
-                _row_nvfp4(g[r], eg, gsg[e], bg[r - r0])
-                _row_nvfp4(u[r], eu, gsu[e], bu[r - r0])
+            if compiled:  # the C decoder (lumen_cpu.native; same values): ~4x faster than _row_nvfp4
+                nvfp4_decode_rows(g.ctypes.data, K // 2, bgs.ctypes.data, K // 16, r0, r1 - r0, K, gsg[e],
+                                  bg.ctypes.data, K)
+                nvfp4_decode_rows(u.ctypes.data, K // 2, bus.ctypes.data, K // 16, r0, r1 - r0, K, gsu[e],
+                                  bu.ctypes.data, K)
+            else:
+                for r in range(r0, r1):
+                    _expand_nvfp4(bgs[r], e4m3, eg)
+                    _expand_nvfp4(bus[r], e4m3, eu)
+                    _row_nvfp4(g[r], eg, gsg[e], bg[r - r0])
+                    _row_nvfp4(u[r], eu, gsu[e], bu[r - r0])
             _gate_up_tokens(bg, bu, r0, r1, x, toks, offs[j], m, cg, cu, h, act)
 
 
 @njit(cache=True, parallel=True, fastmath=True)
-def _down_nvfp4(D, BD, gsd, e4m3, h, experts, offs, ys, threads, most):
+def _down_nvfp4(D, BD, gsd, e4m3, h, experts, offs, ys, threads, most, compiled):
     n, H, I = experts.shape[0], ys.shape[1], h.shape[1]
     nch = (H + CHUNK - 1) // CHUNK
     ntask = n * nch
@@ -280,9 +282,13 @@ def _down_nvfp4(D, BD, gsd, e4m3, h, experts, offs, ys, threads, most):
                     ys[offs[j], r] = dot_bits(d[r], bd[r], gsd[e], he, ho, e4m3, sb)
                 continue
             r1, m = min(r0 + CHUNK, H), offs[j + 1] - offs[j]
-            for r in range(r0, r1):
-                _expand_nvfp4(bd[r], e4m3, ed)
-                _row_nvfp4(d[r], ed, gsd[e], buf[r - r0])
+            if compiled:
+                nvfp4_decode_rows(d.ctypes.data, I // 2, bd.ctypes.data, I // 16, r0, r1 - r0, I, gsd[e],
+                                  buf.ctypes.data, I)
+            else:
+                for r in range(r0, r1):
+                    _expand_nvfp4(bd[r], e4m3, ed)
+                    _row_nvfp4(d[r], ed, gsd[e], buf[r - r0])
             _down_tokens(buf, r0, r1, h, slots, offs[j], m, cd, ys)
 
 
@@ -334,6 +340,8 @@ class _Layer:
                 self.gs = [np.array([np.float32(w.scale.global_scale) for w in role], F32) for role in mats]
         self.ok = ok
         self.addresses = None  # _one_token's, made on its first call
+        # every matrix and scale array's rows one after another (what lumen_cpu.native's C rows need)
+        self.dense = ok and all(a.flags.c_contiguous for role in (*self.data, *self.scales) for a in role)
 
 
 _LAYERS: dict[int, _Layer] = {}
@@ -457,12 +465,10 @@ def _one_token(L: _Layer, x, ids, weights, act: int):
     nat = _native()
     if nat is None:
         return None
-    if L.addresses is None:  # the arrays' addresses (the _Layer holds the arrays): no typed list to unbox
-        roles = (*L.data, *L.scales)
-        dense = all(a.flags.c_contiguous for role in roles for a in role)  # the C rows step by whole rows
-        L.addresses = [np.array([a.ctypes.data for a in role], np.int64) for role in roles] if dense else False
-    if L.addresses is False:
+    if not L.dense:  # the C rows step by whole rows
         return None
+    if L.addresses is None:  # the arrays' addresses (the _Layer holds the arrays): no typed list to unbox
+        L.addresses = [np.array([a.ctypes.data for a in role], np.int64) for role in (*L.data, *L.scales)]
     if L.fmt == "fp8":
         (bg, cg), _, (bd, cd) = L.blocks
         sgs, sds = L.scales[0][0].shape[1], L.scales[2][0].shape[1]
@@ -486,7 +492,8 @@ def _run(L: _Layer, x, ids, weights, out, t0: int, act: int) -> None:
                         act, threads, most)
         _down_scaled(L.data[2], L.scales[2], bd, cd, kind, h, experts, offs, ys, threads, most)
     else:
+        compiled = native_available and L.dense  # the C decoder steps by whole rows
         _gate_up_nvfp4(L.data[0], L.data[1], L.scales[0], L.scales[1], L.gs[0], L.gs[1], E4M3, x, experts,
-                       offs, toks, h, act, threads, most)
-        _down_nvfp4(L.data[2], L.scales[2], L.gs[2], E4M3, h, experts, offs, ys, threads, most)
+                       offs, toks, h, act, threads, most, compiled)
+        _down_nvfp4(L.data[2], L.scales[2], L.gs[2], E4M3, h, experts, offs, ys, threads, most, compiled)
     _combine(ys, order, np.ascontiguousarray(weights, dtype=F32), k, out)

@@ -22,10 +22,11 @@ from pathlib import Path
 
 import numpy as np
 from numba import njit, prange, types
+from numba.extending import intrinsic
 
 from lumen_core.errors import LumenError
 
-from .moe_fused import _act
+from .activations import moe_act as _act
 
 F32 = np.float32
 LEVELS = {"scalar": 0, "avx2": 1, "avx512": 2}
@@ -83,6 +84,51 @@ fp8_rows = types.ExternalFunction("lumen_fp8_rows", types.void(_i, _i, _i, _i, _
 nvfp4_rows = types.ExternalFunction("lumen_nvfp4_rows",
                                     types.void(_i, _i, _i, _i, _i, _i, _i, _i, types.float32, _i))
 nvfp4_permute = types.ExternalFunction("lumen_nvfp4_permute", types.void(_i, _i, _i))
+# out[i * ldo + k] = NVFP4 row r0 + i decoded to f32 (nvfp4.dequantize's values): (w, ldw, s, lds, r0, n, K, gs, out,
+# ldo). The several-token expert kernels (moe_fused) call it whether or not the library was built: without it, the
+# symbol is a numba cfunc (_register_fallback) with the same results.
+nvfp4_decode_rows = types.ExternalFunction("lumen_nvfp4_decode_rows",
+                                           types.void(_i, _i, _i, _i, _i, _i, _i, types.float32, _i, _i))
+
+
+@intrinsic
+def _pointer(typingctx, addr, dtype):
+    """An address (int64) as a pointer to ``dtype`` (np.uint8, np.float32: for numba.carray)."""
+    ptr = types.CPointer(dtype.instance_type)
+
+    def codegen(context, builder, sig, args):
+        return builder.inttoptr(args[0], context.get_value_type(ptr))
+
+    return ptr(addr, dtype), codegen
+
+
+def _register_fallback() -> None:
+    """Without the library: ``lumen_nvfp4_decode_rows`` as a numba cfunc (the same f32 values), so that the
+    kernels that call it link."""
+    from llvmlite import binding
+    from numba import carray, cfunc
+
+    from .nvfp4 import E2M1
+    from .nvfp4_fused import E4M3
+
+    @cfunc(types.void(_i, _i, _i, _i, _i, _i, _i, types.float32, _i, _i), cache=True)
+    def decode(w, ldw, s, lds, r0, n, K, gs, out, ldo):
+        W = carray(_pointer(w, np.uint8), (r0 + n, ldw))
+        S = carray(_pointer(s, np.uint8), (r0 + n, lds))
+        O = carray(_pointer(out, np.float32), ((n - 1) * ldo + K,))
+        for i in range(n):
+            for c in range(0, K, 2):
+                sc, b = E4M3[S[r0 + i, c // 16]], W[r0 + i, c // 2]
+                O[i * ldo + c] = (E2M1[b & 15] * sc) * gs
+                O[i * ldo + c + 1] = (E2M1[b >> 4] * sc) * gs
+
+    binding.add_symbol("lumen_nvfp4_decode_rows", decode.address)
+    _fallbacks.append(decode)
+
+
+_fallbacks: list = []
+if not available:
+    _register_fallback()
 
 
 @njit(inline="always")
