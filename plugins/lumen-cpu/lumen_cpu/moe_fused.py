@@ -23,11 +23,10 @@ import numpy as np
 from numba import get_num_threads, njit, prange
 from numba.typed import List
 
-from . import fp8
+from . import fp8, native
 from .activations import moe_act as _act
 from .bitcast import as_f32
 from .fp8 import decode_dot, decode_row, dot, expand_scales, scale_x
-from .native import available as native_available
 from .native import nvfp4_decode_rows
 from .nvfp4_fused import dot_bits, e2m1, split
 
@@ -454,16 +453,9 @@ def _combine(ys, order, weights, k, out):
 NATIVE = ("fp8", "nvfp4")  # formats with compiled row kernels (lumen_cpu.native), used for one token
 
 
-def _native():
-    from . import native
-
-    return native if native.available else None
-
-
 def _one_token(L: _Layer, x, ids, weights, act: int):
     """One token's experts in one compiled call (lumen_cpu.native); None where that path does not apply."""
-    nat = _native()
-    if nat is None:
+    if not native.available:
         return None
     if not L.dense:  # the C rows step by whole rows
         return None
@@ -472,9 +464,9 @@ def _one_token(L: _Layer, x, ids, weights, act: int):
     if L.fmt == "fp8":
         (bg, cg), _, (bd, cd) = L.blocks
         sgs, sds = L.scales[0][0].shape[1], L.scales[2][0].shape[1]
-        return nat.moe_fp8(*L.addresses, sgs, sds, bg, cg, bd, cd, L.I, x, ids, weights, act, get_num_threads(),
+        return native.moe_fp8(*L.addresses, sgs, sds, bg, cg, bd, cd, L.I, x, ids, weights, act, get_num_threads(),
                            CHUNK)
-    return nat.moe_nvfp4(*L.addresses, *L.gs, L.I, x, ids, weights, act, get_num_threads(), CHUNK)
+    return native.moe_nvfp4(*L.addresses, *L.gs, L.I, x, ids, weights, act, get_num_threads(), CHUNK)
 
 
 def _run(L: _Layer, x, ids, weights, out, t0: int, act: int) -> None:
@@ -492,7 +484,7 @@ def _run(L: _Layer, x, ids, weights, out, t0: int, act: int) -> None:
                         act, threads, most)
         _down_scaled(L.data[2], L.scales[2], bd, cd, kind, h, experts, offs, ys, threads, most)
     else:
-        compiled = native_available and L.dense  # the C decoder steps by whole rows
+        compiled = native.available and L.dense  # the C decoder steps by whole rows
         _gate_up_nvfp4(L.data[0], L.data[1], L.scales[0], L.scales[1], L.gs[0], L.gs[1], E4M3, x, experts,
                        offs, toks, h, act, threads, most, compiled)
         _down_nvfp4(L.data[2], L.scales[2], L.gs[2], E4M3, h, experts, offs, ys, threads, most, compiled)
