@@ -130,11 +130,13 @@ def test_a_really_slow_drafter_is_switched_off_on_the_wall_clock(qwen):
         plain(engine)
 
 
-def test_a_seeded_sampled_generation_keeps_to_speculation_and_reproduces(qwen):
+def test_a_seeded_sampled_generation_keeps_to_speculation_and_reproduces(qwen, monkeypatch):
     """Sampled with an explicit seed, the slow drafter is not switched off (plain and speculative rounds draw
     differently, and the switch depends on timings): the same seed gives the same tokens twice, every round
-    drafts. Without a seed the same drafter is switched off."""
+    drafts. Without a seed the same drafter is switched off. EOS is off (the unseeded draw could end the
+    generation before the switch: 19 tokens once)."""
     engine, _, ids = qwen
+    monkeypatch.setattr(engine, "_eos", lambda: set())
     clock = FakeClock()
     made = drafting(engine, lambda c: Costly(DraftModel(engine.model, c), cost=10, clock=clock), clock=clock)
     try:
@@ -142,7 +144,7 @@ def test_a_seeded_sampled_generation_keeps_to_speculation_and_reproduces(qwen):
                 for _ in range(2)]
         assert runs[0] == runs[1] and len(runs[0]) == 40
         assert engine.stats.speculative.plain_rounds == 0 and "skip" not in made[0].log + made[1].log
-        list(engine.generate_tokens(ids, 60, SamplingParams(temperature=0.8, top_k=20)))
+        assert len(list(engine.generate_tokens(ids, 60, SamplingParams(temperature=0.8, top_k=20)))) == 60
         assert engine.stats.speculative.plain_rounds > 0 and "skip" in made[2].log
     finally:
         plain(engine)
