@@ -75,6 +75,13 @@ OPTIONAL = {
     "causal_conv1d_kept": "(x (T, C), w (C, K), state) -> ((T, C), [[arrays of the state after token t]])",
     "gated_delta_rule_kept": "(q, k (T, Hk, Dk), v (T, Hv, Dv), g, beta (T, Hv), state) -> ((T, Hv, Dv), "
                              "[[arrays of the state after token t]])",
+    # a whole decoder layer whose attention and MLP are each normed before and after (Gemma 2/3): one call, so a
+    # backend may run a decode step's layer as one compiled function (the CPU: issue 22)
+    "sandwich_layer": "(x (T, H), norms (in, post_attn, pre_ff, post_ff) (H,), attn (q, k, v Weights, q_norm, "
+                      "k_norm (D,), o Weight), mlp (gate, up, down Weights), cache, start, rope (cos, sin), dims "
+                      "(heads, kv_heads, D), scale, window, eps, offset, act='gelu_tanh') -> (T, H): x + "
+                      "norm(o(attention(rope(norm(q)), rope(norm(k)), v))) of norm(x), then + norm(down(act(gate) * "
+                      "up)) of its norm; every norm rms_norm(., w, eps, offset)",
 }
 
 
@@ -127,7 +134,26 @@ def _gated_delta_rule_kept(ops, q, k, v, g, beta, state):
     return (os_[0] if len(os_) == 1 else ops.concat(os_)), kept
 
 
-COMPOSITES = {"causal_conv1d_kept": _causal_conv1d_kept, "gated_delta_rule_kept": _gated_delta_rule_kept,
+def _sandwich_layer(ops, x, norms, attn, mlp, cache, start, rope, dims, scale, window, eps, offset,
+                    act="gelu_tanh"):
+    n_in, n_post_attn, n_pre_ff, n_post_ff = norms
+    wq, wk, wv, q_norm, k_norm, wo = attn
+    (H, KV, D), (cos, sin), T = dims, rope, x.shape[0]
+    q, k, v = ops.linear_group(ops.rms_norm(x, n_in, eps, offset), [wq, wk, wv])
+    q = ops.apply_rope(ops.rms_norm(q.reshape(T, H, D), q_norm, eps, offset), cos, sin)
+    k = ops.apply_rope(ops.rms_norm(k.reshape(T, KV, D), k_norm, eps, offset), cos, sin)
+    o = ops.attention(q, k, v.reshape(T, KV, D), cache, start, scale, window)
+    x = x + ops.rms_norm(ops.linear(o.reshape(T, H * D), wo), n_post_attn, eps, offset)
+    gate, up, down = mlp
+    if act not in ("silu", "gelu_tanh"):
+        raise ValueError(f"sandwich_layer: act must be 'silu' or 'gelu_tanh', got {act!r}")
+    mul = ops.silu_mul if act == "silu" else ops.gelu_tanh_mul
+    h = ops.linear(mul(*ops.linear_group(ops.rms_norm(x, n_pre_ff, eps, offset), [gate, up])), down)
+    return x + ops.rms_norm(h, n_post_ff, eps, offset)
+
+
+COMPOSITES = {"sandwich_layer": _sandwich_layer,
+              "causal_conv1d_kept": _causal_conv1d_kept, "gated_delta_rule_kept": _gated_delta_rule_kept,
               "linear_group": _linear_group, "gdn_gates": _gdn_gates, "attention_segments": _attention_segments,
               "causal_conv1d_segments": _causal_conv1d_segments,
               "gated_delta_rule_segments": _gated_delta_rule_segments}

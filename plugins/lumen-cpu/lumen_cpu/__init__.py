@@ -26,6 +26,8 @@ def register_ops(register):
         register(op, "cpu", _lazy_fused(op, "int8"), variant="i8", priority=FUSED_PRIORITY)
     # q/k/v, gate/up: int8 matrices in one parallel region a decode step (any other format: one linear each)
     register("linear_group", "cpu", _lazy_fused("linear_group", "int8"))
+    # Gemma 3's layer: one compiled call a decode step where its matrices are int8 (the composite otherwise)
+    register("sandwich_layer", "cpu", _lazy_fused("sandwich_layer", "layer"))
 
 
 def _lazy_fused(op: str, module: str = "fused"):

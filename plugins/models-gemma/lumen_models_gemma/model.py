@@ -139,9 +139,20 @@ class DecoderLayer:
         if getattr(arch, "per_layer_dim", 0):
             self.pl_gate, self.pl_proj = w("per_layer_input_gate.weight"), w("per_layer_projection.weight")
             self.pl_norm = w("post_per_layer_input_norm.weight")
+        # Gemma 3's layer (own K/V, no value norm, a dense MLP, no scalar or per-layer input) is the optional op
+        # sandwich_layer: one call, which the CPU runs compiled for a decode step; the same ops otherwise
+        a = self.attn
+        self.sandwich = None if (self.spec.shared_from is not None or a.v is None or arch.v_norm or self.moe or
+                                 self.scalar is not None or getattr(arch, "per_layer_dim", 0)) else (
+            (a.q, a.k, a.v, a.q_norm, a.k_norm, a.o), (self.mlp.gate, self.mlp.up, self.mlp.down),
+            (arch.args.num_attention_heads, self.spec.kv_heads, self.spec.head_dim))
 
     def __call__(self, x, state, start: int, rope, per_layer=None, blocks=None):
         ops, eps, off = self.ops, self.arch.args.rms_norm_eps, self.arch.norm_offset
+        if self.sandwich is not None and not (blocks and self.bidirectional) and not isinstance(state, Segmented):
+            attn, mlp, dims = self.sandwich
+            return ops.sandwich_layer(x, self.norms, attn, mlp, state, start, rope, dims, self.arch.attn_scale,
+                                      self.spec.window, eps, off)
         n_in, n_post_attn, n_pre_ff, n_post_ff = self.norms
         h = self.attn(ops.rms_norm(x, n_in, eps, off), state, start, rope, blocks if self.bidirectional else None)
         x = x + ops.rms_norm(h, n_post_attn, eps, off)
