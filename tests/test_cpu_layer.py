@@ -1,7 +1,7 @@
-"""The optional op ``sandwich_layer`` (Gemma 3's decoder layer) on the CPU: one token with int8 matrices runs as one
-compiled call (lumen_cpu.layer); its output, its KV cache and the next steps' outputs are bit for bit the composite's
-(lumen_core.ops._sandwich_layer over the CPU's registered ops), for full and ring caches, both activations and every
-repacked format; anything else (several tokens, f32 weights, an f16 cache) runs the composite itself."""
+"""The optional op ``sandwich_layer`` (Gemma 3's decoder layer) on the CPU: with int8 matrices a call runs as one
+compiled function (lumen_cpu.layer); prefill, several-token and one-token calls give bit for bit the composite's
+outputs, KV cache and ring record (lumen_core.ops._sandwich_layer over the CPU's registered ops), for full and ring
+caches, both activations and every repacked format; anything else (f32 weights, an f16 cache) runs the composite."""
 
 from __future__ import annotations
 
@@ -38,47 +38,58 @@ def copy(weights):  # fresh Weights over the same data (linear_group joins each 
     return norms, tuple(fresh(w) for w in attn), tuple(fresh(w) for w in mlp)
 
 
-def run(fn, weights, cache, xs, start, window, act):
+CALLS = (20, 1, 2, 5, 1, 1, 3, 1)  # tokens a call: a prompt longer than a ring of 16, then steps of every path
+
+
+def run(fn, weights, cache, xs, window, act):
     norms, attn, mlp = weights
-    outs = []
-    for t, x in enumerate(xs):
-        rope = rope_tables([start + t], ROPE)
-        outs.append(fn(x, norms, attn, mlp, cache, start + t, rope, (H, KV, D), D ** -0.5, window, 1e-6, 1.0, act))
+    outs, start = [], 0
+    for x in xs:
+        rope = rope_tables(list(range(start, start + x.shape[0])), ROPE)
+        outs.append(fn(x, norms, attn, mlp, cache, start, rope, (H, KV, D), D ** -0.5, window, 1e-6, 1.0, act))
+        outs.append(getattr(cache, "recent", None))
+        start += x.shape[0]
     return outs
 
 
 ROPE = list(1e4 ** (-np.arange(0, D, 2) / D))
 
 
+def same(a, b) -> bool:
+    if isinstance(a, tuple):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, np.ndarray):
+        return a.shape == b.shape and np.array_equal(a, b)
+    return a == b
+
+
 @pytest.mark.parametrize("act", ["gelu_tanh", "silu"])
 @pytest.mark.parametrize("ring,window", [(False, None), (False, 16), (True, 16)])
 @pytest.mark.parametrize("formats", [("Q5_0", "Q4_K", "Q6_K"), ("Q8_0", "Q6_K", "Q4_K"), ("Q4_0", "Q5_K", "Q5_0")])
-def test_one_token_compiled_layer_is_the_composite_bit_for_bit(act, ring, window, formats):
+def test_the_compiled_layer_is_the_composite_bit_for_bit(act, ring, window, formats):
+    """Prefill, several-token and one-token calls: every output, the cache and a ring's record equal."""
     weights = make(formats)
     rng = np.random.default_rng(1)
-    prompt = rng.standard_normal((24, C)).astype(np.float32)
-    steps = [rng.standard_normal((1, C)).astype(np.float32) for _ in range(6)]
+    xs = [rng.standard_normal((n, C)).astype(np.float32) for n in CALLS]
     ops, results = layer._composite_ops(), []
     for compiled in (True, False):
         w = copy(weights)
-        # 24 positions written by a composite prefill (a ring of 16 has wrapped)
-        cache = sliding_kv_cache(window, KV, D) if ring else kv_cache(96, KV, D)
-        _sandwich_layer(ops, prompt, *w, cache, 0, rope_tables(list(range(24)), ROPE), (H, KV, D), D ** -0.5, window,
-                        1e-6, 1.0, act)
+        cache = sliding_kv_cache(window, KV, D) if ring else kv_cache(64, KV, D)
         fn = layer.sandwich_layer if compiled else (lambda *a: _sandwich_layer(ops, *a))  # noqa: B023
-        if compiled:
-            assert layer._compiled_args(steps[0], *w, cache, 24, rope_tables([24], ROPE), (H, KV, D), 1.0, window,
-                                        1e-6, 1.0, act) is not None
-        results.append((run(fn, w, cache, steps, 24, window, act), cache))
+        if compiled:  # this path is the compiled one
+            assert layer._compiled_args(xs[0], *w, cache, 0, rope_tables(list(range(20)), ROPE), (H, KV, D), 1.0,
+                                        window, 1e-6, 1.0, act) is not None
+        results.append((run(fn, w, cache, xs, window, act), cache))
     (got, c1), (want, c2) = results
-    for g, e in zip(got, want, strict=True):
-        assert g.shape == (1, C) and np.isfinite(e).all()
+    for g, e in zip(got[::2], want[::2], strict=True):
+        assert np.isfinite(e).all() and g.shape == e.shape
         assert np.array_equal(g, e)
+    assert all(same(g, e) for g, e in zip(got[1::2], want[1::2], strict=True))
+    n = sum(CALLS)
     if ring:
-        assert c1.recent == c2.recent
         assert np.array_equal(c1.k, c2.k) and np.array_equal(c1.v, c2.v)
     else:  # the positions written (the rest of a full cache is never written: np.empty)
-        assert np.array_equal(c1.k[:, :30], c2.k[:, :30]) and np.array_equal(c1.v[:, :30], c2.v[:, :30])
+        assert np.array_equal(c1.k[:, :n], c2.k[:, :n]) and np.array_equal(c1.v[:, :n], c2.v[:, :n])
 
 
 def test_what_the_compiled_layer_does_not_take_runs_the_composite():
@@ -87,11 +98,10 @@ def test_what_the_compiled_layer_does_not_take_runs_the_composite():
     x = np.random.default_rng(2).standard_normal((1, C)).astype(np.float32)
     args = lambda w, cache, x=x, act="gelu_tanh": (x, *w, cache, 0, rope, (H, KV, D), D ** -0.5, None, 1e-6, 1.0, act)  # noqa: E731
     assert layer._compiled_args(*args(copy(weights), kv_cache(8, KV, D))) is not None
-    # several tokens, an f16 cache, an f32 weight, an unknown activation: not compiled
-    x2 = np.concatenate([x, x])
-    rope2 = rope_tables([0, 1], ROPE)
-    assert layer._compiled_args(x2, *copy(weights), kv_cache(8, KV, D), 0, rope2, (H, KV, D), 1.0, None, 1e-6, 1.0,
-                                "gelu_tanh") is None
+    # past the cache's end, an f16 cache, an f32 weight, an unknown activation: not compiled
+    past_end = list(args(copy(weights), kv_cache(8, KV, D)))
+    past_end[5] = 8  # start: the cache holds positions 0..7
+    assert layer._compiled_args(*past_end) is None
     assert layer._compiled_args(*args(copy(weights), kv_cache(8, KV, D, "f16"))) is None
     norms, attn, mlp = copy(weights)
     dense = Weight(int8.dequantize_rows(attn[5]), "f32", attn[5].shape, None, None)
