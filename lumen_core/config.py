@@ -38,7 +38,8 @@ _SAMPLING_NAMES = {"temperature": "temperature", "top-k": "top_k", "top-p": "top
 _SERVER_NAMES = {"host": "host", "port": "port", "api-keys": "api_keys", "max-queue": "max_queue",
                  "request-timeout": "request_timeout", "max-body-bytes": "max_body_bytes",
                  "max-tokens-limit": "max_tokens", "server-api": "server_api", "fetch-timeout": "fetch_timeout",
-                 "fetch-max-bytes": "fetch_max_bytes", "max-images": "max_images", "fetch-image-urls": "fetch_urls"}
+                 "fetch-max-bytes": "fetch_max_bytes", "max-images": "max_images", "fetch-image-urls": "fetch_urls",
+                 "scale-out": "scale_out"}
 # The deepest value the schema allows is 7 levels down (draft.model.hidden-layers.ranges[0].experts.compute);
 # anything much deeper is a mistake, refused by path before a recursive reader or printer could overflow.
 MAX_DEPTH = 32

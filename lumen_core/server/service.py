@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import math
 import queue
 import threading
@@ -28,6 +29,11 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 
 from .settings import Limits
+
+# Set by whoever runs the app in process (the replicas of ``lumen serve --replicas``, scale_out.call_asgi): called
+# on the request's event loop when a worker takes the request's generation. Until then nothing of it has run, so a
+# replica that dies before may have it retried elsewhere.
+ON_START: contextvars.ContextVar[Callable[[], None] | None] = contextvars.ContextVar("lumen_on_start", default=None)
 
 
 @dataclass
@@ -49,6 +55,7 @@ class Job:
     usage: Usage = field(default_factory=Usage)
     queued_at: float = field(default_factory=time.perf_counter)
     started: float = 0.0  # when a worker took it
+    on_start: Callable[[], None] | None = None  # ON_START of the request that submitted it
 
     def cancel(self) -> None:
         """Stop the generation before its next event (a no-op once it finished)."""
@@ -218,7 +225,7 @@ class Service:
             if self._depth >= self.workers and waiting >= self.limits.max_queue:
                 raise QueueFull(waiting, self.retry_after())
             self._depth += 1
-        job = Job(run, asyncio.get_running_loop(), asyncio.Queue(), usage=usage or Usage())
+        job = Job(run, asyncio.get_running_loop(), asyncio.Queue(), usage=usage or Usage(), on_start=ON_START.get())
         self._jobs.put(job)
         return job
 
@@ -282,6 +289,8 @@ class Service:
 
     def _run(self, job: Job) -> None:
         job.started = time.perf_counter()
+        if job.on_start is not None:
+            job.loop.call_soon_threadsafe(job.on_start)
         with self._lock:  # several workers when the engine batches
             self.metrics.queue_wait_sum += job.started - job.queued_at
             self.metrics.queue_wait_count += 1

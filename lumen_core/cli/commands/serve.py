@@ -65,6 +65,15 @@ def serve(
     mtp: MtpOpt = False,
     no_draft_fallback: NoDraftFallbackOpt = False,
     threads: ThreadsOpt = None,
+    replicas: Annotated[int | None, Opt(min=1, max=1024, help=(
+        "Serve through Ray Serve with this many engines (replicas), each with the config's placement and the GPUs / "
+        "CPUs it names, behind one endpoint; a conversation's requests go to the replica holding its prefix "
+        "(default: server-parameters.scale-out.replicas, else one engine in this process; needs pip install "
+        "'ray[serve]'; docs/scale-out.md)."))] = None,
+    ray_address: Annotated[str | None, Opt("--ray-address", help="With --replicas: the Ray cluster to join "
+                                           "(ray://HOST:10001 or HOST:6379; default: "
+                                           "server-parameters.scale-out.ray-address, else a local cluster).")
+                           ] = None,
 ):
     """Serve the model over HTTP: OpenAI (/v1/chat/completions, /v1/completions, /v1/models) and Anthropic
     (/v1/messages, /v1/messages/count_tokens) APIs, /health and /metrics (Prometheus). With --server-api (or
@@ -75,6 +84,7 @@ def serve(
     --prefix-cache-mb keeps snapshots of earlier prompts so a chat's next turn prefills only its new tokens.
     --draft-model PATH or --mtp turn on speculative decoding (as the config's draft block does); it falls back
     to plain decoding while that is measured faster, unless --no-draft-fallback.
+    --replicas N serves N engines through Ray Serve behind the same routes (docs/scale-out.md).
     With API keys configured every route but /health needs `Authorization: Bearer KEY` or `x-api-key: KEY`.
     """
     import uvicorn
@@ -106,6 +116,15 @@ def serve(
     keys = api_key if api_key else params.get("api_keys", [])
     host = host or params.get("host", "127.0.0.1")
     port = port or params.get("port", 8000)
+    scale = params.get("scale_out") or {}
+    replicas = replicas if replicas is not None else scale.get("replicas")
+    if ray_address is not None and replicas is None:
+        raise InputError("--ray-address needs --replicas N (or server-parameters.scale-out.replicas): one engine "
+                         "in this process uses no Ray cluster")
+    if replicas is not None:
+        _scale_out(cfg, replicas, ray_address or scale.get("ray-address"), host, port, keys, model_name, limits,
+                   api, chat_template)
+        return
     engine = load(cfg, progress=True, chat_template=chat_template)
     app = create_app(engine, keys, model_name, limits, api)
     kv = engine.config.kv_cache()
@@ -116,6 +135,14 @@ def serve(
                f"{limits.max_body_bytes} bytes; {kv.sequences} sequence(s) at once, prefix cache "
                f"{f'{kv.prefix_cache_mb:g} MB' if engine.prefix_cache is not None else 'off'})", err=True)
     uvicorn.run(app, host=host, port=port, log_level="warning")
+
+
+def _scale_out(cfg, replicas, address, host, port, keys, model_name, limits, api, chat_template) -> None:
+    from ...server.scale_out import replica_options, serve_replicas
+
+    options = replica_options(cfg, keys, model_name, limits, api, chat_template)
+    serve_replicas(cfg, replicas, address, host, port, options, options["name"], limits.max_queue,
+                   max(1, cfg.kv_cache().sequences), echo=lambda line: typer.echo(line, err=True))
 
 
 def register(app: typer.Typer) -> None:
