@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from lumen_core.server import scale_out
+from lumen_core.server.ray_app import REPORT_S
 from lumen_core.server.scale_out import (
     metrics_by_replica,
     rendezvous,
@@ -136,6 +137,7 @@ def test_the_kuberay_example_names_the_image_the_builder_and_the_resources(tmp_p
     from ray.serve.schema import ServeDeploySchema
 
     from lumen_core.config import load_config
+    from lumen_core.errors import ConfigError
     from lumen_core.server import ray_app
 
     docs = {d["kind"]: d for d in yaml.safe_load_all((EXAMPLES / "kuberay-rayservice.yaml").read_text())}
@@ -184,6 +186,9 @@ def test_the_kuberay_example_names_the_image_the_builder_and_the_resources(tmp_p
     monkeypatch.setenv("LUMEN_API_KEYS", "sk-a,sk-b")
     built = ray_app.build({**app.args, "config": str(config)})
     assert type(built).__name__ == "Application"
+    assert type(ray_app.build({"config": str(config), "replicas": "3"})).__name__ == "Application"  # serve run's
+    with pytest.raises(ConfigError, match="args.replicas"):
+        ray_app.build({"config": str(config), "replicas": "two"})
     with pytest.raises(scale_out.ScaleOutError, match="unknown argument.*bogus"):
         ray_app.build({"config": str(config), "bogus": 1})
     with pytest.raises(scale_out.ScaleOutError, match="args.config"):
@@ -216,7 +221,7 @@ def cluster(tiny_checkpoint):
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     try:
         options = {"api_keys": [KEY], "model_name": "tiny", "limits": {}, "server_api": None, "chat_template": None}
-        scale_out.serve_replicas(cfg, 2, None, "127.0.0.1", port, options, "tiny", 64, 1, block=False,
+        scale_out.serve_replicas(cfg, 2, None, "127.0.0.1", port, options, "tiny", MAX_QUEUE, 1, block=False,
                                  echo=lambda line: None)
         yield f"http://127.0.0.1:{port}", raw
     finally:
@@ -226,6 +231,7 @@ def cluster(tiny_checkpoint):
 
 
 AUTH = {"Authorization": f"Bearer {KEY}"}
+MAX_QUEUE = 16  # each replica's app: 1 generation running, 16 waiting, past which its 429
 
 
 def complete(client, prompt: str, tokens: int = 8):
@@ -313,6 +319,27 @@ def test_keys_health_metrics_and_streams_behave_as_with_one_engine(cluster):
         assert len(served) == 2 and all('replica="' in line for line in served)
 
 
+def completion_tokens(client) -> float:
+    time.sleep(2 * REPORT_S + 0.2)  # the replicas' latest reports
+    lines = client.get("/metrics", headers=AUTH).text.splitlines()
+    return sum(float(line.split()[-1]) for line in lines if line.startswith("lumen_completion_tokens_total{"))
+
+
+def test_a_client_that_leaves_a_stream_stops_its_generation_through_the_proxy(cluster):
+    url, _ = cluster
+    with httpx.Client(base_url=url, timeout=120) as client:
+        before = completion_tokens(client)
+        with client.stream("POST", "/v1/completions", headers=AUTH,
+                           json={"prompt": "a long one", "max_tokens": 240, "temperature": 0, "stream": True}) as s:
+            assert s.status_code == 200
+            for line in s.iter_lines():
+                if line.startswith("data: "):
+                    break  # the first token came: leave
+        spent = completion_tokens(client) - before
+    # the replica's app saw the disconnect and stopped within a few tokens (240 would run ~1 s here)
+    assert 1 <= spent < 120, spent
+
+
 def test_a_killed_replica_loses_no_request_that_had_not_started(cluster):
     import ray
 
@@ -325,12 +352,19 @@ def test_a_killed_replica_loses_no_request_that_had_not_started(cluster):
     with httpx.Client(base_url=url, timeout=60) as client:
         assert victim_id in client.get("/health").json()["replica_ids"]
 
+    def depth(metrics) -> float:
+        line = next(x for x in metrics.text.splitlines() if x.startswith(f'lumen_queue_depth{{replica="{victim_id}"'))
+        return float(line.split()[-1])
+
     async def run():
         async with httpx.AsyncClient(base_url=url, timeout=180) as client:
             tasks = [asyncio.ensure_future(client.post(
                 "/v1/completions", headers=AUTH,
-                json={"prompt": f"request {i} " * 4, "max_tokens": 200, "temperature": 0})) for i in range(12)]
-            await asyncio.sleep(1.0)
+                json={"prompt": f"request {i} " * 4, "max_tokens": 200, "temperature": 0})) for i in range(16)]
+            deadline = time.monotonic() + 10
+            while depth(await client.get("/metrics", headers=AUTH)) < 4:  # kill it with requests waiting in it
+                assert time.monotonic() < deadline, "the victim never held 4 requests"
+                await asyncio.sleep(0.05)
             ray.kill(victim)
             return await asyncio.wait_for(asyncio.gather(*tasks), 170)  # never a hang
 
@@ -340,10 +374,13 @@ def test_a_killed_replica_loses_no_request_that_had_not_started(cluster):
     for r in failed:  # the one the killed replica was running: an error in the API's shape
         assert r.status_code == 503 and r.json()["error"]["code"] == "replica_failed", r.text
     # it runs one generation at a time (kv-cache.sequences 1): at most that one is lost; the ones waiting in its
-    # queue were sent again, to the other replica
+    # queue were sent again, to the other replica (which can hold all 16: a retry meets its queue limit as any
+    # request does, and would be a 429 past it)
     assert len(failed) <= 1, [r.status_code for r in replies]
     retried = [r for r in replies if r.status_code == 200 and r.headers["x-lumen-attempts"] != "1"]
-    assert retried and all(r.headers[scale_out.REPLICA_HEADER] != victim_id for r in retried)
+    seen = [(r.status_code, r.headers.get("x-lumen-attempts"), r.headers.get(scale_out.REPLICA_HEADER)) for r in
+            replies]
+    assert retried and all(r.headers[scale_out.REPLICA_HEADER] != victim_id for r in retried), (victim_id, seen)
     assert time.monotonic() - t0 < 170
     with httpx.Client(base_url=url, timeout=120) as client:  # new requests go to a live replica
         assert complete(client, "after the kill")[0]
@@ -356,3 +393,39 @@ def test_a_killed_replica_loses_no_request_that_had_not_started(cluster):
             time.sleep(1)
     print(f"killed replica {victim_id}: {len(failed)} of {len(replies)} requests failed (503), {len(retried)} sent "
           f"again, all in {time.monotonic() - t0:.1f} s")
+
+
+def test_past_the_queue_limit_a_429_in_the_apis_shape(cluster):
+    """Last: redeploys the application with max-queue 1 (Serve replaces the replicas)."""
+    url, raw = cluster
+    from lumen_core.config import load_config
+
+    options = {"api_keys": [KEY], "model_name": "tiny", "limits": {"max_queue": 1}, "server_api": None,
+               "chat_template": None}
+    with httpx.Client(base_url=url, timeout=60) as client:
+        old = set(client.get("/health").json()["replica_ids"])
+        scale_out.serve_replicas(load_config(raw), 2, None, "127.0.0.1", int(url.rsplit(":", 1)[1]), options, "tiny",
+                                 1, 1, block=False, echo=lambda line: None)
+        deadline = time.monotonic() + 120
+        while True:  # the new replicas report, the old ones are gone
+            ids = set(client.get("/health").json().get("replica_ids", []))
+            if len(ids) == 2 and not ids & old:
+                break
+            assert time.monotonic() < deadline, (old, ids)
+            time.sleep(0.5)
+
+    async def run():
+        async with httpx.AsyncClient(base_url=url, timeout=180) as client:
+            return await asyncio.gather(*[client.post(
+                "/v1/chat/completions", headers=AUTH,
+                json={"messages": [{"role": "user", "content": f"burst {i}"}], "max_tokens": 200, "temperature": 0})
+                for i in range(20)])
+
+    replies = asyncio.run(run())
+    codes = [r.status_code for r in replies]
+    # each replica's app holds 1 running + 1 waiting, as one engine with max-queue 1 would (one more may wait to be
+    # routed); what arrives while they are full is refused at once, each a 429 in the API's shape
+    assert set(codes) <= {200, 429} and codes.count(200) >= 4 and codes.count(429) >= 4, \
+        [(r.status_code, r.text[:300]) for r in replies if r.status_code != 200]
+    for refused in (r for r in replies if r.status_code == 429):
+        assert refused.json()["error"]["code"] == "queue_full" and int(refused.headers["retry-after"]) >= 1

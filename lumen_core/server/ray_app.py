@@ -116,6 +116,15 @@ def _shape(request: Request) -> str:
     return "anthropic" if anthropic else "openai"
 
 
+def _cancel(gen) -> None:
+    """Cancel a replica call; a call that never got a replica raises its refusal here too: it is answered already."""
+    if gen is not None:
+        try:
+            gen.cancel()
+        except Exception:  # noqa: BLE001
+            pass
+
+
 def _failure(shape: str, exc: BaseException) -> Response:
     name = type(exc).__name__
     if name == "BackPressureError":
@@ -175,10 +184,10 @@ class Proxy:
         headers = [(k, v) for k, v in request.headers.items() if k.lower() not in STRIP]
         key = routing_key(url, body)
         for attempt in range(1, ATTEMPTS + 1):
-            gen = self.stream.http.remote(request.method, url, request.scope.get("query_string", b""), headers,
-                                          body, lumen_key=key)
-            head, started, early, ended = None, False, [], False
+            gen, head, started, early, ended = None, None, False, [], False
             try:
+                gen = self.stream.http.remote(request.method, url, request.scope.get("query_string", b""),
+                                              headers, body, lumen_key=key)  # refused here when the queue is full
                 while head is None or not (started or early):
                     try:
                         item = await gen.__anext__()
@@ -192,13 +201,13 @@ class Proxy:
                     else:
                         head = item
             except Exception as exc:  # noqa: BLE001  the replica failed before the answer began: never a hang
-                gen.cancel()
+                _cancel(gen)
                 if isinstance(exc, ray.exceptions.RayActorError) and not started and attempt < ATTEMPTS:
                     continue  # it died before running the request: a live replica takes it
                 return _failure(shape, exc)
             break
         if head is None:  # the app ended without an answer (cannot happen with a Starlette app): say so
-            gen.cancel()
+            _cancel(gen)
             return _failure(shape, RuntimeError("the replica's app sent no response"))
         reply = [(k, v) for k, v in head["headers"] if k.lower() not in STRIP] + [(ATTEMPTS_HEADER, str(attempt))]
         streamed = any(k.lower() == "content-type" and "event-stream" in v for k, v in reply)
@@ -216,7 +225,7 @@ class Proxy:
                 if streamed:
                     yield _stream_error(shape, exc)
             finally:
-                gen.cancel()
+                _cancel(gen)
 
         response = StreamingResponse(rest(), status_code=head["status"])
         response.raw_headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in reply]
@@ -224,16 +233,19 @@ class Proxy:
 
 
 def application(raw: dict, base_dir: str, options: dict, replicas: int, model_name: str, max_queue: int,
-                sequences: int):
-    """The bound application: ``replicas`` Replica deployments behind one Proxy. A replica takes ``sequences``
-    generations at once plus two calls for the light routes (models, token counts, health); the rest wait in
-    front of the replicas (a replica that dies loses only what it was running), up to ``max_queue`` a replica,
-    past which a 429."""
+                sequences: int, routing: str = "prefix-affinity"):
+    """The bound application: ``replicas`` Replica deployments behind one Proxy. A replica holds what its engine
+    would hold alone: ``sequences`` running generations and ``max_queue`` waiting in its app's own queue (past it
+    the app's own 429), plus two calls for the light routes (models, token counts). Requests wait inside the
+    replicas, not in front of them: Ray Serve's router probes full replicas in a loop (on 2 cores it took ~40% of
+    one); a replica that dies loses nothing that waited in it (the proxy sends it again). Requests being routed
+    count as queued in front of the replicas: ``max_queue`` of them (a burst), past which a 429 from the proxy."""
     resources = scale_out.replica_resources(raw)
     replica = serve.deployment(Replica, name="Replica").options(
-        num_replicas=replicas, ray_actor_options=resources, max_ongoing_requests=sequences + 2,
-        max_queued_requests=max(1, max_queue * replicas), health_check_period_s=5, health_check_timeout_s=30,
-        request_router_config={"request_router_class": PrefixAffinityRouter})
+        num_replicas=replicas, ray_actor_options=resources, max_ongoing_requests=sequences + max_queue + 2,
+        max_queued_requests=max(1, max_queue, replicas), health_check_period_s=5, health_check_timeout_s=30,
+        **({"request_router_config": {"request_router_class": PrefixAffinityRouter}}
+           if routing == "prefix-affinity" else {}))  # least-busy: Serve's own power of two choices
     return Proxy.bind(replica.bind(raw, base_dir, options), model_name)
 
 
@@ -263,11 +275,14 @@ def build(args: dict):
                                       "config (JSON) on the nodes, e.g. /etc/lumen/config.json")
     cfg = config_from_path_or_model(args["config"])
     params = cfg.server_parameters()
-    replicas = scale_out.check_replicas(args.get("replicas", (params.get("scale_out") or {}).get("replicas", 1)),
-                                        "args.replicas")
+    replicas = args.get("replicas", (params.get("scale_out") or {}).get("replicas", 1))
+    if isinstance(replicas, str) and replicas.isdigit():  # serve run's KEY=VALUE arguments are strings
+        replicas = int(replicas)
+    replicas = scale_out.check_replicas(replicas, "args.replicas")
     limits = Limits.from_parameters(params)
     api = ServerAPI.from_parameters(params, None)
     options = scale_out.replica_options(cfg, params.get("api_keys", []), args.get("model-name"), limits, api, None,
                                         args.get("api-keys-env"))
     return application(cfg.raw, str(cfg.base_dir), options, replicas, options["name"], limits.max_queue,
-                       max(1, cfg.kv_cache().sequences))
+                       max(1, cfg.kv_cache().sequences), (params.get("scale_out") or {}).get("routing",
+                                                                                            "prefix-affinity"))

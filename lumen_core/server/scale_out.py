@@ -270,8 +270,12 @@ def check_replicas(replicas, where: str = "--replicas") -> int:
     return replicas
 
 
+ROUTINGS = ("prefix-affinity", "least-busy")
+
+
 def serve_replicas(cfg, replicas: int, address: str | None, host: str, port: int, options: dict, model_name: str,
-                   max_queue: int, sequences: int, block: bool = True, echo=print) -> None:
+                   max_queue: int, sequences: int, block: bool = True, echo=print,
+                   routing: str = "prefix-affinity") -> None:
     """Start (``address`` None) or join a Ray cluster, deploy ``replicas`` engines behind one HTTP endpoint on
     ``host:port`` and, with ``block``, serve until interrupted (then the application is deleted). Refused before
     anything is deployed: Ray missing, or a cluster without the GPUs / CPUs the replicas ask for."""
@@ -290,10 +294,10 @@ def serve_replicas(cfg, replicas: int, address: str | None, host: str, port: int
     from .ray_app import application
 
     serve.start(http_options={"host": host, "port": port})
-    serve.run(application(cfg.raw, str(cfg.base_dir), options, replicas, model_name, max_queue, sequences),
+    serve.run(application(cfg.raw, str(cfg.base_dir), options, replicas, model_name, max_queue, sequences, routing),
               name=APP_NAME, route_prefix="/", blocking=False)
     echo(f"lumen serve: {model_name} on http://{host}:{port} through Ray Serve: {replicas} replica(s), each "
-         f"{resources['num_gpus']:g} GPU(s) and {resources['num_cpus']:g} CPU(s)"
+         f"{resources['num_gpus']:g} GPU(s) and {resources['num_cpus']:g} CPU(s), {routing} routing"
          f"{f', cluster {address}' if address else ', a local Ray cluster'}")
     if not block:
         return

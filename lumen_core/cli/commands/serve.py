@@ -123,7 +123,7 @@ def serve(
                          "in this process uses no Ray cluster")
     if replicas is not None:
         _scale_out(cfg, replicas, ray_address or scale.get("ray-address"), host, port, keys, model_name, limits,
-                   api, chat_template)
+                   api, chat_template, scale.get("routing", "prefix-affinity"))
         return
     engine = load(cfg, progress=True, chat_template=chat_template)
     app = create_app(engine, keys, model_name, limits, api)
@@ -137,12 +137,12 @@ def serve(
     uvicorn.run(app, host=host, port=port, log_level="warning")
 
 
-def _scale_out(cfg, replicas, address, host, port, keys, model_name, limits, api, chat_template) -> None:
+def _scale_out(cfg, replicas, address, host, port, keys, model_name, limits, api, chat_template, routing) -> None:
     from ...server.scale_out import replica_options, serve_replicas
 
     options = replica_options(cfg, keys, model_name, limits, api, chat_template)
     serve_replicas(cfg, replicas, address, host, port, options, options["name"], limits.max_queue,
-                   max(1, cfg.kv_cache().sequences), echo=lambda line: typer.echo(line, err=True))
+                   max(1, cfg.kv_cache().sequences), echo=lambda line: typer.echo(line, err=True), routing=routing)
 
 
 def register(app: typer.Typer) -> None:
