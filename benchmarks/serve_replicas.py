@@ -18,8 +18,10 @@ Per server:
 - **added latency**: the median time of ``GET /v1/models`` (a route a replica's app answers at once), 30 times one
   after another, and its difference to the baseline's: what the proxy, Ray's HTTP proxy and the handle call add;
 - **conversations**: ``--clients`` chats at once, ``--turns`` turns each (each turn resends the history): the
-  share of turn 2+'s prompt tokens served from a prefix cache (``usage.prompt_tokens_details.cached_tokens``)
-  and the mean time of those turns; the routing decides whether a turn meets its cache.
+  share of turn 2+'s prompt tokens served from a prefix cache (``usage.prompt_tokens_details.cached_tokens``;
+  a shared system prompt counts too), the share of turns that resumed from their previous turn's snapshot
+  (cached >= the previous prompt), the share served by the previous turn's replica (``x-lumen-replica``) and
+  the mean time of those turns; the routing decides whether a turn meets its cache.
 """
 
 from __future__ import annotations
@@ -53,7 +55,9 @@ def parse_args(argv=None):
     p.add_argument("--cores", type=int, default=os.cpu_count(), help="CPU threads shared out among the engines")
     p.add_argument("--rows", default="one,ray1,ray2,ray2-least")
     p.add_argument("--json", default=None)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.ray_port = free_port()
+    return args
 
 
 ROWS = {  # name: (label, replicas or None, routing)
@@ -61,6 +65,10 @@ ROWS = {  # name: (label, replicas or None, routing)
     "ray1": ("ray, 1 replica", 1, "prefix-affinity"),
     "ray2": ("ray, 2 replicas", 2, "prefix-affinity"),
     "ray2-least": ("ray, 2 replicas, least-busy", 2, "least-busy"),
+    # more replicas than cores (a joined cluster that claims 8 CPUs): their tok/s says little, where each turn
+    # lands says how the routing scales
+    "ray4": ("ray, 4 replicas (joined cluster)", 4, "prefix-affinity"),
+    "ray4-least": ("ray, 4 replicas, least-busy (joined)", 4, "least-busy"),
 }
 
 
@@ -79,6 +87,8 @@ def config_for(path: str, replicas: int | None, routing: str | None, args, workd
     raw.setdefault("cpu", {})["threads"] = max(1, args.cores // (replicas or 1))
     if replicas:
         raw.setdefault("server-parameters", {})["scale-out"] = {"replicas": replicas, "routing": routing}
+        if replicas > args.cores:  # lumen serve --ray-address: join a cluster started here with `ray start`
+            raw["server-parameters"]["scale-out"]["ray-address"] = f"127.0.0.1:{args.ray_port}"
     out = workdir / f"config-{replicas or 0}-{routing}.json"
     out.write_text(json.dumps(raw))
     return out
@@ -109,13 +119,14 @@ class Server:
         raise RuntimeError(f"the server did not come up in {timeout} s: {Path(self.log.name).read_text()}")
 
     def stop(self) -> None:
-        os.killpg(self.proc.pid, signal.SIGINT)  # lumen serve --replicas deletes its application on ^C
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGINT)  # lumen serve --replicas deletes its application on ^C
         try:
             self.proc.wait(60)
         except subprocess.TimeoutExpired:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
-        if self.replicas:  # the local Ray cluster the server started: gone with it, or stopped here
+        if self.replicas:  # the Ray cluster: the local one the server started, or the one it joined
             subprocess.run([str(Path(sys.executable).parent / "ray"), "stop", "--force"], capture_output=True)
 
 
@@ -150,7 +161,7 @@ def latency(url: str, n: int = 30) -> float:
 
 async def conversations(url: str, args) -> dict:
     async with httpx.AsyncClient(base_url=url, timeout=600) as client:
-        async def chat(c: int) -> list[tuple[int, int, float]]:
+        async def chat(c: int) -> list[tuple[int, int, float, str]]:
             messages = [{"role": "system", "content": "You are a helpful assistant who answers in a few sentences."},
                         {"role": "user", "content": f"Conversation {c}: tell me about the history of harbour "
                                                     f"number {c} and the ships that used it."}]
@@ -163,19 +174,33 @@ async def conversations(url: str, args) -> dict:
                 body = reply.json()
                 usage = body["usage"]
                 turns.append((usage["prompt_tokens"], usage.get("prompt_tokens_details", {}).get("cached_tokens", 0),
-                              time.perf_counter() - t0))
+                              time.perf_counter() - t0, reply.headers.get("x-lumen-replica", "one")))
                 messages += [{"role": "assistant", "content": body["choices"][0]["message"]["content"] or "..."},
                              {"role": "user", "content": "Go on, and tell me more."}]
             return turns
 
         chats = await asyncio.gather(*[chat(c) for c in range(args.clients)])
     later = [t for turns in chats for t in turns[1:]]
+    pairs = [(a, b) for turns in chats for a, b in zip(turns, turns[1:], strict=False)]
     return {"cached_share": sum(t[1] for t in later) / max(1, sum(t[0] for t in later)),
+            "resumed": sum(b[1] >= a[0] for a, b in pairs) / len(pairs),  # from its previous turn's snapshot
+            "same_replica": sum(a[3] == b[3] for a, b in pairs) / len(pairs),
             "later_turn_s": statistics.mean(t[2] for t in later)}
+
+
+def ray(*argv: str) -> None:
+    subprocess.run([str(Path(sys.executable).parent / "ray"), *argv], capture_output=True, check=True)
 
 
 def measure(name: str, args, workdir: Path) -> dict:
     label, replicas, routing = ROWS[name]
+    if replicas and replicas > args.cores:  # token authentication on, for the cluster and the server alike
+        os.environ["RAY_AUTH_MODE"] = "token"
+        ray("get-auth-token", "--generate")
+        ray("start", "--head", "--port", str(args.ray_port), "--num-cpus", str(2 * replicas),
+            "--include-dashboard=false")
+    else:
+        os.environ.pop("RAY_AUTH_MODE", None)
     server = Server(config_for(args.config, replicas, routing, args, workdir), replicas)
     try:
         start = server.wait()
@@ -186,7 +211,8 @@ def measure(name: str, args, workdir: Path) -> dict:
     finally:
         server.stop()
     print(f"{label:30s} {row['tok_s']:7.1f} tok/s  /v1/models {row['models_s'] * 1e3:6.1f} ms  "
-          f"turns 2+: {row['cached_share']:5.1%} cached, {row['later_turn_s']:.2f} s  (up in {start:.0f} s)",
+          f"turns 2+: {row['cached_share']:5.1%} cached, {row['resumed']:5.1%} resumed their chat, "
+          f"{row['same_replica']:5.1%} on its replica, {row['later_turn_s']:.2f} s  (up in {start:.0f} s)",
           flush=True)
     return row
 
@@ -199,11 +225,14 @@ def main(argv=None) -> None:
         rows = {name: measure(name, args, Path(tmp)) for name in args.rows.split(",")}
     base = rows.get("one")
     if base:
-        print("\nrow                            tok/s   x baseline   /v1/models   added by the proxy   turns 2+ cached")
+        print("\n| row | tok/s | x baseline | /v1/models | added by the proxy | turns 2+: tokens cached | resumed "
+              "their chat's snapshot | on their chat's replica | mean time of turns 2+ |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
         for row in rows.values():
-            print(f"{row['label']:30s} {row['tok_s']:6.1f}   {row['tok_s'] / base['tok_s']:8.2f}x   "
-                  f"{row['models_s'] * 1e3:7.1f} ms   {(row['models_s'] - base['models_s']) * 1e3:+13.1f} ms   "
-                  f"{row['cached_share']:14.1%}")
+            print(f"| {row['label']} | {row['tok_s']:.1f} | {row['tok_s'] / base['tok_s']:.2f}x | "
+                  f"{row['models_s'] * 1e3:.1f} ms | {(row['models_s'] - base['models_s']) * 1e3:+.1f} ms | "
+                  f"{row['cached_share']:.1%} | {row['resumed']:.1%} | {row['same_replica']:.1%} | "
+                  f"{row['later_turn_s']:.2f} s |")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
 

@@ -105,6 +105,11 @@ def test_the_serve_command_names_what_it_needs(tmp_path, monkeypatch, capsys):
     assert code == 2 and "--ray-address needs --replicas" in err
     code, err = run("--replicas", "0")
     assert code == 2 and "--replicas" in err
+    code, err = run("--replicas", "2", "--ray-address", "127.0.0.1:9")  # nothing listens there
+    assert code == 2 and "could not connect to the Ray cluster at 127.0.0.1:9" in err and "ray start --head" in err
+    assert "Traceback" not in err
+    code, err = run("--replicas", "2", "--ray-address", "no-port")
+    assert code == 2 and "give HOST:PORT" in err
     monkeypatch.setitem(__import__("sys").modules, "ray", None)  # Ray not installed
     code, err = run("--replicas", "2")
     assert code == 2 and "pip install 'ray[serve]'" in err

@@ -283,7 +283,7 @@ def serve_replicas(cfg, replicas: int, address: str | None, host: str, port: int
     check_replicas(replicas)
     resources = replica_resources(cfg.raw)
     if not ray.is_initialized():
-        ray.init(address=address, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
+        _connect(ray, address)
     total = ray.cluster_resources()
     for name, key in (("num_gpus", "GPU"), ("num_cpus", "CPU")):
         need, have = resources[name] * replicas, total.get(key, 0)
@@ -310,6 +310,45 @@ def serve_replicas(cfg, replicas: int, address: str | None, host: str, port: int
         pass
     finally:
         shutdown()
+
+
+def reachable(address: str | None, timeout: float = 5.0) -> None:
+    """A ScaleOutError at once when nothing listens at ``address`` (``HOST:PORT`` or ``ray://HOST:PORT``; ``auto``
+    and None are Ray's to find): ``ray.init`` would retry for minutes before saying so."""
+    import socket
+
+    if not address or address == "auto" or address == "local":
+        return
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit():
+        raise ScaleOutError(f"--ray-address {address!r}: give HOST:PORT (the head's GCS, 6379 by default) or "
+                            "ray://HOST:10001 (Ray Client)")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
+    except OSError as exc:
+        raise ScaleOutError(f"could not connect to the Ray cluster at {address} ({exc}): check that `ray start "
+                            "--head` runs there and that this is its GCS address (HOST:6379) or its client address "
+                            "(ray://HOST:10001)") from exc
+
+
+def _connect(ray, address: str | None) -> None:
+    """``ray.init``: a local cluster (``address`` None) or the one at ``address``; a failure is a ScaleOutError that
+    says what to check, not Ray's traceback."""
+    reachable(address)
+    try:
+        ray.init(address=address, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
+    except Exception as exc:  # noqa: BLE001  ConnectionError, RuntimeError, AuthenticationError, ...
+        text = f"{exc} {exc.__cause__ or ''}"
+        where = f"the Ray cluster at {address}" if address else "a local Ray cluster"
+        if "AuthToken" in text or "Authentication" in text or "authentication" in text:
+            fix = ("the cluster uses token authentication: run lumen serve with RAY_AUTH_MODE=token and the cluster's "
+                   "token in ~/.ray/auth_token or RAY_AUTH_TOKEN (docs/scale-out.md)")
+        elif address:
+            fix = (f"check that `ray start --head` runs there and that {address} is its GCS address (HOST:6379) or "
+                   "its client address (ray://HOST:10001)")
+        else:
+            fix = "see Ray's message above; `ray stop --force` clears what a crashed local cluster left"
+        raise ScaleOutError(f"could not connect to {where} ({type(exc).__name__}: {str(exc)[:300]}): {fix}") from exc
 
 
 def shutdown() -> None:
