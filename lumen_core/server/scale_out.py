@@ -47,23 +47,21 @@ class ScaleOutError(LumenError):
 
 
 # -- what a replica asks Ray for --------------------------------------------------------------------------------
+def _compute_blocks(node):
+    """Every dict of the config (any block, any depth) that writes a ``compute`` string."""
+    if isinstance(node, dict):
+        if isinstance(node.get("compute"), str):
+            yield node
+        for value in node.values():
+            yield from _compute_blocks(value)
+    elif isinstance(node, list):
+        for value in node:
+            yield from _compute_blocks(value)
+
+
 def compute_devices(raw: dict) -> set[str]:
-    """Every ``compute`` value the config writes (any block, any depth), and ``cpu`` (the default)."""
-    found = {"cpu"}
-
-    def walk(node):
-        if isinstance(node, dict):
-            for key, value in node.items():
-                if key == "compute" and isinstance(value, str):
-                    found.add(value)
-                else:
-                    walk(value)
-        elif isinstance(node, list):
-            for value in node:
-                walk(value)
-
-    walk(raw)
-    return found
+    """Every ``compute`` value the config writes, and ``cpu`` (the default)."""
+    return {"cpu"} | {block["compute"] for block in _compute_blocks(raw)}
 
 
 def replica_resources(raw: dict) -> dict:
@@ -81,19 +79,8 @@ def renumbered(raw: dict) -> dict:
     order = sorted({int(_CUDA.match(d).group(1)) for d in compute_devices(raw) if _CUDA.match(d)})
     index = {f"cuda:{n}": f"cuda:{i}" for i, n in enumerate(order)}
     out = copy.deepcopy(raw)
-
-    def walk(node):
-        if isinstance(node, dict):
-            for key, value in node.items():
-                if key == "compute" and isinstance(value, str):
-                    node[key] = index.get(value, value)
-                else:
-                    walk(value)
-        elif isinstance(node, list):
-            for value in node:
-                walk(value)
-
-    walk(out)
+    for block in _compute_blocks(out):
+        block["compute"] = index.get(block["compute"], block["compute"])
     return out
 
 
