@@ -225,8 +225,9 @@ def cluster(tiny_checkpoint):
     port = free_port()
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     try:
-        options = {"api_keys": [KEY], "model_name": "tiny", "limits": {}, "server_api": None, "chat_template": None}
-        scale_out.serve_replicas(cfg, 2, None, "127.0.0.1", port, options, "tiny", MAX_QUEUE, 1, block=False,
+        options = {"api_keys": [KEY], "model_name": "tiny", "name": "tiny", "limits": {"max_queue": MAX_QUEUE},
+                   "server_api": None, "chat_template": None}
+        scale_out.serve_replicas(cfg, 2, None, "127.0.0.1", port, options, block=False,
                                  echo=lambda line: None)
         yield f"http://127.0.0.1:{port}", raw
     finally:
@@ -405,12 +406,12 @@ def test_past_the_queue_limit_a_429_in_the_apis_shape(cluster):
     url, raw = cluster
     from lumen_core.config import load_config
 
-    options = {"api_keys": [KEY], "model_name": "tiny", "limits": {"max_queue": 1}, "server_api": None,
-               "chat_template": None}
+    options = {"api_keys": [KEY], "model_name": "tiny", "name": "tiny", "limits": {"max_queue": 1},
+               "server_api": None, "chat_template": None}
     with httpx.Client(base_url=url, timeout=60) as client:
         old = set(client.get("/health").json()["replica_ids"])
-        scale_out.serve_replicas(load_config(raw), 2, None, "127.0.0.1", int(url.rsplit(":", 1)[1]), options, "tiny",
-                                 1, 1, block=False, echo=lambda line: None)
+        scale_out.serve_replicas(load_config(raw), 2, None, "127.0.0.1", int(url.rsplit(":", 1)[1]), options,
+                                 block=False, echo=lambda line: None)
         deadline = time.monotonic() + 120
         while True:  # the new replicas report, the old ones are gone
             ids = set(client.get("/health").json().get("replica_ids", []))

@@ -232,21 +232,26 @@ class Proxy:
         return response
 
 
-def application(raw: dict, base_dir: str, options: dict, replicas: int, model_name: str, max_queue: int,
-                sequences: int, routing: str = "prefix-affinity"):
+def application(cfg, options: dict, replicas: int, routing: str = "prefix-affinity"):
     """The bound application: ``replicas`` Replica deployments behind one Proxy. A replica holds what its engine
     would hold alone: ``sequences`` running generations and ``max_queue`` waiting in its app's own queue (past it
-    the app's own 429), plus two calls for the light routes (models, token counts). Requests wait inside the
-    replicas, not in front of them: Ray Serve's router probes full replicas in a loop (on 2 cores it took ~40% of
-    one); a replica that dies loses nothing that waited in it (the proxy sends it again). Requests being routed
-    count as queued in front of the replicas: ``max_queue`` of them (a burst), past which a 429 from the proxy."""
+    the app's own 429; both from ``cfg`` and ``options``, scale_out.replica_options), plus two calls for the light
+    routes (models, token counts). Requests wait inside the replicas, not in front of them: Ray Serve's router
+    probes full replicas in a loop (on 2 cores it took ~40% of one); a replica that dies loses nothing that waited
+    in it (the proxy sends it again). Requests being routed count as queued in front of the replicas: ``max_queue``
+    of them (a burst), past which a 429 from the proxy."""
+    from .settings import Limits
+
+    raw, sequences = cfg.raw, max(1, cfg.kv_cache().sequences)
+    max_queue = Limits(**options.get("limits", {})).max_queue
     resources = scale_out.replica_resources(raw)
     replica = serve.deployment(Replica, name="Replica").options(
         num_replicas=replicas, ray_actor_options=resources, max_ongoing_requests=sequences + max_queue + 2,
         max_queued_requests=max(1, max_queue, replicas), health_check_period_s=5, health_check_timeout_s=30,
         **({"request_router_config": {"request_router_class": PrefixAffinityRouter}}
            if routing == "prefix-affinity" else {}))  # least-busy: Serve's own power of two choices
-    return Proxy.bind(replica.bind(raw, base_dir, options), model_name)
+    return Proxy.bind(replica.bind(raw, str(cfg.base_dir), options),
+                      options.get("name") or scale_out.default_model_name(cfg))
 
 
 BUILD_ARGS = {"config": "the config file (JSON) every replica loads, a path on every node",
@@ -283,6 +288,4 @@ def build(args: dict):
     api = ServerAPI.from_parameters(params, None)
     options = scale_out.replica_options(cfg, params.get("api_keys", []), args.get("model-name"), limits, api, None,
                                         args.get("api-keys-env"))
-    return application(cfg.raw, str(cfg.base_dir), options, replicas, options["name"], limits.max_queue,
-                       max(1, cfg.kv_cache().sequences), (params.get("scale_out") or {}).get("routing",
-                                                                                            "prefix-affinity"))
+    return application(cfg, options, replicas, (params.get("scale_out") or {}).get("routing", "prefix-affinity"))

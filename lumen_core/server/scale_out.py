@@ -260,9 +260,8 @@ def check_replicas(replicas, where: str = "--replicas") -> int:
 ROUTINGS = ("prefix-affinity", "least-busy")
 
 
-def serve_replicas(cfg, replicas: int, address: str | None, host: str, port: int, options: dict, model_name: str,
-                   max_queue: int, sequences: int, block: bool = True, echo=print,
-                   routing: str = "prefix-affinity") -> None:
+def serve_replicas(cfg, replicas: int, address: str | None, host: str, port: int, options: dict,
+                   block: bool = True, echo=print, routing: str = "prefix-affinity") -> None:
     """Start (``address`` None) or join a Ray cluster, deploy ``replicas`` engines behind one HTTP endpoint on
     ``host:port`` and, with ``block``, serve until interrupted (then the application is deleted). Refused before
     anything is deployed: Ray missing, or a cluster without the GPUs / CPUs the replicas ask for."""
@@ -281,15 +280,21 @@ def serve_replicas(cfg, replicas: int, address: str | None, host: str, port: int
     from .ray_app import application
 
     serve.start(http_options={"host": host, "port": port})
-    serve.run(application(cfg.raw, str(cfg.base_dir), options, replicas, model_name, max_queue, sequences, routing),
+    model_name = options.get("name") or default_model_name(cfg)
+    serve.run(application(cfg, options, replicas, routing),
               name=APP_NAME, route_prefix="/", blocking=False)
     echo(f"lumen serve: {model_name} on http://{host}:{port} through Ray Serve: {replicas} replica(s), each "
          f"{resources['num_gpus']:g} GPU(s) and {resources['num_cpus']:g} CPU(s), {routing} routing"
          f"{f', cluster {address}' if address else ', a local Ray cluster'}")
     if not block:
         return
+    import signal
     import time
 
+    def stop(signum, frame):  # SIGTERM (docker stop, systemd) as ^C: a joined cluster keeps no orphan application
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)
     try:
         while True:
             time.sleep(3600)

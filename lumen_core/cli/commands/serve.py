@@ -141,8 +141,8 @@ def _scale_out(cfg, replicas, address, host, port, keys, model_name, limits, api
     from ...server.scale_out import replica_options, serve_replicas
 
     options = replica_options(cfg, keys, model_name, limits, api, chat_template)
-    serve_replicas(cfg, replicas, address, host, port, options, options["name"], limits.max_queue,
-                   max(1, cfg.kv_cache().sequences), echo=lambda line: typer.echo(line, err=True), routing=routing)
+    serve_replicas(cfg, replicas, address, host, port, options, echo=lambda line: typer.echo(line, err=True),
+                   routing=routing)
 
 
 def register(app: typer.Typer) -> None:
