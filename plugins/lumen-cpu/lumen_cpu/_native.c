@@ -13,26 +13,11 @@
  *        with x given permuted (lumen_nvfp4_permute): per 32 columns the 16 even ones, then the 16 odd ones, the
  *        order of a byte's low and high codes.
  */
-#include <stddef.h>
-#include <stdint.h>
-#include <string.h>
+#include "_native.h"
 
-#if defined(__x86_64__) || defined(_M_X64)
-#define LUMEN_X86 1
-#include <immintrin.h>
-#endif
-
-typedef int64_t i64;
-
-static int level = 0; /* 0 scalar, 1 AVX2 + FMA, 2 AVX-512 (F, BW, VL, DQ) */
+int lumen_level = 0;
 
 /* -- scalar decoders (the reference: numba's fp8.decode and nvfp4_fused.e2m1) ---------------------------------- */
-static inline float bits_f32(uint32_t u) {
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
 static inline float e4m3(uint32_t b) {
     float f = bits_f32(((b & 0x7Fu) << 20) + 0x3C000000u);
     float v = (b & 0x78u) == 0 ? (f - 0.0078125f) * 2.0f : f;
@@ -94,7 +79,6 @@ static void nvfp4_decode_scalar(const uint8_t *w, i64 ldw, const uint8_t *s, i64
 
 #ifdef LUMEN_X86
 /* -- AVX2 -------------------------------------------------------------------------------------------------------- */
-#define T2 __attribute__((target("avx2,fma")))
 
 T2 static inline __m256 e4m3x8(const uint8_t *p) { /* 8 bytes -> 8 f32, exact (subnormal codes fixed up) */
     __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
@@ -170,7 +154,6 @@ T2 static void nvfp4_rows_avx2(const uint8_t *w, i64 ldw, const uint8_t *s, i64 
 }
 
 /* -- AVX-512 ----------------------------------------------------------------------------------------------------- */
-#define T5 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")))
 
 T5 static inline __m512 e4m3x16(const uint8_t *p) { /* 16 bytes -> 16 f32, exact */
     __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
@@ -292,23 +275,24 @@ int lumen_native_init(int most) { /* the highest level <= most that this CPU run
     int best = 0;
 #ifdef LUMEN_X86
     __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) best = 1;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) best = 1; /* (every such CPU has F16C) */
     if (best == 1 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
         best = 2;
+    if (best == 2 && __builtin_cpu_supports("avx512vnni")) best = 3;
 #endif
-    level = most < best ? most : best;
-    return level;
+    lumen_level = most < best ? most : best;
+    return lumen_level;
 }
 
 void lumen_fp8_rows(const uint8_t *w, i64 ldw, i64 r0, i64 n, i64 K, const float *x, const float *S, i64 lds,
                     i64 br, i64 bc, float *out) {
 #ifdef LUMEN_X86
-    if (level == 2) {
+    if (lumen_level >= 2) {
         fp8_rows_avx512(w, ldw, r0, n, K, x, S, lds, br, bc, out);
         return;
     }
-    if (level == 1) {
+    if (lumen_level == 1) {
         fp8_rows_avx2(w, ldw, r0, n, K, x, S, lds, br, bc, out);
         return;
     }
@@ -319,11 +303,11 @@ void lumen_fp8_rows(const uint8_t *w, i64 ldw, i64 r0, i64 n, i64 K, const float
 void lumen_nvfp4_rows(const uint8_t *w, i64 ldw, const uint8_t *s, i64 lds, i64 r0, i64 n, i64 K, const float *xp,
                       float gs, float *out) {
 #ifdef LUMEN_X86
-    if (level == 2) {
+    if (lumen_level >= 2) {
         nvfp4_rows_avx512(w, ldw, s, lds, r0, n, K, xp, gs, out);
         return;
     }
-    if (level == 1) {
+    if (lumen_level == 1) {
         nvfp4_rows_avx2(w, ldw, s, lds, r0, n, K, xp, gs, out);
         return;
     }
@@ -344,7 +328,7 @@ void lumen_nvfp4_permute(const float *x, i64 K, float *xp) { /* per 32 columns: 
 void lumen_nvfp4_decode_rows(const uint8_t *w, i64 ldw, const uint8_t *s, i64 lds, i64 r0, i64 n, i64 K, float gs,
                              float *out, i64 ldo) { /* out[i * ldo + k]: the f32 value nvfp4.dequantize gives */
 #ifdef LUMEN_X86
-    if (level == 2) {
+    if (lumen_level >= 2) {
         nvfp4_decode_avx512(w, ldw, s, lds, r0, n, K, gs, out, ldo);
         return;
     }

@@ -24,13 +24,14 @@ from __future__ import annotations
 import weakref
 
 import numpy as np
-from numba import njit, prange, types
+from numba import get_num_threads, njit, prange, types
 from numba.extending import overload
 
 from lumen_core.backend import Weight
 
+from . import native
 from .bitcast import as_f32
-from .fused import F16, _h, _scale_min_k4, gemv_or_gemm
+from .fused import F16, PARALLEL_MIN_BYTES, _h, _scale_min_k4, gemv_or_gemm
 from .gemm import FASTMATH, block4
 
 # checkpoint format -> (values per scale, has a minimum)
@@ -164,42 +165,43 @@ def _unpack(kind, raw, q, s, m, tab):
                     qr[b * 32 + i] = (np.int32(row[o + 2 + i]) ^ 0x80) - 0x80
 
 
-# -- GEMV: x (T, C) f32 -> out (T, R); the fused kernels' expressions, lane by lane ---------------------------------
-@njit(cache=True, parallel=True, fastmath=True)
-def _gemv32(q, s, x, out):  # a scale per 32: code x (scale x x), as the fused Q4_0 / Q5_0 kernels
-    for r in prange(q.shape[0]):
-        for t in range(x.shape[0]):
-            acc = np.zeros(32, np.float32)
-            for b in range(q.shape[1] // 32):
-                d = scale_at(s, r, b)
-                for i in range(32):
-                    acc[i] += np.float32(q[r, b * 32 + i]) * (d * x[t, b * 32 + i])
-            out[t, r] = acc.sum()
+# -- GEMV: x (T, C) f32 -> out (T, R) through the C rows (lumen_cpu/_native_i8.c, or native's numba cfunc) ---------
+@njit(inline="always")
+def _xsums(x, m):  # x's sums per 32 columns (T, C / 32), which the minimums multiply; (T, 0) where there are none
+    if m.shape[1] == 0:
+        return np.empty((x.shape[0], 0), np.float32)
+    xs = np.empty((x.shape[0], x.shape[1] // 32), np.float32)
+    for t in range(x.shape[0]):
+        for c in range(xs.shape[1]):
+            xs[t, c] = x[t, c * 32:c * 32 + 32].sum()
+    return xs
 
 
-@njit(cache=True, parallel=True, fastmath=True)
-def _gemv32_min(q, s, m, x, out):  # (scale x code - min) x x, as the fused Q4_K / Q5_K kernels
-    for r in prange(q.shape[0]):
-        for t in range(x.shape[0]):
-            acc = np.zeros(32, np.float32)
-            for b in range(q.shape[1] // 32):
-                ds, dm = s[r, b], m[r, b]
-                for i in range(32):
-                    acc[i] += (ds * np.float32(q[r, b * 32 + i]) - dm) * x[t, b * 32 + i]
-            out[t, r] = acc.sum()
+@njit(inline="always")
+def _rows(q, s, m, x, xs, out, r0, r1):  # out[:, r0:r1]; q, s, m rows of contiguous values; x, out C-contiguous
+    native.i8_rows(q.ctypes.data, q.strides[0], s.ctypes.data, s.strides[0] // s.itemsize, np.int64(s.itemsize == 2),
+                   q.shape[1] // s.shape[1], m.ctypes.data if m.shape[1] > 0 else 0, m.strides[0] // 4, r0, r1 - r0,
+                   q.shape[1], x.ctypes.data, x.shape[1], xs.ctypes.data, x.shape[0], out.ctypes.data + 4 * r0,
+                   out.shape[1])
 
 
-@njit(cache=True, parallel=True, fastmath=True)
-def _gemv16(q, s, x, out):  # a scale per 16, 32 values a step: (scale x code) x x, as the fused Q6_K kernel
-    for r in prange(q.shape[0]):
-        for t in range(x.shape[0]):
-            acc = np.zeros(32, np.float32)
-            for b in range(q.shape[1] // 32):
-                d0, d1 = s[r, 2 * b], s[r, 2 * b + 1]
-                for i in range(16):
-                    acc[i] += d0 * np.float32(q[r, b * 32 + i]) * x[t, b * 32 + i]
-                    acc[i + 16] += d1 * np.float32(q[r, b * 32 + 16 + i]) * x[t, b * 32 + 16 + i]
-            out[t, r] = acc.sum()
+@njit(cache=True, parallel=True)
+def _rows_parallel(q, s, m, x, xs, out, nw):  # worker w: its contiguous share of the rows
+    R = q.shape[0]
+    for w in prange(nw):
+        _rows(q, s, m, x, xs, out, w * R // nw, (w + 1) * R // nw)
+
+
+@njit(cache=True)
+def gemv(q, s, m, x, out, threads):
+    """out (T, R) = x (T, C) @ W.T for W's codes q, scales s and minimums m ((R, 0): none), on up to ``threads``
+    of numba's threads (one below PARALLEL_MIN_BYTES: waking the pool costs more than it saves)."""
+    xs = _xsums(x, m)
+    nw = min(threads, q.shape[0]) if q.size >= PARALLEL_MIN_BYTES else 1
+    if nw <= 1:
+        _rows(q, s, m, x, xs, out, 0, q.shape[0])
+    else:
+        _rows_parallel(q, s, m, x, xs, out, nw)
 
 
 @njit(cache=True)  # serial; no fastmath: no FMA, the exact values
@@ -231,12 +233,7 @@ def dequantize_rows(w: Weight, start: int = 0, stop: int | None = None) -> np.nd
 
 
 def _gemv(d: I8Data, x, out, tab=None):
-    if d.m is not None:
-        _gemv32_min(d.q, d.s, d.m, x, out)
-    elif d.s.shape[1] * 16 == d.q.shape[1]:
-        _gemv16(d.q, d.s, x, out)
-    else:
-        _gemv32(d.q, d.s, x, out)
+    gemv(d.q, d.s, d.m if d.m is not None else np.empty((d.q.shape[0], 0), np.float32), x, out, get_num_threads())
 
 
 @njit(cache=True, parallel=True, fastmath=FASTMATH)

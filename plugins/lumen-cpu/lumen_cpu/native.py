@@ -1,16 +1,19 @@
 """The compiled row kernels of ``_native.c`` (fp8 and NVFP4 rows dotted with one f32 vector, decoded in registers
-with AVX-512 / AVX2), and the numba kernels that call them on numba's threads.
+with AVX-512 / AVX2) and ``_native_i8.c`` (rows of the int8 layout, ``lumen_cpu.int8``), and the numba kernels that
+call them on numba's threads.
 
 ``setup.py`` builds ``_native`` at install time; it is optional: where no C compiler was found the package installs
-without it, ``available`` is False and the pure-numba kernels (``fp8``, ``nvfp4_fused``, ``moe_fused``) do this work.
+without it, ``available`` is False and the pure-numba kernels (``fp8``, ``nvfp4_fused``, ``moe_fused``) do this work;
+the functions every path calls by name (``lumen_nvfp4_decode_rows``, ``lumen_i8_rows``) are then numba cfuncs with
+the same results (``_register_fallbacks``).
 The library is loaded into LLVM's symbol table (``llvmlite.binding.load_library_permanently``) and the kernels call
 its functions by name (``numba.types.ExternalFunction``), so the numba kernels that call them stay cacheable.
 
 Environment (read once, at import):
 
 - ``LUMEN_CPU_NATIVE=0``: do not load the library (the numba kernels run; for comparisons).
-- ``LUMEN_CPU_ISA=avx512|avx2|scalar``: the highest instruction set the kernels may use (default avx512); the CPU's
-  own support caps it. ``level`` is the one in use.
+- ``LUMEN_CPU_ISA=avx512vnni|avx512|avx2|scalar``: the highest instruction set the kernels may use (default: the
+  highest); the CPU's own support caps it. ``level`` is the one in use.
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ from lumen_core.errors import LumenError
 from .activations import moe_act as _act
 
 F32 = np.float32
-LEVELS = {"scalar": 0, "avx2": 1, "avx512": 2}
+LEVELS = {"scalar": 0, "avx2": 1, "avx512": 2, "avx512vnni": 3}
+HIGHEST = "avx512vnni"
 NAMES = {v: k for k, v in LEVELS.items()}
 
 
@@ -45,7 +49,7 @@ _lib: list = []
 
 
 def use(isa: str) -> str:
-    """Let the kernels use at most ``isa`` (avx512, avx2, scalar) from now on; the level in use (the CPU's support
+    """Let the kernels use at most ``isa`` (a key of LEVELS) from now on; the level in use (the CPU's support
     caps it). For tests and comparisons; LUMEN_CPU_ISA sets it at import."""
     global level
     if isa not in LEVELS:
@@ -57,7 +61,7 @@ def use(isa: str) -> str:
 
 
 def _load() -> bool:
-    isa = os.environ.get("LUMEN_CPU_ISA", "avx512")
+    isa = os.environ.get("LUMEN_CPU_ISA", HIGHEST)
     if isa not in LEVELS:
         raise LumenError(f"LUMEN_CPU_ISA={isa!r}: expected one of {', '.join(LEVELS)} (or leave it unset)")
     path = _library()
@@ -86,9 +90,14 @@ nvfp4_rows = types.ExternalFunction("lumen_nvfp4_rows",
 nvfp4_permute = types.ExternalFunction("lumen_nvfp4_permute", types.void(_i, _i, _i))
 # out[i * ldo + k] = NVFP4 row r0 + i decoded to f32 (nvfp4.dequantize's values): (w, ldw, s, lds, r0, n, K, gs, out,
 # ldo). The several-token expert kernels (moe_fused) call it whether or not the library was built: without it, the
-# symbol is a numba cfunc (_register_fallback) with the same results.
+# symbol is a numba cfunc (_register_fallbacks) with the same results.
 nvfp4_decode_rows = types.ExternalFunction("lumen_nvfp4_decode_rows",
                                            types.void(_i, _i, _i, _i, _i, _i, _i, types.float32, _i, _i))
+# out[t * ldo + i] = row r0 + i of an int8-layout matrix (lumen_cpu.int8) dotted with x's row t, t < T:
+# (q, ldq, s, lds, s16, bs, m, ldm, r0, n, K, x, ldx, xs, T, out, ldo); s holds f16 bits when s16 (else f32), a
+# scale per bs columns; m (0: none) a minimum per 32 columns, xs then x's sums per 32 columns (T rows of K / 32).
+# Every i8 GEMV calls it (lumen_cpu.int8); without the library the symbol is a numba cfunc (_register_fallbacks).
+i8_rows = types.ExternalFunction("lumen_i8_rows", types.void(*[_i] * 17))
 
 
 @intrinsic
@@ -102,12 +111,13 @@ def _pointer(typingctx, addr, dtype):
     return ptr(addr, dtype), codegen
 
 
-def _register_fallback() -> None:
-    """Without the library: ``lumen_nvfp4_decode_rows`` as a numba cfunc (the same f32 values), so that the
-    kernels that call it link."""
+def _register_fallbacks() -> None:
+    """Without the library: ``lumen_nvfp4_decode_rows`` and ``lumen_i8_rows`` as numba cfuncs (the same f32
+    values; the sums in another order), so that the kernels that call them link."""
     from llvmlite import binding
     from numba import carray, cfunc
 
+    from .bitcast import as_f32
     from .nvfp4 import E2M1
     from .nvfp4_fused import E4M3
 
@@ -122,13 +132,44 @@ def _register_fallback() -> None:
                 O[i * ldo + c] = (E2M1[b & 15] * sc) * gs
                 O[i * ldo + c + 1] = (E2M1[b >> 4] * sc) * gs
 
-    binding.add_symbol("lumen_nvfp4_decode_rows", decode.address)
-    _fallbacks.append(decode)
+    @cfunc(types.void(*[_i] * 17), cache=True, fastmath=True)
+    def i8(q, ldq, s, lds, s16, bs, m, ldm, r0, n, K, x, ldx, xs, T, out, ldo):
+        rows, nc = r0 + n, K // 32
+        Q = carray(_pointer(q, np.int8), ((rows - 1) * ldq + K,))
+        S32 = carray(_pointer(s, np.float32), ((rows - 1) * lds + K // bs,))
+        S16 = carray(_pointer(s, np.uint16), ((rows - 1) * lds + K // bs,))
+        M = carray(_pointer(m, np.float32), ((rows - 1) * ldm + nc,) if m else (0,))
+        X = carray(_pointer(x, np.float32), ((T - 1) * ldx + K,))
+        XS = carray(_pointer(xs, np.float32), (T * nc,) if m else (0,))
+        O = carray(_pointer(out, np.float32), ((T - 1) * ldo + n,))
+        for i in range(n):
+            r = r0 + i
+            for t in range(T):
+                acc = np.float32(0)
+                for b in range(K // bs):
+                    part = np.float32(0)
+                    for k in range(b * bs, (b + 1) * bs):
+                        part += np.float32(Q[r * ldq + k]) * X[t * ldx + k]
+                    if s16:
+                        h = np.uint32(S16[r * lds + b])
+                        sc = as_f32(((h & np.uint32(0x7FFF)) << np.uint32(13)) |
+                                    ((h & np.uint32(0x8000)) << np.uint32(16))) * np.float32(5.192296858534828e33)
+                    else:
+                        sc = S32[r * lds + b]
+                    acc += part * sc
+                if m:
+                    for c in range(nc):
+                        acc -= M[r * ldm + c] * XS[t * nc + c]
+                O[t * ldo + i] = acc
+
+    for name, f in (("lumen_nvfp4_decode_rows", decode), ("lumen_i8_rows", i8)):
+        binding.add_symbol(name, f.address)
+        _fallbacks.append(f)
 
 
 _fallbacks: list = []
 if not available:
-    _register_fallback()
+    _register_fallbacks()
 
 
 @njit(inline="always")
