@@ -7,7 +7,8 @@ process and get the same token ids (the start of a fixed English text, tokenized
 
 * Lumen: default configuration (CPU, RAM: the GGUF 4-8-bit blocks repacked to int8 codes + block scales,
   ``lumen_cpu.int8``; each decoder layer one compiled call, ``lumen_cpu.layer``). ``lumen-mmap``: store mmap
-  (the file's blocks decoded per use); ``lumen-ops``: the default with each layer's ops called one by one.
+  (the file's blocks decoded per use); ``lumen-ops``: the default with each layer's ops called one by one;
+  ``lumen-int8``: ``cpu.compute-quantization: int8`` (decode GEMVs with 8-bit activations: opt-in, inexact).
 * llama.cpp: ``llama-cpp-python`` (built from source by pip), ``n_threads`` = ``n_threads_batch`` =
   ``--threads``, flash attention off (its default on CPU).
 * transformers: ``from_pretrained(gguf_file=...)`` dequantizes to float32, eager attention.
@@ -44,6 +45,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--engines", nargs="+", default=["lumen", "llama.cpp", "transformers"],
                    help="any of lumen, lumen-mmap (store mmap: GGUF blocks decoded per use, not repacked to int8), "
                         "lumen-ops (each layer op by op: the CPU's one-call layer, lumen_cpu.layer, off), "
+                        "lumen-int8 (cpu.compute-quantization int8: 8-bit activations in the decode GEMVs), "
                         "llama.cpp, transformers")
     p.add_argument("--max-foreign", type=float, default=0.05)
     p.add_argument("--tries", type=int, default=5)
@@ -55,12 +57,16 @@ def parse_args(argv=None) -> argparse.Namespace:
 class Lumen:
     name = "Lumen"
 
-    def __init__(self, path: Path, context: int, store: str | None = None, layer_calls: bool = True):
+    def __init__(self, path: Path, context: int, store: str | None = None, layer_calls: bool = True,
+                 quantization: str = "none"):
         self.path, self.context, self.store, self.layer_calls = path, context, store, layer_calls
+        self.quantization = quantization
         if store:
             self.name = f"Lumen ({store})"
         if not layer_calls:
             self.name = "Lumen (op by op)"
+        if quantization != "none":
+            self.name = f"Lumen ({quantization} activations)"
 
     def _forward(self, ids):
         from lumen_cpu import layer
@@ -73,8 +79,8 @@ class Lumen:
 
         store = {"store": self.store} if self.store else {}  # the default: ram (GGUF 4-6-bit blocks as int8)
         self.engine = lumen.load({"model": {"path": str(self.path), **store,
-                                            "hidden-layers": {"kv-cache": {"context-size": self.context}}}},
-                                 progress=False)
+                                            "hidden-layers": {"kv-cache": {"context-size": self.context}}},
+                                  "cpu": {"compute-quantization": self.quantization}}, progress=False)
 
     def prefill(self, ids):
         self.cache = self.engine.model.new_cache(self.context)
@@ -227,6 +233,7 @@ def main(argv=None) -> None:
     makers = {"lumen": lambda: Lumen(path, args.context),
               "lumen-mmap": lambda: Lumen(path, args.context, "mmap"),  # the file's blocks, decoded per use
               "lumen-ops": lambda: Lumen(path, args.context, layer_calls=False),  # no compiled layer
+              "lumen-int8": lambda: Lumen(path, args.context, quantization="int8"),  # 8-bit activations (opt-in)
               "llama.cpp": lambda: LlamaCpp(path, args.context, args.threads),
               "transformers": lambda: Transformers(path)}
     engines = [makers[name]() for name in args.engines]

@@ -116,6 +116,11 @@ class Backend(ABC):
         thread count (``cpu.threads``). Backends without a host thread pool are never called."""
         raise NotImplementedError(f"backend {self.name!r} has no thread pool to configure")
 
+    def configure_compute_quantization(self, quantization: str) -> None:
+        """Called before loading on the CPU backend with ``cpu.compute-quantization`` ("none" or "int8")."""
+        if quantization != "none":
+            raise NotImplementedError(f"backend {self.name!r} has no compute quantization {quantization!r}")
+
     def release_threads(self) -> None:
         """Called on a thread that is about to wait while another thread computes on this backend (a GPU graph's
         host nodes run this backend's ops on a driver thread): free the calling thread's idle worker threads, if

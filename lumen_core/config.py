@@ -805,6 +805,11 @@ class Config:
         """cpu.threads: the CPU backend's compute threads (None: its default, one per core)."""
         return self.raw.get("cpu", {}).get("threads")
 
+    def cpu_compute_quantization(self) -> str:
+        """cpu.compute-quantization: "int8" (the CPU's GEMVs with int8-layout weights quantize x to 8 bits) or
+        "none" (the default)."""
+        return self.raw.get("cpu", {}).get("compute-quantization", "none")
+
     def expert_cache(self) -> int | None:
         """model.hidden-layers.experts.cache: experts kept in VRAM per GPU for streamed experts (None: default)."""
         return self.raw["model"].get("hidden-layers", {}).get("experts", {}).get("cache")

@@ -149,7 +149,7 @@ class Engine:
         elif chat:
             raise InputError(f"{config.model_path} has no tokenizer, so it cannot chat")
         backends = _backends(resolved["placements"], registry)
-        _configure_threads(config.cpu_threads(), backends)
+        _configure_cpu(config, backends)
         for comp, p in resolved["placements"].items():  # routed experts streamed from a host store to a GPU
             if comp[0] == "experts" and p.store in registry.backend_class(p.backend).expert_stores:
                 backends[comp].configure_expert_cache(config.expert_cache())
@@ -825,16 +825,19 @@ def _backends(placements: dict, registry) -> dict:
     return out
 
 
-def _configure_threads(threads: int | None, backends: dict) -> None:
-    """cpu.threads to the CPU backend, before any weight is read (the int8 repack already runs on the pool)."""
-    if threads is None:
-        return
+def _configure_cpu(config, backends: dict) -> None:
+    """The config's cpu block to the CPU backend, before any weight is read (the int8 repack already runs on the
+    pool, and marks the weights whose GEMVs quantize x)."""
     cpus = {id(b): b for b in backends.values() if b.name == "cpu"}
-    if not cpus:
-        print(f"lumen: note: cpu.threads ({threads}) has no effect: no component computes on the CPU",
-              file=sys.stderr)
+    threads, quant = config.cpu_threads(), config.cpu_compute_quantization()
+    for key, value, unset in (("threads", threads, None), ("compute-quantization", quant, "none")):
+        if value != unset and not cpus:
+            print(f"lumen: note: cpu.{key} ({value}) has no effect: no component computes on the CPU",
+                  file=sys.stderr)
     for b in cpus.values():
-        b.configure_threads(threads)
+        if threads is not None:
+            b.configure_threads(threads)
+        b.configure_compute_quantization(quant)
 
 
 def load(source, progress: bool | Progress | None = None, chat_template: str | os.PathLike | None = None,

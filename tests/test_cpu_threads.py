@@ -73,8 +73,9 @@ def test_bad_cpu_blocks_are_config_errors(tiny_checkpoint, cpu, match):
         lumen.load({"model": {"path": str(tiny_checkpoint("gemma3"))}, "cpu": cpu}, progress=False)
 
 
-def test_cpu_threads_without_a_cpu_component_says_it_has_no_effect(capsys):
-    from lumen_core.engine import _configure_threads
+def test_cpu_settings_without_a_cpu_component_say_they_have_no_effect(capsys):
+    from lumen_core.config import load_config
+    from lumen_core.engine import _configure_cpu
 
     class Gpu:
         name = "cuda"
@@ -82,9 +83,14 @@ def test_cpu_threads_without_a_cpu_component_says_it_has_no_effect(capsys):
         def configure_threads(self, threads):
             raise AssertionError("only the CPU backend takes cpu.threads")
 
-    _configure_threads(4, {("layer", 0): Gpu()})
-    assert "cpu.threads (4) has no effect: no component computes on the CPU" in capsys.readouterr().err
-    _configure_threads(None, {("layer", 0): Gpu()})
+    def config(cpu):
+        return load_config({"model": {"path": "m"}, "cpu": cpu})
+
+    _configure_cpu(config({"threads": 4, "compute-quantization": "int8"}), {("layer", 0): Gpu()})
+    err = capsys.readouterr().err
+    assert "cpu.threads (4) has no effect: no component computes on the CPU" in err
+    assert "cpu.compute-quantization (int8) has no effect: no component computes on the CPU" in err
+    _configure_cpu(config({}), {("layer", 0): Gpu()})
     assert capsys.readouterr().err == ""
 
 

@@ -44,7 +44,7 @@ class CPUBackend(Backend):
         if self.stored_format(fmt, store) == "i8":
             from .int8 import repack
 
-            return repack(array, fmt, shape or np.asarray(array).shape)
+            return repack(array, fmt, shape or np.asarray(array).shape, qx=self.quantize_activations)
         if fmt == "nvfp4":  # scale = (e4m3 block scales (N, K/16), f32 global scale): kept as stored
             from .nvfp4 import weight
 
@@ -78,6 +78,13 @@ class CPUBackend(Backend):
         # checks against; parallel.NUM_THREADS is what it launches): both, before the first parallel kernel
         numba.config.NUMBA_NUM_THREADS = threads
         parallel.NUM_THREADS = threads
+
+    quantize_activations = False  # cpu.compute-quantization "int8": this backend's int8-layout weights quantize x
+
+    def configure_compute_quantization(self, quantization: str) -> None:
+        """cpu.compute-quantization: "int8" marks every int8-layout weight this backend loads (GGUF blocks in RAM):
+        its GEMVs (1-3 tokens) quantize x to 8 bits a value and sum integer products (lumen_cpu.int8.gemv_q8)."""
+        self.quantize_activations = quantization == "int8"
 
     def release_threads(self) -> None:
         """numba's OpenMP layer (GNU libgomp) keeps a pool of worker threads per thread that starts parallel kernels.

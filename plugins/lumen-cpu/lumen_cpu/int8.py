@@ -46,13 +46,14 @@ _KIND = {f: i for i, f in enumerate(FORMATS)}
 
 class I8Data:
     """The repacked matrix: ``q`` (R, C) int8 codes, ``s`` (R, C / bs) scales (f32, or the file's f16 bits as
-    uint16 for ``F16_SCALES``), ``m`` (R, C / 32) f32 minimums or None. Indexing takes rows of all three."""
+    uint16 for ``F16_SCALES``), ``m`` (R, C / 32) f32 minimums or None. Indexing takes rows of all three. ``qx``:
+    its GEMVs quantize x to 8 bits first (cpu.compute-quantization "int8": integer dot products, inexact)."""
 
-    def __init__(self, q: np.ndarray, s: np.ndarray, m: np.ndarray | None):
-        self.q, self.s, self.m = q, s, m
+    def __init__(self, q: np.ndarray, s: np.ndarray, m: np.ndarray | None, qx: bool = False):
+        self.q, self.s, self.m, self.qx = q, s, m, qx
 
     def __getitem__(self, rows) -> I8Data:
-        return I8Data(self.q[rows], self.s[rows], None if self.m is None else self.m[rows])
+        return I8Data(self.q[rows], self.s[rows], None if self.m is None else self.m[rows], self.qx)
 
     def __len__(self) -> int:
         return self.q.shape[0]
@@ -73,8 +74,9 @@ def nbytes(fmt: str, shape) -> int:
     return n + (2 if fmt in F16_SCALES else 4) * (n // bs) + (4 * (n // 32) if mins else 0)
 
 
-def repack(raw: np.ndarray, fmt: str, shape) -> Weight:
-    """A Weight of format ``i8`` from the file's blocks ``raw`` (R, bytes per row) of ``fmt`` and logical ``shape``."""
+def repack(raw: np.ndarray, fmt: str, shape, qx: bool = False) -> Weight:
+    """A Weight of format ``i8`` from the file's blocks ``raw`` (R, bytes per row) of ``fmt`` and logical ``shape``
+    (``qx``: see I8Data)."""
     R, C = (int(d) for d in shape)
     bs, mins = FORMATS[fmt]
     raw = np.ascontiguousarray(np.asarray(raw).reshape(R, -1))
@@ -84,7 +86,7 @@ def repack(raw: np.ndarray, fmt: str, shape) -> Weight:
     _unpack(_KIND[fmt], raw, q, s, m, F16)
     if fmt in F16_SCALES:  # the file's f16 values, widened by _unpack: narrowing them back is exact
         s = s.astype(np.float16).view(np.uint16)
-    return Weight(I8Data(q, s, m if mins else None), "i8", (R, C), None, None)
+    return Weight(I8Data(q, s, m if mins else None, qx), "i8", (R, C), None, None)
 
 
 def scale_at(s, r, b):
@@ -204,6 +206,60 @@ def gemv(q, s, m, x, out, threads):
         _rows_parallel(q, s, m, x, xs, out, nw)
 
 
+@njit(cache=True)
+def quantize_x(x, bs):
+    """x (T, C) to 8 bits a value (cpu.compute-quantization "int8"): per 32 columns d = max|x| / 127 and
+    xq = round(x / d) in [-127, 127]; returns xq (T, C) int8, d (T, C / 32) f32 and xq's sums per ``bs`` columns
+    (T, C / bs) as f32 (exact: |sum| <= 4064)."""
+    T, C = x.shape
+    xq = np.empty((T, C), np.int8)
+    dx = np.empty((T, C // 32), np.float32)
+    xsq = np.empty((T, C // bs), np.float32)
+    for t in range(T):
+        for c in range(C // 32):
+            amax = np.float32(0)
+            for k in range(c * 32, c * 32 + 32):
+                amax = max(amax, abs(x[t, k]))
+            d = amax / np.float32(127)
+            inv = np.float32(127) / amax if amax > 0 else np.float32(0)
+            dx[t, c] = d
+            for k in range(c * 32, c * 32 + 32):
+                xq[t, k] = np.int8(min(127.0, max(-127.0, np.floor(x[t, k] * inv + np.float32(0.5)))))
+        for b in range(C // bs):
+            acc = 0
+            for k in range(b * bs, b * bs + bs):
+                acc += np.int32(xq[t, k])
+            xsq[t, b] = acc
+    return xq, dx, xsq
+
+
+@njit(inline="always")
+def _rows_q8(q, s, m, xq, dx, xsq, xs, out, r0, r1):  # _rows with x quantized (quantize_x)
+    native.i8_rows_q8(q.ctypes.data, q.strides[0], s.ctypes.data, s.strides[0] // s.itemsize,
+                      np.int64(s.itemsize == 2), q.shape[1] // s.shape[1], m.ctypes.data if m.shape[1] > 0 else 0,
+                      m.strides[0] // 4, r0, r1 - r0, q.shape[1], xq.ctypes.data, dx.ctypes.data, xsq.ctypes.data,
+                      xs.ctypes.data, xq.shape[0], out.ctypes.data + 4 * r0, out.shape[1])
+
+
+@njit(cache=True, parallel=True)
+def _rows_q8_parallel(q, s, m, xq, dx, xsq, xs, out, nw):
+    R = q.shape[0]
+    for w in prange(nw):
+        _rows_q8(q, s, m, xq, dx, xsq, xs, out, w * R // nw, (w + 1) * R // nw)
+
+
+@njit(cache=True)
+def gemv_q8(q, s, m, x, out, threads):
+    """``gemv`` with x quantized to 8 bits (quantize_x) and integer dot products a block (opt-in, inexact)."""
+    xs = _xsums(x, m)
+    xq, dx, xsq = quantize_x(x, q.shape[1] // s.shape[1])
+    nw = min(threads, q.shape[0]) if q.size >= PARALLEL_MIN_BYTES else 1
+    if nw <= 1:
+        _rows_q8(q, s, m, xq, dx, xsq, xs, out, 0, q.shape[0])
+    else:
+        _rows_q8_parallel(q, s, m, xq, dx, xsq, xs, out, nw)
+
+
 @njit(cache=True)  # serial; no fastmath: no FMA, the exact values
 def _dequant(q, s, m, out):  # -> out (R, C) f32: scale x code - min
     # The minimum's blocks through 1-D slices and a loop over their length: LLVM vectorizes that form (2.2x faster,
@@ -233,7 +289,8 @@ def dequantize_rows(w: Weight, start: int = 0, stop: int | None = None) -> np.nd
 
 
 def _gemv(d: I8Data, x, out, tab=None):
-    gemv(d.q, d.s, d.m if d.m is not None else np.empty((d.q.shape[0], 0), np.float32), x, out, get_num_threads())
+    (gemv_q8 if d.qx else gemv)(d.q, d.s, d.m if d.m is not None else np.empty((d.q.shape[0], 0), np.float32), x,
+                                out, get_num_threads())
 
 
 @njit(cache=True, parallel=True, fastmath=FASTMATH)
@@ -297,12 +354,12 @@ def _join(ws: list[Weight]) -> Weight | None:
         return None
     d0 = ws[0].data
     if any(w.data.q.shape[1] != d0.q.shape[1] or w.data.s.shape[1] != d0.s.shape[1] or w.data.s.dtype != d0.s.dtype or
-           (w.data.m is None) != (d0.m is None) for w in ws):
+           (w.data.m is None) != (d0.m is None) or w.data.qx != d0.qx for w in ws):
         return None
     q = np.concatenate([w.data.q for w in ws])
     s = np.concatenate([w.data.s for w in ws])
     m = None if d0.m is None else np.concatenate([w.data.m for w in ws])
-    data, r = I8Data(q, s, m), 0
+    data, r = I8Data(q, s, m, d0.qx), 0
     for w in ws:
         n = w.shape[0]
         w.data = data[r:r + n]

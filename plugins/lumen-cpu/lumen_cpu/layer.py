@@ -25,7 +25,7 @@ from .activations import _parallel, _serial
 from .attention import KVCache, RingKVCache, _attend_kernel
 from .fused import GEMV_MAX_T
 from .gemm import CHUNK_FLOATS
-from .int8 import _gemm_rows, _joined, gemv
+from .int8 import _gemm_rows, _joined, gemv, gemv_q8
 from .ops import _rms_rows, _rope_rows
 
 F32 = np.float32
@@ -33,9 +33,12 @@ ACTS = {"gelu_tanh": 0, "silu": 1}  # activations._gate's kinds
 
 
 @njit(inline="always")
-def _linear(q, s, m, x, out, threads):  # int8.linear's choice, compiled: out (T, R) = x (T, C) @ W.T
+def _linear(q, s, m, x, out, threads, qx):  # int8.linear's choice, compiled: out (T, R) = x (T, C) @ W.T
     if x.shape[0] <= GEMV_MAX_T:
-        gemv(q, s, m, x, out, threads)
+        if qx:
+            gemv_q8(q, s, m, x, out, threads)
+        else:
+            gemv(q, s, m, x, out, threads)
     else:
         _gemm_rows(q, s, m, x, out, max(4, CHUNK_FLOATS // x.shape[1] // 4 * 4))  # gemm.token_chunk
 
@@ -50,14 +53,14 @@ def _rms(x, w, eps, off):  # rms_norm of each row of x (N, D) (a copy of a view 
 
 @njit(cache=True)
 def _layer(x, n_in, n_pa, n_pf, n_pff, eps, off, qq, qs, qm, oq, os_, om, gq, gs, gm, dq, ds, dm, q_norm, k_norm,
-           H, KV, D, cos, sin, kc, vc, ring, start, lo, window, scale, act, keys, vals, threads):
+           H, KV, D, cos, sin, kc, vc, ring, start, lo, window, scale, act, keys, vals, threads, qx):
     """x (T, C) -> (T, C): the composite's ops in its order (see _sandwich_layer), attention as ``attention`` does
     it: the new keys and values go to their cache slots (a ring's: position % its size) and the kernel reads the
     cache in place -- except a ring and several tokens, where the window's past and the new entries are first
     gathered into ``keys`` / ``vals`` (KV, start - lo + T, D), as ``_ring_update`` does (the caller keeps them)."""
     T, C = x.shape
     y = np.empty((T, qq.shape[0]), F32)
-    _linear(qq, qs, qm, _rms(x, n_in, eps, off), y, threads)
+    _linear(qq, qs, qm, _rms(x, n_in, eps, off), y, threads, qx)
     qh = _rms(np.ascontiguousarray(y[:, :H * D]).reshape(T * H, D), q_norm, eps, off).reshape(T, H, D)
     kh = _rms(np.ascontiguousarray(y[:, H * D:(H + KV) * D]).reshape(T * KV, D), k_norm, eps, off).reshape(T, KV, D)
     v = np.ascontiguousarray(y[:, (H + KV) * D:]).reshape(T, KV, D)
@@ -90,10 +93,10 @@ def _layer(x, n_in, n_pa, n_pf, n_pff, eps, off, qq, qs, qm, oq, os_, om, gq, gs
         # a full cache: positions never wrap (p % (start + T + 1) == p for p < start + T)
         _attend_kernel(qr, kc, vc, 0, cap if ring else start + T + 1, start, lo, window, scale, F32(0.0), att)
     h1 = np.empty((T, oq.shape[0]), F32)
-    _linear(oq, os_, om, att.reshape(T, H * D), h1, threads)
+    _linear(oq, os_, om, att.reshape(T, H * D), h1, threads, qx)
     x = x + _rms(h1, n_pa, eps, off)
     g = np.empty((T, gq.shape[0]), F32)
-    _linear(gq, gs, gm, _rms(x, n_pf, eps, off), g, threads)
+    _linear(gq, gs, gm, _rms(x, n_pf, eps, off), g, threads, qx)
     inner = gq.shape[0] // 2
     gate = np.ascontiguousarray(g[:, :inner]).reshape(T * inner)
     up = np.ascontiguousarray(g[:, inner:]).reshape(T * inner)
@@ -103,7 +106,7 @@ def _layer(x, n_in, n_pa, n_pf, n_pff, eps, off, qq, qs, qm, oq, os_, om, gq, gs
     else:
         _parallel(gate, up, a, act)
     h2 = np.empty((T, dq.shape[0]), F32)
-    _linear(dq, ds, dm, a.reshape(T, inner), h2, threads)
+    _linear(dq, ds, dm, a.reshape(T, inner), h2, threads, qx)
     return x + _rms(h2, n_pff, eps, off)
 
 
@@ -147,7 +150,7 @@ def _compiled_args(x, norms, attn, mlp, cache, start, rope, dims, scale, window,
         return None
     return (x, *norms, F32(eps), F32(offset), *_arrays(qkv.data), *_arrays(wo.data), *_arrays(gu.data),
             *_arrays(down.data), q_norm, k_norm, H, KV, D, cos, sin, cache.k, cache.v, ring, start, lo, window or 0,
-            F32(scale), ACTS[act], keys, vals, get_num_threads())
+            F32(scale), ACTS[act], keys, vals, get_num_threads(), qkv.data.qx)
 
 
 class _CPUOps:

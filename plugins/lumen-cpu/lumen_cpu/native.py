@@ -4,8 +4,8 @@ call them on numba's threads.
 
 ``setup.py`` builds ``_native`` at install time; it is optional: where no C compiler was found the package installs
 without it, ``available`` is False and the pure-numba kernels (``fp8``, ``nvfp4_fused``, ``moe_fused``) do this work;
-the functions every path calls by name (``lumen_nvfp4_decode_rows``, ``lumen_i8_rows``) are then numba cfuncs with
-the same results (``_register_fallbacks``).
+the functions every path calls by name (``lumen_nvfp4_decode_rows``, ``lumen_i8_rows``, ``lumen_i8_rows_q8``) are
+then numba cfuncs with the same results (``_register_fallbacks``).
 The library is loaded into LLVM's symbol table (``llvmlite.binding.load_library_permanently``) and the kernels call
 its functions by name (``numba.types.ExternalFunction``), so the numba kernels that call them stay cacheable.
 
@@ -98,6 +98,9 @@ nvfp4_decode_rows = types.ExternalFunction("lumen_nvfp4_decode_rows",
 # scale per bs columns; m (0: none) a minimum per 32 columns, xs then x's sums per 32 columns (T rows of K / 32).
 # Every i8 GEMV calls it (lumen_cpu.int8); without the library the symbol is a numba cfunc (_register_fallbacks).
 i8_rows = types.ExternalFunction("lumen_i8_rows", types.void(*[_i] * 17))
+# The same with x quantized to 8 bits (cpu.compute-quantization "int8"; int8.quantize_x): (q, ldq, s, lds, s16, bs,
+# m, ldm, r0, n, K, xq, dx, xsq, xs, T, out, ldo); xq (T, K) int8, dx (T, K / 32) f32, xsq (T, K / bs) f32 sums of xq.
+i8_rows_q8 = types.ExternalFunction("lumen_i8_rows_q8", types.void(*[_i] * 18))
 
 
 @intrinsic
@@ -112,8 +115,8 @@ def _pointer(typingctx, addr, dtype):
 
 
 def _register_fallbacks() -> None:
-    """Without the library: ``lumen_nvfp4_decode_rows`` and ``lumen_i8_rows`` as numba cfuncs (the same f32
-    values; the sums in another order), so that the kernels that call them link."""
+    """Without the library: ``lumen_nvfp4_decode_rows``, ``lumen_i8_rows`` and ``lumen_i8_rows_q8`` as numba cfuncs
+    (the same values; f32 sums in another order), so that the kernels that call them link."""
     from llvmlite import binding
     from numba import carray, cfunc
 
@@ -162,7 +165,38 @@ def _register_fallbacks() -> None:
                         acc -= M[r * ldm + c] * XS[t * nc + c]
                 O[t * ldo + i] = acc
 
-    for name, f in (("lumen_nvfp4_decode_rows", decode), ("lumen_i8_rows", i8)):
+    @cfunc(types.void(*[_i] * 18), cache=True)
+    def i8q(q, ldq, s, lds, s16, bs, m, ldm, r0, n, K, xq, dx, xsq, xs, T, out, ldo):
+        rows, nc = r0 + n, K // 32
+        Q = carray(_pointer(q, np.int8), ((rows - 1) * ldq + K,))
+        S32 = carray(_pointer(s, np.float32), ((rows - 1) * lds + K // bs,))
+        S16 = carray(_pointer(s, np.uint16), ((rows - 1) * lds + K // bs,))
+        M = carray(_pointer(m, np.float32), ((rows - 1) * ldm + nc,) if m else (0,))
+        XQ = carray(_pointer(xq, np.int8), (T * K,))
+        DX = carray(_pointer(dx, np.float32), (T * nc,))
+        XS = carray(_pointer(xs, np.float32), (T * nc,) if m else (0,))
+        O = carray(_pointer(out, np.float32), ((T - 1) * ldo + n,))
+        for i in range(n):
+            r = r0 + i
+            for t in range(T):
+                acc = np.float32(0)
+                for b in range(K // bs):
+                    dot = np.int32(0)
+                    for k in range(b * bs, (b + 1) * bs):
+                        dot += np.int32(Q[r * ldq + k]) * np.int32(XQ[t * K + k])
+                    if s16:
+                        h = np.uint32(S16[r * lds + b])
+                        sc = as_f32(((h & np.uint32(0x7FFF)) << np.uint32(13)) |
+                                    ((h & np.uint32(0x8000)) << np.uint32(16))) * np.float32(5.192296858534828e33)
+                    else:
+                        sc = S32[r * lds + b]
+                    acc += np.float32(dot) * (sc * DX[t * nc + b * bs // 32])
+                if m:
+                    for c in range(nc):
+                        acc -= M[r * ldm + c] * XS[t * nc + c]
+                O[t * ldo + i] = acc
+
+    for name, f in (("lumen_nvfp4_decode_rows", decode), ("lumen_i8_rows", i8), ("lumen_i8_rows_q8", i8q)):
         binding.add_symbol(name, f.address)
         _fallbacks.append(f)
 
