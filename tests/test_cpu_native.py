@@ -1,7 +1,8 @@
-"""lumen_cpu's C row kernels (lumen_cpu/_native.c, lumen_cpu/native.py) against float64 references, at every
-instruction-set level this CPU runs (AVX-512, AVX2, scalar), on shapes with tails (columns not a multiple of 32,
-blocks not a multiple of 16), every e4m3 code (subnormals included) and the paths that use them: the dense one-token
-GEMVs and one token's routed experts. The package's install builds the library; a missing build fails here."""
+"""lumen_cpu's C row kernels (lumen_cpu/_native.c, _native_i8.c, lumen_cpu/native.py) against float64 references,
+at every instruction-set level this CPU runs (AVX-512 VNNI, AVX-512, AVX2, scalar), on shapes with tails (columns not
+a multiple of 32, blocks not a multiple of 16), every e4m3 code (subnormals included), every int8 code, and the paths
+that use them: the dense one-token GEMVs, the int8 layout's GEMVs (f32 and 8-bit activations) and one token's routed
+experts. The package's install builds the library; a missing build fails here."""
 
 from __future__ import annotations
 
@@ -25,14 +26,14 @@ FINITE = np.array([b for b in range(256) if b & 0x7F != 0x7F], np.uint8)  # ever
 def levels() -> list[str]:
     """The levels this CPU runs (use() caps a request at the CPU's support)."""
     got = []
-    for isa in ("avx512", "avx2", "scalar"):
+    for isa in native.LEVELS:
         if native.use(isa) == isa:
             got.append(isa)
-    native.use("avx512")
+    native.use(native.HIGHEST)
     return got
 
 
-@pytest.fixture(params=["avx512", "avx2", "scalar"])
+@pytest.fixture(params=["avx512vnni", "avx512", "avx2", "scalar"])
 def isa(request):
     assert native.available, ("lumen_cpu's C kernels were not built: `pip install -e plugins/lumen-cpu` compiles "
                               "lumen_cpu/_native.c and needs a C compiler (gcc / clang)")
@@ -40,7 +41,7 @@ def isa(request):
         pytest.skip(f"this CPU does not run {request.param}")
     native.use(request.param)
     yield request.param
-    native.use("avx512")
+    native.use(native.HIGHEST)
 
 
 def rel(got, ref) -> float:
@@ -177,16 +178,77 @@ def test_several_token_nvfp4_experts_equal_the_per_expert_path(isa, T):
     assert rel(got, ref.astype(np.float64)) < 2e-5
 
 
+def int8_matrix(rng, R, K, bs, s16, mins):
+    """Random int8-layout arrays (every code -128..127) and their float64 values."""
+    q = rng.integers(-128, 128, size=(R, K), dtype=np.int8)
+    s = rng.uniform(0.001, 0.01, size=(R, K // bs)).astype(F32)
+    if s16:
+        s = s.astype(np.float16).view(np.uint16)
+    m = rng.uniform(0, 0.1, size=(R, K // 32)).astype(F32) if mins else np.empty((R, 0), F32)
+    values = q.astype(np.float64) * np.repeat(s.view(np.float16) if s16 else s, bs, 1).astype(np.float64)
+    if mins:
+        values -= np.repeat(m, 32, 1)
+    return q, s, m, values
+
+
+# (rows, columns, scale block, f16 scales, minimums): Q8_0 / Q4_0 / Q5_0 (f16 a 32), Q6_K (f32 a 16), Q4_K / Q5_K
+# (f32 a 32 with minimums); columns not a multiple of 64 or 128 (the steps' tails) and rows below the prefetch distance
+INT8_SHAPES = [(300, 640, 32, True, False), (300, 512, 16, False, False), (77, 2048, 32, False, True),
+               (50, 96, 32, True, False), (50, 96, 16, False, False), (9, 32, 32, False, True)]
+
+
+@pytest.mark.parametrize("R,K,bs,s16,mins", INT8_SHAPES)
+@pytest.mark.parametrize("T", [1, 3])
+def test_int8_rows_equal_float64(isa, R, K, bs, s16, mins, T):
+    from lumen_cpu import int8
+
+    rng = np.random.default_rng(K + bs)
+    q, s, m, values = int8_matrix(rng, R, K, bs, s16, mins)
+    x = rng.normal(size=(T, K)).astype(F32)
+    out = np.empty((T, R), F32)
+    int8.gemv(q, s, m, x, out, 2)
+    assert rel(out, x.astype(np.float64) @ values.T) < 1e-6
+
+
+@pytest.mark.parametrize("R,K,bs,s16,mins", INT8_SHAPES)
+@pytest.mark.parametrize("T", [1, 3])
+def test_int8_rows_with_8_bit_activations(isa, R, K, bs, s16, mins, T):
+    """gemv_q8 is the exact product of the weights with x as quantize_x rounds it (integer block sums: the same
+    integers at every level), and within the quantization's error of the f32 product; quantize_x's codes stay in
+    [-127, 127] and reproduce x within half a step."""
+    from lumen_cpu import int8
+
+    rng = np.random.default_rng(K + bs)
+    q, s, m, values = int8_matrix(rng, R, K, bs, s16, mins)
+    x = rng.normal(size=(T, K)).astype(F32)
+    if K > 32:
+        x[0, :32] = 0  # an all-zero block: scale 0, codes 0
+    out = np.empty((T, R), F32)
+    int8.gemv_q8(q, s, m, x, out, 2)
+    xq, dx, xsq = int8.quantize_x(x, bs)
+    assert np.abs(xq.astype(np.int32)).max() <= 127 and (K == 32 or np.all(xq[0, :32] == 0))
+    step = np.repeat(dx, 32, 1).astype(np.float64)
+    assert np.all(np.abs(xq * step - x) <= 0.5 * step * (1 + 1e-6))
+    assert np.array_equal(xsq, xq.reshape(T, -1, bs).sum(2).astype(F32))
+    want = (xq * step) @ (values + (np.repeat(m, 32, 1) if mins else 0)).T
+    if mins:
+        want -= x.astype(np.float64).reshape(T, -1, 32).sum(2) @ m.astype(np.float64).T
+    assert rel(out, want) < 1e-6
+    exact = x.astype(np.float64) @ values.T
+    assert 1e-5 < rel(out, exact) < 3e-2
+
+
 def test_a_bad_isa_is_named():
     env = dict(os.environ, LUMEN_CPU_ISA="avx9000")
     r = subprocess.run([sys.executable, "-c", "import lumen_cpu.native"], env=env, capture_output=True, text=True)
     assert r.returncode != 0
-    assert "LUMEN_CPU_ISA='avx9000': expected one of scalar, avx2, avx512" in r.stderr
+    assert "LUMEN_CPU_ISA='avx9000': expected one of scalar, avx2, avx512, avx512vnni" in r.stderr
 
 
 def test_disabled_library_leaves_the_numba_kernels():
     """LUMEN_CPU_NATIVE=0 (as where no compiler built the library): fp8 rows and several-token NVFP4 experts run on
-    the numba kernels (the latter link against the cfunc that stands in for the C row decoder)."""
+    the numba kernels (the latter link against the cfunc that stands in for the C row decoder), and the int8
+    layout's GEMVs on the cfuncs that stand in for its C rows."""
     code = ("import numpy as np, ml_dtypes\n"
             "from lumen_cpu import native, fp8\n"
             "from lumen_core.backend import Weight\n"
@@ -207,6 +269,18 @@ def test_disabled_library_leaves_the_numba_kernels():
             "ids = np.stack([np.arange(6) % 4, (np.arange(6) + 1) % 4], axis=1)\n"
             "ref = ops.moe_experts_per_expert(xs, ids, ws, gu, dn)\n"
             "assert np.abs(moe_fused.experts(xs, ids, ws, gu, dn) - ref).max() < 1e-4 * np.abs(ref).max()\n"
+            "from lumen_cpu import int8\n"
+            "q = rng.integers(-128, 128, size=(40, 96), dtype=np.int8)\n"
+            "s = rng.uniform(0.01, 0.1, size=(40, 6)).astype(np.float32)\n"
+            "m = rng.uniform(0, 0.1, size=(40, 3)).astype(np.float32)\n"
+            "vals = q * np.repeat(s, 16, 1).astype(np.float64) - np.repeat(m, 32, 1)\n"
+            "x = rng.normal(size=(2, 96)).astype(np.float32)\n"
+            "out = np.empty((2, 40), np.float32)\n"
+            "int8.gemv(q, s, m, x, out, 2)\n"
+            "ref = x @ vals.T\n"
+            "assert np.abs(out - ref).max() < 1e-5 * np.abs(ref).max()\n"
+            "int8.gemv_q8(q, s, m, x, out, 2)\n"
+            "assert np.abs(out - ref).max() < 3e-2 * np.abs(ref).max()\n"
             "print('ok')\n")
     env = dict(os.environ, LUMEN_CPU_NATIVE="0")
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)

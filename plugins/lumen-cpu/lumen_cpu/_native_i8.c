@@ -70,11 +70,12 @@ T2 static inline float hsum8(__m256 v) {
 
 T2 static void i8_rows_avx2(const int8_t *q, i64 ldq, const void *s, i64 lds, i64 s16, i64 bs, const float *m, i64 ldm,
                             i64 r0, i64 n, i64 K, const float *x, i64 ldx, const float *xs, i64 T, float *out, i64 ldo) {
-    i64 nb = K / bs, nc = K / 32;
+    i64 nb = K / bs, nc = K / 32, pf = (PREFETCH + K - 1) / K;
     float sc[nb + 8];
     for (i64 i = 0; i < n; i++) {
         i64 r = r0 + i, b = 0;
         const int8_t *row = q + r * ldq;
+        if (i + pf < n) prefetch_row(row + pf * ldq, K);
         if (s16) {
             const uint16_t *sr = (const uint16_t *)s + r * lds;
             for (; b + 8 <= nb; b += 8) _mm256_storeu_ps(sc + b, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sr + b))));
@@ -133,7 +134,7 @@ T5 static void i8_rows_avx512(const int8_t *q, i64 ldq, const void *s, i64 lds, 
     for (i64 i = 0; i < n; i++) {
         i64 r = r0 + i, b = 0;
         const int8_t *row = q + r * ldq;
-        if (pf && i + pf < n) prefetch_row(row + pf * ldq, K);
+        if (i + pf < n) prefetch_row(row + pf * ldq, K);
         if (s16) {
             const uint16_t *sr = (const uint16_t *)s + r * lds;
             for (; b + 16 <= nb; b += 16)
@@ -214,12 +215,13 @@ static void i8q_rows_scalar(const int8_t *q, i64 ldq, const void *s, i64 lds, i6
 T2 static void i8q_rows_avx2(const int8_t *q, i64 ldq, const void *s, i64 lds, i64 s16, i64 bs, const float *m, i64 ldm,
                              i64 r0, i64 n, i64 K, const int8_t *xq, const float *dx, const float *xsq, const float *xs,
                              i64 T, float *out, i64 ldo) { /* codes and xq widened to 16 bits, vpmaddwd: exact */
-    i64 nb = K / bs, nc = K / 32;
+    i64 nb = K / bs, nc = K / 32, pf = (PREFETCH + K - 1) / K;
     float sc[nb];
     (void)xsq;
     for (i64 i = 0; i < n; i++) {
         i64 r = r0 + i;
         const int8_t *row = q + r * ldq;
+        if (i + pf < n) prefetch_row(row + pf * ldq, K);
         row_scales(s, lds, s16, r, nb, sc);
         for (i64 t = 0; t < T; t++) {
             const int8_t *xt = xq + t * K;
@@ -257,7 +259,7 @@ T5V static void i8q_rows_vnni(const int8_t *q, i64 ldq, const void *s, i64 lds, 
         const int8_t *row = q + r * ldq;
         const uint16_t *sr16 = (const uint16_t *)s + r * lds;
         const float *sr32 = (const float *)s + r * lds;
-        if (pf && i + pf < n) prefetch_row(row + pf * ldq, K);
+        if (i + pf < n) prefetch_row(row + pf * ldq, K);
         for (i64 t = 0; t < T; t++) {
             const int8_t *xt = xq + t * K;
             const float *xsqt = xsq + t * nb, *dxt = dxe + t * (nb + 16);
