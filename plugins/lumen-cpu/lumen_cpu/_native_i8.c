@@ -23,16 +23,6 @@
  */
 #include "_native.h"
 
-/* Rows are read ahead of use (software prefetch, PREFETCH bytes ahead, to all cache levels): the hardware
- * prefetchers restart at every 4 KB page and at every call, and a decode step's matrices are small (0.5-3 MB) and
- * cold. Measured on a 2-core Xeon VM (Gemma 3 270M's matrices, cycled through 400 MB so each is read from memory):
- * 14-15 GB/s without, 17-19 GB/s with 4-32 KB ahead. */
-#define PREFETCH 16384
-
-static inline void prefetch_row(const int8_t *p, i64 K) {
-    for (i64 k = 0; k < K; k += 64) __builtin_prefetch(p + k, 0, 3);
-}
-
 static inline float scale_of(const void *s, i64 s16, i64 j) {
     return s16 ? f16_f32(((const uint16_t *)s)[j]) : ((const float *)s)[j];
 }
@@ -70,12 +60,12 @@ T2 static inline float hsum8(__m256 v) {
 
 T2 static void i8_rows_avx2(const int8_t *q, i64 ldq, const void *s, i64 lds, i64 s16, i64 bs, const float *m, i64 ldm,
                             i64 r0, i64 n, i64 K, const float *x, i64 ldx, const float *xs, i64 T, float *out, i64 ldo) {
-    i64 nb = K / bs, nc = K / 32, pf = (PREFETCH + K - 1) / K;
+    i64 nb = K / bs, nc = K / 32, pf = rows_ahead(K);
     float sc[nb + 8];
     for (i64 i = 0; i < n; i++) {
         i64 r = r0 + i, b = 0;
         const int8_t *row = q + r * ldq;
-        if (i + pf < n) prefetch_row(row + pf * ldq, K);
+        prefetch_ahead((const uint8_t *)row, ldq, K, i, n, pf);
         if (s16) {
             const uint16_t *sr = (const uint16_t *)s + r * lds;
             for (; b + 8 <= nb; b += 8) _mm256_storeu_ps(sc + b, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sr + b))));
@@ -129,12 +119,12 @@ T5 static inline __m512 min_sub(__m512 acc, const float *mr, const float *xst, i
 T5 static void i8_rows_avx512(const int8_t *q, i64 ldq, const void *s, i64 lds, i64 s16, i64 bs, const float *m,
                               i64 ldm, i64 r0, i64 n, i64 K, const float *x, i64 ldx, const float *xs, i64 T, float *out,
                               i64 ldo) {
-    i64 nb = K / bs, nc = K / 32, pf = (PREFETCH + K - 1) / K;
+    i64 nb = K / bs, nc = K / 32, pf = rows_ahead(K);
     float sc[nb + 16];
     for (i64 i = 0; i < n; i++) {
         i64 r = r0 + i, b = 0;
         const int8_t *row = q + r * ldq;
-        if (i + pf < n) prefetch_row(row + pf * ldq, K);
+        prefetch_ahead((const uint8_t *)row, ldq, K, i, n, pf);
         if (s16) {
             const uint16_t *sr = (const uint16_t *)s + r * lds;
             for (; b + 16 <= nb; b += 16)
@@ -215,13 +205,13 @@ static void i8q_rows_scalar(const int8_t *q, i64 ldq, const void *s, i64 lds, i6
 T2 static void i8q_rows_avx2(const int8_t *q, i64 ldq, const void *s, i64 lds, i64 s16, i64 bs, const float *m, i64 ldm,
                              i64 r0, i64 n, i64 K, const int8_t *xq, const float *dx, const float *xsq, const float *xs,
                              i64 T, float *out, i64 ldo) { /* codes and xq widened to 16 bits, vpmaddwd: exact */
-    i64 nb = K / bs, nc = K / 32, pf = (PREFETCH + K - 1) / K;
+    i64 nb = K / bs, nc = K / 32, pf = rows_ahead(K);
     float sc[nb];
     (void)xsq;
     for (i64 i = 0; i < n; i++) {
         i64 r = r0 + i;
         const int8_t *row = q + r * ldq;
-        if (i + pf < n) prefetch_row(row + pf * ldq, K);
+        prefetch_ahead((const uint8_t *)row, ldq, K, i, n, pf);
         row_scales(s, lds, s16, r, nb, sc);
         for (i64 t = 0; t < T; t++) {
             const int8_t *xt = xq + t * K;
@@ -247,7 +237,7 @@ T5V static void i8q_rows_vnni(const int8_t *q, i64 ldq, const void *s, i64 lds, 
     /* vpdpbusd multiplies unsigned by signed bytes: the codes + 128 (a flipped sign bit) times xq, less 128 x the
      * block's xq sum. 64 codes a step: 16 lanes of 4-code sums; bs 32: lanes 0-7 one block, 8-15 the next; bs 16:
      * four lanes a block. */
-    i64 nb = K / bs, nc = K / 32, per = 64 / bs, pf = (PREFETCH + K - 1) / K; /* per: blocks a step */
+    i64 nb = K / bs, nc = K / 32, per = 64 / bs, pf = rows_ahead(K); /* per: blocks a step */
     float v[nb + 32], dxe[T * (nb + 16)];
     const __m512i flip = _mm512_set1_epi8((char)0x80);
     const __m512i spread = bs == 32 ? _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1)
@@ -259,7 +249,7 @@ T5V static void i8q_rows_vnni(const int8_t *q, i64 ldq, const void *s, i64 lds, 
         const int8_t *row = q + r * ldq;
         const uint16_t *sr16 = (const uint16_t *)s + r * lds;
         const float *sr32 = (const float *)s + r * lds;
-        if (i + pf < n) prefetch_row(row + pf * ldq, K);
+        prefetch_ahead((const uint8_t *)row, ldq, K, i, n, pf);
         for (i64 t = 0; t < T; t++) {
             const int8_t *xt = xq + t * K;
             const float *xsqt = xsq + t * nb, *dxt = dxe + t * (nb + 16);

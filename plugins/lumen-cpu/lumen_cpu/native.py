@@ -14,6 +14,8 @@ Environment (read once, at import):
 - ``LUMEN_CPU_NATIVE=0``: do not load the library (the numba kernels run; for comparisons).
 - ``LUMEN_CPU_ISA=avx512vnni|avx512|avx2|scalar``: the highest instruction set the kernels may use (default: the
   highest); the CPU's own support caps it. ``level`` is the one in use.
+- ``LUMEN_CPU_PREFETCH=BYTES``: how far ahead of use the row kernels prefetch their rows (default 16384; 0: not at
+  all; see _native.h). For tuning and comparisons.
 """
 
 from __future__ import annotations
@@ -60,10 +62,33 @@ def use(isa: str) -> str:
     return level
 
 
+PREFETCH = 16384
+
+
+def prefetch(nbytes: int) -> None:
+    """Let the row kernels prefetch ``nbytes`` ahead from now on (0: none). LUMEN_CPU_PREFETCH sets it at import."""
+    if not _lib:
+        raise RuntimeError("lumen_cpu's C kernels are not loaded (native.available is False)")
+    _lib[0].lumen_native_prefetch(int(nbytes))
+
+
+def _prefetch_from_env() -> int:
+    raw = os.environ.get("LUMEN_CPU_PREFETCH", str(PREFETCH))
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise LumenError(f"LUMEN_CPU_PREFETCH={raw!r}: expected a number of bytes >= 0 (0: no prefetch; default "
+                         f"{PREFETCH}), or leave it unset")
+    return value
+
+
 def _load() -> bool:
     isa = os.environ.get("LUMEN_CPU_ISA", HIGHEST)
     if isa not in LEVELS:
         raise LumenError(f"LUMEN_CPU_ISA={isa!r}: expected one of {', '.join(LEVELS)} (or leave it unset)")
+    ahead = _prefetch_from_env()
     path = _library()
     if path is None or os.environ.get("LUMEN_CPU_NATIVE", "1") == "0":
         return False
@@ -73,8 +98,11 @@ def _load() -> bool:
     lib = ctypes.CDLL(str(path))
     lib.lumen_native_init.restype = ctypes.c_int
     lib.lumen_native_init.argtypes = [ctypes.c_int]
+    lib.lumen_native_prefetch.argtypes = [ctypes.c_int64]
+    lib.lumen_native_prefetch.restype = None
     _lib.append(lib)
     use(isa)
+    prefetch(ahead)
     return True
 
 
