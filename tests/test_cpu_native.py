@@ -238,6 +238,21 @@ def test_int8_rows_with_8_bit_activations(isa, R, K, bs, s16, mins, T):
     assert 1e-5 < rel(out, exact) < 3e-2
 
 
+@pytest.mark.parametrize("R,K,bs,s16,mins", INT8_SHAPES)
+@pytest.mark.parametrize("T,chunk", [(4, 64), (7, 4), (37, 8)])
+def test_int8_gemm_equals_float64(isa, R, K, bs, s16, mins, T, chunk):
+    """Many tokens (prefill): the C kernel (AVX-512: four rows by four tokens; rows and tokens past a multiple of
+    four, token chunks) or, below AVX-512, the numba kernel it declines to."""
+    from lumen_cpu import int8
+
+    rng = np.random.default_rng(K + bs + T)
+    q, s, m, values = int8_matrix(rng, R, K, bs, s16, mins)
+    x = rng.normal(size=(T, K)).astype(F32)
+    out = np.full((T, R), np.nan, F32)
+    int8.gemm(q, s, m, x, out, chunk, 2)
+    assert rel(out, x.astype(np.float64) @ values.T) < 1e-6
+
+
 def test_a_bad_isa_is_named():
     env = dict(os.environ, LUMEN_CPU_ISA="avx9000")
     r = subprocess.run([sys.executable, "-c", "import lumen_cpu.native"], env=env, capture_output=True, text=True)
@@ -271,9 +286,9 @@ def test_disabled_library_leaves_the_numba_kernels():
             "assert np.abs(moe_fused.experts(xs, ids, ws, gu, dn) - ref).max() < 1e-4 * np.abs(ref).max()\n"
             "from lumen_cpu import int8\n"
             "q = rng.integers(-128, 128, size=(40, 96), dtype=np.int8)\n"
-            "s = rng.uniform(0.01, 0.1, size=(40, 6)).astype(np.float32)\n"
+            "s = rng.uniform(0.01, 0.1, size=(40, 3)).astype(np.float32)\n"
             "m = rng.uniform(0, 0.1, size=(40, 3)).astype(np.float32)\n"
-            "vals = q * np.repeat(s, 16, 1).astype(np.float64) - np.repeat(m, 32, 1)\n"
+            "vals = q * np.repeat(s, 32, 1).astype(np.float64) - np.repeat(m, 32, 1)\n"
             "x = rng.normal(size=(2, 96)).astype(np.float32)\n"
             "out = np.empty((2, 40), np.float32)\n"
             "int8.gemv(q, s, m, x, out, 2)\n"
@@ -281,6 +296,11 @@ def test_disabled_library_leaves_the_numba_kernels():
             "assert np.abs(out - ref).max() < 1e-5 * np.abs(ref).max()\n"
             "int8.gemv_q8(q, s, m, x, out, 2)\n"
             "assert np.abs(out - ref).max() < 3e-2 * np.abs(ref).max()\n"
+            "x = rng.normal(size=(9, 96)).astype(np.float32)\n"
+            "out = np.empty((9, 40), np.float32)\n"
+            "int8.gemm(q, s, m, x, out, 8, 2)\n"
+            "ref = x @ vals.T\n"
+            "assert np.abs(out - ref).max() < 1e-5 * np.abs(ref).max()\n"
             "print('ok')\n")
     env = dict(os.environ, LUMEN_CPU_NATIVE="0")
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)

@@ -21,6 +21,8 @@
  * xsq[t, b] is the sum of xq_t over block b (bs columns, as f32: the VNNI version adds 128 to every code to make it
  * unsigned and takes 128 * that sum back).
  */
+#include <stdlib.h>
+
 #include "_native.h"
 
 static inline float scale_of(const void *s, i64 s16, i64 j) {
@@ -170,6 +172,95 @@ T5 static void i8_rows_avx512(const int8_t *q, i64 ldq, const void *s, i64 lds, 
     }
 }
 #endif
+
+/* -- many tokens (prefill): out[t * ldo + i] for t0 <= t < t1, rows r0 .. r0 + n ---------------------------------- *
+ * Four rows at a time are dequantized into f32 (scale x code - min, the exact values of int8.dequantize_rows: a
+ * rounded product, then the minimum) and multiplied by four tokens at a time: 16 accumulators of 16 lanes, 8 loads
+ * for 16 FMAs, the 16 sums reduced together at the end. Returns 0 where it has no kernel for this CPU (below
+ * AVX-512): the caller's numba kernel does the work then. */
+#ifdef LUMEN_X86
+T5 static inline void dequant_row(const int8_t *row, const float *sc, const float *mr, i64 bs, i64 K, float *w) {
+    for (i64 k = 0; k < K; k += 16) {
+        __m512 v = _mm512_mul_ps(i8x16(row + k), _mm512_set1_ps(sc[k / bs]));
+        if (mr) v = _mm512_sub_ps(v, _mm512_set1_ps(mr[k / 32]));
+        _mm512_storeu_ps(w + k, v);
+    }
+}
+
+T5 static inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) { /* (sum a, sum b, sum c, sum d) */
+    __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+    __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(c, d, 0x44), _mm512_shuffle_f32x4(c, d, 0xEE));
+    __m512 x = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xDD));
+    x = _mm512_add_ps(x, _mm512_permute_ps(x, 0x4E)); /* each 128-bit lane: one vector's 4 partial sums */
+    x = _mm512_add_ps(x, _mm512_permute_ps(x, 0xB1));
+    return _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                                                                          0, 0), x));
+}
+
+T5 static void i8_gemm_avx512(const int8_t *q, i64 ldq, const void *s, i64 lds, i64 s16, i64 bs, const float *m,
+                              i64 ldm, i64 r0, i64 n, i64 K, const float *x, i64 ldx, i64 t0, i64 t1, float *out,
+                              i64 ldo, float *w) {
+    i64 nb = K / bs;
+    float sc[nb];
+    for (i64 i = 0; i < n; i += 4) {
+        for (i64 j = 0; j < 4; j++) { /* rows past the range: zeros (their sums are not stored) */
+            i64 r = r0 + i + j;
+            if (i + j >= n) {
+                memset(w + j * K, 0, (size_t)K * 4);
+                continue;
+            }
+            for (i64 b = 0; b < nb; b++) sc[b] = scale_of(s, s16, r * lds + b);
+            dequant_row(q + r * ldq, sc, m ? m + r * ldm : NULL, bs, K, w + j * K);
+        }
+        const float *w0 = w, *w1 = w + K, *w2 = w + 2 * K, *w3 = w + 3 * K;
+        for (i64 t = t0; t < t1; t += 4) { /* tokens past t1 repeat the last one (their sums are not stored) */
+            const float *x0 = x + t * ldx, *x1 = x + (t + 1 < t1 ? t + 1 : t1 - 1) * ldx;
+            const float *x2 = x + (t + 2 < t1 ? t + 2 : t1 - 1) * ldx, *x3 = x + (t + 3 < t1 ? t + 3 : t1 - 1) * ldx;
+            __m512 a[16];
+            for (int j = 0; j < 16; j++) a[j] = _mm512_setzero_ps();
+            for (i64 k = 0; k < K; k += 16) {
+                __m512 u0 = _mm512_loadu_ps(w0 + k), u1 = _mm512_loadu_ps(w1 + k);
+                __m512 u2 = _mm512_loadu_ps(w2 + k), u3 = _mm512_loadu_ps(w3 + k);
+                __m512 y = _mm512_loadu_ps(x0 + k);
+                a[0] = _mm512_fmadd_ps(u0, y, a[0]), a[1] = _mm512_fmadd_ps(u1, y, a[1]);
+                a[2] = _mm512_fmadd_ps(u2, y, a[2]), a[3] = _mm512_fmadd_ps(u3, y, a[3]);
+                y = _mm512_loadu_ps(x1 + k);
+                a[4] = _mm512_fmadd_ps(u0, y, a[4]), a[5] = _mm512_fmadd_ps(u1, y, a[5]);
+                a[6] = _mm512_fmadd_ps(u2, y, a[6]), a[7] = _mm512_fmadd_ps(u3, y, a[7]);
+                y = _mm512_loadu_ps(x2 + k);
+                a[8] = _mm512_fmadd_ps(u0, y, a[8]), a[9] = _mm512_fmadd_ps(u1, y, a[9]);
+                a[10] = _mm512_fmadd_ps(u2, y, a[10]), a[11] = _mm512_fmadd_ps(u3, y, a[11]);
+                y = _mm512_loadu_ps(x3 + k);
+                a[12] = _mm512_fmadd_ps(u0, y, a[12]), a[13] = _mm512_fmadd_ps(u1, y, a[13]);
+                a[14] = _mm512_fmadd_ps(u2, y, a[14]), a[15] = _mm512_fmadd_ps(u3, y, a[15]);
+            }
+            float o[16]; /* token tt's four rows at 4 tt (the sums first: a[] stays in registers) */
+            _mm_storeu_ps(o, sum4(a[0], a[1], a[2], a[3]));
+            _mm_storeu_ps(o + 4, sum4(a[4], a[5], a[6], a[7]));
+            _mm_storeu_ps(o + 8, sum4(a[8], a[9], a[10], a[11]));
+            _mm_storeu_ps(o + 12, sum4(a[12], a[13], a[14], a[15]));
+            for (i64 tt = 0; tt < 4 && t + tt < t1; tt++)
+                for (i64 j = 0; j < 4 && i + j < n; j++) out[(t + tt) * ldo + i + j] = o[4 * tt + j];
+        }
+    }
+}
+#endif
+
+i64 lumen_i8_gemm(const int8_t *q, i64 ldq, const void *s, i64 lds, i64 s16, i64 bs, const float *m, i64 ldm, i64 r0,
+                  i64 n, i64 K, const float *x, i64 ldx, i64 t0, i64 t1, float *out, i64 ldo) {
+#ifdef LUMEN_X86
+    if (lumen_level >= 2) {
+        float *w = aligned_alloc(64, (size_t)(4 * K * 4 + 64) / 64 * 64);
+        if (!w) return 0;
+        i8_gemm_avx512(q, ldq, s, lds, s16, bs, m, ldm, r0, n, K, x, ldx, t0, t1, out, ldo, w);
+        free(w);
+        return 1;
+    }
+#endif
+    (void)q, (void)ldq, (void)s, (void)lds, (void)s16, (void)bs, (void)m, (void)ldm, (void)r0, (void)n, (void)K;
+    (void)x, (void)ldx, (void)t0, (void)t1, (void)out, (void)ldo;
+    return 0;
+}
 
 /* -- 8-bit activations ------------------------------------------------------------------------------------------ */
 static void row_scales(const void *s, i64 lds, i64 s16, i64 r, i64 nb, float *sc) { /* row r's scales as f32 */

@@ -306,8 +306,38 @@ def _gemm_rows(q, s, m, x, out, chunk):  # rows decoded by _dequant (exact), fou
             block4(w, n, x, t0, t1, out, r)
 
 
+@njit(inline="always")
+def _gemm_c(q, s, m, x, out, r0, r1, t0, t1):  # native.i8_gemm over rows r0:r1, tokens t0:t1; 0: not run here
+    return native.i8_gemm(q.ctypes.data, q.strides[0], s.ctypes.data, s.strides[0] // s.itemsize,
+                          np.int64(s.itemsize == 2), q.shape[1] // s.shape[1], m.ctypes.data if m.shape[1] > 0 else 0,
+                          m.strides[0] // 4, r0, r1 - r0, q.shape[1], x.ctypes.data, x.shape[1], t0, t1,
+                          out.ctypes.data + 4 * r0, out.shape[1])
+
+
+@njit(cache=True, parallel=True)
+def _gemm_c_parallel(q, s, m, x, out, chunk, nw):  # worker w: a contiguous range of rows (whole quads), every chunk
+    quads = (q.shape[0] + 3) // 4
+    for w in prange(nw):
+        r0, r1 = 4 * (w * quads // nw), min(q.shape[0], 4 * ((w + 1) * quads // nw))
+        for t0 in range(0, x.shape[0], chunk):
+            if r1 > r0:
+                _gemm_c(q, s, m, x, out, r0, r1, t0, min(x.shape[0], t0 + chunk))
+
+
+@njit(cache=True)
+def gemm(q, s, m, x, out, chunk, threads):
+    """out (T, R) = x (T, C) @ W.T for many tokens, in token chunks of ``chunk``: the C kernel (lumen_i8_gemm:
+    AVX-512, four rows by four tokens in registers) where this CPU has one, else _gemm_rows (numba). Both decode
+    rows to the exact values of dequantize_rows."""
+    if _gemm_c(q, s, m, x, out, 0, 0, 0, 0) == 0:
+        _gemm_rows(q, s, m, x, out, chunk)
+    else:
+        _gemm_c_parallel(q, s, m, x, out, chunk, max(1, min(threads, (q.shape[0] + 3) // 4)))
+
+
 def _gemm(d: I8Data, x, out, chunk):
-    _gemm_rows(d.q, d.s, d.m if d.m is not None else np.empty((d.q.shape[0], 0), np.float32), x, out, chunk)
+    gemm(d.q, d.s, d.m if d.m is not None else np.empty((d.q.shape[0], 0), np.float32), x, out, chunk,
+         get_num_threads())
 
 
 def linear(x, w: Weight):  # x (T, C) f32, w (R, C) i8 -> (T, R)

@@ -25,7 +25,7 @@ from .activations import _parallel, _serial
 from .attention import KVCache, RingKVCache, _attend_kernel
 from .fused import GEMV_MAX_T
 from .gemm import CHUNK_FLOATS
-from .int8 import _gemm_rows, _joined, gemv, gemv_q8
+from .int8 import _joined, gemm, gemv, gemv_q8
 from .ops import _rms_rows, _rope_rows
 
 F32 = np.float32
@@ -40,7 +40,7 @@ def _linear(q, s, m, x, out, threads, qx):  # int8.linear's choice, compiled: ou
         else:
             gemv(q, s, m, x, out, threads)
     else:
-        _gemm_rows(q, s, m, x, out, max(4, CHUNK_FLOATS // x.shape[1] // 4 * 4))  # gemm.token_chunk
+        gemm(q, s, m, x, out, max(4, CHUNK_FLOATS // x.shape[1] // 4 * 4), threads)  # gemm.token_chunk
 
 
 @njit(inline="always")

@@ -129,6 +129,10 @@ i8_rows = types.ExternalFunction("lumen_i8_rows", types.void(*[_i] * 17))
 # The same with x quantized to 8 bits (cpu.compute-quantization "int8"; int8.quantize_x): (q, ldq, s, lds, s16, bs,
 # m, ldm, r0, n, K, xq, dx, xsq, xs, T, out, ldo); xq (T, K) int8, dx (T, K / 32) f32, xsq (T, K / bs) f32 sums of xq.
 i8_rows_q8 = types.ExternalFunction("lumen_i8_rows_q8", types.void(*[_i] * 18))
+# out[t * ldo + i] for t0 <= t < t1, row r0 + i (i < n) of an int8-layout matrix, many tokens (prefill): (q, ldq, s,
+# lds, s16, bs, m, ldm, r0, n, K, x, ldx, t0, t1, out, ldo). Returns 0 where it has no kernel for this CPU (below
+# AVX-512, or without the library: the cfunc) and computed nothing: int8.gemm runs its numba kernel then.
+i8_gemm = types.ExternalFunction("lumen_i8_gemm", types.int64(*[_i] * 17))
 
 
 @intrinsic
@@ -144,7 +148,8 @@ def _pointer(typingctx, addr, dtype):
 
 def _register_fallbacks() -> None:
     """Without the library: ``lumen_nvfp4_decode_rows``, ``lumen_i8_rows`` and ``lumen_i8_rows_q8`` as numba cfuncs
-    (the same values; f32 sums in another order), so that the kernels that call them link."""
+    (the same values; f32 sums in another order), and ``lumen_i8_gemm`` as one that declines (its caller's numba
+    kernel runs), so that the kernels that call them link."""
     from llvmlite import binding
     from numba import carray, cfunc
 
@@ -224,7 +229,12 @@ def _register_fallbacks() -> None:
                         acc -= M[r * ldm + c] * XS[t * nc + c]
                 O[t * ldo + i] = acc
 
-    for name, f in (("lumen_nvfp4_decode_rows", decode), ("lumen_i8_rows", i8), ("lumen_i8_rows_q8", i8q)):
+    @cfunc(types.int64(*[_i] * 17), cache=True)
+    def i8_gemm(q, ldq, s, lds, s16, bs, m, ldm, r0, n, K, x, ldx, t0, t1, out, ldo):
+        return 0  # not done here: int8.gemm runs its numba kernel
+
+    for name, f in (("lumen_nvfp4_decode_rows", decode), ("lumen_i8_rows", i8), ("lumen_i8_rows_q8", i8q),
+                    ("lumen_i8_gemm", i8_gemm)):
         binding.add_symbol(name, f.address)
         _fallbacks.append(f)
 
