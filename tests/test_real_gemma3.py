@@ -162,7 +162,6 @@ def test_int8_activations_are_opt_in_close_and_marked(gguf_path, engine):
     not; a decode step's logits differ from the default's (the mode is on) by little (8-bit activations), and the
     greedy continuation of a prompt keeps its first tokens."""
     import numpy as np
-
     from lumen_cpu.int8 import I8Data
 
     quant = lumen.load({"model": {"path": str(gguf_path), "hidden-layers": {"kv-cache": {"context-size": 512}}},
