@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -79,6 +80,12 @@ def parse_args(argv=None):
                         "split into time per layer and time outside the layers, beside llama.cpp's figures")
     p.add_argument("--keep", action="store_true", help="--full-depth: keep the checkpoints (default: each row's "
                    "are deleted after it, so that the next fits the disk)")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="decode timed this many times per row, the median reported (every run in --json)")
+    p.add_argument("--depths", default="",
+                   help="--full-depth: SHORT,DEEP layer counts instead of each shape's period and real depth (the "
+                        "row then also gives the real depth's decode and prefill from the per-layer and outside "
+                        "times)")
     return p.parse_args(argv)
 
 
@@ -87,6 +94,9 @@ def parse_args(argv=None):
 LLAMA_CPP = {"9b-bf16": (181.5, {512: 16800, 4096: 19100}), "9b-fp8": (216.0, {512: 8800, 4096: 9400}),
              "35b-a3b-fp8": (205.0, {512: 5000, 4096: None})}
 FULL_DEPTH = {"9b": (32, 4), "35b-a3b": (40, 4), "g4-26b-a4b": (30, 6)}  # (real layers, one period of layer kinds)
+# issue 22's llama.cpp figures with the routed experts on the CPU (`-ot exps=CPU`, the H200 host's 16 cores): decode
+# tok/s and prefill tok/s at 512, for the --full-depth --placements cpu-experts rows
+LLAMA_CPP_CPU_EXPERTS = {"35b-a3b-fp8": (37.1, {512: 116}), "35b-a3b-nvfp4": (37.1, {512: 116})}
 
 
 def full_depth_rows(args, prompts, bw: float) -> dict:
@@ -97,31 +107,41 @@ def full_depth_rows(args, prompts, bw: float) -> dict:
     from full_depth import write_checkpoint
 
     rows = {}
+    placement = args.placements if args.placements != "vram" else None
+    if placement and "," in placement:
+        raise SystemExit("--full-depth takes one --placements entry (vram or cpu-experts, ...)")
     for name in args.models.split(","):
         shape, fmt = name.rsplit("-", 1)
-        deep, short = FULL_DEPTH[shape]
+        real, short = FULL_DEPTH[shape]
+        deep = real
+        if args.depths:
+            short, deep = (int(v) for v in args.depths.split(","))
+        experts = experts_block(placement) if placement and shape != "9b" else None
         timed = {}
         for layers in (short, deep):
             t = time.perf_counter()
             path = write_checkpoint(shape, layers, fmt, Path(args.workdir), args.vocab)
             print(f"{name} ({layers} layers): checkpoint ready in {time.perf_counter() - t:.0f}s", file=sys.stderr)
             per_token, params, _ = bytes_per_token(path)
-            timed[layers] = {"lumen": time_lumen(path, prompts, args.decode), "bytes": per_token, "params": params}
+            timed[layers] = {"lumen": time_lumen(path, prompts, args.decode, experts, args.repeat),
+                             "bytes": per_token, "params": params}
             if not args.keep:
                 shutil.rmtree(path)
             gc.collect()
         a, b = timed[short], timed[deep]
         step = {n: 1 / r["lumen"]["decode"] for n, r in timed.items()}
         layer_s = (step[deep] - step[short]) / (deep - short)
-        row = {"layers": deep, "bytes_per_token": b["bytes"], "active_params": b["params"],
-               "decode": b["lumen"]["decode"], "decode_layer_us": 1e6 * layer_s,
-               "decode_outside_us": 1e6 * (step[deep] - deep * layer_s),
+        outside_s = step[deep] - deep * layer_s
+        row = {"layers": deep, "real_layers": real, "placement": placement or "vram", "bytes_per_token": b["bytes"],
+               "active_params": b["params"], "decode": b["lumen"]["decode"], "decode_layer_us": 1e6 * layer_s,
+               "decode_outside_us": 1e6 * outside_s, "decode_at_real": 1 / (outside_s + real * layer_s),
                "layer_bytes": (b["bytes"] - a["bytes"]) / (deep - short), "prefill": {}, "graph": b["lumen"]["graph"]}
         for n in prompts:
             ts = {k: n / r["lumen"]["prefill"][n] for k, r in timed.items()}
             per = (ts[deep] - ts[short]) / (deep - short)
             row["prefill"][n] = {"tok_s": b["lumen"]["prefill"][n], "layer_ms": 1e3 * per,
-                                 "outside_ms": 1e3 * (ts[deep] - deep * per)}
+                                 "outside_ms": 1e3 * (ts[deep] - deep * per),
+                                 "at_real": n / (ts[deep] - deep * per + real * per)}
         rows[name] = row
         print(f"{name}: {json.dumps(row, default=str)[:400]}", file=sys.stderr)
         if args.json:
@@ -129,26 +149,39 @@ def full_depth_rows(args, prompts, bw: float) -> dict:
                                                   indent=2, default=str))
     print(f"\nread bandwidth measured: {bw / 1e9:.0f} GB/s; bf16 tensor-core peak {BF16_PEAK / 1e12:.0f} TFLOP/s; "
           "llama.cpp: issue 21's figures\n")
+    if placement:
+        print(f"routed experts: {placement}; llama.cpp: issue 22's `-ot exps=CPU` figures; % of bound: -, the GPU's "
+              "bandwidth does not bound a step that reads experts from host RAM\n")
     print("| model | layers | decode tok/s | % of bound | per layer µs (% of its bytes' bound) | outside layers µs | "
           "llama.cpp | Lumen / llama.cpp |" + "".join(f" prefill {n} tok/s | per layer ms | outside ms | "
                                                       f"% TC | llama.cpp | ratio |" for n in prompts))
     print("|" + "---|" * (8 + 6 * len(prompts)))
+    fits = []
     for name, r in rows.items():
         bound = bw / r["bytes_per_token"]
         layer_bound_us = 1e6 * r["layer_bytes"] / bw
-        ref = LLAMA_CPP.get(name)
-        ratio = f"{r['decode'] / ref[0]:.2f}x" if ref else "-"
-        line = (f"| {name}{'' if r['graph'] else ' (no graph)'} | {r['layers']} | {r['decode']:.1f} | "
-                f"{r['decode'] / bound:.1%} | {r['decode_layer_us']:.1f} ({layer_bound_us / r['decode_layer_us']:.0%})"
+        ref = (LLAMA_CPP_CPU_EXPERTS if placement else LLAMA_CPP).get(name)
+        fitted = r["layers"] != r["real_layers"]  # ratios against llama.cpp's real depth: the fit's figure
+        dec = r["decode_at_real"] if fitted else r["decode"]
+        ratio = f"{dec / ref[0]:.2f}x" if ref else "-"
+        frac = "-" if placement else f"{r['decode'] / bound:.1%}"
+        line = (f"| {name}{'' if r['graph'] else ' (no graph)'} | {r['layers']} | {r['decode']:.1f} | {frac} | "
+                f"{r['decode_layer_us']:.1f} ({layer_bound_us / r['decode_layer_us']:.0%})"
                 f" | {r['decode_outside_us']:.0f} | {ref[0] if ref else '-'} | {ratio} |")
         for n in prompts:
             p = r["prefill"][n]
             tc = p["tok_s"] * 2 * r["active_params"] / BF16_PEAK
             lref = ref[1].get(n) if ref else None
-            ratio = f"{p['tok_s'] / lref:.2f}x" if lref else "-"
+            ratio = f"{(p['at_real'] if fitted else p['tok_s']) / lref:.2f}x" if lref else "-"
             line += (f" {p['tok_s']:.0f} | {p['layer_ms']:.2f} | {p['outside_ms']:.1f} | {tc:.1%} | "
                      f"{lref or '-'} | {ratio} |")
         print(line)
+        if fitted:
+            pre = ", ".join(f"prefill {n} {p['at_real']:.0f} tok/s" for n, p in r["prefill"].items())
+            fits.append(f"{name} at its real {r['real_layers']} layers (outside + {r['real_layers']} x per layer): "
+                        f"decode {dec:.1f} tok/s, {pre}")
+    if fits:
+        print("\nRatios of rows measured at fewer layers are those of the real depth's figures:\n" + "\n".join(fits))
     return rows
 
 
@@ -265,7 +298,7 @@ def pinned_bandwidth() -> float:
     return 3 * n / (time.perf_counter() - t)
 
 
-def time_lumen(path: Path, prompts, steps: int, experts: dict | None = None) -> dict:
+def time_lumen(path: Path, prompts, steps: int, experts: dict | None = None, repeat: int = 1) -> dict:
     import cupy as cp
     import numpy as np
 
@@ -296,10 +329,14 @@ def time_lumen(path: Path, prompts, steps: int, experts: dict | None = None) -> 
     list(engine.generate_tokens(ids, 1, greedy))  # the prefill's copies alone (streamed experts)
     c1 = _copied_bytes(engine)
     toks = list(engine.generate_tokens(ids, steps + 1, greedy))
-    out["decode"] = (engine.stats.generated_tokens - 1) / engine.stats.decode_seconds
+    out["decode_runs"] = [(engine.stats.generated_tokens - 1) / engine.stats.decode_seconds]
     # host -> device bytes per decoded token when experts stream: this call's copies less a prefill's
     decoded = max(1, engine.stats.generated_tokens - 1)
     out["h2d_bytes_per_token"] = max(0, (_copied_bytes(engine) - c1) - (c1 - c0)) / decoded
+    for _ in range(repeat - 1):  # --repeat: the median of several decodes (the CPU-experts runs vary run to run)
+        list(engine.generate_tokens(ids, steps + 1, greedy))
+        out["decode_runs"].append((engine.stats.generated_tokens - 1) / engine.stats.decode_seconds)
+    out["decode"] = statistics.median(out["decode_runs"])
     out["graph"] = bool(engine.decode_runner())
     out["tokens"] = toks
     out["vram_bytes"] = free0 - cp.cuda.runtime.memGetInfo()[0]  # this engine's VRAM, CuPy's cached blocks included
@@ -400,7 +437,7 @@ def main(argv=None):
             if placement == "vram":
                 continue
             t = time.perf_counter()
-            r = time_lumen(path, prompts[:1], args.decode, experts_block(placement))
+            r = time_lumen(path, prompts[:1], args.decode, experts_block(placement), args.repeat)
             placed[f"{name} {placement}"] = {"expert_bytes_per_token": expert_bytes, "lumen": r, "layers": layers}
             print(f"{name} {placement}: {r['decode']:.1f} tok/s decode ({time.perf_counter() - t:.0f}s)",
                   file=sys.stderr)
@@ -408,7 +445,7 @@ def main(argv=None):
         if "vram" not in args.placements.split(",") and shape in MOE_SHAPES:
             continue
         row = {"layers": layers, "bytes_per_token": per_token, "active_params": params,
-               "lumen": time_lumen(path, prompts, args.decode)}
+               "lumen": time_lumen(path, prompts, args.decode, repeat=args.repeat)}
         print(f"{name}: lumen {row['lumen']['decode']:.1f} tok/s decode", file=sys.stderr)
         if shape in MOE_SHAPES and "vram" in args.placements.split(","):
             placed[f"{name} vram"] = {"expert_bytes_per_token": expert_bytes, "lumen": row["lumen"], "layers": layers}

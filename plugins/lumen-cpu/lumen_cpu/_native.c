@@ -102,11 +102,9 @@ T2 static inline float hsum8(__m256 v) {
 
 T2 static void fp8_rows_avx2(const uint8_t *w, i64 ldw, i64 r0, i64 n, i64 K, const float *x, const float *S,
                              i64 lds, i64 br, i64 bc, float *out) {
-    i64 pf = rows_ahead(K);
     for (i64 i = 0; i < n; i++) {
         const uint8_t *row = w + (r0 + i) * ldw;
         const float *srow = S + ((r0 + i) / br) * lds;
-        prefetch_ahead(row, ldw, K, i, n, pf);
         __m256 acc = _mm256_setzero_ps();
         float tail = 0.f;
         for (i64 b0 = 0, b = 0; b0 < K; b0 += bc, b++) {
@@ -135,10 +133,9 @@ T2 static inline __m256 e2m1x8(__m256i codes) { /* 8 codes (low 4 bits of each l
 
 T2 static void nvfp4_rows_avx2(const uint8_t *w, i64 ldw, const uint8_t *s, i64 lds, i64 r0, i64 n, i64 K,
                                const float *xp, float gs, float *out) {
-    i64 K32 = K / 32 * 32, pf = rows_ahead(K / 2);
+    i64 K32 = K / 32 * 32;
     for (i64 i = 0; i < n; i++) {
         const uint8_t *row = w + (r0 + i) * ldw, *srow = s + (r0 + i) * lds;
-        prefetch_ahead(row, ldw, K / 2, i, n, pf);
         __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
         for (i64 c = 0; c < K32; c += 32) { /* 16 bytes: blocks c/16 (bytes 0-7) and c/16 + 1 (bytes 8-15) */
             for (int h = 0; h < 2; h++) {
@@ -172,11 +169,9 @@ T5 static inline __m512 e4m3x16(const uint8_t *p) { /* 16 bytes -> 16 f32, exact
 
 T5 static void fp8_rows_avx512(const uint8_t *w, i64 ldw, i64 r0, i64 n, i64 K, const float *x, const float *S,
                                i64 lds, i64 br, i64 bc, float *out) {
-    i64 pf = rows_ahead(K);
     for (i64 i = 0; i < n; i++) { /* a row at a time: one sequential stream (two rows a pass measured slower) */
         const uint8_t *row = w + (r0 + i) * ldw;
         const float *srow = S + ((r0 + i) / br) * lds;
-        prefetch_ahead(row, ldw, K, i, n, pf);
         __m512 acc = _mm512_setzero_ps();
         float tail = 0.f;
         for (i64 b0 = 0, b = 0; b0 < K; b0 += bc, b++) {
@@ -213,11 +208,10 @@ T5 static void nvfp4_rows_avx512(const uint8_t *w, i64 ldw, const uint8_t *s, i6
     const __m512i m15 = _mm512_set1_epi32(15);
     /* a pair of block scales spread over the lanes of a 32-column chunk: lanes 0-7 the first, 8-15 the second */
     const __m512i pair = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-    i64 K32 = K / 32 * 32, nb = K / 16, pf = rows_ahead(K / 2);
+    i64 K32 = K / 32 * 32, nb = K / 16;
     float sc[nb + 16];
     for (i64 i = 0; i < n; i++) {
         const uint8_t *row = w + (r0 + i) * ldw, *srow = s + (r0 + i) * lds;
-        prefetch_ahead(row, ldw, K / 2, i, n, pf);
         i64 b = 0;
         for (; b + 16 <= nb; b += 16) _mm512_storeu_ps(sc + b, e4m3x16(srow + b));
         for (; b < nb; b++) sc[b] = e4m3(srow[b]);
@@ -259,11 +253,10 @@ T5 static void nvfp4_decode_avx512(const uint8_t *w, i64 ldw, const uint8_t *s, 
     const __m512i even = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
     const __m512i odd = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
     const __m512 g = _mm512_set1_ps(gs);
-    i64 K32 = K / 32 * 32, pf = rows_ahead(K / 2);
+    i64 K32 = K / 32 * 32;
     for (i64 i = 0; i < n; i++) {
         const uint8_t *row = w + (r0 + i) * ldw, *srow = s + (r0 + i) * lds;
         float *o = out + i * ldo;
-        prefetch_ahead(row, ldw, K / 2, i, n, pf);
         for (i64 c = 0; c < K32; c += 32) {
             __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(row + c / 2)));
             float sp[2] = {e4m3(srow[c / 16]), e4m3(srow[c / 16 + 1])};

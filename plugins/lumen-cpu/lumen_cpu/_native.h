@@ -16,11 +16,13 @@ typedef int64_t i64;
 /* 0 scalar, 1 AVX2 + FMA + F16C, 2 AVX-512 (F, BW, VL, DQ), 3 AVX-512 with VNNI; set by lumen_native_init */
 extern int lumen_level;
 
-/* Every row kernel reads its rows lumen_prefetch bytes ahead of use (software prefetch to all cache levels; 0:
- * none; lumen_native_prefetch sets it, LUMEN_CPU_PREFETCH through lumen_cpu.native): the hardware prefetchers
- * restart at every 4 KB page and at every call, and a decode step's matrices are small (0.5-3 MB) and cold.
- * Measured on a 2-core Xeon VM (Gemma 3 270M's int8 matrices cycled through 400 MB, so each is read from memory):
- * 14-15 GB/s without, 17-19 GB/s with 4-32 KB ahead; its decode 44 -> 58 tok/s with 16 KB. */
+/* The int8 layout's row kernels (_native_i8.c) read their rows lumen_prefetch bytes ahead of use (software
+ * prefetch to all cache levels; 0: none; lumen_native_prefetch sets it, LUMEN_CPU_PREFETCH through lumen_cpu.native):
+ * the hardware prefetchers restart at every 4 KB page and at every call, and a decode step's matrices are small
+ * (0.5-3 MB) and cold. Measured on a 2-core Xeon VM (Gemma 3 270M's int8 matrices cycled through 400 MB, so each is
+ * read from memory): 14-15 GB/s without, 17-19 GB/s with 4-32 KB ahead; its decode 44 -> 58 tok/s with 16 KB. The
+ * fp8 / NVFP4 rows (_native.c) do not: one MoE layer's experts on the H200 host's 16 threads (64-row tasks) were no
+ * faster with it (fp8 0.70 -> 0.74 ms, NVFP4 0.42 -> 0.51 ms cold, benchmarks/cpu_moe.py, 2026-12-02). */
 extern i64 lumen_prefetch;
 
 /* rows ahead of row i (of rows of `bytes`), and the prefetch of the row that many ahead when there is one */

@@ -14,8 +14,8 @@ Environment (read once, at import):
 - ``LUMEN_CPU_NATIVE=0``: do not load the library (the numba kernels run; for comparisons).
 - ``LUMEN_CPU_ISA=avx512vnni|avx512|avx2|scalar``: the highest instruction set the kernels may use (default: the
   highest); the CPU's own support caps it. ``level`` is the one in use.
-- ``LUMEN_CPU_PREFETCH=BYTES``: how far ahead of use the row kernels prefetch their rows (default 16384; 0: not at
-  all; see _native.h). For tuning and comparisons.
+- ``LUMEN_CPU_PREFETCH=BYTES``: how far ahead of use the int8 layout's row kernels prefetch their rows (default
+  16384; 0: not at all; see _native.h). For tuning and comparisons.
 """
 
 from __future__ import annotations
@@ -66,7 +66,8 @@ PREFETCH = 16384
 
 
 def prefetch(nbytes: int) -> None:
-    """Let the row kernels prefetch ``nbytes`` ahead from now on (0: none). LUMEN_CPU_PREFETCH sets it at import."""
+    """Let the int8 row kernels prefetch ``nbytes`` ahead from now on (0: none); LUMEN_CPU_PREFETCH sets it at
+    import."""
     if not _lib:
         raise RuntimeError("lumen_cpu's C kernels are not loaded (native.available is False)")
     _lib[0].lumen_native_prefetch(int(nbytes))
