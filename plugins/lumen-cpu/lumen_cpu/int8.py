@@ -7,8 +7,12 @@ minimum (Q4_K, Q5_K), its f32 minimum:
     value = scale[block] x code - min[block]        (blocks of 32 values; Q6_K: 16, no minimum)
 
 computed with the same f32 operations as ``lumen_cpu.fused``'s decoders (Q4_K: (d x sc) x q - dmin x m; Q6_K:
-(d x sc) x q), so every dequantized value is bit for bit what the file's block holds, and the GEMV sums the same
-products in the same lanes as the fused kernel. It costs 1.5-2.2x the file's bytes (the plan counts them:
+(d x sc) x q), so every dequantized value is bit for bit what the file's block holds. The products are C
+(lumen_cpu/_native_i8.c through ``native``): ``gemv`` for 1-3 tokens (each block's code . x products, then its
+scale; the minimums times x's block sums), ``gemm`` for more (rows dequantized exactly, then four rows by four
+tokens), and ``gemv_q8`` with x quantized to 8 bits (``quantize_x``; cpu.compute-quantization "int8", opt-in). They
+agree with the fused kernels within f32 reassociation (tests/test_int8_repack.py, tests/test_cpu_native.py).
+It costs 1.5-2.2x the file's bytes (the plan counts them:
 ``CPUBackend.stored_nbytes``); store ``mmap`` keeps the file's bytes and the fused kernels. Q8_0's codes are bytes
 already, but its 34-byte blocks leave them unaligned: repacked (the file's bytes: codes aligned, the f16 scales
 apart) its GEMV runs ~15% faster (Gemma 3 270M's 178 MB lm_head: 9.4 against 10.9 ms on 2 cores with f32 scales,
