@@ -77,3 +77,30 @@ def measured(fn, args, label: str):
 def quiet_pause():
     # Let the other runtime's spinning worker threads (OpenBLAS / OpenMP busy-wait) go to sleep first.
     time.sleep(0.2)
+
+
+def read_bandwidth(nbytes: int = 1 << 30) -> float:
+    """Bytes per second a parallel numba loop reads from DRAM: 4096 rows of uint64 words summed, eight
+    independent sums a row (one sum per row would be bound by its add latency, not by memory)."""
+    import numpy as np
+    from numba import njit, prange
+
+    @njit(parallel=True, cache=False)
+    def total(words):
+        out = np.empty(words.shape[0], np.uint64)
+        for r in prange(words.shape[0]):
+            row, s = words[r], np.zeros(8, np.uint64)
+            for i in range(0, row.shape[0], 8):
+                for j in range(8):
+                    s[j] += row[i + j]
+            out[r] = s.sum()
+        return out
+
+    words = np.ones((4096, nbytes // 8 // 4096), np.uint64)
+    total(words[:2])
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        total(words)
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best

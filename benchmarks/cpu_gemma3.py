@@ -27,7 +27,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from _timing import Probe, limit_threads, machine, measured
+from _timing import Probe, limit_threads, machine, measured, read_bandwidth
 
 TEXT = (
     "The history of astronomy is the story of how people came to understand the sky. Early observers "
@@ -215,6 +215,37 @@ def table(args, med: dict, names: list[str]) -> str:
     return "\n".join(out) + "\n\n(ratios > 1: Lumen faster)"
 
 
+def step_bytes(path: Path, layout: str) -> int:
+    """Bytes a decode step reads from the weights: every tensor once (the tied embedding as the lm_head), as the
+    file holds it (llama.cpp, Lumen with store mmap) or in Lumen's int8 layout (store ram: lumen_cpu.int8)."""
+    import gguf
+    from lumen_cpu import int8
+
+    total = 0
+    for t in gguf.GGUFReader(str(path)).tensors:
+        fmt = t.tensor_type.name.lower()
+        if layout == "i8" and fmt in int8.FORMATS:
+            total += int8.nbytes(fmt, tuple(int(d) for d in reversed(t.shape)))
+        else:
+            total += int(t.n_bytes)
+    return total
+
+
+def bandwidth_lines(args, med: dict, engines, path: Path, bw: float) -> list[str]:
+    """Each engine's decode as a fraction of the read bandwidth the same threads reached in this run."""
+    layouts = {"Lumen": "i8", "Lumen (int8 activations)": "i8", "Lumen (op by op)": "i8", "Lumen (mmap)": "file",
+               "llama.cpp": "file"}
+    out = [f"read bandwidth ({args.threads} threads, a parallel sum over 1 GiB, this run): {bw / 1e9:.1f} GB/s"]
+    for e in engines:
+        if e.name not in layouts:
+            continue
+        nbytes = step_bytes(path, layouts[e.name])
+        tps = args.decode / med[e.name]["decode_s"]
+        out.append(f"decode, {e.name}: {nbytes / 1e6:.0f} MB of weights a step ({layouts[e.name]} layout), "
+                   f"{tps:.1f} tok/s = {tps * nbytes / 1e9:.1f} GB/s, {tps * nbytes / bw:.0%} of the read bandwidth")
+    return out
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     limit_threads(args.threads)
@@ -243,6 +274,7 @@ def main(argv=None) -> None:
     print(f"\nGemma 3 270M Q4_K_M ({path.name}); {mach['cpu']}, {mach['cores']} cores, {args.threads} threads; "
           f"median of {args.runs} runs\n")
     print(table(args, res["median"], names))
+    print("\n".join(bandwidth_lines(args, res["median"], engines, path, read_bandwidth())))
     first = res["tokens"][names[0]]
     for name in names[1:]:
         other = res["tokens"][name]

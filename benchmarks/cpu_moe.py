@@ -19,6 +19,7 @@ import os
 import time
 
 import numpy as np
+from _timing import read_bandwidth
 
 SHAPES = {"35b-a3b": (2048, 512, 8), "g4-26b-a4b": (2816, 704, 8)}  # H, I, top-k
 
@@ -70,28 +71,6 @@ def cold_calls(layers, rng, E: int, k: int, T: int, w):
         g, d = layers[n % len(layers)]
         n += 1
         yield np.stack([rng.choice(E, size=k, replace=False) for _ in range(T)]), w, g, d
-
-
-def read_bandwidth(nbytes: int = 1 << 30) -> float:
-    """Bytes per second a parallel numba loop reads from DRAM: 4096 rows of uint64 words summed, eight
-    independent sums a row (one sum per row would be bound by its add latency, not by memory)."""
-    from numba import njit, prange
-
-    @njit(parallel=True, cache=False)
-    def total(words):
-        out = np.empty(words.shape[0], np.uint64)
-        for r in prange(words.shape[0]):
-            row, s = words[r], np.zeros(8, np.uint64)
-            for i in range(0, row.shape[0], 8):
-                for j in range(8):
-                    s[j] += row[i + j]
-            out[r] = s.sum()
-        return out
-
-    words = np.ones((4096, nbytes // 8 // 4096), np.uint64)
-    total(words[:2])
-    best = min(timed_once(total, words) for _ in range(5))
-    return nbytes / best
 
 
 def timed_once(fn, *args) -> float:
