@@ -51,7 +51,9 @@ static void i8_rows_scalar(const int8_t *q, i64 ldq, const void *s, i64 lds, i64
 
 #ifdef LUMEN_X86
 /* -- AVX2 -------------------------------------------------------------------------------------------------------- */
-T2 static inline __m256 i8x8(const int8_t *p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p))); }
+T2 static inline __m256 i8x8(const int8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
 
 T2 static inline float hsum8(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -61,7 +63,8 @@ T2 static inline float hsum8(__m256 v) {
 }
 
 T2 static void i8_rows_avx2(const int8_t *q, i64 ldq, const void *s, i64 lds, i64 s16, i64 bs, const float *m, i64 ldm,
-                            i64 r0, i64 n, i64 K, const float *x, i64 ldx, const float *xs, i64 T, float *out, i64 ldo) {
+                            i64 r0, i64 n, i64 K, const float *x, i64 ldx, const float *xs, i64 T, float *out,
+                            i64 ldo) {
     i64 nb = K / bs, nc = K / 32, pf = rows_ahead(K);
     float sc[nb + 8];
     for (i64 i = 0; i < n; i++) {
@@ -70,7 +73,8 @@ T2 static void i8_rows_avx2(const int8_t *q, i64 ldq, const void *s, i64 lds, i6
         prefetch_ahead((const uint8_t *)row, ldq, K, i, n, pf);
         if (s16) {
             const uint16_t *sr = (const uint16_t *)s + r * lds;
-            for (; b + 8 <= nb; b += 8) _mm256_storeu_ps(sc + b, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sr + b))));
+            for (; b + 8 <= nb; b += 8)
+                _mm256_storeu_ps(sc + b, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sr + b))));
             for (; b < nb; b++) sc[b] = f16_f32(sr[b]);
         } else {
             memcpy(sc, (const float *)s + r * lds, (size_t)nb * 4);
@@ -119,8 +123,8 @@ T5 static inline __m512 min_sub(__m512 acc, const float *mr, const float *xst, i
 }
 
 T5 static void i8_rows_avx512(const int8_t *q, i64 ldq, const void *s, i64 lds, i64 s16, i64 bs, const float *m,
-                              i64 ldm, i64 r0, i64 n, i64 K, const float *x, i64 ldx, const float *xs, i64 T, float *out,
-                              i64 ldo) {
+                              i64 ldm, i64 r0, i64 n, i64 K, const float *x, i64 ldx, const float *xs, i64 T,
+                              float *out, i64 ldo) {
     i64 nb = K / bs, nc = K / 32, pf = rows_ahead(K);
     float sc[nb + 16];
     for (i64 i = 0; i < n; i++) {
@@ -347,7 +351,8 @@ T5V static void i8q_rows_vnni(const int8_t *q, i64 ldq, const void *s, i64 lds, 
             __m512 corr = _mm512_setzero_ps();
             for (b = 0; b < nb; b += 16) { /* v = weight scale x x's scale, a block each; corr: their xq sums */
                 __mmask16 k = nb - b >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (nb - b)) - 1u);
-                __m512 sv = s16 ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, sr16 + b)) : _mm512_maskz_loadu_ps(k, sr32 + b);
+                __m512 sv = s16 ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, sr16 + b))
+                                : _mm512_maskz_loadu_ps(k, sr32 + b);
                 __m512 vv = _mm512_mul_ps(sv, _mm512_loadu_ps(dxt + b));
                 _mm512_storeu_ps(v + b, vv);
                 corr = _mm512_fmadd_ps(vv, _mm512_maskz_loadu_ps(k, xsqt + b), corr);
@@ -399,7 +404,7 @@ void lumen_i8_rows_q8(const int8_t *q, i64 ldq, const void *s, i64 lds, i64 s16,
     i8q_rows_scalar(q, ldq, s, lds, s16, bs, m, ldm, r0, n, K, xq, dx, xsq, xs, T, out, ldo);
 }
 
-/* -- f32 activations: entry point ------------------------------------------------------------------------------------------------- */
+/* -- f32 activations: entry point ------------------------------------------------------------------------------- */
 void lumen_i8_rows(const int8_t *q, i64 ldq, const void *s, i64 lds, i64 s16, i64 bs, const float *m, i64 ldm, i64 r0,
                    i64 n, i64 K, const float *x, i64 ldx, const float *xs, i64 T, float *out, i64 ldo) {
 #ifdef LUMEN_X86
