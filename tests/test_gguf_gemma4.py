@@ -211,7 +211,9 @@ def test_block_quantized_weights_stay_in_their_format(variant, engines):
 
 
 def test_experts_mapped_from_the_file_give_the_same_logits():
-    """store mmap: every matrix, per-expert byte ranges included, is a view on the mapped file."""
+    """store mmap: every matrix, per-expert byte ranges included, is a view on the mapped file. The same values as
+    the int8 layout of store ram (bit for bit: tests/test_int8_repack.py), summed in another order (the int8
+    layout's C kernels): logits equal to f32 rounding."""
     path = gguf_file("gemma4-moe", "q4_k_m")
     ram = load(path)
     mapped = load(path, store="mmap", **{"hidden-layers": {"kv-cache": {"context-size": CONTEXT},
@@ -219,7 +221,8 @@ def test_experts_mapped_from_the_file_give_the_same_logits():
     assert {e.store for e in mapped.plan.entries if e.component.endswith(".experts")} == {"mmap"}
     ids = ids_for(ram.model.vocab_size, seed=3)
     a = ram.model.forward(ids, ram.model.new_cache(CONTEXT), all_logits=True)
-    assert np.array_equal(mapped.model.forward(ids, mapped.model.new_cache(CONTEXT), all_logits=True), a)
+    b = mapped.model.forward(ids, mapped.model.new_cache(CONTEXT), all_logits=True)
+    assert np.abs(b - a).max() <= 1e-5 * np.abs(a).max()
 
 
 # --- config and tensors ------------------------------------------------------------------------------------------
