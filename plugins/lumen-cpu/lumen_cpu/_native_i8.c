@@ -62,23 +62,27 @@ T2 static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
+T2 static inline void load_scales(const void *s, i64 lds, i64 s16, i64 r, i64 nb, float *sc) { /* row r's, as f32 */
+    if (!s16) {
+        memcpy(sc, (const float *)s + r * lds, (size_t)nb * 4);
+        return;
+    }
+    const uint16_t *sr = (const uint16_t *)s + r * lds;
+    i64 b = 0;
+    for (; b + 8 <= nb; b += 8) _mm256_storeu_ps(sc + b, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sr + b))));
+    for (; b < nb; b++) sc[b] = f16_f32(sr[b]);
+}
+
 T2 static void i8_rows_avx2(const int8_t *q, i64 ldq, const void *s, i64 lds, i64 s16, i64 bs, const float *m, i64 ldm,
                             i64 r0, i64 n, i64 K, const float *x, i64 ldx, const float *xs, i64 T, float *out,
                             i64 ldo) {
     i64 nb = K / bs, nc = K / 32, pf = rows_ahead(K);
     float sc[nb + 8];
     for (i64 i = 0; i < n; i++) {
-        i64 r = r0 + i, b = 0;
+        i64 r = r0 + i, b;
         const int8_t *row = q + r * ldq;
         prefetch_ahead((const uint8_t *)row, ldq, K, i, n, pf);
-        if (s16) {
-            const uint16_t *sr = (const uint16_t *)s + r * lds;
-            for (; b + 8 <= nb; b += 8)
-                _mm256_storeu_ps(sc + b, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sr + b))));
-            for (; b < nb; b++) sc[b] = f16_f32(sr[b]);
-        } else {
-            memcpy(sc, (const float *)s + r * lds, (size_t)nb * 4);
-        }
+        load_scales(s, lds, s16, r, nb, sc);
         for (i64 t = 0; t < T; t++) {
             const float *xt = x + t * ldx;
             __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
@@ -128,17 +132,10 @@ T5 static void i8_rows_avx512(const int8_t *q, i64 ldq, const void *s, i64 lds, 
     i64 nb = K / bs, nc = K / 32, pf = rows_ahead(K);
     float sc[nb + 16];
     for (i64 i = 0; i < n; i++) {
-        i64 r = r0 + i, b = 0;
+        i64 r = r0 + i, b;
         const int8_t *row = q + r * ldq;
         prefetch_ahead((const uint8_t *)row, ldq, K, i, n, pf);
-        if (s16) {
-            const uint16_t *sr = (const uint16_t *)s + r * lds;
-            for (; b + 16 <= nb; b += 16)
-                _mm512_storeu_ps(sc + b, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sr + b))));
-            for (; b < nb; b++) sc[b] = f16_f32(sr[b]);
-        } else {
-            memcpy(sc, (const float *)s + r * lds, (size_t)nb * 4);
-        }
+        load_scales(s, lds, s16, r, nb, sc);
         for (i64 t = 0; t < T; t++) {
             const float *xt = x + t * ldx;
             __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
@@ -213,7 +210,7 @@ T5 static void i8_gemm_avx512(const int8_t *q, i64 ldq, const void *s, i64 lds, 
                 memset(w + j * K, 0, (size_t)K * 4);
                 continue;
             }
-            for (i64 b = 0; b < nb; b++) sc[b] = scale_of(s, s16, r * lds + b);
+            load_scales(s, lds, s16, r, nb, sc);
             dequant_row(q + r * ldq, sc, m ? m + r * ldm : NULL, bs, K, w + j * K);
         }
         const float *w0 = w, *w1 = w + K, *w2 = w + 2 * K, *w3 = w + 3 * K;
@@ -307,7 +304,7 @@ T2 static void i8q_rows_avx2(const int8_t *q, i64 ldq, const void *s, i64 lds, i
         i64 r = r0 + i;
         const int8_t *row = q + r * ldq;
         prefetch_ahead((const uint8_t *)row, ldq, K, i, n, pf);
-        row_scales(s, lds, s16, r, nb, sc);
+        load_scales(s, lds, s16, r, nb, sc);
         for (i64 t = 0; t < T; t++) {
             const int8_t *xt = xq + t * K;
             const float *dxt = dx + t * nc;

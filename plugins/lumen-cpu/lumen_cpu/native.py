@@ -169,6 +169,14 @@ def _register_fallbacks() -> None:
                 O[i * ldo + c] = (E2M1[b & 15] * sc) * gs
                 O[i * ldo + c + 1] = (E2M1[b >> 4] * sc) * gs
 
+    @njit(inline="always")
+    def _scale(S16, S32, s16, j):  # a block scale as f32: the file's f16 bits (exactly, as int8.scale_at) or f32
+        if s16:
+            h = np.uint32(S16[j])
+            return as_f32(((h & np.uint32(0x7FFF)) << np.uint32(13)) |
+                          ((h & np.uint32(0x8000)) << np.uint32(16))) * np.float32(5.192296858534828e33)
+        return S32[j]
+
     @cfunc(types.void(*[_i] * 17), cache=True, fastmath=True)
     def i8(q, ldq, s, lds, s16, bs, m, ldm, r0, n, K, x, ldx, xs, T, out, ldo):
         rows, nc = r0 + n, K // 32
@@ -187,12 +195,7 @@ def _register_fallbacks() -> None:
                     part = np.float32(0)
                     for k in range(b * bs, (b + 1) * bs):
                         part += np.float32(Q[r * ldq + k]) * X[t * ldx + k]
-                    if s16:
-                        h = np.uint32(S16[r * lds + b])
-                        sc = as_f32(((h & np.uint32(0x7FFF)) << np.uint32(13)) |
-                                    ((h & np.uint32(0x8000)) << np.uint32(16))) * np.float32(5.192296858534828e33)
-                    else:
-                        sc = S32[r * lds + b]
+                    sc = _scale(S16, S32, s16, r * lds + b)
                     acc += part * sc
                 if m:
                     for c in range(nc):
@@ -218,12 +221,7 @@ def _register_fallbacks() -> None:
                     dot = np.int32(0)
                     for k in range(b * bs, (b + 1) * bs):
                         dot += np.int32(Q[r * ldq + k]) * np.int32(XQ[t * K + k])
-                    if s16:
-                        h = np.uint32(S16[r * lds + b])
-                        sc = as_f32(((h & np.uint32(0x7FFF)) << np.uint32(13)) |
-                                    ((h & np.uint32(0x8000)) << np.uint32(16))) * np.float32(5.192296858534828e33)
-                    else:
-                        sc = S32[r * lds + b]
+                    sc = _scale(S16, S32, s16, r * lds + b)
                     acc += np.float32(dot) * (sc * DX[t * nc + b * bs // 32])
                 if m:
                     for c in range(nc):
