@@ -353,29 +353,37 @@ def test_a_killed_replica_loses_no_request_that_had_not_started(cluster):
     replicas = [n for n in ray.util.list_named_actors(all_namespaces=True)
                 if "SERVE_REPLICA" in n["name"] and "Replica" in n["name"].split("#")[1]]
     assert len(replicas) == 2
-    victim = ray.get_actor(replicas[0]["name"], namespace=replicas[0]["namespace"])
-    victim_id = replicas[0]["name"].split("#")[-1]
+    actors = {n["name"].split("#")[-1]: n for n in replicas}  # replica id -> its named actor
     with httpx.Client(base_url=url, timeout=60) as client:
-        assert victim_id in client.get("/health").json()["replica_ids"]
+        assert set(actors) <= set(client.get("/health").json()["replica_ids"])
 
-    def depth(metrics) -> float:
-        line = next(x for x in metrics.text.splitlines() if x.startswith(f'lumen_queue_depth{{replica="{victim_id}"'))
-        return float(line.split()[-1])
+    def depths(metrics) -> dict[str, float]:  # each replica's waiting requests, as /metrics reports them
+        out = {}
+        for line in metrics.text.splitlines():
+            if line.startswith('lumen_queue_depth{replica="'):
+                out[line.split('"')[1]] = float(line.split()[-1])
+        return out
 
     async def run():
         async with httpx.AsyncClient(base_url=url, timeout=180) as client:
             tasks = [asyncio.ensure_future(client.post(
                 "/v1/completions", headers=AUTH,
                 json={"prompt": f"request {i} " * 4, "max_tokens": 200, "temperature": 0})) for i in range(16)]
+            # the victim: whichever replica first reports 4 waiting (the routing decides how the 16 split; one of
+            # the two holds at least 8, 7 of them waiting, while it runs one at a time)
             deadline = time.monotonic() + 10
-            while depth(await client.get("/metrics", headers=AUTH)) < 4:  # kill it with requests waiting in it
-                assert time.monotonic() < deadline, "the victim never held 4 requests"
+            while True:
+                held = {k: v for k, v in depths(await client.get("/metrics", headers=AUTH)).items() if k in actors}
+                victim_id = max(held, key=held.get) if held else None
+                if victim_id is not None and held[victim_id] >= 4:
+                    break
+                assert time.monotonic() < deadline, f"no replica held 4 waiting requests: {held}"
                 await asyncio.sleep(0.05)
-            ray.kill(victim)
-            return await asyncio.wait_for(asyncio.gather(*tasks), 170)  # never a hang
+            ray.kill(ray.get_actor(actors[victim_id]["name"], namespace=actors[victim_id]["namespace"]))
+            return victim_id, await asyncio.wait_for(asyncio.gather(*tasks), 170)  # never a hang
 
     t0 = time.monotonic()
-    replies = asyncio.run(run())
+    victim_id, replies = asyncio.run(run())
     failed = [r for r in replies if r.status_code != 200]
     for r in failed:  # the one the killed replica was running: an error in the API's shape
         assert r.status_code == 503 and r.json()["error"]["code"] == "replica_failed", r.text
