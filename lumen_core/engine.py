@@ -158,6 +158,7 @@ class Engine:
             weights = load_weights(ckpt, arch, resolved["layout"], resolved["placements"], backends, report,
                                    progress)
             phase.note = _plan_bytes_note(plan)
+        _note_unused_quantization(config, backends)
         model = arch.build(weights, backends, resolved["kv"])
         engine = cls(config, arch, model, tokenizer, plan, report)
         engine.weights = weights  # what the loader put on each component's backend
@@ -838,6 +839,16 @@ def _configure_cpu(config, backends: dict) -> None:
         if threads is not None:
             b.configure_threads(threads)
         b.configure_compute_quantization(quant)
+
+
+def _note_unused_quantization(config, backends: dict) -> None:
+    """cpu.compute-quantization int8 where the CPU holds no weight in the int8 layout (it applies to GGUF blocks held
+    in RAM only): say so rather than ignore it."""
+    cpus = [b for b in backends.values() if b.name == "cpu"]
+    if config.cpu_compute_quantization() == "int8" and cpus and not any(getattr(b, "int8_weights", 0) for b in cpus):
+        print("lumen: note: cpu.compute-quantization (int8) has no effect: it quantizes the activations of weights in "
+              "the CPU's int8 layout (GGUF Q4_0/Q5_0/Q8_0/Q4_K/Q5_K/Q6_K blocks with store ram), and this plan puts "
+              "none on the CPU", file=sys.stderr)
 
 
 def load(source, progress: bool | Progress | None = None, chat_template: str | os.PathLike | None = None,

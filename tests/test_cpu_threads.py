@@ -94,6 +94,15 @@ def test_cpu_settings_without_a_cpu_component_say_they_have_no_effect(capsys):
     assert capsys.readouterr().err == ""
 
 
+def test_int8_compute_quantization_without_int8_layout_weights_says_it_has_no_effect(tiny_checkpoint, capsys):
+    """The tiny Gemma 3 checkpoint is f32 safetensors: no weight is in the int8 layout, so the mode does nothing."""
+    lumen.load({"model": {"path": str(tiny_checkpoint("gemma3"))}, "cpu": {"compute-quantization": "int8"}},
+               progress=False)
+    assert "cpu.compute-quantization (int8) has no effect" in capsys.readouterr().err
+    lumen.load({"model": {"path": str(tiny_checkpoint("gemma3"))}}, progress=False)
+    assert "compute-quantization" not in capsys.readouterr().err
+
+
 def test_the_threads_option_sets_cpu_threads(tiny_checkpoint, tmp_path):
     """--threads N is cpu.threads from the command line (on generate, chat, serve, perplexity): a fresh process
     generates with it; 0 is refused by the option; the config copy keeps the rest of the config."""

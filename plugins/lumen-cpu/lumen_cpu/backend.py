@@ -44,6 +44,7 @@ class CPUBackend(Backend):
         if self.stored_format(fmt, store) == "i8":
             from .int8 import repack
 
+            self.int8_weights += 1
             return repack(array, fmt, shape or np.asarray(array).shape, qx=self.quantize_activations)
         if fmt == "nvfp4":  # scale = (e4m3 block scales (N, K/16), f32 global scale): kept as stored
             from .nvfp4 import weight
@@ -80,6 +81,7 @@ class CPUBackend(Backend):
         parallel.NUM_THREADS = threads
 
     quantize_activations = False  # cpu.compute-quantization "int8": this backend's int8-layout weights quantize x
+    int8_weights = 0  # weights this backend repacked into the int8 layout (the engine notes an int8 mode without any)
 
     def configure_compute_quantization(self, quantization: str) -> None:
         """cpu.compute-quantization: "int8" marks every int8-layout weight this backend loads (GGUF blocks in RAM):
