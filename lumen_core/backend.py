@@ -121,6 +121,11 @@ class Backend(ABC):
         if quantization != "none":
             raise NotImplementedError(f"backend {self.name!r} has no compute quantization {quantization!r}")
 
+    def compute_quantization_applies(self) -> bool:
+        """After loading: whether the configured compute quantization found weights to apply to (the engine notes
+        a setting that has no effect). The default: no compute quantization, nothing to say."""
+        return True
+
     def release_threads(self) -> None:
         """Called on a thread that is about to wait while another thread computes on this backend (a GPU graph's
         host nodes run this backend's ops on a driver thread): free the calling thread's idle worker threads, if

@@ -845,7 +845,7 @@ def _note_unused_quantization(config, backends: dict) -> None:
     """cpu.compute-quantization int8 where the CPU holds no weight in the int8 layout (it applies to GGUF blocks held
     in RAM only): say so rather than ignore it."""
     cpus = [b for b in backends.values() if b.name == "cpu"]
-    if config.cpu_compute_quantization() == "int8" and cpus and not any(getattr(b, "int8_weights", 0) for b in cpus):
+    if cpus and not any(b.compute_quantization_applies() for b in cpus):
         print("lumen: note: cpu.compute-quantization (int8) has no effect: it quantizes the activations of weights in "
               "the CPU's int8 layout (GGUF Q4_0/Q5_0/Q8_0/Q4_K/Q5_K/Q6_K blocks with store ram), and this plan puts "
               "none on the CPU", file=sys.stderr)

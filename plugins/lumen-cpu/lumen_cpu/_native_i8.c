@@ -251,6 +251,7 @@ i64 lumen_i8_gemm(const int8_t *q, i64 ldq, const void *s, i64 lds, i64 s16, i64
                   i64 n, i64 K, const float *x, i64 ldx, i64 t0, i64 t1, float *out, i64 ldo) {
 #ifdef LUMEN_X86
     if (lumen_level >= 2) {
+        if (n <= 0) return 1; /* int8.gemm's question: is there a kernel here (no scratch for it) */
         float *w = aligned_alloc(64, (size_t)(4 * K * 4 + 64) / 64 * 64);
         if (!w) return 0;
         i8_gemm_avx512(q, ldq, s, lds, s16, bs, m, ldm, r0, n, K, x, ldx, t0, t1, out, ldo, w);

@@ -81,12 +81,15 @@ class CPUBackend(Backend):
         parallel.NUM_THREADS = threads
 
     quantize_activations = False  # cpu.compute-quantization "int8": this backend's int8-layout weights quantize x
-    int8_weights = 0  # weights this backend repacked into the int8 layout (the engine notes an int8 mode without any)
+    int8_weights = 0  # weights this backend repacked into the int8 layout
 
     def configure_compute_quantization(self, quantization: str) -> None:
         """cpu.compute-quantization: "int8" marks every int8-layout weight this backend loads (GGUF blocks in RAM):
         its GEMVs (1-3 tokens) quantize x to 8 bits a value and sum integer products (lumen_cpu.int8.gemv_q8)."""
         self.quantize_activations = quantization == "int8"
+
+    def compute_quantization_applies(self) -> bool:
+        return not self.quantize_activations or self.int8_weights > 0
 
     def release_threads(self) -> None:
         """numba's OpenMP layer (GNU libgomp) keeps a pool of worker threads per thread that starts parallel kernels.
