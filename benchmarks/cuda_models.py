@@ -66,7 +66,9 @@ def parse_args(argv=None):
                    help="for MoE rows, comma-separated: vram (all on cuda:0), stream (routed experts in pinned host "
                         "RAM, read over PCIe or from the VRAM expert cache), stream-cacheN (a cache of N experts; "
                         "default 32), "
-                        "cpu-experts (routed experts computed by the CPU backend); rows other than vram prefill "
+                        "cpu-experts (routed experts computed by the CPU backend), cpu-experts-int8 (the same with "
+                        "cpu.compute-quantization int8: 8-bit activations for NVFP4 experts' decode); rows other "
+                        "than vram prefill "
                         "only the first --prompts length")
     p.add_argument("--moe-rows", default="",
                    help="rows per warp of the MoE expert kernels for this run, e.g. gate_up=4,down_t1=2 (keys gate_up, "
@@ -123,8 +125,8 @@ def full_depth_rows(args, prompts, bw: float) -> dict:
             path = write_checkpoint(shape, layers, fmt, Path(args.workdir), args.vocab)
             print(f"{name} ({layers} layers): checkpoint ready in {time.perf_counter() - t:.0f}s", file=sys.stderr)
             per_token, params, _ = bytes_per_token(path)
-            timed[layers] = {"lumen": time_lumen(path, prompts, args.decode, experts, args.repeat),
-                             "bytes": per_token, "params": params}
+            lumen = time_lumen(path, prompts, args.decode, experts, args.repeat, cpu_block(placement))
+            timed[layers] = {"lumen": lumen, "bytes": per_token, "params": params}
             if not args.keep:
                 shutil.rmtree(path)
             gc.collect()
@@ -277,9 +279,15 @@ def experts_block(placement: str) -> dict | None:
     if placement.startswith("stream"):
         cache = placement.removeprefix("stream").removeprefix("-cache")
         return {"compute": "cuda:0", "store": "ram", **({"cache": int(cache)} if cache else {})}
-    if placement == "cpu-experts":
+    if placement in ("cpu-experts", "cpu-experts-int8"):
         return {"compute": "cpu", "store": "ram"}
-    raise SystemExit(f"unknown placement {placement!r}: vram, stream, stream-cacheN, cpu-experts")
+    raise SystemExit(f"unknown placement {placement!r}: vram, stream, stream-cacheN, cpu-experts, cpu-experts-int8")
+
+
+def cpu_block(placement: str | None) -> dict | None:
+    """The config's cpu block of a --placements entry: cpu-experts-int8 = cpu-experts with 8-bit activations
+    (cpu.compute-quantization int8: NVFP4 experts' decode rows take x quantized per 16 values)."""
+    return {"compute-quantization": "int8"} if placement == "cpu-experts-int8" else None
 
 
 def pinned_bandwidth() -> float:
@@ -298,7 +306,8 @@ def pinned_bandwidth() -> float:
     return 3 * n / (time.perf_counter() - t)
 
 
-def time_lumen(path: Path, prompts, steps: int, experts: dict | None = None, repeat: int = 1) -> dict:
+def time_lumen(path: Path, prompts, steps: int, experts: dict | None = None, repeat: int = 1,
+               cpu: dict | None = None) -> dict:
     import cupy as cp
     import numpy as np
 
@@ -313,8 +322,10 @@ def time_lumen(path: Path, prompts, steps: int, experts: dict | None = None, rep
     if experts:
         hidden["experts"] = experts
     t = time.perf_counter()
-    engine = lumen.load({"model": {"path": str(path), "compute": "cuda:0", "store": "vram",
-                                   "hidden-layers": hidden}}, progress=False)
+    config = {"model": {"path": str(path), "compute": "cuda:0", "store": "vram", "hidden-layers": hidden}}
+    if cpu:
+        config["cpu"] = cpu
+    engine = lumen.load(config, progress=False)
     load_s = time.perf_counter() - t
     vocab = engine.model.vocab_size
     greedy = SamplingParams(temperature=0.0)
@@ -437,7 +448,7 @@ def main(argv=None):
             if placement == "vram":
                 continue
             t = time.perf_counter()
-            r = time_lumen(path, prompts[:1], args.decode, experts_block(placement), args.repeat)
+            r = time_lumen(path, prompts[:1], args.decode, experts_block(placement), args.repeat, cpu_block(placement))
             placed[f"{name} {placement}"] = {"expert_bytes_per_token": expert_bytes, "lumen": r, "layers": layers}
             print(f"{name} {placement}: {r['decode']:.1f} tok/s decode ({time.perf_counter() - t:.0f}s)",
                   file=sys.stderr)

@@ -356,3 +356,133 @@ def test_strided_block_scales_take_the_sorted_kernels():
     got = moe_fused.experts(x, ids, w, gate_up, down)
     assert not moe_fused._LAYERS[id(gate_up[0][0])].dense
     assert rel(got, ops.moe_experts_per_expert(x, ids, w, gate_up, down).astype(np.float64)) < 2e-5
+
+
+# -- NVFP4 with 8-bit activations (cpu.compute-quantization int8), the one-token experts' worker, prefill products --
+E2M1_2 = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.int64)  # 2 e2m1(code)
+
+
+def quant16_ref(x):
+    """lumen_quant16 in numpy: per 16 values the scale max|x| / 127 and x / scale rounded half to even."""
+    b = np.asarray(x, F32).reshape(-1, 16)
+    m = np.abs(b).max(axis=1)
+    inv = np.where(m > 0, F32(127) / np.where(m > 0, m, 1), 0).astype(F32)
+    return np.rint(b * inv[:, None]).astype(np.int8).reshape(-1), (m / F32(127)).astype(F32)
+
+
+def rows_q8_ref(packed, block, gs, xq, xs):
+    """NVFP4 rows . x from the integers: gs / 2 * sum_b e4m3(s_b) xs_b sum_{k in b} 2 e2m1(code_k) xq_k (float64)."""
+    codes = np.stack([packed & 15, packed >> 4], axis=-1).reshape(packed.shape[0], -1)
+    ints = (E2M1_2[codes] * xq.astype(np.int64)).reshape(packed.shape[0], -1, 16).sum(axis=2)
+    return float(gs) / 2 * (ints * E4M3[block] * xs.astype(np.float64)).sum(axis=1)
+
+
+def test_quant16_equals_numpy():
+    from numba import njit
+
+    rng = np.random.default_rng(5)
+    x = (rng.normal(size=96) * rng.choice([1e-3, 1, 50], size=96)).astype(F32)
+    x[16:32] = 0  # an all-zero block: scale 0, codes 0
+
+    @njit
+    def q(x, xq, xs):
+        native.quant16(x.ctypes.data, x.shape[0], xq.ctypes.data, xs.ctypes.data)
+
+    xq, xs = np.empty(96, np.int8), np.empty(6, F32)
+    q(x, xq, xs)
+    ref_q, ref_s = quant16_ref(x)
+    assert np.array_equal(xq, ref_q) and np.array_equal(xs, ref_s)
+    assert np.abs(xq).max() == 127 and not xq[16:32].any()
+
+
+@pytest.mark.parametrize("K", [2048, 80, 48])  # tails past the 64 / 32 columns a vector step takes
+def test_nvfp4_rows_q8_equal_their_integer_model(isa, K):
+    """The 8-bit-activation NVFP4 rows at every level against the integer model (exact sums per block); the levels
+    differ only in the order of the f32 sums over blocks."""
+    from numba import njit
+
+    rng = np.random.default_rng(K + 3)
+    N = 21
+    packed, bs, gs = quantize_nvfp4(rng.normal(size=(N, K)).astype(F32))
+    block = np.ascontiguousarray(bs).view(np.uint8)
+    xq = rng.integers(-127, 128, size=K).astype(np.int8)
+    xs = rng.uniform(0.001, 0.1, size=K // 16).astype(F32)
+
+    @njit
+    def rows(p, b, xq, xs, gs, out, r0, n):
+        native.nvfp4_rows_q8(p.ctypes.data, p.shape[1], b.ctypes.data, b.shape[1], r0, n, p.shape[1] * 2,
+                             xq.ctypes.data, xs.ctypes.data, gs, out.ctypes.data, 4096)
+
+    out = np.full(N - 2, np.nan, F32)
+    rows(packed, block, xq, xs, F32(gs), out, 2, N - 2)
+    ref = rows_q8_ref(packed[2:], block[2:], gs, xq, xs)
+    assert rel(out, ref) < 1e-6, isa
+
+
+def _nvfp4_experts(rng, E, H, I, qx):
+    from lumen_cpu import nvfp4
+
+    def one(N, K):
+        packed, bs, gs = quantize_nvfp4(rng.normal(size=(N, K)).astype(F32) * 0.1)
+        return nvfp4.weight(packed, (bs, gs), (N, K), "ram", qx=qx)
+
+    return [(one(I, H), one(I, H)) for _ in range(E)], [one(H, I) for _ in range(E)]
+
+
+@pytest.mark.parametrize("H,I", [(2048, 512), (80, 48)])
+def test_one_token_nvfp4_experts_with_8_bit_activations_equal_their_model(isa, H, I):
+    """cpu.compute-quantization int8 on NVFP4 experts: x quantized per 16, each expert's gate and up rows in
+    integers, h = silu(gate) * up quantized per 16, the down rows in integers, the weighted sum in slot order,
+    against that model in numpy (float64 between the quantizations); and not the exact path's result."""
+    from lumen_cpu import moe_fused
+
+    rng = np.random.default_rng(H * 3 + I)
+    E, k = 10, 4
+    gate_up, down = _nvfp4_experts(rng, E, H, I, qx=True)
+    x = rng.normal(size=(1, H)).astype(F32)
+    ids, w = np.array([[4, 9, 0, 7]]), rng.uniform(size=(1, k)).astype(F32)
+
+    def rows(wt, xq, xs):
+        return rows_q8_ref(np.asarray(wt.data), np.asarray(wt.scale.block).view(np.uint8), wt.scale.global_scale,
+                           xq, xs)
+
+    xq, xs = quant16_ref(x[0])
+    ref = np.zeros(H)
+    for j, e in enumerate(ids[0]):
+        g, u = rows(gate_up[e][0], xq, xs), rows(gate_up[e][1], xq, xs)
+        h = (g / (1 + np.exp(-g)) * u).astype(F32)
+        hq, hs = quant16_ref(h)
+        ref += w[0, j] * rows(down[e], hq, hs)
+    got = moe_fused.experts(x, ids, w, gate_up, down, "silu")
+    assert rel(got[0], ref) < 1e-4, isa  # h's rounding to 8 bits can flip where f32 sums land near a half step
+    exact_up, exact_down = _nvfp4_experts(np.random.default_rng(H * 3 + I), E, H, I, qx=False)
+    exact = moe_fused.experts(x, ids, w, exact_up, exact_down, "silu")
+    assert 1e-4 < rel(got[0], exact[0].astype(np.float64)) < 0.05
+
+
+@pytest.mark.parametrize("R,m,K", [(64, 16, 2048), (7, 5, 48), (3, 1, 16)])
+def test_f32_dots_equal_numpy(R, m, K):
+    """The several-token experts' products (C = B X[idx]^T, rows and tokens past multiples of 4 included) at the
+    AVX-512 level; below it, or K not a multiple of 16, the kernel declines (returns 0) and writes nothing."""
+    from numba import njit
+
+    rng = np.random.default_rng(R * m + K)
+    B, X = rng.normal(size=(R, K)).astype(F32), rng.normal(size=(40, K)).astype(F32)
+    idx = rng.choice(40, size=m, replace=False).astype(np.int64)
+
+    @njit
+    def dots(B, X, idx, C):
+        return native.f32_dots(B.ctypes.data, B.shape[0], B.shape[1], X.ctypes.data, X.shape[1], idx.ctypes.data,
+                               idx.shape[0], C.ctypes.data, C.shape[1])
+
+    for isa in levels():
+        native.use(isa)
+        C = np.full((R, m + 3), np.nan, F32)
+        done = dots(B, X, idx, C)
+        native.use(native.HIGHEST)
+        if native.LEVELS[isa] < native.LEVELS["avx512"]:
+            assert done == 0 and np.isnan(C).all(), isa
+            continue
+        assert done == 1 and np.isnan(C[:, m:]).all()
+        assert rel(C[:, :m], B.astype(np.float64) @ X[idx].T.astype(np.float64)) < 1e-5, isa
+    assert dots(B[:, :K - 8] if K > 8 else B, X[:, :K - 8] if K > 8 else X, idx, np.empty((R, m), F32)) == 0

@@ -124,3 +124,36 @@ def test_the_threads_option_sets_cpu_threads(tiny_checkpoint, tmp_path):
     bad = subprocess.run([lumen, "generate", "-c", str(config), "-p", "Hi", "--threads", "0"], capture_output=True,
                          text=True, timeout=120)
     assert bad.returncode == 2 and "--threads" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_int8_compute_quantization_runs_nvfp4_experts_with_8_bit_activations(tiny_checkpoint, tmp_path, capsys,
+                                                                              monkeypatch):
+    """NVFP4 experts on the CPU under cpu.compute-quantization int8: one token's experts take the 8-bit path
+    (lumen_cpu.native.moe_token's NVFP4_Q8), with no "no effect" note; without the key, the exact one."""
+    from lumen_cpu import native
+
+    from lumen_core.quantize import quantize_checkpoint
+    from lumen_core.sampling import SamplingParams
+
+    if not native.available:
+        pytest.fail("lumen_cpu's C kernels were not built (pip install -e plugins/lumen-cpu needs a C compiler)")
+    src = tiny_checkpoint("qwen3_5_moe")
+    dst = tmp_path / "nvfp4"
+    quantize_checkpoint(src, dst, "nvfp4", progress=False)
+    seen = []
+    real = native.moe_token
+
+    def spy(fmt, *args):
+        seen.append(fmt)
+        return real(fmt, *args)
+
+    monkeypatch.setattr(native, "moe_token", spy)
+    tokens = {}
+    for quant in ("int8", "none"):
+        seen.clear()
+        engine = lumen.load({"model": {"path": str(dst), "compute": "cpu"}, "cpu": {"compute-quantization": quant}},
+                            progress=False)
+        assert "compute-quantization" not in capsys.readouterr().err
+        tokens[quant] = list(engine.generate_tokens([1, 2, 3, 4, 5], 4, SamplingParams(temperature=0.0)))
+        assert len(tokens[quant]) == 4
+        assert set(seen) == {native.NVFP4_Q8 if quant == "int8" else native.NVFP4}, (quant, seen)

@@ -18,12 +18,7 @@
 int lumen_level = 0;
 i64 lumen_prefetch = 16384;
 
-/* -- scalar decoders (the reference: numba's fp8.decode and nvfp4_fused.e2m1) ---------------------------------- */
-static inline float e4m3(uint32_t b) {
-    float f = bits_f32(((b & 0x7Fu) << 20) + 0x3C000000u);
-    float v = (b & 0x78u) == 0 ? (f - 0.0078125f) * 2.0f : f;
-    return (b & 0x80u) ? -v : v;
-}
+/* -- scalar decoders (the reference: numba's fp8.decode and nvfp4_fused.e2m1; e4m3 in _native.h) ------------- */
 
 static const float E2M1[16] = {0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f, -0.f, -.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
 
@@ -101,9 +96,11 @@ T2 static inline float hsum8(__m256 v) {
 }
 
 T2 static void fp8_rows_avx2(const uint8_t *w, i64 ldw, i64 r0, i64 n, i64 K, const float *x, const float *S,
-                             i64 lds, i64 br, i64 bc, float *out) {
+                             i64 lds, i64 br, i64 bc, float *out, i64 pf) {
+    i64 ahead = ahead_rows(pf, K);
     for (i64 i = 0; i < n; i++) {
         const uint8_t *row = w + (r0 + i) * ldw;
+        prefetch_ahead(row, ldw, K, i, n, ahead);
         const float *srow = S + ((r0 + i) / br) * lds;
         __m256 acc = _mm256_setzero_ps();
         float tail = 0.f;
@@ -132,10 +129,12 @@ T2 static inline __m256 e2m1x8(__m256i codes) { /* 8 codes (low 4 bits of each l
 }
 
 T2 static void nvfp4_rows_avx2(const uint8_t *w, i64 ldw, const uint8_t *s, i64 lds, i64 r0, i64 n, i64 K,
-                               const float *xp, float gs, float *out) {
+                               const float *xp, float gs, float *out, i64 pf) {
     i64 K32 = K / 32 * 32;
+    i64 ahead = ahead_rows(pf, K / 2);
     for (i64 i = 0; i < n; i++) {
         const uint8_t *row = w + (r0 + i) * ldw, *srow = s + (r0 + i) * lds;
+        prefetch_ahead(row, ldw, K / 2, i, n, ahead);
         __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
         for (i64 c = 0; c < K32; c += 32) { /* 16 bytes: blocks c/16 (bytes 0-7) and c/16 + 1 (bytes 8-15) */
             for (int h = 0; h < 2; h++) {
@@ -156,21 +155,12 @@ T2 static void nvfp4_rows_avx2(const uint8_t *w, i64 ldw, const uint8_t *s, i64 
 
 /* -- AVX-512 ----------------------------------------------------------------------------------------------------- */
 
-T5 static inline __m512 e4m3x16(const uint8_t *p) { /* 16 bytes -> 16 f32, exact */
-    __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
-    __m512i mag = _mm512_add_epi32(_mm512_and_si512(_mm512_slli_epi32(b, 20), _mm512_set1_epi32(0x7F << 20)),
-                                   _mm512_set1_epi32(0x3C000000));
-    __mmask16 sub = _mm512_testn_epi32_mask(b, _mm512_set1_epi32(0x78));
-    __m512 f = _mm512_mask_fmsub_ps(_mm512_castsi512_ps(mag), sub, _mm512_set1_ps(2.f), _mm512_set1_ps(0.015625f));
-    /* f | (b << 24 & sign bit): A | (B & C) */
-    return _mm512_castsi512_ps(_mm512_ternarylogic_epi32(_mm512_castps_si512(f), _mm512_slli_epi32(b, 24),
-                                                         _mm512_set1_epi32((int)0x80000000u), 0xF8));
-}
-
 T5 static void fp8_rows_avx512(const uint8_t *w, i64 ldw, i64 r0, i64 n, i64 K, const float *x, const float *S,
-                               i64 lds, i64 br, i64 bc, float *out) {
+                               i64 lds, i64 br, i64 bc, float *out, i64 pf) {
+    i64 ahead = ahead_rows(pf, K);
     for (i64 i = 0; i < n; i++) { /* a row at a time: one sequential stream (two rows a pass measured slower) */
         const uint8_t *row = w + (r0 + i) * ldw;
+        prefetch_ahead(row, ldw, K, i, n, ahead);
         const float *srow = S + ((r0 + i) / br) * lds;
         __m512 acc = _mm512_setzero_ps();
         float tail = 0.f;
@@ -202,7 +192,7 @@ T5 static inline __m512 pair_of(const float *p) { /* (p[0], p[1]) repeated over 
 }
 
 T5 static void nvfp4_rows_avx512(const uint8_t *w, i64 ldw, const uint8_t *s, i64 lds, i64 r0, i64 n, i64 K,
-                                 const float *xp, float gs, float *out) {
+                                 const float *xp, float gs, float *out, i64 pf) {
     const __m512 tab = _mm512_setr_ps(0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f, -0.f, -.5f, -1.f, -1.5f, -2.f, -3.f,
                                       -4.f, -6.f);
     const __m512i m15 = _mm512_set1_epi32(15);
@@ -210,8 +200,10 @@ T5 static void nvfp4_rows_avx512(const uint8_t *w, i64 ldw, const uint8_t *s, i6
     const __m512i pair = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
     i64 K32 = K / 32 * 32, nb = K / 16;
     float sc[nb + 16];
+    i64 ahead = ahead_rows(pf, K / 2);
     for (i64 i = 0; i < n; i++) {
         const uint8_t *row = w + (r0 + i) * ldw, *srow = s + (r0 + i) * lds;
+        prefetch_ahead(row, ldw, K / 2, i, n, ahead);
         i64 b = 0;
         for (; b + 16 <= nb; b += 16) _mm512_storeu_ps(sc + b, e4m3x16(srow + b));
         for (; b < nb; b++) sc[b] = e4m3(srow[b]);
@@ -288,34 +280,44 @@ int lumen_native_init(int most) { /* the highest level <= most that this CPU run
 
 void lumen_native_prefetch(i64 bytes) { lumen_prefetch = bytes; }
 
-void lumen_fp8_rows(const uint8_t *w, i64 ldw, i64 r0, i64 n, i64 K, const float *x, const float *S, i64 lds,
-                    i64 br, i64 bc, float *out) {
+void lumen_fp8_rows_pf(const uint8_t *w, i64 ldw, i64 r0, i64 n, i64 K, const float *x, const float *S, i64 lds,
+                       i64 br, i64 bc, float *out, i64 pf) { /* pf: bytes to prefetch ahead (_native.h) */
 #ifdef LUMEN_X86
     if (lumen_level >= 2) {
-        fp8_rows_avx512(w, ldw, r0, n, K, x, S, lds, br, bc, out);
+        fp8_rows_avx512(w, ldw, r0, n, K, x, S, lds, br, bc, out, pf);
         return;
     }
     if (lumen_level == 1) {
-        fp8_rows_avx2(w, ldw, r0, n, K, x, S, lds, br, bc, out);
+        fp8_rows_avx2(w, ldw, r0, n, K, x, S, lds, br, bc, out, pf);
         return;
     }
 #endif
     fp8_rows_scalar(w, ldw, r0, n, K, x, S, lds, br, bc, out);
 }
 
-void lumen_nvfp4_rows(const uint8_t *w, i64 ldw, const uint8_t *s, i64 lds, i64 r0, i64 n, i64 K, const float *xp,
-                      float gs, float *out) {
+void lumen_fp8_rows(const uint8_t *w, i64 ldw, i64 r0, i64 n, i64 K, const float *x, const float *S, i64 lds,
+                    i64 br, i64 bc, float *out) {
+    lumen_fp8_rows_pf(w, ldw, r0, n, K, x, S, lds, br, bc, out, 0);
+}
+
+void lumen_nvfp4_rows_pf(const uint8_t *w, i64 ldw, const uint8_t *s, i64 lds, i64 r0, i64 n, i64 K, const float *xp,
+                         float gs, float *out, i64 pf) {
 #ifdef LUMEN_X86
     if (lumen_level >= 2) {
-        nvfp4_rows_avx512(w, ldw, s, lds, r0, n, K, xp, gs, out);
+        nvfp4_rows_avx512(w, ldw, s, lds, r0, n, K, xp, gs, out, pf);
         return;
     }
     if (lumen_level == 1) {
-        nvfp4_rows_avx2(w, ldw, s, lds, r0, n, K, xp, gs, out);
+        nvfp4_rows_avx2(w, ldw, s, lds, r0, n, K, xp, gs, out, pf);
         return;
     }
 #endif
     nvfp4_rows_scalar(w, ldw, s, lds, r0, n, K, xp, gs, out);
+}
+
+void lumen_nvfp4_rows(const uint8_t *w, i64 ldw, const uint8_t *s, i64 lds, i64 r0, i64 n, i64 K, const float *xp,
+                      float gs, float *out) {
+    lumen_nvfp4_rows_pf(w, ldw, s, lds, r0, n, K, xp, gs, out, 0);
 }
 
 void lumen_nvfp4_permute(const float *x, i64 K, float *xp) { /* per 32 columns: the even ones, then the odd */

@@ -21,12 +21,16 @@ extern int lumen_level;
  * the hardware prefetchers restart at every 4 KB page and at every call, and a decode step's matrices are small
  * (0.5-3 MB) and cold. Measured on a 2-core Xeon VM (Gemma 3 270M's int8 matrices cycled through 400 MB, so each is
  * read from memory): 14-15 GB/s without, 17-19 GB/s with 4-32 KB ahead; its decode 44 -> 58 tok/s with 16 KB. The
- * fp8 / NVFP4 rows (_native.c) do not: one MoE layer's experts on the H200 host's 16 threads (64-row tasks) were no
- * faster with it (fp8 0.70 -> 0.74 ms, NVFP4 0.42 -> 0.51 ms cold, benchmarks/cpu_moe.py, 2026-12-02). */
+ * fp8 / NVFP4 rows (_native.c, _native_moe.c) take their distance as an argument: 0 from the GEMVs (lumen_fp8_rows,
+ * lumen_nvfp4_rows), moe_fused.PREFETCH (4 KB) from one token's expert tasks (lumen_moe_worker), measured there with
+ * benchmarks/cpu_moe.py-style cold calls (2026-12-02): one layer's experts, 64 / 128-row tasks, no prefetch -> 4 KB:
+ * H200 host 16 threads NVFP4 0.297 -> 0.253 ms, fp8 0.549 -> 0.448 ms; 2-core Xeon NVFP4 2.05 -> 1.21, fp8 3.86 ->
+ * 2.22 ms. (The previous row kernels' 16 KB with 64-row tasks had measured no gain on the H200 host.) */
 extern i64 lumen_prefetch;
 
 /* rows ahead of row i (of rows of `bytes`), and the prefetch of the row that many ahead when there is one */
-static inline i64 rows_ahead(i64 bytes) { return lumen_prefetch > 0 ? (lumen_prefetch + bytes - 1) / bytes : 0; }
+static inline i64 ahead_rows(i64 pf, i64 bytes) { return pf > 0 ? (pf + bytes - 1) / bytes : 0; }
+static inline i64 rows_ahead(i64 bytes) { return ahead_rows(lumen_prefetch, bytes); }
 
 /* always_inline: GCC's -O2 otherwise finds the function free of side effects (ipa-pure-const) and drops its calls */
 __attribute__((always_inline)) static inline void prefetch_ahead(const uint8_t *row, i64 ld, i64 bytes, i64 i, i64 n,
@@ -50,5 +54,42 @@ static inline float bits_f32(uint32_t u) {
 static inline float f16_f32(uint32_t h) {
     return bits_f32(((h & 0x7FFFu) << 13) | ((h & 0x8000u) << 16)) * 5.192296858534828e33f;
 }
+
+/* an e4m3 byte as f32, exactly (numba's fp8.decode) */
+static inline float e4m3(uint32_t b) {
+    float f = bits_f32(((b & 0x7Fu) << 20) + 0x3C000000u);
+    float v = (b & 0x78u) == 0 ? (f - 0.0078125f) * 2.0f : f;
+    return (b & 0x80u) ? -v : v;
+}
+
+#ifdef LUMEN_X86
+T5 static inline __m512 e4m3x16(const uint8_t *p) { /* 16 bytes -> 16 f32, exact */
+    __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    __m512i mag = _mm512_add_epi32(_mm512_and_si512(_mm512_slli_epi32(b, 20), _mm512_set1_epi32(0x7F << 20)),
+                                   _mm512_set1_epi32(0x3C000000));
+    __mmask16 sub = _mm512_testn_epi32_mask(b, _mm512_set1_epi32(0x78));
+    __m512 f = _mm512_mask_fmsub_ps(_mm512_castsi512_ps(mag), sub, _mm512_set1_ps(2.f), _mm512_set1_ps(0.015625f));
+    /* f | (b << 24 & sign bit): A | (B & C) */
+    return _mm512_castsi512_ps(_mm512_ternarylogic_epi32(_mm512_castps_si512(f), _mm512_slli_epi32(b, 24),
+                                                         _mm512_set1_epi32((int)0x80000000u), 0xF8));
+}
+
+T5 static inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) { /* (sum a, sum b, sum c, sum d) */
+    __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+    __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(c, d, 0x44), _mm512_shuffle_f32x4(c, d, 0xEE));
+    __m512 x = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xDD));
+    x = _mm512_add_ps(x, _mm512_permute_ps(x, 0x4E)); /* each 128-bit lane: one vector's 4 partial sums */
+    x = _mm512_add_ps(x, _mm512_permute_ps(x, 0xB1));
+    return _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                                                                          0, 0), x));
+}
+#endif
+
+/* _native.c's row kernels with a prefetch distance (bytes; lumen_fp8_rows / lumen_nvfp4_rows: 0), which
+ * _native_moe.c's worker calls */
+void lumen_fp8_rows_pf(const uint8_t *w, i64 ldw, i64 r0, i64 n, i64 K, const float *x, const float *S, i64 lds,
+                       i64 br, i64 bc, float *out, i64 pf);
+void lumen_nvfp4_rows_pf(const uint8_t *w, i64 ldw, const uint8_t *s, i64 lds, i64 r0, i64 n, i64 K, const float *xp,
+                         float gs, float *out, i64 pf);
 
 #endif

@@ -188,16 +188,6 @@ T5 static inline void dequant_row(const int8_t *row, const float *sc, const floa
     }
 }
 
-T5 static inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) { /* (sum a, sum b, sum c, sum d) */
-    __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
-    __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(c, d, 0x44), _mm512_shuffle_f32x4(c, d, 0xEE));
-    __m512 x = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xDD));
-    x = _mm512_add_ps(x, _mm512_permute_ps(x, 0x4E)); /* each 128-bit lane: one vector's 4 partial sums */
-    x = _mm512_add_ps(x, _mm512_permute_ps(x, 0xB1));
-    return _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
-                                                                          0, 0), x));
-}
-
 T5 static void i8_gemm_avx512(const int8_t *q, i64 ldq, const void *s, i64 lds, i64 s16, i64 bs, const float *m,
                               i64 ldm, i64 r0, i64 n, i64 K, const float *x, i64 ldx, i64 t0, i64 t1, float *out,
                               i64 ldo, float *w) {

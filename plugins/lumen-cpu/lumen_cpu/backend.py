@@ -49,7 +49,8 @@ class CPUBackend(Backend):
         if fmt == "nvfp4":  # scale = (e4m3 block scales (N, K/16), f32 global scale): kept as stored
             from .nvfp4 import weight
 
-            return weight(array, scale, shape, store)
+            self.nvfp4_weights += 1
+            return weight(array, scale, shape, store, qx=self.quantize_activations)
         data = np.array(array) if store == "ram" else array
         shape = tuple(shape or data.shape)
         block = None
@@ -82,14 +83,20 @@ class CPUBackend(Backend):
 
     quantize_activations = False  # cpu.compute-quantization "int8": this backend's int8-layout weights quantize x
     int8_weights = 0  # weights this backend repacked into the int8 layout
+    nvfp4_weights = 0  # NVFP4 weights this backend loaded
 
     def configure_compute_quantization(self, quantization: str) -> None:
         """cpu.compute-quantization: "int8" marks every int8-layout weight this backend loads (GGUF blocks in RAM):
-        its GEMVs (1-3 tokens) quantize x to 8 bits a value and sum integer products (lumen_cpu.int8.gemv_q8)."""
+        its GEMVs (1-3 tokens) quantize x to 8 bits a value and sum integer products (lumen_cpu.int8.gemv_q8); and
+        every NVFP4 weight: one token's routed experts quantize x and h to 8 bits per 16 values and sum integer
+        products (lumen_cpu.native.moe_token; needs the C kernels)."""
         self.quantize_activations = quantization == "int8"
 
     def compute_quantization_applies(self) -> bool:
-        return not self.quantize_activations or self.int8_weights > 0
+        from . import native
+
+        return (not self.quantize_activations or self.int8_weights > 0
+                or (self.nvfp4_weights > 0 and native.available))
 
     def release_threads(self) -> None:
         """numba's OpenMP layer (GNU libgomp) keeps a pool of worker threads per thread that starts parallel kernels.

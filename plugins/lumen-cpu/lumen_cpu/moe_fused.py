@@ -27,7 +27,7 @@ from . import fp8, native
 from .activations import moe_act as _act
 from .bitcast import as_f32
 from .fp8 import decode_dot, decode_row, dot, expand_scales, scale_x
-from .native import nvfp4_decode_rows
+from .native import f32_dots, nvfp4_decode_rows
 from .nvfp4_fused import dot_bits, e2m1, split
 
 F32 = np.float32
@@ -81,8 +81,12 @@ def _share(ntask, w, nw):  # worker w's contiguous range of tasks (consecutive r
 
 @njit(inline="always", fastmath=True)
 def _dots(B, R, X, idx, i0, n, C):
-    """C[r, m] = B[r] . X[idx[i0 + m]] for r < R, m < n: 4 rows x 4 tokens at a time (16 accumulators, each
-    loaded value used 4 times: ~1.8x a dot per pair with the operands in cache), the edges a dot each."""
+    """C[r, m] = B[r] . X[idx[i0 + m]] for r < R, m < n: the C kernel (lumen_f32_dots) where there is one, else
+    4 rows x 4 tokens at a time (16 accumulators, each loaded value used 4 times: ~1.8x a dot per pair with the
+    operands in cache), the edges a dot each."""
+    if f32_dots(B.ctypes.data, R, B.shape[1], X.ctypes.data, X.shape[1], idx[i0:].ctypes.data, n, C.ctypes.data,
+                C.shape[1]):
+        return
     r = 0
     while r + 4 <= R:
         b0, b1, b2, b3 = B[r], B[r + 1], B[r + 2], B[r + 3]
@@ -315,6 +319,7 @@ class _Layer:
     def __init__(self, mats: list[list]):
         first = mats[0][0]
         self.fmt, (self.I, self.H) = first.format, tuple(first.shape)
+        self.qx = False
         shapes = [(self.I, self.H), (self.I, self.H), (self.H, self.I)]
         ok = self.fmt in FORMATS and len(mats[0]) == len(mats[2]) and all(
             w.format == self.fmt and tuple(w.shape) == shape and np.asarray(w.data).flags.c_contiguous
@@ -337,8 +342,10 @@ class _Layer:
                 self.data = [_typed(_raw(w) for w in role) for role in mats]
                 self.scales = [_typed(np.asarray(w.scale.block).view(np.uint8) for w in role) for role in mats]
                 self.gs = [np.array([np.float32(w.scale.global_scale) for w in role], F32) for role in mats]
+                # cpu.compute-quantization "int8" (nvfp4.NVFP4Scale.qx): one token's rows take 8-bit activations
+                self.qx = bool(getattr(first.scale, "qx", False))
         self.ok = ok
-        self.addresses = None  # _one_token's, made on its first call
+        self.addresses = self.native = None  # _one_token's, made on its first call
         # every matrix and scale array's rows one after another (what lumen_cpu.native's C rows need)
         self.dense = ok and all(a.flags.c_contiguous for role in (*self.data, *self.scales) for a in role)
 
@@ -453,20 +460,28 @@ def _combine(ys, order, weights, k, out):
 NATIVE = ("fp8", "nvfp4")  # formats with compiled row kernels (lumen_cpu.native), used for one token
 
 
+CGU, CD = 64, 128  # one-token tasks: rows of gate and up, of down (multiples of 16: the NVFP4 block); best of
+# 16/32, 32/64 and 64/128 for fp8, NVFP4 and NVFP4 8-bit on the H200 host (16 threads) and a 2-core Xeon
+PREFETCH = 4096  # bytes the one-token row kernels read ahead (measured: lumen_cpu/_native.h)
+
+
 def _one_token(L: _Layer, x, ids, weights, act: int):
-    """One token's experts in one compiled call (lumen_cpu.native); None where that path does not apply."""
+    """One token's experts in one compiled call (lumen_cpu.native.moe_token); None where that path does not
+    apply."""
     if not native.available:
         return None
     if not L.dense:  # the C rows step by whole rows
         return None
     if L.addresses is None:  # the arrays' addresses (the _Layer holds the arrays): no typed list to unbox
-        L.addresses = [np.array([a.ctypes.data for a in role], np.int64) for role in (*L.data, *L.scales)]
-    if L.fmt == "fp8":
-        (bg, cg), _, (bd, cd) = L.blocks
-        sgs, sds = L.scales[0][0].shape[1], L.scales[2][0].shape[1]
-        return native.moe_fp8(*L.addresses, sgs, sds, bg, cg, bd, cd, L.I, x, ids, weights, act, get_num_threads(),
-                           CHUNK)
-    return native.moe_nvfp4(*L.addresses, *L.gs, L.I, x, ids, weights, act, get_num_threads(), CHUNK)
+        L.addresses = np.array([[a.ctypes.data for a in role] for role in (*L.data, *L.scales)], np.int64)
+        if L.fmt == "fp8":
+            (bg, cg), _, (bd, cd) = L.blocks
+            L.native = (native.FP8, np.zeros((3, 1), F32),
+                        np.array([L.scales[0][0].shape[1], L.scales[2][0].shape[1], bg, cg, bd, cd], np.int64))
+        else:
+            L.native = (native.NVFP4_Q8 if L.qx else native.NVFP4, np.stack(L.gs), np.zeros(6, np.int64))
+    fmt, gs, blk = L.native
+    return native.moe_token(fmt, L.addresses, gs, blk, L.I, x, ids, weights, act, get_num_threads(), CGU, CD, PREFETCH)
 
 
 def _run(L: _Layer, x, ids, weights, out, t0: int, act: int) -> None:

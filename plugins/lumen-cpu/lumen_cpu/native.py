@@ -31,8 +31,6 @@ from numba.extending import intrinsic
 
 from lumen_core.errors import LumenError
 
-from .activations import moe_act as _act
-
 F32 = np.float32
 LEVELS = {"scalar": 0, "avx2": 1, "avx512": 2, "avx512vnni": 3}
 HIGHEST = "avx512vnni"
@@ -149,8 +147,8 @@ def _pointer(typingctx, addr, dtype):
 
 def _register_fallbacks() -> None:
     """Without the library: ``lumen_nvfp4_decode_rows``, ``lumen_i8_rows`` and ``lumen_i8_rows_q8`` as numba cfuncs
-    (the same values; f32 sums in another order), and ``lumen_i8_gemm`` as one that declines (its caller's numba
-    kernel runs), so that the kernels that call them link."""
+    (the same values; f32 sums in another order), and ``lumen_i8_gemm`` and ``lumen_f32_dots`` as ones that decline
+    (their callers' numba kernels run), so that the kernels that call them link."""
     from llvmlite import binding
     from numba import carray, cfunc
 
@@ -232,8 +230,12 @@ def _register_fallbacks() -> None:
     def i8_gemm(q, ldq, s, lds, s16, bs, m, ldm, r0, n, K, x, ldx, t0, t1, out, ldo):
         return 0  # not done here: int8.gemm runs its numba kernel
 
+    @cfunc(types.int64(*[_i] * 9), cache=True)
+    def dots(B, R, K, X, ldx, idx, m, C, ldc):
+        return 0  # not done here: moe_fused._dots runs its numba kernel
+
     for name, f in (("lumen_nvfp4_decode_rows", decode), ("lumen_i8_rows", i8), ("lumen_i8_rows_q8", i8q),
-                    ("lumen_i8_gemm", i8_gemm)):
+                    ("lumen_i8_gemm", i8_gemm), ("lumen_f32_dots", dots)):
         binding.add_symbol(name, f.address)
         _fallbacks.append(f)
 
@@ -290,12 +292,25 @@ def gemv_nvfp4(packed, block, gs, x, out, rows, threads):
                        xp.ctypes.data, gs, out[r0:].ctypes.data)
 
 
-# -- routed experts of a few tokens (decode) ----------------------------------------------------------------------
-# One call a layer (sorting, both matrices' parallel regions and the weighted sum: the Python and dispatch cost of a
-# call is paid once). Each valid (token, slot) pair is its own task list: an expert picked by two tokens is read
-# twice, so this path is for one token (moe_fused's sorted kernels share an expert's rows between tokens).
-# Tasks of (slot, chunk rows), each worker a contiguous range of them; h and ys have a row per slot; for NVFP4 h
-# is written in permuted order (the down matrix reads it so).
+# -- routed experts of one token (decode) ---------------------------------------------------------------------------
+# One call a layer: one parallel region in which every thread runs lumen_moe_worker (_native_moe.c: tasks claimed
+# from shared counters, the down rows of a slot started as soon as its h is complete), then the weighted sum.
+# Each valid (token, slot) pair is its own task list: an expert picked by two tokens is read twice, so this path is
+# for one token (moe_fused's sorted kernels share an expert's rows between tokens).
+# lumen_moe_worker(fmt, n, ex, tok, H, I, A, E, gs, blk, x, xq, xs, h, hq, hs, ys, act, cgu, cd, pf, ctr)
+moe_worker = types.ExternalFunction("lumen_moe_worker", types.void(*[_i] * 22))
+# out[i] = NVFP4 row r0 + i . x with x quantized per 16 values: (w, ldw, s, lds, r0, n, K, xq, xs, gs, out, pf)
+nvfp4_rows_q8 = types.ExternalFunction("lumen_nvfp4_rows_q8",
+                                       types.void(_i, _i, _i, _i, _i, _i, _i, _i, _i, types.float32, _i, _i))
+# (x, K, xq, xs): x (K,) f32 -> xq (K,) int8 and xs (K / 16,) f32, a scale per 16 values
+# C[r * ldc + t] = B[r] . X[idx[t]], r < R, t < m: (B, R, K, X, ldx, idx, m, C, ldc), B's rows K apart. Returns 0
+# where it has no kernel (below AVX-512, K not a multiple of 16; without the library: the cfunc) and computed
+# nothing: moe_fused's numba kernel runs then.
+f32_dots = types.ExternalFunction("lumen_f32_dots", types.int64(*[_i] * 9))
+quant16 = types.ExternalFunction("lumen_quant16", types.void(_i, _i, _i, _i))
+FP8, NVFP4, NVFP4_Q8 = 0, 1, 2  # lumen_moe_worker's formats
+
+
 @njit(inline="always")
 def _slots(ids, E):  # the valid (token, slot) pairs in slot order: their experts, tokens and flat slot indices
     T, k = ids.shape
@@ -321,74 +336,34 @@ def _combine(ys, tok, flat, wts, T, H):  # out[t] = sum over j = 0 .. k-1 (in th
     return out
 
 
-@njit(inline="always")
-def _plan(n, rows, chunk, threads):  # n matrices of ``rows`` rows in tasks of chunk rows: (chunks, tasks, workers)
-    nch = (rows + chunk - 1) // chunk
-    return nch, n * nch, max(1, min(n * nch, threads))
-
-
 @njit(cache=True, parallel=True)
-def moe_fp8(G, U, D, SG, SU, SD, sgs, sds, bg, cg, bd, cd, I, x, ids, wts, act, threads, chunk):
-    """Routed fp8 experts for x (T, H), ids / wts (T, k): the weighted sum of each token's experts (T, H). G, U, D
-    (E,): the addresses of each expert's e4m3 matrices (gate and up (I, H), down (H, I)); SG, SU, SD: of their f32
-    block scales, rows of sgs (gate / up) or sds (down) values; (bg, cg), (bd, cd): the blocks' shapes."""
+def moe_token(fmt, A, gs, blk, I, x, ids, wts, act, threads, cgu, cd, pf):
+    """Routed experts of x (T, H), ids / wts (T, k): the weighted sum of each token's experts (T, H). fmt: FP8,
+    NVFP4 or NVFP4_Q8; A (6, E): the addresses of each expert's gate, up and down codes, then of their scales (fp8:
+    f32 block scales; NVFP4: e4m3 bytes); gs (3, E): NVFP4 global scales; blk (6,): fp8's scale layout (scales a
+    row of gate / up, of down; the gate / up scale block's rows and columns, down's). cgu / cd: rows a task of
+    gate and up / of down (cgu a multiple of 16 for NVFP4_Q8); pf: bytes the row kernels read ahead (prefetch)."""
     T, H = x.shape
-    ex, tok, flat = _slots(ids, G.shape[0])
+    E = A.shape[1]
+    ex, tok, flat = _slots(ids, E)
     n = ex.shape[0]
-    h, ys = np.empty((n, I), F32), np.empty((n, H), F32)
-    nch, ntask, nw = _plan(n, I, chunk, threads)
-    for w in prange(nw):
-        gate, up = np.empty(chunk, F32), np.empty(chunk, F32)
-        t0, t1 = _share(ntask, w, nw)
-        for task in range(t0, t1):
-            j, r0 = task // nch, (task % nch) * chunk
-            m = min(r0 + chunk, I) - r0
-            e, xa = ex[j], x[tok[j]:].ctypes.data
-            fp8_rows(G[e], H, r0, m, H, xa, SG[e], sgs, bg, cg, gate.ctypes.data)
-            fp8_rows(U[e], H, r0, m, H, xa, SU[e], sgs, bg, cg, up.ctypes.data)
-            for r in range(m):
-                h[j, r0 + r] = _act(gate[r], act) * up[r]
-    nch, ntask, nw = _plan(n, H, chunk, threads)
-    for w in prange(nw):
-        t0, t1 = _share(ntask, w, nw)
-        for task in range(t0, t1):
-            j, r0 = task // nch, (task % nch) * chunk
-            e = ex[j]
-            fp8_rows(D[e], I, r0, min(r0 + chunk, H) - r0, I, h[j:].ctypes.data, SD[e], sds, bd, cd,
-                     ys[j, r0:].ctypes.data)
-    return _combine(ys, tok, flat, wts, T, H)
-
-
-@njit(cache=True, parallel=True)
-def moe_nvfp4(G, U, D, BG, BU, BD, gsg, gsu, gsd, I, x, ids, wts, act, threads, chunk):
-    """Routed NVFP4 experts for x (T, H), ids / wts (T, k): the weighted sum of each token's experts (T, H). G, U,
-    D (E,): the addresses of each expert's packed codes (gate and up (I, H/2), down (H, I/2)); BG, BU, BD: of their
-    e4m3 block scales (a row's 1/16 as many); gsg, gsu, gsd: the global scales."""
-    T, H = x.shape
-    ex, tok, flat = _slots(ids, G.shape[0])
-    n = ex.shape[0]
-    xp = np.empty((T, H), F32)
-    for t in range(T):
-        nvfp4_permute(x[t:].ctypes.data, H, xp[t:].ctypes.data)
-    hp, ys = np.empty((n, I), F32), np.empty((n, H), F32)
-    nch, ntask, nw = _plan(n, I, chunk, threads)
-    for w in prange(nw):
-        gate, up = np.empty(chunk, F32), np.empty(chunk, F32)
-        t0, t1 = _share(ntask, w, nw)
-        for task in range(t0, t1):
-            j, r0 = task // nch, (task % nch) * chunk
-            m = min(r0 + chunk, I) - r0
-            e, xa = ex[j], xp[tok[j]:].ctypes.data
-            nvfp4_rows(G[e], H // 2, BG[e], H // 16, r0, m, H, xa, gsg[e], gate.ctypes.data)
-            nvfp4_rows(U[e], H // 2, BU[e], H // 16, r0, m, H, xa, gsu[e], up.ctypes.data)
-            for r in range(m):
-                hp[j, permuted_at(r0 + r, I)] = _act(gate[r], act) * up[r]
-    nch, ntask, nw = _plan(n, H, chunk, threads)
-    for w in prange(nw):
-        t0, t1 = _share(ntask, w, nw)
-        for task in range(t0, t1):
-            j, r0 = task // nch, (task % nch) * chunk
-            e = ex[j]
-            nvfp4_rows(D[e], I // 2, BD[e], I // 16, r0, min(r0 + chunk, H) - r0, I, hp[j:].ctypes.data, gsd[e],
-                       ys[j, r0:].ctypes.data)
+    xin, xq, xs = x, np.empty((1, 1), np.int8), np.empty((1, 1), F32)
+    h = np.empty((n, I), F32)
+    hq, hs = np.empty((1, 1), np.int8), np.empty((1, 1), F32)
+    if fmt == NVFP4:
+        xin = np.empty((T, H), F32)
+        for t in range(T):
+            nvfp4_permute(x[t:].ctypes.data, H, xin[t:].ctypes.data)
+    elif fmt == NVFP4_Q8:
+        xq, xs = np.empty((T, H), np.int8), np.empty((T, H // 16), F32)
+        for t in range(T):
+            quant16(x[t:].ctypes.data, H, xq[t:].ctypes.data, xs[t:].ctypes.data)
+        hq, hs = np.empty((n, I), np.int8), np.empty((n, I // 16), F32)
+    ys = np.empty((n, H), F32)
+    ctr = np.zeros(2 + n, np.int64)
+    nw = max(1, min(threads, n * ((I + cgu - 1) // cgu)))
+    for _ in prange(nw):
+        moe_worker(fmt, n, ex.ctypes.data, tok.ctypes.data, H, I, A.ctypes.data, E, gs.ctypes.data, blk.ctypes.data,
+                   xin.ctypes.data, xq.ctypes.data, xs.ctypes.data, h.ctypes.data, hq.ctypes.data, hs.ctypes.data,
+                   ys.ctypes.data, act, cgu, cd, pf, ctr.ctypes.data)
     return _combine(ys, tok, flat, wts, T, H)

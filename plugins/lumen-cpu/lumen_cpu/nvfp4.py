@@ -27,14 +27,16 @@ PAIRS = np.stack([E2M1[np.arange(256) & 0x0F], E2M1[np.arange(256) >> 4]], axis=
 class NVFP4Scale:
     block: np.ndarray  # float8_e4m3fn (N, K/16)
     global_scale: np.float32
+    qx: bool = False  # cpu.compute-quantization "int8": one-token expert rows take 8-bit activations (moe_fused)
 
     @property
     def nbytes(self) -> int:
         return int(self.block.nbytes) + 4
 
 
-def weight(array, scale, shape, store: str) -> Weight:
-    """A packed NVFP4 Weight from the checkpoint's arrays; ``scale`` = (block scales, global scale)."""
+def weight(array, scale, shape, store: str, qx: bool = False) -> Weight:
+    """A packed NVFP4 Weight from the checkpoint's arrays; ``scale`` = (block scales, global scale); ``qx``: see
+    NVFP4Scale."""
     data = np.array(array) if store == "ram" else array
     block, global_scale = scale
     block = np.array(block, dtype=ml_dtypes.float8_e4m3fn) if store == "ram" else np.asarray(block)
@@ -42,7 +44,8 @@ def weight(array, scale, shape, store: str) -> Weight:
     n, k = shape
     if data.dtype != np.uint8 or data.shape != (n, k // 2) or block.shape != (n, k // GROUP):
         raise ValueError(f"nvfp4 weight {data.dtype} {data.shape} with scales {block.shape} does not make {shape}")
-    return Weight(data, "nvfp4", shape, NVFP4Scale(block, F32(np.asarray(global_scale, F32).reshape(()))), (1, GROUP))
+    gs = F32(np.asarray(global_scale, F32).reshape(()))
+    return Weight(data, "nvfp4", shape, NVFP4Scale(block, gs, qx), (1, GROUP))
 
 
 def dequantize_rows(data: np.ndarray, scale: NVFP4Scale, rows: slice | np.ndarray) -> np.ndarray:
