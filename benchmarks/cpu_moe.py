@@ -2,10 +2,11 @@
 (``ops.moe_experts_per_expert``: one registered ``linear`` per matrix), on one MoE layer of a real model's shape
 with random fp8 / NVFP4 experts. Prints time per call, the experts' bytes read per second and the ratio.
 
-    python benchmarks/cpu_moe.py [--shape 35b-a3b] [--formats fp8,nvfp4,nvfp4-int8,bf16] [--tokens 1,16,512]
+    python benchmarks/cpu_moe.py [--shape 35b-a3b] [--formats fp8,nvfp4,nvfp4-int8,nvfp4-bf16,bf16] [--tokens 1,16,512]
                                  [--threads N] [--cold N]
 
-nvfp4-int8: NVFP4 experts marked for 8-bit activations (cpu.compute-quantization int8: one token's rows).
+nvfp4-int8 / nvfp4-bf16: NVFP4 experts marked for cpu.compute-quantization int8 (one token's rows: 8-bit
+activations) / bf16 (several tokens' products in AMX bf16 tiles, where the CPU has AMX-BF16).
 Shapes: 35b-a3b (Qwen3.5-35B-A3B: top 8 of 256 experts, H 2048, I 512), g4-26b-a4b (Gemma 4 26B-A4B).
 The expert count is cut to --experts (default 64) to keep memory small: the work per token depends only on top-k.
 "hot" repeats one call (the same experts: from the CPU caches when they fit); "cold" cycles through --cold copies of
@@ -44,7 +45,7 @@ def experts(fmt: str, E: int, H: int, I: int):
         from lumen_cpu import nvfp4
 
         packed, bs, gs = quantize_nvfp4(rng.normal(size=(N, K)).astype(np.float32) * 0.1)
-        return nvfp4.weight(packed, (bs, gs), (N, K), "ram", qx=fmt == "nvfp4-int8")
+        return nvfp4.weight(packed, (bs, gs), (N, K), "ram", qx=fmt == "nvfp4-int8", bf16=fmt == "nvfp4-bf16")
 
     return [(one(I, H), one(I, H)) for _ in range(E)], [one(H, I) for _ in range(E)]
 

@@ -806,8 +806,9 @@ class Config:
         return self.raw.get("cpu", {}).get("threads")
 
     def cpu_compute_quantization(self) -> str:
-        """cpu.compute-quantization: "int8" (the CPU's GEMVs with int8-layout weights quantize x to 8 bits) or
-        "none" (the default)."""
+        """cpu.compute-quantization: "int8" (the CPU's GEMVs with int8-layout weights and one token's NVFP4 experts
+        quantize x to 8 bits), "bf16" (NVFP4 experts' several-token products in bf16 AMX tiles) or "none" (the
+        default)."""
         return self.raw.get("cpu", {}).get("compute-quantization", "none")
 
     def expert_cache(self) -> int | None:

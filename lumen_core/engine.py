@@ -842,13 +842,20 @@ def _configure_cpu(config, backends: dict) -> None:
 
 
 def _note_unused_quantization(config, backends: dict) -> None:
-    """cpu.compute-quantization int8 where the CPU holds no weight it applies to (GGUF blocks held in RAM, NVFP4
-    experts with the C kernels built): say so rather than ignore it."""
+    """cpu.compute-quantization int8 or bf16 where the CPU holds no weight it applies to (int8: GGUF blocks held in
+    RAM, NVFP4 experts with the C kernels built; bf16: NVFP4 experts on a CPU with AMX-BF16): say so rather than
+    ignore it."""
     cpus = [b for b in backends.values() if b.name == "cpu"]
-    if cpus and not any(b.compute_quantization_applies() for b in cpus):
-        print("lumen: note: cpu.compute-quantization (int8) has no effect: it quantizes the activations of weights in "
-              "the CPU's int8 layout (GGUF Q4_0/Q5_0/Q8_0/Q4_K/Q5_K/Q6_K blocks with store ram) and of NVFP4 routed "
-              "experts (with lumen-cpu's C kernels built), and this plan puts none on the CPU", file=sys.stderr)
+    if not cpus or any(b.compute_quantization_applies() for b in cpus):
+        return
+    if config.cpu_compute_quantization() == "bf16":
+        print("lumen: note: cpu.compute-quantization (bf16) has no effect: it runs the several-token products of NVFP4 "
+              "routed experts in AMX bf16 tiles, and this plan puts no NVFP4 weight on the CPU or this CPU (or its "
+              "OS) does not offer AMX-BF16 (LUMEN_CPU_ISA may also cap it below amx)", file=sys.stderr)
+        return
+    print("lumen: note: cpu.compute-quantization (int8) has no effect: it quantizes the activations of weights in "
+          "the CPU's int8 layout (GGUF Q4_0/Q5_0/Q8_0/Q4_K/Q5_K/Q6_K blocks with store ram) and of NVFP4 routed "
+          "experts (with lumen-cpu's C kernels built), and this plan puts none on the CPU", file=sys.stderr)
 
 
 def load(source, progress: bool | Progress | None = None, chat_template: str | os.PathLike | None = None,

@@ -486,3 +486,54 @@ def test_f32_dots_equal_numpy(R, m, K):
         assert done == 1 and np.isnan(C[:, m:]).all()
         assert rel(C[:, :m], B.astype(np.float64) @ X[idx].T.astype(np.float64)) < 1e-5, isa
     assert dots(B[:, :K - 8] if K > 8 else B, X[:, :K - 8] if K > 8 else X, idx, np.empty((R, m), F32)) == 0
+
+
+def bf16_ref(a):
+    """f32 -> bf16 (round to nearest even) -> float64."""
+    u = np.asarray(a, F32).view(np.uint32).astype(np.uint64)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16 << 16).astype(np.uint32).view(F32).astype(np.float64)
+
+
+@pytest.mark.parametrize("H,I,T", [(2048, 512, 40), (64, 96, 3)])
+def test_several_token_nvfp4_experts_in_amx_tiles_equal_their_model(H, I, T):
+    """cpu.compute-quantization bf16: the prompt's NVFP4 experts in AMX tiles (exact bf16 weights, tokens and h
+    rounded to bf16, f32 sums) against that model in float64; and not the exact path's result."""
+    from lumen_cpu import moe_fused, nvfp4
+
+    if "amx" not in levels():
+        pytest.skip("this CPU (or its OS) does not offer AMX-BF16")
+    native.use("amx")
+    rng = np.random.default_rng(H + I + T)
+    E, k = 6, 3
+
+    def layer(bf16):
+        r = np.random.default_rng(7)
+
+        def one(N, K):
+            packed, bs, gs = quantize_nvfp4(r.normal(size=(N, K)).astype(F32) * 0.1)
+            return nvfp4.weight(packed, (bs, gs), (N, K), "ram", bf16=bf16)
+
+        return [(one(I, H), one(I, H)) for _ in range(E)], [one(H, I) for _ in range(E)]
+
+    gate_up, down = layer(True)
+    x = rng.normal(size=(T, H)).astype(F32)
+    ids = np.stack([rng.choice(E, size=k, replace=False) for _ in range(T)])
+    w = rng.uniform(size=(T, k)).astype(F32)
+
+    def dense(wt):  # the weight's values without its global scale (exact in bf16), and the global scale
+        return nvfp4.dequantize(wt).astype(np.float64) / float(wt.scale.global_scale), float(wt.scale.global_scale)
+
+    ref = np.zeros((T, H))
+    routed = np.bincount(ids.reshape(-1), minlength=E)
+    for t in range(T):
+        for j, e in enumerate(ids[t]):
+            # an expert routed one token keeps the one-token (f32) rows: only shared rows go through the tiles
+            tiles = bf16_ref if routed[e] > 1 else (lambda a: np.asarray(a, np.float64))
+            (G, gg), (U, gu), (D, gd) = dense(gate_up[e][0]), dense(gate_up[e][1]), dense(down[e])
+            g, u = gg * (G @ tiles(x[t])), gu * (U @ tiles(x[t]))
+            h = (g / (1 + np.exp(-g)) * u).astype(F32)
+            ref[t] += w[t, j] * gd * (D @ tiles(h))
+    got = moe_fused.experts(x, ids, w, gate_up, down, "silu")
+    assert rel(got, ref) < 2e-5
+    exact = moe_fused.experts(x, ids, w, *layer(False), "silu")
+    assert 1e-5 < rel(got, exact.astype(np.float64)) < 0.02

@@ -126,11 +126,11 @@ def test_the_threads_option_sets_cpu_threads(tiny_checkpoint, tmp_path):
     assert bad.returncode == 2 and "--threads" in bad.stderr and "Traceback" not in bad.stderr
 
 
-def test_int8_compute_quantization_runs_nvfp4_experts_with_8_bit_activations(tiny_checkpoint, tmp_path, capsys,
-                                                                              monkeypatch):
-    """NVFP4 experts on the CPU under cpu.compute-quantization int8: one token's experts take the 8-bit path
-    (lumen_cpu.native.moe_token's NVFP4_Q8), with no "no effect" note; without the key, the exact one."""
-    from lumen_cpu import native
+def test_compute_quantization_modes_reach_nvfp4_experts(tiny_checkpoint, tmp_path, capsys, monkeypatch):
+    """NVFP4 experts on the CPU: under cpu.compute-quantization int8 one token's experts take the 8-bit path
+    (lumen_cpu.native.moe_token's NVFP4_Q8); under bf16 the prompt's take AMX tiles (on a CPU with AMX-BF16, else a
+    note says the mode does nothing); without the key, the exact paths; no other note."""
+    from lumen_cpu import moe_fused, native
 
     from lumen_core.quantize import quantize_checkpoint
     from lumen_core.sampling import SamplingParams
@@ -148,12 +148,31 @@ def test_int8_compute_quantization_runs_nvfp4_experts_with_8_bit_activations(tin
         return real(fmt, *args)
 
     monkeypatch.setattr(native, "moe_token", spy)
-    tokens = {}
-    for quant in ("int8", "none"):
-        seen.clear()
+    amx = []
+    real_gate_up = moe_fused._gate_up_nvfp4
+
+    def gate_up_spy(*args):
+        amx.append(args[-1])
+        return real_gate_up(*args)
+
+    monkeypatch.setattr(moe_fused, "_gate_up_nvfp4", gate_up_spy)
+    for quant in ("int8", "none", "bf16"):
+        seen.clear(), amx.clear()
         engine = lumen.load({"model": {"path": str(dst), "compute": "cpu"}, "cpu": {"compute-quantization": quant}},
                             progress=False)
-        assert "compute-quantization" not in capsys.readouterr().err
-        tokens[quant] = list(engine.generate_tokens([1, 2, 3, 4, 5], 4, SamplingParams(temperature=0.0)))
-        assert len(tokens[quant]) == 4
+        err = capsys.readouterr().err
+        tokens = list(engine.generate_tokens([1, 2, 3, 4, 5], 4, SamplingParams(temperature=0.0)))
+        assert len(tokens) == 4
         assert set(seen) == {native.NVFP4_Q8 if quant == "int8" else native.NVFP4}, (quant, seen)
+        # bf16: the prompt's experts in AMX tiles where this CPU has them; elsewhere a note says it does nothing
+        assert set(amx) == {quant == "bf16" and native.level == "amx"}, (quant, amx)
+        noted = "cpu.compute-quantization (bf16) has no effect" in err
+        assert noted == (quant == "bf16" and native.level != "amx"), err
+        assert "compute-quantization" not in err or noted
+    native.use("avx512vnni")  # below the amx level (or as it was): the bf16 mode has no effect, and says so
+    try:
+        lumen.load({"model": {"path": str(dst), "compute": "cpu"}, "cpu": {"compute-quantization": "bf16"}},
+                   progress=False)
+        assert "cpu.compute-quantization (bf16) has no effect" in capsys.readouterr().err
+    finally:
+        native.use(native.HIGHEST)

@@ -273,6 +273,9 @@ int lumen_native_init(int most) { /* the highest level <= most that this CPU run
         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
         best = 2;
     if (best == 2 && __builtin_cpu_supports("avx512vnni")) best = 3;
+    static int amx = -1; /* asked once: the OS grant is per process */
+    if (best == 3 && most >= 4 && amx < 0) amx = lumen_amx_usable();
+    if (best == 3 && amx == 1) best = 4;
 #endif
     lumen_level = most < best ? most : best;
     return lumen_level;

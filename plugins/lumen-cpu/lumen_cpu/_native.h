@@ -13,7 +13,8 @@
 
 typedef int64_t i64;
 
-/* 0 scalar, 1 AVX2 + FMA + F16C, 2 AVX-512 (F, BW, VL, DQ), 3 AVX-512 with VNNI; set by lumen_native_init */
+/* 0 scalar, 1 AVX2 + FMA + F16C, 2 AVX-512 (F, BW, VL, DQ), 3 AVX-512 with VNNI, 4 that and AMX-BF16 (the tile
+ * state granted to the process, _native_amx.c); set by lumen_native_init */
 extern int lumen_level;
 
 /* The int8 layout's row kernels (_native_i8.c) read their rows lumen_prefetch bytes ahead of use (software
@@ -84,6 +85,8 @@ T5 static inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) { /* (sum a
                                                                           0, 0), x));
 }
 #endif
+
+int lumen_amx_usable(void); /* _native_amx.c: AMX-BF16 here and granted to this process (asks the OS once) */
 
 /* _native.c's row kernels with a prefetch distance (bytes; lumen_fp8_rows / lumen_nvfp4_rows: 0), which
  * _native_moe.c's worker calls */

@@ -50,7 +50,7 @@ class CPUBackend(Backend):
             from .nvfp4 import weight
 
             self.nvfp4_weights += 1
-            return weight(array, scale, shape, store, qx=self.quantize_activations)
+            return weight(array, scale, shape, store, qx=self.quantize_activations, bf16=self.bf16_activations)
         data = np.array(array) if store == "ram" else array
         shape = tuple(shape or data.shape)
         block = None
@@ -82,6 +82,7 @@ class CPUBackend(Backend):
         parallel.NUM_THREADS = threads
 
     quantize_activations = False  # cpu.compute-quantization "int8": this backend's int8-layout weights quantize x
+    bf16_activations = False  # cpu.compute-quantization "bf16": NVFP4 experts' several-token products in AMX
     int8_weights = 0  # weights this backend repacked into the int8 layout
     nvfp4_weights = 0  # NVFP4 weights this backend loaded
 
@@ -89,12 +90,16 @@ class CPUBackend(Backend):
         """cpu.compute-quantization: "int8" marks every int8-layout weight this backend loads (GGUF blocks in RAM):
         its GEMVs (1-3 tokens) quantize x to 8 bits a value and sum integer products (lumen_cpu.int8.gemv_q8); and
         every NVFP4 weight: one token's routed experts quantize x and h to 8 bits per 16 values and sum integer
-        products (lumen_cpu.native.moe_token; needs the C kernels)."""
+        products (lumen_cpu.native.moe_token; needs the C kernels). "bf16" marks every NVFP4 weight for the
+        several-token expert products in AMX bf16 tiles (lumen_cpu/_native_amx.c; where the CPU has AMX-BF16)."""
         self.quantize_activations = quantization == "int8"
+        self.bf16_activations = quantization == "bf16"
 
     def compute_quantization_applies(self) -> bool:
         from . import native
 
+        if self.bf16_activations:
+            return self.nvfp4_weights > 0 and native.level == "amx"
         return (not self.quantize_activations or self.int8_weights > 0
                 or (self.nvfp4_weights > 0 and native.available))
 

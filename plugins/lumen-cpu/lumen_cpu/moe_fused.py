@@ -27,7 +27,7 @@ from . import fp8, native
 from .activations import moe_act as _act
 from .bitcast import as_f32
 from .fp8 import decode_dot, decode_row, dot, expand_scales, scale_x
-from .native import f32_dots, nvfp4_decode_rows
+from .native import amx_dots, bf16_pack, f32_dots, nvfp4_decode_rows, nvfp4_decode_rows_bf16
 from .nvfp4_fused import dot_bits, e2m1, split
 
 F32 = np.float32
@@ -225,8 +225,16 @@ def _dot_bits_scratch(K):  # dot_bits' scratch for rows of K values: x's even an
     return np.empty(K2, F32), np.empty(K2, F32), np.empty(K2, F32)
 
 
+@njit(inline="always")
+def _amx_scratch(amx, K, most):  # the bf16 mode's buffers: two chunks of bf16 rows, the packed tokens
+    if not amx:
+        return np.zeros((1, 1), np.uint16), np.zeros((1, 1), np.uint16), np.empty(1, np.uint16)
+    return (np.zeros((CHUNK, K), np.uint16), np.zeros((CHUNK, K), np.uint16),
+            np.empty((most + 15) // 16 * (K // 2) * 32, np.uint16))
+
+
 @njit(cache=True, parallel=True, fastmath=True)
-def _gate_up_nvfp4(G, U, BG, BU, gsg, gsu, e4m3, x, experts, offs, toks, h, act, threads, most, compiled):
+def _gate_up_nvfp4(G, U, BG, BU, gsg, gsu, e4m3, x, experts, offs, toks, h, act, threads, most, compiled, amx):
     n, I, K = experts.shape[0], h.shape[1], x.shape[1]
     nch = (I + CHUNK - 1) // CHUNK
     ntask = n * nch
@@ -236,6 +244,8 @@ def _gate_up_nvfp4(G, U, BG, BU, gsg, gsu, e4m3, x, experts, offs, toks, h, act,
         gate = np.empty(CHUNK, F32)
         cg, cu = np.empty((CHUNK, most), F32), np.empty((CHUNK, most), F32)
         xe, xo, sb = _dot_bits_scratch(K)
+        bg16, bu16, pb = _amx_scratch(amx, K, most)
+        packed = -1  # the slot group whose tokens pb holds
         t0, t1 = _share(ntask, w, nw)
         for task in range(t0, t1):
             j, r0 = task // nch, (task % nch) * CHUNK
@@ -250,6 +260,20 @@ def _gate_up_nvfp4(G, U, BG, BU, gsg, gsu, e4m3, x, experts, offs, toks, h, act,
                     h[offs[j], r] = _act(gate[r - r0], act) * dot_bits(u[r], bus[r], gsu[e], xe, xo, e4m3, sb)
                 continue
             r1, m = min(r0 + CHUNK, I), offs[j + 1] - offs[j]
+            if amx:  # cpu.compute-quantization bf16: exact bf16 rows, tokens rounded to bf16, AMX tiles
+                nvfp4_decode_rows_bf16(g.ctypes.data, K // 2, bgs.ctypes.data, K // 16, r0, r1 - r0, K,
+                                       bg16.ctypes.data, K)
+                nvfp4_decode_rows_bf16(u.ctypes.data, K // 2, bus.ctypes.data, K // 16, r0, r1 - r0, K,
+                                       bu16.ctypes.data, K)
+                if packed != j:  # a worker's tasks are consecutive chunks: an expert's tokens are packed once
+                    bf16_pack(x.ctypes.data, K, toks[offs[j]:].ctypes.data, m, K, pb.ctypes.data)
+                    packed = j
+                amx_dots(bg16.ctypes.data, r1 - r0, K, pb.ctypes.data, m, cg.ctypes.data, most, gsg[e])
+                amx_dots(bu16.ctypes.data, r1 - r0, K, pb.ctypes.data, m, cu.ctypes.data, most, gsu[e])
+                for r in range(r0, r1):
+                    for i in range(m):
+                        h[offs[j] + i, r] = _act(cg[r - r0, i], act) * cu[r - r0, i]
+                continue
             if compiled:  # the C decoder (lumen_cpu.native; same values): ~4x faster than _row_nvfp4
                 nvfp4_decode_rows(g.ctypes.data, K // 2, bgs.ctypes.data, K // 16, r0, r1 - r0, K, gsg[e],
                                   bg.ctypes.data, K)
@@ -265,7 +289,7 @@ def _gate_up_nvfp4(G, U, BG, BU, gsg, gsu, e4m3, x, experts, offs, toks, h, act,
 
 
 @njit(cache=True, parallel=True, fastmath=True)
-def _down_nvfp4(D, BD, gsd, e4m3, h, experts, offs, ys, threads, most, compiled):
+def _down_nvfp4(D, BD, gsd, e4m3, h, experts, offs, ys, threads, most, compiled, amx):
     n, H, I = experts.shape[0], ys.shape[1], h.shape[1]
     nch = (H + CHUNK - 1) // CHUNK
     ntask = n * nch
@@ -274,6 +298,8 @@ def _down_nvfp4(D, BD, gsd, e4m3, h, experts, offs, ys, threads, most, compiled)
     for w in prange(nw):
         buf, ed, cd = np.empty((CHUNK, I), F32), np.empty(I, F32), np.empty((CHUNK, most), F32)
         he, ho, sb = _dot_bits_scratch(I)
+        bd16, _, pb = _amx_scratch(amx, I, most)
+        packed = -1
         t0, t1 = _share(ntask, w, nw)
         for task in range(t0, t1):
             j, r0 = task // nch, (task % nch) * CHUNK
@@ -285,6 +311,17 @@ def _down_nvfp4(D, BD, gsd, e4m3, h, experts, offs, ys, threads, most, compiled)
                     ys[offs[j], r] = dot_bits(d[r], bd[r], gsd[e], he, ho, e4m3, sb)
                 continue
             r1, m = min(r0 + CHUNK, H), offs[j + 1] - offs[j]
+            if amx:
+                nvfp4_decode_rows_bf16(d.ctypes.data, I // 2, bd.ctypes.data, I // 16, r0, r1 - r0, I,
+                                       bd16.ctypes.data, I)
+                if packed != j:
+                    bf16_pack(h.ctypes.data, I, slots[offs[j]:].ctypes.data, m, I, pb.ctypes.data)
+                    packed = j
+                amx_dots(bd16.ctypes.data, r1 - r0, I, pb.ctypes.data, m, cd.ctypes.data, most, gsd[e])
+                for r in range(r0, r1):
+                    for i in range(m):
+                        ys[offs[j] + i, r] = cd[r - r0, i]
+                continue
             if compiled:
                 nvfp4_decode_rows(d.ctypes.data, I // 2, bd.ctypes.data, I // 16, r0, r1 - r0, I, gsd[e],
                                   buf.ctypes.data, I)
@@ -319,7 +356,7 @@ class _Layer:
     def __init__(self, mats: list[list]):
         first = mats[0][0]
         self.fmt, (self.I, self.H) = first.format, tuple(first.shape)
-        self.qx = False
+        self.qx = self.bf16 = False
         shapes = [(self.I, self.H), (self.I, self.H), (self.H, self.I)]
         ok = self.fmt in FORMATS and len(mats[0]) == len(mats[2]) and all(
             w.format == self.fmt and tuple(w.shape) == shape and np.asarray(w.data).flags.c_contiguous
@@ -344,6 +381,7 @@ class _Layer:
                 self.gs = [np.array([np.float32(w.scale.global_scale) for w in role], F32) for role in mats]
                 # cpu.compute-quantization "int8" (nvfp4.NVFP4Scale.qx): one token's rows take 8-bit activations
                 self.qx = bool(getattr(first.scale, "qx", False))
+                self.bf16 = bool(getattr(first.scale, "bf16", False))  # "bf16": several tokens' products in AMX
         self.ok = ok
         self.addresses = self.native = None  # _one_token's, made on its first call
         # every matrix and scale array's rows one after another (what lumen_cpu.native's C rows need)
@@ -500,7 +538,9 @@ def _run(L: _Layer, x, ids, weights, out, t0: int, act: int) -> None:
         _down_scaled(L.data[2], L.scales[2], bd, cd, kind, h, experts, offs, ys, threads, most)
     else:
         compiled = native.available and L.dense  # the C decoder steps by whole rows
+        # cpu.compute-quantization bf16: AMX tiles where this CPU and process have them (else the f32 path)
+        amx = compiled and L.bf16 and native.level == "amx" and L.H % 32 == 0 and L.I % 32 == 0
         _gate_up_nvfp4(L.data[0], L.data[1], L.scales[0], L.scales[1], L.gs[0], L.gs[1], E4M3, x, experts,
-                       offs, toks, h, act, threads, most, compiled)
-        _down_nvfp4(L.data[2], L.scales[2], L.gs[2], E4M3, h, experts, offs, ys, threads, most, compiled)
+                       offs, toks, h, act, threads, most, compiled, amx)
+        _down_nvfp4(L.data[2], L.scales[2], L.gs[2], E4M3, h, experts, offs, ys, threads, most, compiled, amx)
     _combine(ys, order, np.ascontiguousarray(weights, dtype=F32), k, out)

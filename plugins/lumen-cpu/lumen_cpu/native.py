@@ -12,8 +12,9 @@ its functions by name (``numba.types.ExternalFunction``), so the numba kernels t
 Environment (read once, at import):
 
 - ``LUMEN_CPU_NATIVE=0``: do not load the library (the numba kernels run; for comparisons).
-- ``LUMEN_CPU_ISA=avx512vnni|avx512|avx2|scalar``: the highest instruction set the kernels may use (default: the
-  highest); the CPU's own support caps it. ``level`` is the one in use.
+- ``LUMEN_CPU_ISA=amx|avx512vnni|avx512|avx2|scalar``: the highest instruction set the kernels may use (default: the
+  highest); the CPU's own support caps it (amx: AMX-BF16 tiles, granted by the OS, used by the bf16 mode's prefill
+  products, _native_amx.c). ``level`` is the one in use.
 - ``LUMEN_CPU_PREFETCH=BYTES``: how far ahead of use the int8 layout's row kernels prefetch their rows (default
   16384; 0: not at all; see _native.h). For tuning and comparisons.
 """
@@ -32,8 +33,8 @@ from numba.extending import intrinsic
 from lumen_core.errors import LumenError
 
 F32 = np.float32
-LEVELS = {"scalar": 0, "avx2": 1, "avx512": 2, "avx512vnni": 3}
-HIGHEST = "avx512vnni"
+LEVELS = {"scalar": 0, "avx2": 1, "avx512": 2, "avx512vnni": 3, "amx": 4}
+HIGHEST = "amx"
 NAMES = {v: k for k, v in LEVELS.items()}
 
 
@@ -147,8 +148,9 @@ def _pointer(typingctx, addr, dtype):
 
 def _register_fallbacks() -> None:
     """Without the library: ``lumen_nvfp4_decode_rows``, ``lumen_i8_rows`` and ``lumen_i8_rows_q8`` as numba cfuncs
-    (the same values; f32 sums in another order), and ``lumen_i8_gemm`` and ``lumen_f32_dots`` as ones that decline
-    (their callers' numba kernels run), so that the kernels that call them link."""
+    (the same values; f32 sums in another order), ``lumen_i8_gemm``, ``lumen_f32_dots`` and ``lumen_amx_dots`` as
+    ones that decline (their callers' numba kernels run), and the bf16 mode's decoder and packer as empty stand-ins
+    (called only at the amx level, which needs the library), so that the kernels that call them link."""
     from llvmlite import binding
     from numba import carray, cfunc
 
@@ -234,8 +236,21 @@ def _register_fallbacks() -> None:
     def dots(B, R, K, X, ldx, idx, m, C, ldc):
         return 0  # not done here: moe_fused._dots runs its numba kernel
 
+    @cfunc(types.int64(*[_i] * 7, types.float32), cache=True)
+    def amx(W, R, K, P, m, C, ldc, gs):
+        return 0  # no AMX without the library: the bf16 mode's callers keep the f32 path (and never pack)
+
+    @cfunc(types.void(*[_i] * 9), cache=True)
+    def decode16(w, ldw, s, lds, r0, n, K, out, ldo):
+        pass  # link-only: moe_fused calls it only at the amx level, which needs the library
+
+    @cfunc(types.void(*[_i] * 6), cache=True)
+    def pack(X, ldx, idx, m, K, P):
+        pass  # link-only, as decode16
+
     for name, f in (("lumen_nvfp4_decode_rows", decode), ("lumen_i8_rows", i8), ("lumen_i8_rows_q8", i8q),
-                    ("lumen_i8_gemm", i8_gemm), ("lumen_f32_dots", dots)):
+                    ("lumen_i8_gemm", i8_gemm), ("lumen_f32_dots", dots), ("lumen_amx_dots", amx),
+                    ("lumen_nvfp4_decode_rows_bf16", decode16), ("lumen_bf16_pack", pack)):
         binding.add_symbol(name, f.address)
         _fallbacks.append(f)
 
@@ -307,6 +322,12 @@ nvfp4_rows_q8 = types.ExternalFunction("lumen_nvfp4_rows_q8",
 # where it has no kernel (below AVX-512, K not a multiple of 16; without the library: the cfunc) and computed
 # nothing: moe_fused's numba kernel runs then.
 f32_dots = types.ExternalFunction("lumen_f32_dots", types.int64(*[_i] * 9))
+# cpu.compute-quantization "bf16" (_native_amx.c): NVFP4 rows without the global scale, exact in bf16: (w, ldw, s, lds,
+# r0, n, K, out, ldo) with out uint16; tokens X[idx[t]] packed for AMX: (X, ldx, idx, m, K, P); and C[r * ldc + t] =
+# gs * W[r] . token t: (W, R, K, P, m, C, ldc, gs), returning 0 below the amx level (nothing computed).
+nvfp4_decode_rows_bf16 = types.ExternalFunction("lumen_nvfp4_decode_rows_bf16", types.void(*[_i] * 9))
+bf16_pack = types.ExternalFunction("lumen_bf16_pack", types.void(*[_i] * 6))
+amx_dots = types.ExternalFunction("lumen_amx_dots", types.int64(*[_i] * 7, types.float32))
 quant16 = types.ExternalFunction("lumen_quant16", types.void(_i, _i, _i, _i))
 FP8, NVFP4, NVFP4_Q8 = 0, 1, 2  # lumen_moe_worker's formats
 

@@ -28,13 +28,14 @@ class NVFP4Scale:
     block: np.ndarray  # float8_e4m3fn (N, K/16)
     global_scale: np.float32
     qx: bool = False  # cpu.compute-quantization "int8": one-token expert rows take 8-bit activations (moe_fused)
+    bf16: bool = False  # cpu.compute-quantization "bf16": several tokens' expert products in bf16 AMX tiles
 
     @property
     def nbytes(self) -> int:
         return int(self.block.nbytes) + 4
 
 
-def weight(array, scale, shape, store: str, qx: bool = False) -> Weight:
+def weight(array, scale, shape, store: str, qx: bool = False, bf16: bool = False) -> Weight:
     """A packed NVFP4 Weight from the checkpoint's arrays; ``scale`` = (block scales, global scale); ``qx``: see
     NVFP4Scale."""
     data = np.array(array) if store == "ram" else array
@@ -45,7 +46,7 @@ def weight(array, scale, shape, store: str, qx: bool = False) -> Weight:
     if data.dtype != np.uint8 or data.shape != (n, k // 2) or block.shape != (n, k // GROUP):
         raise ValueError(f"nvfp4 weight {data.dtype} {data.shape} with scales {block.shape} does not make {shape}")
     gs = F32(np.asarray(global_scale, F32).reshape(()))
-    return Weight(data, "nvfp4", shape, NVFP4Scale(block, gs, qx), (1, GROUP))
+    return Weight(data, "nvfp4", shape, NVFP4Scale(block, gs, qx, bf16), (1, GROUP))
 
 
 def dequantize_rows(data: np.ndarray, scale: NVFP4Scale, rows: slice | np.ndarray) -> np.ndarray:

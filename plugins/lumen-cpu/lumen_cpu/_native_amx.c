@@ -1,0 +1,193 @@
+/* Several tokens' NVFP4 expert products in AMX bf16 tiles (cpu.compute-quantization "bf16": prefill).
+ *
+ * A value of an NVFP4 row without its global scale, e2m1(code) x e4m3(block scale), has at most 6 significant bits and
+ * an exponent within bf16's range, so it is exact in bf16: lumen_nvfp4_decode_rows_bf16 writes those rows. The tokens
+ * are rounded to bf16 (the only rounding this mode adds: a relative 2^-9 a value) and packed the way TDPBF16PS reads
+ * its second operand (lumen_bf16_pack: per pair of columns, each token's two values side by side); lumen_amx_dots
+ * then computes 64 rows x 16 tokens at a time in four f32 accumulator tiles, and the caller's global scale multiplies
+ * the f32 results. Only where the CPU has AMX-BF16 and the OS lets this process use the tile registers
+ * (lumen_native_init asks once, arch_prctl ARCH_REQ_XCOMP_PERM); otherwise the callers keep the f32 path.
+ */
+#define _GNU_SOURCE /* syscall() under -std=c11 */
+#include <stdlib.h>
+
+#include "_native.h"
+
+#ifdef LUMEN_X86
+#include <cpuid.h>
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+#define TA __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")))
+#define TB __attribute__((target("avx512bf16,avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")))
+
+int lumen_amx_usable(void) { /* AMX-TILE, AMX-BF16, AVX512-BF16, and the tile data granted to this process */
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return 0;
+    if (!(d & (1u << 22)) || !(d & (1u << 24))) return 0;
+    if (!__get_cpuid_count(7, 1, &a, &b, &c, &d) || !(a & (1u << 5))) return 0; /* AVX512-BF16 (the conversions) */
+#if defined(__linux__) && defined(SYS_arch_prctl)
+    return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+#else
+    return 0;
+#endif
+}
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tilecfg;
+
+TA static void amx_dots(const uint16_t *W, i64 R, i64 K, const uint16_t *P, i64 m, float *C, i64 ldc, float gs) {
+    tilecfg cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 6; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64; /* 0-3: 16 x 16 f32; 4: A; 5: B */
+    _tile_loadconfig(&cfg);
+    float o[16 * 16];
+    i64 ldw = K * 2, nt = (m + 15) / 16;
+    for (i64 r = 0; r < R; r += 64) { /* rows past R within the 64 (the caller's buffer has them): not stored */
+        const uint8_t *w = (const uint8_t *)(W + r * K);
+        for (i64 n = 0; n < nt; n++) {
+            const uint8_t *p = (const uint8_t *)(P + n * (K / 2) * 32);
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (i64 k = 0; k < K; k += 32) {
+                _tile_loadd(5, p + (k / 2) * 64, 64);
+                _tile_loadd(4, w + k * 2, ldw); /* the tile macros are statements (asm): one a line */
+                _tile_dpbf16ps(0, 4, 5);
+                _tile_loadd(4, w + 16 * ldw + k * 2, ldw);
+                _tile_dpbf16ps(1, 4, 5);
+                _tile_loadd(4, w + 32 * ldw + k * 2, ldw);
+                _tile_dpbf16ps(2, 4, 5);
+                _tile_loadd(4, w + 48 * ldw + k * 2, ldw);
+                _tile_dpbf16ps(3, 4, 5);
+            }
+            for (int b = 0; b < 4; b++) {
+                if (b == 0) _tile_stored(0, o, 64);
+                if (b == 1) _tile_stored(1, o, 64);
+                if (b == 2) _tile_stored(2, o, 64);
+                if (b == 3) _tile_stored(3, o, 64);
+                for (i64 i = 0; i < 16 && r + 16 * b + i < R; i++)
+                    for (i64 j = 0; j < 16 && 16 * n + j < m; j++)
+                        C[(r + 16 * b + i) * ldc + 16 * n + j] = o[16 * i + j] * gs;
+            }
+        }
+    }
+    _tile_release();
+}
+#endif
+
+/* C[r * ldc + t] = gs * (row r of W, bf16, K apart) . (token t of P, lumen_bf16_pack's layout), r < R, t < m. W must
+ * hold rows up to R rounded up to 64 (the extra rows are read, not stored); K a multiple of 32. Returns 0 where this
+ * CPU or process cannot run AMX (the caller keeps its f32 path). */
+i64 lumen_amx_dots(const uint16_t *W, i64 R, i64 K, const uint16_t *P, i64 m, float *C, i64 ldc, float gs) {
+#ifdef LUMEN_X86
+    if (lumen_level >= 4 && K % 32 == 0) {
+        if (R > 0 && m > 0) amx_dots(W, R, K, P, m, C, ldc, gs);
+        return 1;
+    }
+#endif
+    (void)W, (void)R, (void)K, (void)P, (void)m, (void)C, (void)ldc, (void)gs;
+    return 0;
+}
+
+static inline uint16_t bf16_rne(float f) { /* f32 -> bf16, rounded to nearest even (no NaN among activations) */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+#ifdef LUMEN_X86
+TB static void pack_avx512(const float *X, i64 ldx, const i64 *idx, i64 m, i64 K, uint32_t *P) {
+    for (i64 t = 0; t < m; t++) {
+        const float *x = X + idx[t] * ldx;
+        uint32_t *p = P + (t / 16) * (K / 2) * 16 + t % 16, pairs[16];
+        for (i64 k = 0; k < K; k += 32) { /* 32 values: 16 (even, odd) pairs, each one 32-bit word of P */
+            __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + k + 16), _mm512_loadu_ps(x + k));
+            _mm512_storeu_si512((void *)pairs, (__m512i)v);
+            for (int q = 0; q < 16; q++) p[(k / 2 + q) * 16] = pairs[q];
+        }
+    }
+}
+#endif
+
+/* tokens X[idx[t]] (t < m, K f32 each, rows ldx apart) -> P: per 16 tokens a tile of K / 2 rows of 16 (even, odd)
+ * bf16 pairs (rounded to nearest even), tokens past m zero */
+void lumen_bf16_pack(const float *X, i64 ldx, const i64 *idx, i64 m, i64 K, uint16_t *P) {
+    i64 nt = (m + 15) / 16;
+    memset(P, 0, (size_t)(nt * (K / 2) * 32) * 2);
+#ifdef LUMEN_X86
+    if (lumen_level >= 4 && K % 32 == 0) {
+        pack_avx512(X, ldx, idx, m, K, (uint32_t *)P);
+        return;
+    }
+#endif
+    for (i64 t = 0; t < m; t++) {
+        const float *x = X + idx[t] * ldx;
+        uint16_t *p = P + (t / 16) * (K / 2) * 32 + (t % 16) * 2;
+        for (i64 k = 0; k < K; k += 2) {
+            p[(k / 2) * 32] = bf16_rne(x[k]);
+            p[(k / 2) * 32 + 1] = bf16_rne(x[k + 1]);
+        }
+    }
+}
+
+static const float E2M1F[16] = {0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f, -0.f, -.5f, -1.f, -1.5f, -2.f, -3.f, -4.f,
+                                -6.f};
+
+#ifdef LUMEN_X86
+TB static void decode_bf16_avx512(const uint8_t *w, i64 ldw, const uint8_t *s, i64 lds, i64 r0, i64 n, i64 K,
+                                  uint16_t *out, i64 ldo) {
+    const __m512 tab = _mm512_setr_ps(0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f, -0.f, -.5f, -1.f, -1.5f, -2.f, -3.f,
+                                      -4.f, -6.f);
+    const __m512i m15 = _mm512_set1_epi32(15);
+    const __m512i pair = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    /* a byte's low code is column 2i, its high code 2i + 1: interleave the two vectors back into column order */
+    const __m512i even = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    const __m512i odd = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+    for (i64 i = 0; i < n; i++) {
+        const uint8_t *row = w + (r0 + i) * ldw, *srow = s + (r0 + i) * lds;
+        uint16_t *o = out + i * ldo;
+        for (i64 c = 0; c < K; c += 32) { /* K a multiple of 32 */
+            __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(row + c / 2)));
+            __m512 sc = _mm512_permutexvar_ps(pair, _mm512_castps128_ps512(_mm_setr_ps(e4m3(srow[c / 16]),
+                                                                                     e4m3(srow[c / 16 + 1]), 0, 0)));
+            __m512 lo = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_and_si512(b, m15), tab), sc);
+            __m512 hi = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), tab), sc);
+            /* exact values: the conversion's rounding never applies */
+            __m512bh v = _mm512_cvtne2ps_pbh(_mm512_permutex2var_ps(lo, odd, hi), _mm512_permutex2var_ps(lo, even, hi));
+            _mm512_storeu_si512((void *)(o + c), (__m512i)v);
+        }
+    }
+}
+#endif
+
+/* out[i * ldo + k] = bf16 of e2m1(code) * e4m3(block scale) for rows r0 .. r0 + n (exact: no global scale) */
+void lumen_nvfp4_decode_rows_bf16(const uint8_t *w, i64 ldw, const uint8_t *s, i64 lds, i64 r0, i64 n, i64 K,
+                                  uint16_t *out, i64 ldo) {
+#ifdef LUMEN_X86
+    if (lumen_level >= 4 && K % 32 == 0) {
+        decode_bf16_avx512(w, ldw, s, lds, r0, n, K, out, ldo);
+        return;
+    }
+#endif
+    for (i64 i = 0; i < n; i++) {
+        const uint8_t *row = w + (r0 + i) * ldw, *srow = s + (r0 + i) * lds;
+        uint16_t *o = out + i * ldo;
+        for (i64 b = 0; b < K / 16; b++) {
+            float sc = e4m3(srow[b]);
+            for (int j = 0; j < 8; j++) {
+                uint32_t byte = row[8 * b + j], u;
+                float lo = E2M1F[byte & 15] * sc, hi = E2M1F[byte >> 4] * sc;
+                memcpy(&u, &lo, 4), o[16 * b + 2 * j] = (uint16_t)(u >> 16);
+                memcpy(&u, &hi, 4), o[16 * b + 2 * j + 1] = (uint16_t)(u >> 16);
+            }
+        }
+    }
+}
