@@ -237,26 +237,16 @@ T5 static void nvfp4_rows_avx512(const uint8_t *w, i64 ldw, const uint8_t *s, i6
 
 T5 static void nvfp4_decode_avx512(const uint8_t *w, i64 ldw, const uint8_t *s, i64 lds, i64 r0, i64 n, i64 K,
                                    float gs, float *out, i64 ldo) {
-    const __m512 tab = _mm512_setr_ps(0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f, -0.f, -.5f, -1.f, -1.5f, -2.f, -3.f,
-                                      -4.f, -6.f);
-    const __m512i m15 = _mm512_set1_epi32(15);
-    const __m512i pair = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-    /* a byte's low code is column 2i, its high code 2i + 1: interleave the two vectors back into column order */
-    const __m512i even = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
-    const __m512i odd = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
     const __m512 g = _mm512_set1_ps(gs);
     i64 K32 = K / 32 * 32;
     for (i64 i = 0; i < n; i++) {
         const uint8_t *row = w + (r0 + i) * ldw, *srow = s + (r0 + i) * lds;
         float *o = out + i * ldo;
         for (i64 c = 0; c < K32; c += 32) {
-            __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(row + c / 2)));
-            float sp[2] = {e4m3(srow[c / 16]), e4m3(srow[c / 16 + 1])};
-            __m512 sc = _mm512_permutexvar_ps(pair, pair_of(sp));
-            __m512 lo = _mm512_mul_ps(_mm512_mul_ps(_mm512_permutexvar_ps(_mm512_and_si512(b, m15), tab), sc), g);
-            __m512 hi = _mm512_mul_ps(_mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), tab), sc), g);
-            _mm512_storeu_ps(o + c, _mm512_permutex2var_ps(lo, even, hi));
-            _mm512_storeu_ps(o + c + 16, _mm512_permutex2var_ps(lo, odd, hi));
+            __m512 a, b;
+            nvfp4_cols32(row, srow, c, &a, &b);
+            _mm512_storeu_ps(o + c, _mm512_mul_ps(a, g));
+            _mm512_storeu_ps(o + c + 16, _mm512_mul_ps(b, g));
         }
         if (K32 < K) nvfp4_decode_scalar(w + K32 / 2, ldw, s + K32 / 16, lds, r0 + i, 1, K - K32, gs, o + K32, ldo);
     }

@@ -75,6 +75,23 @@ T5 static inline __m512 e4m3x16(const uint8_t *p) { /* 16 bytes -> 16 f32, exact
                                                          _mm512_set1_epi32((int)0x80000000u), 0xF8));
 }
 
+/* 32 columns of an NVFP4 row from column c: e2m1(code) x e4m3(block scale), exact in f32, in column order (a byte's
+ * low code is column 2i, its high code 2i + 1): columns c .. c + 15 in *a, c + 16 .. c + 31 in *b */
+T5 static inline void nvfp4_cols32(const uint8_t *row, const uint8_t *srow, i64 c, __m512 *a, __m512 *b) {
+    const __m512 tab = _mm512_setr_ps(0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f, -0.f, -.5f, -1.f, -1.5f, -2.f, -3.f,
+                                      -4.f, -6.f);
+    const __m512i pair = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    const __m512i even = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    const __m512i odd = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+    __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(row + c / 2)));
+    __m512 sc = _mm512_permutexvar_ps(pair, _mm512_castps128_ps512(_mm_setr_ps(e4m3(srow[c / 16]),
+                                                                             e4m3(srow[c / 16 + 1]), 0.f, 0.f)));
+    __m512 lo = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_and_si512(q, _mm512_set1_epi32(15)), tab), sc);
+    __m512 hi = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), tab), sc);
+    *a = _mm512_permutex2var_ps(lo, even, hi);
+    *b = _mm512_permutex2var_ps(lo, odd, hi);
+}
+
 T5 static inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) { /* (sum a, sum b, sum c, sum d) */
     __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
     __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(c, d, 0x44), _mm512_shuffle_f32x4(c, d, 0xEE));

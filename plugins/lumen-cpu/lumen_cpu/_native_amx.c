@@ -144,25 +144,13 @@ static const float E2M1F[16] = {0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f, -0.f, -
 #ifdef LUMEN_X86
 TB static void decode_bf16_avx512(const uint8_t *w, i64 ldw, const uint8_t *s, i64 lds, i64 r0, i64 n, i64 K,
                                   uint16_t *out, i64 ldo) {
-    const __m512 tab = _mm512_setr_ps(0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f, -0.f, -.5f, -1.f, -1.5f, -2.f, -3.f,
-                                      -4.f, -6.f);
-    const __m512i m15 = _mm512_set1_epi32(15);
-    const __m512i pair = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-    /* a byte's low code is column 2i, its high code 2i + 1: interleave the two vectors back into column order */
-    const __m512i even = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
-    const __m512i odd = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
     for (i64 i = 0; i < n; i++) {
         const uint8_t *row = w + (r0 + i) * ldw, *srow = s + (r0 + i) * lds;
         uint16_t *o = out + i * ldo;
         for (i64 c = 0; c < K; c += 32) { /* K a multiple of 32 */
-            __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(row + c / 2)));
-            __m512 sc = _mm512_permutexvar_ps(pair, _mm512_castps128_ps512(_mm_setr_ps(e4m3(srow[c / 16]),
-                                                                                     e4m3(srow[c / 16 + 1]), 0, 0)));
-            __m512 lo = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_and_si512(b, m15), tab), sc);
-            __m512 hi = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), tab), sc);
-            /* exact values: the conversion's rounding never applies */
-            __m512bh v = _mm512_cvtne2ps_pbh(_mm512_permutex2var_ps(lo, odd, hi), _mm512_permutex2var_ps(lo, even, hi));
-            _mm512_storeu_si512((void *)(o + c), (__m512i)v);
+            __m512 a, b;
+            nvfp4_cols32(row, srow, c, &a, &b); /* exact values: the bf16 conversion's rounding never applies */
+            _mm512_storeu_si512((void *)(o + c), (__m512i)_mm512_cvtne2ps_pbh(b, a));
         }
     }
 }
