@@ -10,7 +10,11 @@ in one pass). Kernel 2 does the same for (expert, CHUNK rows of down) into one o
 sum over a token's slots is then taken in slot order (j = 0 .. k-1) by numba.
 
 One token (decode) reads each routed expert's bytes once, spread over every core: what ``experts: {compute: cpu}``
-placements spend most of their time on. The per-expert path it replaces (``ops.moe_experts``: a parallel GEMV
+placements spend most of their time on. With the C kernels built, one token's fp8 / NVFP4 experts skip the two
+kernels: ``_one_token`` runs them in one parallel region (``native.moe_token``: C workers claiming tasks, rows read
+``PREFETCH`` bytes ahead; NVFP4 with 8-bit activations under cpu.compute-quantization int8). Under bf16, NVFP4
+rows shared by several tokens are multiplied in AMX bf16 tiles where the CPU has them (lumen_cpu/_native_amx.c).
+The per-expert path it replaces (``ops.moe_experts``: a parallel GEMV
 launch per matrix, ~24 launches a layer, or a serial tile dequantization per expert in prefill) stays the
 reference and the fallback (mixed formats or shapes, other formats).
 """
