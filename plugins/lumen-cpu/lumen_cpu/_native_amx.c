@@ -13,7 +13,14 @@
 
 #include "_native.h"
 
-#ifdef LUMEN_X86
+/* The AMX and AVX512-BF16 intrinsics need GCC 11 / clang 12: an older compiler (or -DLUMEN_NO_AMX) builds this file
+ * without them (the level stays below amx), so the rest of the library still builds. */
+#if defined(LUMEN_X86) && !defined(LUMEN_NO_AMX) && ((defined(__clang__) && __clang_major__ >= 12) || \
+                                                    (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11))
+#define LUMEN_AMX 1
+#endif
+
+#ifdef LUMEN_AMX
 #include <cpuid.h>
 #if defined(__linux__)
 #include <sys/syscall.h>
@@ -81,13 +88,15 @@ TA static void amx_dots(const uint16_t *W, i64 R, i64 K, const uint16_t *P, i64 
     }
     _tile_release();
 }
+#else
+int lumen_amx_usable(void) { return 0; }
 #endif
 
 /* C[r * ldc + t] = gs * (row r of W, bf16, K apart) . (token t of P, lumen_bf16_pack's layout), r < R, t < m. W must
  * hold rows up to R rounded up to 64 (the extra rows are read, not stored); K a multiple of 32. Returns 0 where this
  * CPU or process cannot run AMX (the caller keeps its f32 path). */
 i64 lumen_amx_dots(const uint16_t *W, i64 R, i64 K, const uint16_t *P, i64 m, float *C, i64 ldc, float gs) {
-#ifdef LUMEN_X86
+#ifdef LUMEN_AMX
     if (lumen_level >= 4 && K % 32 == 0) {
         if (R > 0 && m > 0) amx_dots(W, R, K, P, m, C, ldc, gs);
         return 1;
@@ -103,7 +112,7 @@ static inline uint16_t bf16_rne(float f) { /* f32 -> bf16, rounded to nearest ev
     return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
-#ifdef LUMEN_X86
+#ifdef LUMEN_AMX
 TB static void pack_avx512(const float *X, i64 ldx, const i64 *idx, i64 m, i64 K, uint32_t *P) {
     for (i64 t = 0; t < m; t++) {
         const float *x = X + idx[t] * ldx;
@@ -122,7 +131,7 @@ TB static void pack_avx512(const float *X, i64 ldx, const i64 *idx, i64 m, i64 K
 void lumen_bf16_pack(const float *X, i64 ldx, const i64 *idx, i64 m, i64 K, uint16_t *P) {
     i64 nt = (m + 15) / 16;
     memset(P, 0, (size_t)(nt * (K / 2) * 32) * 2);
-#ifdef LUMEN_X86
+#ifdef LUMEN_AMX
     if (lumen_level >= 4 && K % 32 == 0) {
         pack_avx512(X, ldx, idx, m, K, (uint32_t *)P);
         return;
@@ -141,7 +150,7 @@ void lumen_bf16_pack(const float *X, i64 ldx, const i64 *idx, i64 m, i64 K, uint
 static const float E2M1F[16] = {0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f, -0.f, -.5f, -1.f, -1.5f, -2.f, -3.f, -4.f,
                                 -6.f};
 
-#ifdef LUMEN_X86
+#ifdef LUMEN_AMX
 TB static void decode_bf16_avx512(const uint8_t *w, i64 ldw, const uint8_t *s, i64 lds, i64 r0, i64 n, i64 K,
                                   uint16_t *out, i64 ldo) {
     for (i64 i = 0; i < n; i++) {
@@ -159,7 +168,7 @@ TB static void decode_bf16_avx512(const uint8_t *w, i64 ldw, const uint8_t *s, i
 /* out[i * ldo + k] = bf16 of e2m1(code) * e4m3(block scale) for rows r0 .. r0 + n (exact: no global scale) */
 void lumen_nvfp4_decode_rows_bf16(const uint8_t *w, i64 ldw, const uint8_t *s, i64 lds, i64 r0, i64 n, i64 K,
                                   uint16_t *out, i64 ldo) {
-#ifdef LUMEN_X86
+#ifdef LUMEN_AMX
     if (lumen_level >= 4 && K % 32 == 0) {
         decode_bf16_avx512(w, ldw, s, lds, r0, n, K, out, ldo);
         return;
