@@ -20,7 +20,6 @@ i64 lumen_prefetch = 16384;
 
 /* -- scalar decoders (the reference: numba's fp8.decode and nvfp4_fused.e2m1; e4m3 in _native.h) ------------- */
 
-static const float E2M1[16] = {0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f, -0.f, -.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
 
 static void fp8_rows_scalar(const uint8_t *w, i64 ldw, i64 r0, i64 n, i64 K, const float *x, const float *S,
                             i64 lds, i64 br, i64 bc, float *out) {

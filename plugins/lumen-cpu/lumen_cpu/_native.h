@@ -56,6 +56,10 @@ static inline float f16_f32(uint32_t h) {
     return bits_f32(((h & 0x7FFFu) << 13) | ((h & 0x8000u) << 16)) * 5.192296858534828e33f;
 }
 
+/* E2M1 codes' values (sign << 3 | index; numba's nvfp4_fused.e2m1) */
+static const float E2M1[16] = {0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f,
+                               -0.f, -.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
+
 /* an e4m3 byte as f32, exactly (numba's fp8.decode) */
 static inline float e4m3(uint32_t b) {
     float f = bits_f32(((b & 0x7Fu) << 20) + 0x3C000000u);

@@ -147,9 +147,6 @@ void lumen_bf16_pack(const float *X, i64 ldx, const i64 *idx, i64 m, i64 K, uint
     }
 }
 
-static const float E2M1F[16] = {0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f, -0.f, -.5f, -1.f, -1.5f, -2.f, -3.f, -4.f,
-                                -6.f};
-
 #ifdef LUMEN_AMX
 TB static void decode_bf16_avx512(const uint8_t *w, i64 ldw, const uint8_t *s, i64 lds, i64 r0, i64 n, i64 K,
                                   uint16_t *out, i64 ldo) {
@@ -181,7 +178,7 @@ void lumen_nvfp4_decode_rows_bf16(const uint8_t *w, i64 ldw, const uint8_t *s, i
             float sc = e4m3(srow[b]);
             for (int j = 0; j < 8; j++) {
                 uint32_t byte = row[8 * b + j], u;
-                float lo = E2M1F[byte & 15] * sc, hi = E2M1F[byte >> 4] * sc;
+                float lo = E2M1[byte & 15] * sc, hi = E2M1[byte >> 4] * sc;
                 memcpy(&u, &lo, 4), o[16 * b + 2 * j] = (uint16_t)(u >> 16);
                 memcpy(&u, &hi, 4), o[16 * b + 2 * j + 1] = (uint16_t)(u >> 16);
             }

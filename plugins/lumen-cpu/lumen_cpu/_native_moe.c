@@ -162,7 +162,7 @@ static inline float act_of(float a, i64 kind) { /* moe_fused.ACTS: 0 silu, 1 gel
     return 0.5f * a * (1.f + tanhf(0.7978845608028654f * (a + 0.044715f * (a * a * a))));
 }
 
-static inline i64 permuted_at(i64 c, i64 K) { /* lumen_nvfp4_permute's position of column c (native.permuted_at) */
+static inline i64 permuted_at(i64 c, i64 K) { /* where lumen_nvfp4_permute puts column c */
     i64 base = c - c % 32, q = c % 32;
     if (base + 32 > K) return c;
     return q % 2 == 0 ? base + q / 2 : base + 16 + q / 2;

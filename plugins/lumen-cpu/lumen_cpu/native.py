@@ -261,17 +261,6 @@ if not available:
 
 
 @njit(inline="always")
-def permuted_at(c, K):
-    """Where column c of a vector goes in ``lumen_nvfp4_permute``'s order (per 32 columns the even ones, then the
-    odd; a last block of 16 stays)."""
-    base = c - c % 32
-    if base + 32 > K:
-        return c
-    q = c % 32
-    return base + q // 2 if q % 2 == 0 else base + 16 + q // 2
-
-
-@njit(inline="always")
 def _share(ntask, w, nw):  # worker w's contiguous range of tasks
     return w * ntask // nw, (w + 1) * ntask // nw
 
@@ -317,7 +306,6 @@ moe_worker = types.ExternalFunction("lumen_moe_worker", types.void(*[_i] * 22))
 # out[i] = NVFP4 row r0 + i . x with x quantized per 16 values: (w, ldw, s, lds, r0, n, K, xq, xs, gs, out, pf)
 nvfp4_rows_q8 = types.ExternalFunction("lumen_nvfp4_rows_q8",
                                        types.void(_i, _i, _i, _i, _i, _i, _i, _i, _i, types.float32, _i, _i))
-# (x, K, xq, xs): x (K,) f32 -> xq (K,) int8 and xs (K / 16,) f32, a scale per 16 values
 # C[r * ldc + t] = B[r] . X[idx[t]], r < R, t < m: (B, R, K, X, ldx, idx, m, C, ldc), B's rows K apart. Returns 0
 # where it has no kernel (below AVX-512, K not a multiple of 16; without the library: the cfunc) and computed
 # nothing: moe_fused's numba kernel runs then.
@@ -328,6 +316,7 @@ f32_dots = types.ExternalFunction("lumen_f32_dots", types.int64(*[_i] * 9))
 nvfp4_decode_rows_bf16 = types.ExternalFunction("lumen_nvfp4_decode_rows_bf16", types.void(*[_i] * 9))
 bf16_pack = types.ExternalFunction("lumen_bf16_pack", types.void(*[_i] * 6))
 amx_dots = types.ExternalFunction("lumen_amx_dots", types.int64(*[_i] * 7, types.float32))
+# (x, K, xq, xs): x (K,) f32 -> xq (K,) int8 and xs (K / 16,) f32, a scale per 16 values
 quant16 = types.ExternalFunction("lumen_quant16", types.void(_i, _i, _i, _i))
 FP8, NVFP4, NVFP4_Q8 = 0, 1, 2  # lumen_moe_worker's formats
 
