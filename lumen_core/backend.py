@@ -133,6 +133,14 @@ class Backend(ABC):
         default does nothing."""
         return None
 
+    def host_jobs(self):
+        """None (the default), or what lets a GPU's captured decode step ask work of this backend from native
+        threads, without Python: a module or object with ``record(fn, shapes)`` (the job ``fn`` amounts to on
+        arguments of those (shape, dtype), or None), ``layout()`` (the mailbox's offsets and size),
+        ``server_threads(threads)`` and ``Server(address, keep, threads)`` (lumen_cpu.hostjob is the one
+        implementation; lumen_cuda/hostcall.py the one caller)."""
+        return None
+
     def configure_expert_cache(self, slots: int | None) -> None:
         """Called before loading when routed experts compute here from one of ``expert_stores``: how many experts
         to keep resident (None: the backend's default). Backends with no ``expert_stores`` are never called."""

@@ -193,11 +193,12 @@ def test_a_dropped_cpu_experts_engine_lets_its_queued_steps_finish(checkpoint, c
 
 
 @pytest.mark.gpu
-def test_an_error_in_a_cpu_expert_host_node_is_raised_not_swallowed(checkpoint):
+def test_an_error_in_a_cpu_expert_host_node_is_raised_not_swallowed(checkpoint, monkeypatch):
     """A host node cannot stop the graph; what it raised comes out of the next step the engine waits for."""
     _, path = checkpoint
     if "nvfp4" in str(path):
         pytest.skip("the tiny NVFP4 checkpoint's narrow matrices fall back to cuBLAS, which a graph cannot hold")
+    monkeypatch.setenv("LUMEN_HOSTCALL", "python")  # fp8 experts would be native crossings (no Python fn)
     mixed = load(path, compute="cpu", store="ram")
     runner = mixed.decode_runner()
     assert runner
@@ -286,3 +287,81 @@ def test_a_dropped_engine_gives_its_vram_back(tiny_checkpoint, cp):
     left = pool.used_bytes() - before
     print(f"VRAM held: {loaded / 1e6:.1f} MB loaded, {left / 1e6:.1f} MB after the engine is dropped")
     assert left <= 0.02 * loaded, (left, loaded)
+
+
+def graph_logits(engine, ids, steps):
+    """The decode graph's logits for ``steps`` greedy tokens after an eager prefill of ``ids`` into its cache."""
+    import cupy
+
+    runner = engine.decode_runner()
+    assert runner
+    runner.reset()
+    logits, out = engine.model.forward(ids, runner.cache)[-1], []
+    for _ in range(steps):
+        logits = cupy.asnumpy(runner.step(int(np.argmax(logits))))[-1]
+        out.append(logits)
+    return runner, np.stack(out)
+
+
+@pytest.fixture(scope="module")
+def fp8_checkpoint(tiny_checkpoint, tmp_path_factory, cp):
+    return quantize(tiny_checkpoint, tmp_path_factory, "fp8")
+
+
+@pytest.mark.gpu
+def test_native_crossings_equal_python_host_nodes_bit_for_bit(fp8_checkpoint, monkeypatch):
+    """LUMEN_HOSTCALL native (kernels polling a mailbox that the CPU server answers), node (the server asked from a
+    host node's C function) and python (a Python host node): the same C worker and sums, so the same logits to the
+    bit, step after step."""
+    from lumen_cuda.hostcall import HostCall, NativeCall
+
+    ids = [5, 9, 2, 7, 11]
+    got = {}
+    for how in ("native", "node", "python"):
+        monkeypatch.setenv("LUMEN_HOSTCALL", how)
+        mixed = load(fp8_checkpoint, compute="cpu", store="ram")
+        runner, got[how] = graph_logits(mixed, ids, STEPS)
+        kinds = {type(hc) for hc in runner.inputs.host_calls}
+        assert kinds == ({HostCall} if how == "python" else {NativeCall}), (how, kinds)
+        assert all(hc.how == how for hc in runner.inputs.host_calls if isinstance(hc, NativeCall))
+        mixed.close()
+    assert np.isfinite(got["python"]).all()
+    assert np.array_equal(got["native"], got["python"])
+    assert np.array_equal(got["node"], got["python"])
+
+
+@pytest.mark.gpu
+def test_a_native_crossing_nobody_answers_times_out_and_raises(fp8_checkpoint, monkeypatch):
+    """A stopped server: each wait gives up after LUMEN_HOSTCALL_TIMEOUT and the next step raises with the fix."""
+    from lumen_cuda.hostcall import NativeCall
+
+    monkeypatch.setenv("LUMEN_HOSTCALL_TIMEOUT", "0.2")
+    mixed = load(fp8_checkpoint, compute="cpu", store="ram")
+    runner = mixed.decode_runner()
+    assert runner and isinstance(runner.inputs.host_calls[0], NativeCall)
+    runner.inputs.host_calls[0].server.close()
+    with pytest.raises(RuntimeError, match="did not answer .* LUMEN_HOSTCALL_TIMEOUT"):
+        list(mixed.generate_tokens([5, 6, 7], 4))
+
+
+@pytest.mark.gpu
+def test_a_native_server_error_is_raised_after_the_step(fp8_checkpoint):
+    """The server's error word (an unknown job number: lumen_serve's answer) comes out of the next step."""
+    mixed = load(fp8_checkpoint, compute="cpu", store="ram")
+    runner = mixed.decode_runner()
+    assert runner
+    runner.inputs.host_calls[0].box.words[9] = 5
+    with pytest.raises(RuntimeError, match="unknown job"):
+        list(mixed.generate_tokens([5, 6, 7], 4))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("var,value,message", [("LUMEN_HOSTCALL", "fast", "'fast'.*native, node, python"),
+                                               ("LUMEN_HOSTCALL_TIMEOUT", "-1", "'-1'.*seconds > 0")])
+def test_a_bad_hostcall_setting_is_named(fp8_checkpoint, monkeypatch, var, value, message):
+    from lumen_core.errors import LumenError
+
+    monkeypatch.setenv(var, value)
+    mixed = load(fp8_checkpoint, compute="cpu", store="ram")
+    with pytest.raises(LumenError, match=f"{var}={message}"):
+        mixed.decode_runner()

@@ -116,4 +116,17 @@ void lumen_fp8_rows_pf(const uint8_t *w, i64 ldw, i64 r0, i64 n, i64 K, const fl
 void lumen_nvfp4_rows_pf(const uint8_t *w, i64 ldw, const uint8_t *s, i64 lds, i64 r0, i64 n, i64 K, const float *xp,
                          float gs, float *out, i64 pf);
 
+static inline void spin(void) { /* a busy wait's pause (_native_moe.c's workers, _native_serve.c) */
+#ifdef LUMEN_X86
+    _mm_pause();
+#endif
+}
+
+/* what _native_serve.c's server runs (_native.c, _native_moe.c) */
+void lumen_nvfp4_permute(const float *x, i64 K, float *xp);
+void lumen_quant16(const float *x, i64 K, int8_t *xq, float *xs);
+void lumen_moe_worker(i64 fmt, i64 n, const i64 *ex, const i64 *tok, i64 H, i64 I, const i64 *A, i64 E,
+                      const float *gs, const i64 *blk, const float *x, const int8_t *xq, const float *xs, float *h,
+                      int8_t *hq, float *hs, float *ys, i64 act, i64 cgu, i64 cd, i64 pf, i64 *ctr);
+
 #endif

@@ -168,11 +168,6 @@ static inline i64 permuted_at(i64 c, i64 K) { /* where lumen_nvfp4_permute puts 
     return q % 2 == 0 ? base + q / 2 : base + 16 + q / 2;
 }
 
-static inline void spin(void) {
-#ifdef LUMEN_X86
-    _mm_pause();
-#endif
-}
 
 /* A: 6 rows of E addresses (gate, up, down codes; their scales); gs: 3 rows of E global scales (NVFP4);
  * blk (fp8): gate/up scales a row, down scales a row, gate/up scale block (rows, columns), down's; x (T, H) f32,

@@ -114,6 +114,13 @@ class CPUBackend(Backend):
         if gomp is not None:
             gomp.omp_pause_resource_all(1)
 
+    def host_jobs(self):
+        """lumen_cpu.hostjob where the C library has its experts server (one token's fp8 / NVFP4 routed experts
+        asked by a GPU step through a mailbox), else None."""
+        from . import hostjob, native
+
+        return hostjob if native.available and hasattr(native.lib(), "lumen_serve_new") else None
+
     def tensor(self, array):
         # Always a private copy: small checkpoint tensors must not keep a view on the mapped file. Integer
         # arrays (expert ids routed on another device) keep their type; everything else becomes f32.

@@ -27,7 +27,7 @@ import numpy as np
 from numba import get_num_threads, njit, prange
 from numba.typed import List
 
-from . import fp8, native
+from . import fp8, hostjob, native
 from .activations import moe_act as _act
 from .bitcast import as_f32
 from .fp8 import decode_dot, decode_row, dot, expand_scales, scale_x
@@ -523,6 +523,9 @@ def _one_token(L: _Layer, x, ids, weights, act: int):
         else:
             L.native = (native.NVFP4_Q8 if L.qx else native.NVFP4, np.stack(L.gs), np.zeros(6, np.int64))
     fmt, gs, blk = L.native
+    rec = hostjob.recorder()
+    if rec is not None:  # a GPU step asks what this call is (lumen_cpu.hostjob): note it instead of computing
+        return rec.note(L, fmt, gs, blk, act, L.H, ids.shape[1], get_num_threads(), CGU, CD, PREFETCH)
     return native.moe_token(fmt, L.addresses, gs, blk, L.I, x, ids, weights, act, get_num_threads(), CGU, CD, PREFETCH)
 
 

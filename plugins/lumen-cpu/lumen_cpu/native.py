@@ -106,6 +106,21 @@ def _load() -> bool:
     return True
 
 
+def lib():
+    """The C library through ctypes (loaded: ``available``), the expert server's signatures set
+    (lumen_cpu/_native_serve.c, lumen_cpu.hostjob)."""
+    lib = _lib[0]
+    if hasattr(lib, "lumen_serve_new") and lib.lumen_serve_new.restype is not ctypes.c_void_p:
+        v, i, p = ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p
+        for name, res, args in (("lumen_serve_new", v, [i, i]), ("lumen_serve_add", i, [p] + [i] * 12),
+                                ("lumen_serve_job", i, [p, i]), ("lumen_serve_arm", None, [p, i]),
+                                ("lumen_serve_ask", None, [p, i]), ("lumen_serve_free", None, [p]),
+                                ("lumen_serve_layout", None, [p]), ("lumen_serve_hostfn", None, [p])):
+            fn = getattr(lib, name)
+            fn.restype, fn.argtypes = res, args
+    return lib
+
+
 level: str | None = None
 available = _load()
 

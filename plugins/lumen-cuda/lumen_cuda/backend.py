@@ -205,14 +205,16 @@ class CUDABackend(Backend):
         return None if self._streams is None else self._streams.stats()
 
     def close(self) -> None:
-        """Release what this backend holds for its engine: the decode runners' graphs, pools and caches, the expert
-        cache's VRAM, the arena's block being filled (the arena's other blocks, and the weights' VRAM, go back when
-        the engine's Weights are dropped). Queued work finishes first. Idempotent; the engine does not compute here
-        afterwards."""
+        """Release what this backend holds for its engine: the decode runners' graphs, pools and caches, the native
+        experts servers' threads, the expert cache's VRAM, the arena's block being filled (the arena's other
+        blocks, and the weights' VRAM, go back when the engine's Weights are dropped). Queued work finishes first.
+        Idempotent; the engine does not compute here afterwards."""
         with self.dev:
             for runner in list(self._runners):
                 runner.close()
             self._runners = weakref.WeakSet()
+            for _, box in self.__dict__.pop("_mailboxes", {}).values():  # native experts servers (hostcall.py)
+                box.server.close()
             if self._streams is not None:
                 self._streams.close()
                 self._streams = None
@@ -304,7 +306,9 @@ class CUDABackend(Backend):
         if os.environ.get("LUMEN_CUDA_GRAPH", "1") == "0":
             raise NotImplementedError("CUDA graphs are off (LUMEN_CUDA_GRAPH=0)")
         from .graph import decode_runner
+        from .hostcall import mode, timeout_ns
 
+        mode(), timeout_ns()  # a bad LUMEN_HOSTCALL / LUMEN_HOSTCALL_TIMEOUT is named, not a reason to decode eagerly
         runner, why = decode_runner(model, self, context_size)
         if runner is None:
             raise NotImplementedError(why)
@@ -333,7 +337,7 @@ class CUDABackend(Backend):
         from . import hostcall  # a decode step being prepared: the crossing becomes nodes of the graph
 
         self.dev.use()
-        return hostcall.call(fn, list(args), current, target)
+        return hostcall.call(fn, list(args), current, target, self)
 
     def use(self) -> None:
         self.dev.use()

@@ -18,8 +18,10 @@ Streams: the graph runs on a blocking stream, which the legacy default stream (e
 orders itself against, so prefill → replay → sampling need no explicit events.
 
 Host calls: routed experts on the CPU (``CUDABackend.call`` while a step is prepared) become nodes of the graph
-(hostcall.py); ``StepInputs.host_calls`` keeps them as long as the graph, ``host_errors`` collects what they
-raised (reported by the next ``step`` / token), and the host then waits on blocking events (``_event``).
+(hostcall.py): two kernels around a mailbox the CPU backend's native server answers (fp8 / NVFP4 experts), else a
+host node; ``StepInputs.host_calls`` keeps them as long as the graph, ``_launch`` arms the servers with the step's
+number of jobs, ``_check`` raises what the crossings met (reported by the next ``step`` / token), and the host
+waits on blocking events (``_event``).
 
 Ownership: everything a runner made (graph, private pool, cache, step inputs, host calls, greedy buffers) is its
 own, and goes with it, or with ``close`` (``CUDABackend.close`` closes the runners it made). Two runners (two
@@ -165,6 +167,7 @@ class GraphRunner(DecodeRunner):
         idle worker threads (``Backend.release_threads``): the host nodes compute on CUDA's driver thread, whose
         own pool would otherwise share the cores with this one (docs/cuda.md)."""
         released = []
+        hostcall.arm(self.inputs.host_calls)
         for hc in self.inputs.host_calls:
             if hc.target is not None and not any(hc.target is b for b in released):
                 released.append(hc.target)
@@ -179,8 +182,8 @@ class GraphRunner(DecodeRunner):
 
     def _check(self) -> None:
         """Raise what a host node of an earlier replay met (hostcall.py), if the step has any."""
-        if self.inputs.host_errors:
-            hostcall.raise_pending(self.inputs.host_errors)
+        if self.inputs.host_calls:
+            hostcall.check(self.inputs)
 
     def sampler(self, params):
         return DeviceSampler(params)
