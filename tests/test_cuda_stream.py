@@ -198,7 +198,7 @@ def test_an_error_in_a_cpu_expert_host_node_is_raised_not_swallowed(checkpoint, 
     _, path = checkpoint
     if "nvfp4" in str(path):
         pytest.skip("the tiny NVFP4 checkpoint's narrow matrices fall back to cuBLAS, which a graph cannot hold")
-    monkeypatch.setenv("LUMEN_HOSTCALL", "python")  # fp8 experts would be native crossings (no Python fn)
+    monkeypatch.setenv("LUMEN_HOSTCALL", "python")  # the default; under native, fp8 experts have no Python fn
     mixed = load(path, compute="cpu", store="ram")
     runner = mixed.decode_runner()
     assert runner
@@ -335,6 +335,7 @@ def test_a_native_crossing_nobody_answers_times_out_and_raises(fp8_checkpoint, m
     """A stopped server: each wait gives up after LUMEN_HOSTCALL_TIMEOUT and the next step raises with the fix."""
     from lumen_cuda.hostcall import NativeCall
 
+    monkeypatch.setenv("LUMEN_HOSTCALL", "native")
     monkeypatch.setenv("LUMEN_HOSTCALL_TIMEOUT", "0.2")
     mixed = load(fp8_checkpoint, compute="cpu", store="ram")
     runner = mixed.decode_runner()
@@ -345,8 +346,9 @@ def test_a_native_crossing_nobody_answers_times_out_and_raises(fp8_checkpoint, m
 
 
 @pytest.mark.gpu
-def test_a_native_server_error_is_raised_after_the_step(fp8_checkpoint):
+def test_a_native_server_error_is_raised_after_the_step(fp8_checkpoint, monkeypatch):
     """The server's error word (an unknown job number: lumen_serve's answer) comes out of the next step."""
+    monkeypatch.setenv("LUMEN_HOSTCALL", "native")
     mixed = load(fp8_checkpoint, compute="cpu", store="ram")
     runner = mixed.decode_runner()
     assert runner
