@@ -60,6 +60,24 @@ class Box:
         return self.view("out", F32, x.size).copy()
 
 
+def shapes(H, k):
+    return [((1, H), np.dtype(F32)), ((1, k), np.dtype(np.int64)), ((1, k), np.dtype(F32))]
+
+
+def small_job(seed, fmt, threads, H=64, I=32, k=2):
+    """(fn: a 4-expert layer's one-token experts, a Box of ``threads`` threads with fn registered, its number, rng)."""
+    from lumen_cpu import hostjob, moe_fused
+
+    rng = np.random.default_rng(seed)
+    gate_up, down = experts(rng, fmt, 4, H, I)
+
+    def fn(x, ids, w):
+        return moe_fused.experts(x, ids, w, gate_up, down)
+
+    box = Box(threads)
+    return fn, box, box.server.add(hostjob.record(fn, shapes(H, k))), rng
+
+
 @pytest.mark.parametrize("fmt", ["fp8", "nvfp4", "nvfp4-q8"])
 @pytest.mark.parametrize("H,I,threads", [(2048, 512, 3), (80, 48, 1)])
 def test_served_experts_equal_the_one_token_path_bit_for_bit(fmt, H, I, threads):
@@ -74,7 +92,7 @@ def test_served_experts_equal_the_one_token_path_bit_for_bit(fmt, H, I, threads)
         def fn(x, ids, w, act=act):
             return moe_fused.experts(x, ids, w, gate_up, down, act)
 
-        job = hostjob.record(fn, [((1, H), np.dtype(F32)), ((1, k), np.dtype(np.int64)), ((1, k), np.dtype(F32))])
+        job = hostjob.record(fn, shapes(H, k))
         assert job is not None
         jobs[act] = (fn, box.server.add(job))
     assert sorted(i for _, i in jobs.values()) == [0, 1]
@@ -96,11 +114,11 @@ def test_only_one_native_call_returned_as_is_is_a_job():
     rng = np.random.default_rng(0)
     H, I, k = 64, 32, 2
     gate_up, down = experts(rng, "fp8", 4, H, I)
-    shapes = [((1, H), np.dtype(F32)), ((1, k), np.dtype(np.int64)), ((1, k), np.dtype(F32))]
-    assert hostjob.record(lambda x, i, w: moe_fused.experts(x, i, w, gate_up, down), shapes) is not None
-    assert hostjob.record(lambda x, i, w: moe_fused.experts(x, i, w, gate_up, down) * 2, shapes) is None
+    one = shapes(H, k)
+    assert hostjob.record(lambda x, i, w: moe_fused.experts(x, i, w, gate_up, down), one) is not None
+    assert hostjob.record(lambda x, i, w: moe_fused.experts(x, i, w, gate_up, down) * 2, one) is None
     assert hostjob.record(lambda x, i, w: moe_fused.experts(x, i, w, gate_up, down)
-                          + moe_fused.experts(x, i, w, gate_up, down), shapes) is None
+                          + moe_fused.experts(x, i, w, gate_up, down), one) is None
     two = [((2, H), np.dtype(F32)), ((2, k), np.dtype(np.int64)), ((2, k), np.dtype(F32))]
     assert hostjob.record(lambda x, i, w: moe_fused.experts(x, i, w, gate_up, down), two) is None  # not one token
     assert hostjob.recorder() is None  # nothing left recording on this thread
@@ -118,21 +136,11 @@ def test_an_unknown_job_is_answered_with_an_error_not_a_hang():
 
 def test_an_unarmed_server_still_answers_and_close_stops_its_threads():
     """Without arm() the threads sleep; the leader polls every 2 ms, so a job asked anyway is served (late)."""
-    from lumen_cpu import hostjob, moe_fused
-
-    rng = np.random.default_rng(1)
-    H, I, k = 64, 32, 2
-    gate_up, down = experts(rng, "nvfp4", 4, H, I)
-
-    def fn(x, ids, w):
-        return moe_fused.experts(x, ids, w, gate_up, down)
-
-    box = Box(3)
-    index = box.server.add(hostjob.record(fn, [((1, H), np.dtype(F32)), ((1, k), np.dtype(np.int64)),
-                                               ((1, k), np.dtype(F32))]))
+    fn, box, index, rng = small_job(1, "nvfp4", 3)
+    H, k = 64, 2
     x, ids, w = rng.normal(size=(1, H)).astype(F32), np.array([[2, 0]]), np.ones((1, k), F32)
     assert np.array_equal(box.ask(index, x, ids, w), fn(x, ids, w)[0])
-    box.server.close()  # joins the threads (a hang here is a failure: pytest's timeout)
+    box.server.close()  # joins the threads (a hang here hangs the run: a failure CI reports)
     box.server.close()  # idempotent
 
 
@@ -141,18 +149,9 @@ def test_asks_armed_or_not_in_a_row_never_hang():
     missed wake-up would hang one ask for good; the thread asking is given two minutes."""
     import threading
 
-    from lumen_cpu import hostjob, moe_fused
-
-    rng = np.random.default_rng(2)
-    H, I, k = 64, 32, 2
-    gate_up, down = experts(rng, "fp8", 4, H, I)
-
-    def fn(x, ids, w):
-        return moe_fused.experts(x, ids, w, gate_up, down)
-
-    box = Box(3)  # more threads than this machine's cores in CI (2): the leader waits for parked ones too
-    index = box.server.add(hostjob.record(fn, [((1, H), np.dtype(F32)), ((1, k), np.dtype(np.int64)),
-                                               ((1, k), np.dtype(F32))]))
+    # more threads than this machine's cores in CI (2): the leader waits for parked ones too
+    fn, box, index, rng = small_job(2, "fp8", 3)
+    H, k = 64, 2
     x, ids, w = rng.normal(size=(1, H)).astype(F32), np.array([[3, 1]]), np.ones((1, k), F32)
     want, got = fn(x, ids, w)[0], []
 
@@ -176,21 +175,11 @@ def test_close_serves_the_jobs_armed_and_still_coming():
     import threading
     import time
 
-    from lumen_cpu import hostjob, moe_fused
-
-    rng = np.random.default_rng(3)
-    H, I, k = 64, 32, 2
-    gate_up, down = experts(rng, "nvfp4", 4, H, I)
-
-    def fn(x, ids, w):
-        return moe_fused.experts(x, ids, w, gate_up, down)
-
-    box = Box(2)
-    index = box.server.add(hostjob.record(fn, [((1, H), np.dtype(F32)), ((1, k), np.dtype(np.int64)),
-                                               ((1, k), np.dtype(F32))]))
+    fn, box, index, rng = small_job(3, "nvfp4", 2)
+    H, k = 64, 2
     x, ids, w = rng.normal(size=(1, H)).astype(F32), np.array([[0, 3]]), np.ones((1, k), F32)
     box.server.arm(3)
-    got = []
+    got, handle, lib = [], box.server._handle, box.server._lib
 
     def gpu():  # three crossings, 0.2 s apart, the last long after close() was called
         for _ in range(3):
@@ -198,7 +187,7 @@ def test_close_serves_the_jobs_armed_and_still_coming():
             box.view("x", F32, H)[:] = x[0]
             box.view("ids", np.int64, k)[:] = ids[0]
             box.view("wts", F32, k)[:] = w[0]
-            box.server._lib.lumen_serve_ask(box.server._handle, 0 + index)
+            lib.lumen_serve_ask(handle, index)  # as Server.ask, past the closing Server's checks
             got.append(box.view("out", F32, H).copy())
 
     t = threading.Thread(target=gpu, daemon=True)
