@@ -219,8 +219,29 @@ void *lumen_serve_new(i64 mailbox, i64 threads) {
     return s; /* args live as long as the threads (freed with the process; a few bytes a server) */
 }
 
+static i64 pending_of(server_t *s) {
+    pthread_mutex_lock(&s->mu);
+    i64 left = s->pending;
+    pthread_mutex_unlock(&s->mu);
+    return left;
+}
+
+/* wait (up to `limit` seconds) until the jobs armed are served: 1, or 0 if some are still due */
+static int drain(server_t *s, double limit) {
+    double t0 = now_s();
+    while (pending_of(s) > 0) {
+        if (now_s() - t0 > limit) return 0;
+        struct timespec t = {0, 100000};
+        nanosleep(&t, NULL);
+    }
+    return 1;
+}
+
+/* Scratch for jobs up to (H, I, k). Reallocating waits for the armed jobs to be served (a warm-up's crossings may
+ * still be in flight while the next layer registers): the threads read the scratch pointers while they work. */
 static int grow(server_t *s, i64 H, i64 I, i64 k) {
     if (H <= s->capH && I <= s->capI && k <= s->capK) return 1;
+    if (!drain(s, 10.0)) return 0;
     H = H > s->capH ? H : s->capH, I = I > s->capI ? I : s->capI, k = k > s->capK ? k : s->capK;
     free(s->xin), free(s->xs), free(s->h), free(s->hs), free(s->ys), free(s->xq), free(s->hq);
     free(s->ctr), free(s->ex), free(s->tok), free(s->flat);
@@ -229,12 +250,14 @@ static int grow(server_t *s, i64 H, i64 I, i64 k) {
     s->ys = malloc(4 * (size_t)(k * H));
     s->ctr = malloc(8 * (size_t)(k + 2)), s->ex = malloc(8 * (size_t)k), s->tok = malloc(8 * (size_t)k);
     s->flat = malloc(8 * (size_t)k);
-    s->capH = H, s->capI = I, s->capK = k;
-    return s->xin && s->xs && s->xq && s->h && s->hs && s->hq && s->ys && s->ctr && s->ex && s->tok && s->flat;
+    int ok = s->xin && s->xs && s->xq && s->h && s->hs && s->hq && s->ys && s->ctr && s->ex && s->tok && s->flat;
+    s->capH = ok ? H : 0, s->capI = ok ? I : 0, s->capK = ok ? k : 0; /* a failure is retried by the next add */
+    return ok;
 }
 
-/* Register a job (while no step is in flight): its index, or -1 (too many jobs, H or k past the mailbox, or no
- * memory). fmt, A, gs, blk, act, cgu, cd, pf: as lumen_moe_worker (lumen_cpu.native.moe_token). */
+/* Register a job: its index, or -1 (too many jobs, H or k past the mailbox, no memory, or larger scratch needed
+ * while armed jobs stayed unserved for 10 s). fmt, A, gs, blk, act, cgu, cd, pf: as lumen_moe_worker
+ * (lumen_cpu.native.moe_token). */
 i64 lumen_serve_add(void *p, i64 fmt, i64 H, i64 I, i64 E, i64 k, i64 act, i64 cgu, i64 cd, i64 pf, i64 A, i64 gs,
                     i64 blk) {
     server_t *s = p;
@@ -277,15 +300,7 @@ i64 lumen_serve_job(void *p, i64 index) { return (i64) & ((server_t *)p)->jobs[i
  * engine is dropped: their waits would otherwise spin to their timeout) are served first, for up to 10 s. */
 void lumen_serve_free(void *p) {
     server_t *s = p;
-    double t0 = now_s();
-    for (;;) {
-        pthread_mutex_lock(&s->mu);
-        i64 left = s->pending;
-        pthread_mutex_unlock(&s->mu);
-        if (left <= 0 || now_s() - t0 > 10.0) break;
-        struct timespec t = {0, 100000};
-        nanosleep(&t, NULL);
-    }
+    drain(s, 10.0);
     pthread_mutex_lock(&s->mu);
     __atomic_store_n(&s->stop, 1, __ATOMIC_RELEASE);
     pthread_cond_broadcast(&s->cv);
