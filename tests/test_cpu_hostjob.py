@@ -20,7 +20,9 @@ F32 = np.float32
 def built():
     assert native.available, ("lumen_cpu's C kernels were not built: `pip install -e plugins/lumen-cpu` compiles "
                               "them and needs a C compiler (gcc / clang)")
-    assert hasattr(native.lib(), "lumen_serve_new")
+    from lumen_cpu import hostjob
+
+    assert hostjob.available(), "the C library was built without its experts server (_native_serve.c)"
 
 
 def experts(rng, fmt, E, H, I):

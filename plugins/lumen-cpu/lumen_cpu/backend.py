@@ -117,9 +117,9 @@ class CPUBackend(Backend):
     def host_jobs(self):
         """lumen_cpu.hostjob where the C library has its experts server (one token's fp8 / NVFP4 routed experts
         asked by a GPU step through a mailbox), else None."""
-        from . import hostjob, native
+        from . import hostjob
 
-        return hostjob if native.available and hasattr(native.lib(), "lumen_serve_new") else None
+        return hostjob if hostjob.available() else None
 
     def tensor(self, array):
         # Always a private copy: small checkpoint tensors must not keep a view on the mapped file. Integer

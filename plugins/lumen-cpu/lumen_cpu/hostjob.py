@@ -40,9 +40,14 @@ def recorder() -> _Recorder | None:
     return getattr(_state, "recorder", None)
 
 
+def available() -> bool:
+    """Whether the C library is loaded with its experts server (not built on Windows, or without a compiler)."""
+    return native.available and hasattr(native.lib(), "lumen_serve_new")
+
+
 def record(fn, shapes: list[tuple[tuple, np.dtype]]):
     """The native job ``fn`` amounts to for arguments of these (shape, dtype), or None (module docstring)."""
-    if not native.available or not hasattr(native.lib(), "lumen_serve_new"):
+    if not available():
         return None
     rec = _state.recorder = _Recorder()
     try:
