@@ -213,7 +213,7 @@ class CUDABackend(Backend):
             for runner in list(self._runners):
                 runner.close()
             self._runners = weakref.WeakSet()
-            for _, box in self.__dict__.pop("_mailboxes", {}).values():  # native experts servers (hostcall.py)
+            for box in list(self.__dict__.pop("_mailboxes", {}).values()):  # native experts servers (hostcall.py)
                 box.server.close()
             if self._streams is not None:
                 self._streams.close()

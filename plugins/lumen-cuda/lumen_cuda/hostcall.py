@@ -171,7 +171,7 @@ class _Mailbox:
         self.jobs: dict = {}  # job key -> number
 
     def job(self, job) -> int | None:
-        key = (id(job[0]), *job[1:2], *job[4:])  # the layer (kept alive by the server), format, act, shapes
+        key = (job[0], *job[1:2], *job[4:])  # the layer (an object: hashed as itself), format, act, shapes
         if key not in self.jobs:
             self.jobs[key] = self.server.add(job)
         return self.jobs[key]
@@ -185,11 +185,11 @@ class _Mailbox:
 
 
 def _mailbox(owner, target, service, threads: int) -> _Mailbox:
-    boxes = owner.__dict__.setdefault("_mailboxes", {})
-    box = boxes.get(id(target))
-    if box is None or box[0]() is None:
-        box = boxes[id(target)] = (weakref.ref(target), _Mailbox(service, threads))
-    return box[1]
+    boxes = owner.__dict__.setdefault("_mailboxes", weakref.WeakKeyDictionary())  # target backend -> _Mailbox
+    box = boxes.get(target)
+    if box is None:
+        box = boxes[target] = _Mailbox(service, threads)
+    return box
 
 
 class NativeCall:
@@ -264,11 +264,11 @@ def call(fn, args, step, target=None, owner=None) -> cp.ndarray:
 
 def arm(calls: list) -> None:
     """Before a replay: tell each native server how many jobs the step will ask of it."""
-    counts: dict[int, list] = {}
+    counts: dict = {}  # server -> jobs
     for c in calls:
         if isinstance(c, NativeCall):
-            counts.setdefault(id(c.server), [c.server, 0])[1] += 1
-    for server, n in counts.values():
+            counts[c.server] = counts.get(c.server, 0) + 1
+    for server, n in counts.items():
         server.arm(n)
 
 
@@ -278,8 +278,8 @@ def check(step) -> None:
     raise_pending(step.host_errors)
     seen = set()
     for c in step.host_calls:
-        if isinstance(c, NativeCall) and id(c.box) not in seen:
-            seen.add(id(c.box))
+        if isinstance(c, NativeCall) and c.box not in seen:
+            seen.add(c.box)
             cpu, gpu = c.box.errors()
             if gpu:
                 raise RuntimeError(f"the CPU experts did not answer a captured decode step within "
