@@ -67,9 +67,9 @@ def parse_args(argv=None):
                         "RAM, read over PCIe or from the VRAM expert cache), stream-cacheN (a cache of N experts; "
                         "default 32), "
                         "cpu-experts (routed experts computed by the CPU backend), cpu-experts-int8 (the same with "
-                        "cpu.compute-quantization int8: 8-bit activations for NVFP4 experts' decode); rows other "
-                        "than vram prefill "
-                        "only the first --prompts length")
+                        "cpu.compute-quantization int8: 8-bit activations for NVFP4 experts' decode), "
+                        "cpu-experts-bf16 (the same with bf16: NVFP4 experts' several-token products in AMX bf16 "
+                        "tiles); rows other than vram prefill only the first --prompts length")
     p.add_argument("--moe-rows", default="",
                    help="rows per warp of the MoE expert kernels for this run, e.g. gate_up=4,down_t1=2 (keys gate_up, "
                         "down (T > 1), down_t1; values 1, 2 or 4, the compiled ones): a tuning sweep, for every format")
@@ -112,6 +112,11 @@ def full_depth_rows(args, prompts, bw: float) -> dict:
     placement = args.placements if args.placements != "vram" else None
     if placement and "," in placement:
         raise SystemExit("--full-depth takes one --placements entry (vram or cpu-experts, ...)")
+    host_bw = None
+    if placement and placement.startswith("cpu-experts"):  # the bound of the experts' reads: the host's DRAM
+        from _timing import read_bandwidth as host_read_bandwidth
+
+        host_bw = host_read_bandwidth()
     for name in args.models.split(","):
         shape, fmt = name.rsplit("-", 1)
         real, short = FULL_DEPTH[shape]
@@ -124,9 +129,9 @@ def full_depth_rows(args, prompts, bw: float) -> dict:
             t = time.perf_counter()
             path = write_checkpoint(shape, layers, fmt, Path(args.workdir), args.vocab)
             print(f"{name} ({layers} layers): checkpoint ready in {time.perf_counter() - t:.0f}s", file=sys.stderr)
-            per_token, params, _ = bytes_per_token(path)
+            per_token, params, expert_bytes = bytes_per_token(path)
             lumen = time_lumen(path, prompts, args.decode, experts, args.repeat, cpu_block(placement))
-            timed[layers] = {"lumen": lumen, "bytes": per_token, "params": params}
+            timed[layers] = {"lumen": lumen, "bytes": per_token, "params": params, "experts": expert_bytes}
             if not args.keep:
                 shutil.rmtree(path)
             gc.collect()
@@ -137,7 +142,8 @@ def full_depth_rows(args, prompts, bw: float) -> dict:
         row = {"layers": deep, "real_layers": real, "placement": placement or "vram", "bytes_per_token": b["bytes"],
                "active_params": b["params"], "decode": b["lumen"]["decode"], "decode_layer_us": 1e6 * layer_s,
                "decode_outside_us": 1e6 * outside_s, "decode_at_real": 1 / (outside_s + real * layer_s),
-               "layer_bytes": (b["bytes"] - a["bytes"]) / (deep - short), "prefill": {}, "graph": b["lumen"]["graph"]}
+               "layer_bytes": (b["bytes"] - a["bytes"]) / (deep - short), "prefill": {}, "graph": b["lumen"]["graph"],
+               "expert_bytes_per_token": b["experts"], "host_read_bandwidth": host_bw}
         for n in prompts:
             ts = {k: n / r["lumen"]["prefill"][n] for k, r in timed.items()}
             per = (ts[deep] - ts[short]) / (deep - short)
@@ -151,7 +157,11 @@ def full_depth_rows(args, prompts, bw: float) -> dict:
                                                   indent=2, default=str))
     print(f"\nread bandwidth measured: {bw / 1e9:.0f} GB/s; bf16 tensor-core peak {BF16_PEAK / 1e12:.0f} TFLOP/s; "
           "llama.cpp: issue 21's figures\n")
-    if placement:
+    if host_bw:
+        print(f"routed experts: {placement}; llama.cpp: issue 22's `-ot exps=CPU` figures; % of bound: the routed "
+              f"experts' bytes a token read per second against the host's read bandwidth measured in this run "
+              f"({host_bw / 1e9:.1f} GB/s, a parallel numba sum with numba's default threads)\n")
+    elif placement:
         print(f"routed experts: {placement}; llama.cpp: issue 22's `-ot exps=CPU` figures; % of bound: -, the GPU's "
               "bandwidth does not bound a step that reads experts from host RAM\n")
     print("| model | layers | decode tok/s | % of bound | per layer µs (% of its bytes' bound) | outside layers µs | "
@@ -167,6 +177,9 @@ def full_depth_rows(args, prompts, bw: float) -> dict:
         dec = r["decode_at_real"] if fitted else r["decode"]
         ratio = f"{dec / ref[0]:.2f}x" if ref else "-"
         frac = "-" if placement else f"{r['decode'] / bound:.1%}"
+        if host_bw:
+            got = r["expert_bytes_per_token"] * r["decode"]
+            frac = f"{got / 1e9:.1f} GB/s = {got / host_bw:.0%} of host"
         line = (f"| {name}{'' if r['graph'] else ' (no graph)'} | {r['layers']} | {r['decode']:.1f} | {frac} | "
                 f"{r['decode_layer_us']:.1f} ({layer_bound_us / r['decode_layer_us']:.0%})"
                 f" | {r['decode_outside_us']:.0f} | {ref[0] if ref else '-'} | {ratio} |")
@@ -279,15 +292,18 @@ def experts_block(placement: str) -> dict | None:
     if placement.startswith("stream"):
         cache = placement.removeprefix("stream").removeprefix("-cache")
         return {"compute": "cuda:0", "store": "ram", **({"cache": int(cache)} if cache else {})}
-    if placement in ("cpu-experts", "cpu-experts-int8"):
+    if placement in ("cpu-experts", "cpu-experts-int8", "cpu-experts-bf16"):
         return {"compute": "cpu", "store": "ram"}
-    raise SystemExit(f"unknown placement {placement!r}: vram, stream, stream-cacheN, cpu-experts, cpu-experts-int8")
+    raise SystemExit(f"unknown placement {placement!r}: vram, stream, stream-cacheN, cpu-experts, cpu-experts-int8, "
+                     "cpu-experts-bf16")
 
 
 def cpu_block(placement: str | None) -> dict | None:
     """The config's cpu block of a --placements entry: cpu-experts-int8 = cpu-experts with 8-bit activations
-    (cpu.compute-quantization int8: NVFP4 experts' decode rows take x quantized per 16 values)."""
-    return {"compute-quantization": "int8"} if placement == "cpu-experts-int8" else None
+    (cpu.compute-quantization int8: NVFP4 experts' decode rows take x quantized per 16 values), cpu-experts-bf16 =
+    with bf16 (NVFP4 experts' several-token products in AMX bf16 tiles, where the CPU has them)."""
+    quant = {"cpu-experts-int8": "int8", "cpu-experts-bf16": "bf16"}.get(placement or "")
+    return {"compute-quantization": quant} if quant else None
 
 
 def pinned_bandwidth() -> float:

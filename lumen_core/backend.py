@@ -68,7 +68,7 @@ class Backend(ABC):
     kv_types: tuple[str, ...] = ("f32",)  # KV-cache element types it can keep
     kv_stores: tuple[str, ...] = ("ram",)  # memories it can keep a layer's KV cache in (kv-cache.store)
     # backends (by name) whose routed experts this one's decode runner can keep inside its replayed step, through
-    # ``call`` (the CUDA backend: the CPU's, as host nodes of its CUDA graph)
+    # ``call`` (the CUDA backend: the CPU's, as nodes of its CUDA graph: native jobs (``host_jobs``) or host nodes)
     graph_guests: tuple[str, ...] = ()
     # kernels compiled on first use (numba): the engine runs one short forward while loading (`Engine.warm_up`)
     compiles_on_first_use: bool = False

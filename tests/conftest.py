@@ -117,15 +117,16 @@ def wgpu_pair():
     required = os.environ.get("LUMEN_REQUIRE_WGPU") == "1"
     try:
         import lumen_wgpu  # noqa: F401
-        from lumen_wgpu.device import adapters
+        from lumen_wgpu.device import adapters, adapters_error
     except ImportError as exc:
         if required:
             pytest.fail(f"LUMEN_REQUIRE_WGPU=1 but lumen-wgpu does not import: {exc}")
         pytest.skip("lumen-wgpu is not installed")
     if not adapters():
         if required:
+            why = adapters_error()
             pytest.fail("LUMEN_REQUIRE_WGPU=1 but wgpu finds no Vulkan/Metal/DX12 adapter (install "
-                        "mesa-vulkan-drivers for lavapipe)")
+                        f"mesa-vulkan-drivers for lavapipe){'; wgpu-py failed: ' + why if why else ''}")
         pytest.skip("no wgpu adapter (install mesa-vulkan-drivers for lavapipe)")
     from lumen_core.plugins import get_registry
 

@@ -198,7 +198,7 @@ def test_an_error_in_a_cpu_expert_host_node_is_raised_not_swallowed(checkpoint, 
     _, path = checkpoint
     if "nvfp4" in str(path):
         pytest.skip("the tiny NVFP4 checkpoint's narrow matrices fall back to cuBLAS, which a graph cannot hold")
-    monkeypatch.setenv("LUMEN_HOSTCALL", "python")  # the default; under native, fp8 experts have no Python fn
+    monkeypatch.setenv("LUMEN_HOSTCALL", "python")  # under native (the default) fp8 experts have no Python fn
     mixed = load(path, compute="cpu", store="ram")
     runner = mixed.decode_runner()
     assert runner

@@ -60,6 +60,22 @@ def test_a_wgpu_plan_is_refused_without_an_adapter(tiny_checkpoint, monkeypatch)
     assert "wgpu:0" in str(exc.value) and "mesa-vulkan-drivers" in str(exc.value)
 
 
+def test_a_failing_wgpu_py_is_named_not_reported_as_no_driver(tiny_checkpoint, monkeypatch):
+    """wgpu-py importable but its backend not (seen: cffi missing): the error says so, not just 'no adapter'."""
+    from lumen_wgpu import device
+
+    def broken():
+        raise ModuleNotFoundError("No module named 'cffi'")
+
+    monkeypatch.setattr(device, "_ADAPTERS", None)
+    monkeypatch.setattr(device, "_ADAPTERS_ERROR", [])
+    monkeypatch.setattr(device, "wgpu_module", broken)
+    assert device.adapters() == [] and "cffi" in device.adapters_error()
+    with pytest.raises(ConfigError, match="wgpu-py failed to list adapters: ModuleNotFoundError.*cffi"):
+        lumen.load({"model": {"path": str(tiny_checkpoint("qwen3_5")), "compute": "wgpu:0", "store": "vram"}},
+                   progress=False)
+
+
 # -- with an adapter ---------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def gpu(wgpu_pair):

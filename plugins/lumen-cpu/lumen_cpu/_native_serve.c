@@ -38,6 +38,7 @@
 #define OFF_W (OFF_IDS + 8 * KMAX)
 #define OFF_OUT (OFF_W + 4 * KMAX)
 #define MB_BYTES (OFF_OUT + 4 * HMAX)
+#define TRACE 4096 /* the last jobs' timestamps (lumen_serve_trace) */
 
 typedef struct {
     i64 fmt, H, I, E, k, act, cgu, cd, pf;
@@ -63,6 +64,8 @@ typedef struct {
     _Alignas(64) i64 cur, n;
     _Alignas(64) i64 pending;
     int hot, stop;
+    i64 traced, cooled;        /* jobs served (all time), times the threads cooled with jobs still armed */
+    i64 trace[TRACE][5];       /* per job: job, seen, leader's part done, all parts done, answered (ns) */
     pthread_mutex_t mu;
     pthread_cond_t cv;
 } server_t;
@@ -74,11 +77,13 @@ typedef struct {
 
 static inline uint64_t *word(server_t *s, i64 off) { return (uint64_t *)(s->mb + off); }
 
-static double now_s(void) {
+static i64 now_ns(void) {
     struct timespec t;
     clock_gettime(CLOCK_MONOTONIC, &t);
-    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+    return (i64)t.tv_sec * 1000000000 + (i64)t.tv_nsec;
 }
+
+static double now_s(void) { return 1e-9 * (double)now_ns(); }
 
 static void run_worker(server_t *s) {
     job_t *j = &s->jobs[s->cur];
@@ -87,14 +92,17 @@ static void run_worker(server_t *s) {
                      s->hs, s->ys, j->act, j->cgu, j->cd, j->pf, s->ctr);
 }
 
-static void cool(server_t *s) { /* no more jobs expected: the threads may sleep */
+static void cool(server_t *s) { /* armed, but nothing came for a second: the threads may sleep */
     pthread_mutex_lock(&s->mu);
+    s->cooled += s->pending > 0;
     s->pending = 0;
     __atomic_store_n(&s->hot, 0, __ATOMIC_RELEASE);
     pthread_mutex_unlock(&s->mu);
 }
 
 static void serve(server_t *s, uint64_t seq) {
+    i64 *tr = s->trace[s->traced % TRACE];
+    tr[1] = now_ns();
     uint64_t idx = __atomic_load_n(word(s, 8), __ATOMIC_ACQUIRE);
     if (idx >= (uint64_t)s->njobs) {
         __atomic_store_n(word(s, 72), 1 + idx, __ATOMIC_RELAXED);
@@ -122,7 +130,9 @@ static void serve(server_t *s, uint64_t seq) {
     pthread_cond_broadcast(&s->cv);
     pthread_mutex_unlock(&s->mu);
     run_worker(s);
+    tr[2] = now_ns();
     while (__atomic_load_n(&s->finished, __ATOMIC_ACQUIRE) < s->nthreads - 1) spin();
+    tr[3] = now_ns();
     float *out = (float *)(s->mb + OFF_OUT);
     for (i64 c = 0; c < j->H; c++) out[c] = 0.f;
     for (i64 i = 0; i < n; i++) { /* slot order, as native.moe_token's _combine */
@@ -130,13 +140,17 @@ static void serve(server_t *s, uint64_t seq) {
         float wi = w[s->flat[i]];
         for (i64 c = 0; c < j->H; c++) out[c] += y[c] * wi;
     }
+    tr[0] = (i64)idx, tr[4] = now_ns();
+    s->traced++;
+    /* answer, then count the job served: once close (drain) sees no job pending, every answer is written, and an
+     * asker still spinning reads it from the mailbox, which outlives this server */
+    __atomic_store_n(word(s, 64), seq, __ATOMIC_RELEASE);
     pthread_mutex_lock(&s->mu);
     if (--s->pending <= 0) {
         s->pending = 0;
         __atomic_store_n(&s->hot, 0, __ATOMIC_RELEASE);
     }
     pthread_mutex_unlock(&s->mu);
-    __atomic_store_n(word(s, 64), seq, __ATOMIC_RELEASE);
 }
 
 static void *leader(server_t *s) {
@@ -282,10 +296,13 @@ void lumen_serve_arm(void *p, i64 n) {
 /* Ask job `job` from the host (what the GPU does; tests and CUDA host nodes): inputs already in the mailbox. */
 void lumen_serve_ask(void *p, i64 job) {
     server_t *s = p;
-    uint64_t seq = __atomic_load_n(word(s, 64), __ATOMIC_ACQUIRE) + 1;
-    __atomic_store_n(word(s, 8), (uint64_t)job, __ATOMIC_RELAXED);
-    __atomic_store_n(word(s, 0), seq, __ATOMIC_RELEASE);
-    while (__atomic_load_n(word(s, 64), __ATOMIC_ACQUIRE) != seq) spin();
+    /* the mailbox's words, not the server's: an armed job's answer may be the last thing the server does before
+     * close frees it, while this thread still waits for the answer */
+    uint64_t *seq_w = word(s, 0), *job_w = word(s, 8), *done_w = word(s, 64);
+    uint64_t seq = __atomic_load_n(done_w, __ATOMIC_ACQUIRE) + 1;
+    __atomic_store_n(job_w, (uint64_t)job, __ATOMIC_RELAXED);
+    __atomic_store_n(seq_w, seq, __ATOMIC_RELEASE);
+    while (__atomic_load_n(done_w, __ATOMIC_ACQUIRE) != seq) spin();
 }
 
 /* A CUDA host node's function (cuLaunchHostFunc): `job` is lumen_serve_job's address of a registered job */
@@ -309,6 +326,18 @@ void lumen_serve_free(void *p) {
     free(s->xin), free(s->xs), free(s->h), free(s->hs), free(s->ys), free(s->xq), free(s->hq);
     free(s->ctr), free(s->ex), free(s->tok), free(s->flat), free(s->tid);
     free(s);
+}
+
+/* The last min(n, jobs served, TRACE) jobs' rows (job, seen, leader's part done, all parts done, answered; ns of
+ * CLOCK_MONOTONIC), oldest first, into out (n x 5); stats = [jobs served, times cooled with jobs armed]. Read while
+ * no job is in flight (between steps): a row being written may be torn otherwise. Returns the rows written. */
+i64 lumen_serve_trace(void *p, i64 *out, i64 n, i64 *stats) {
+    server_t *s = p;
+    i64 total = s->traced, rows = n < total ? n : total;
+    rows = rows < TRACE ? rows : TRACE;
+    for (i64 r = 0; r < rows; r++) memcpy(out + 5 * r, s->trace[(total - rows + r) % TRACE], 5 * sizeof(i64));
+    stats[0] = total, stats[1] = s->cooled;
+    return rows;
 }
 
 /* offsets: [x, ids, wts, out, bytes, HMAX, KMAX] */

@@ -119,6 +119,18 @@ class Server:
             raise RuntimeError("this expert server is closed")
         self._lib.lumen_serve_ask(self._handle, ctypes.c_int64(index))
 
+    def trace(self, n: int = 4096) -> dict:
+        """The last ``n`` (at most 4096) jobs served, for profiling: ``rows`` (n, 5) int64 of job number and the ns
+        (CLOCK_MONOTONIC) it was seen, the leader's part done, all threads' parts done, answered; ``served`` (all
+        time) and ``cooled`` (times the threads stopped spinning with jobs still armed: a step that never asked
+        them). Read between steps."""
+        if not self._handle:
+            raise RuntimeError("this expert server is closed")
+        rows, stats = np.zeros((max(0, min(n, 4096)), 5), np.int64), np.zeros(2, np.int64)
+        got = self._lib.lumen_serve_trace(self._handle, ctypes.c_void_p(rows.ctypes.data), ctypes.c_int64(len(rows)),
+                                          ctypes.c_void_p(stats.ctypes.data))
+        return {"rows": rows[:got], "served": int(stats[0]), "cooled": int(stats[1])}
+
     def close(self) -> None:
         """Stop the threads, once the jobs armed and not yet asked are served (up to 10 s: a GPU step still queued
         when its engine is dropped). Idempotent."""

@@ -115,7 +115,8 @@ def lib():
         for name, res, args in (("lumen_serve_new", v, [i, i]), ("lumen_serve_add", i, [p] + [i] * 12),
                                 ("lumen_serve_job", i, [p, i]), ("lumen_serve_arm", None, [p, i]),
                                 ("lumen_serve_ask", None, [p, i]), ("lumen_serve_free", None, [p]),
-                                ("lumen_serve_layout", None, [p]), ("lumen_serve_hostfn", None, [p])):
+                                ("lumen_serve_layout", None, [p]), ("lumen_serve_hostfn", None, [p]),
+                                ("lumen_serve_trace", i, [p, p, i, p])):
             fn = getattr(lib, name)
             fn.restype, fn.argtypes = res, args
     return lib

@@ -18,8 +18,9 @@ Streams: the graph runs on a blocking stream, which the legacy default stream (e
 orders itself against, so prefill → replay → sampling need no explicit events.
 
 Host calls: routed experts on the CPU (``CUDABackend.call`` while a step is prepared) become nodes of the graph
-(hostcall.py): a host node each (by default), or with LUMEN_HOSTCALL=native two kernels around a mailbox the CPU
-backend's native server answers (fp8 / NVFP4 experts). ``StepInputs.host_calls`` keeps them as long as the graph,
+(hostcall.py): by default two kernels around a mailbox the CPU backend's native server answers (one token's fp8 /
+NVFP4 experts), else (LUMEN_HOSTCALL=python, or work that is not one native job) a Python host node each.
+``StepInputs.host_calls`` keeps them as long as the graph,
 ``_launch`` arms the servers with the step's number of jobs, ``_check`` raises what the crossings met (reported by
 the next ``step`` / token), and the host waits on blocking events (``_event``).
 

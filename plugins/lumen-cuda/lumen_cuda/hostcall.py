@@ -3,7 +3,8 @@
 ``experts: {compute: cpu}`` under a GPU model crosses to the host and back in every MoE layer. Op by op, each
 crossing is a host sync and the GPU part of the layer is dispatched from Python, which at 40 layers costs more
 than the experts themselves (docs/cuda.md, Step 5). While a decode step is prepared for a CUDA graph
-(lumen_cuda.step), ``CUDABackend.call`` instead queues, on the capturing stream:
+(lumen_cuda.step), ``CUDABackend.call`` instead queues, on the capturing stream (the Python host-node path; by
+default a crossing that is one native job takes the mailbox path instead, "Native crossings" below):
 
 1. device-to-host copies of the arguments (hidden states, expert ids, weights) into fixed page-locked buffers,
 2. a host node (``cuLaunchHostFunc``) that runs the CPU function on numpy views of those buffers and writes its
@@ -24,17 +25,16 @@ to the ``HostCall``: ``_CALLS`` maps keys (from a counter, never reused, unlike 
 It owns nothing (each HostCall belongs to its runner's step and leaves the map when that step is dropped), so two
 engines' host calls never meet; ``_driver`` is the CUDA driver library, loaded once.
 
-**Native crossings** (opt-in: ``LUMEN_HOSTCALL=native``; not yet the default, see docs/cuda.md "Native CPU-expert
-crossings": verified on the H200 in a standalone graph of 40 crossings, not yet by the GPU suite or at full
-depth). When the target
+**Native crossings** (the default; docs/cuda.md "Native CPU-expert crossings"). When the target
 backend offers ``host_jobs`` (lumen_cpu.hostjob) and ``fn`` is exactly one of its native jobs (one token's fp8 /
 NVFP4 routed experts), the crossing skips the host node, the driver thread and Python altogether: ``NativeCall``
 queues two kernels (kernels/hostcall.cu) around a mailbox in page-locked host memory that this GPU reads and writes
 directly. ``hostcall_post`` writes the token and the job number, the backend's server threads
 (lumen_cpu/_native_serve.c, spinning while a step is in flight: the runner arms them with the step's number of jobs
 before each replay) run the experts and answer, and ``hostcall_wait`` polls the answer and copies it back.
-``LUMEN_HOSTCALL``: ``python`` (default: every crossing a Python host node, as above), ``native``, or ``node`` (the
-same server asked from a host node's C function, no Python). A wait that passes ``LUMEN_HOSTCALL_TIMEOUT`` seconds
+``LUMEN_HOSTCALL``: ``native`` (default; a crossing that is not one native job stays a Python host node),
+``python`` (every crossing a Python host node, as above), or ``node`` (the same server asked from a host node's C
+function, no Python). A wait that passes ``LUMEN_HOSTCALL_TIMEOUT`` seconds
 (default 60: a first touch of mmap'd experts can be slow) gives up, and the step raises on the host (``check``).
 """
 
@@ -136,12 +136,12 @@ MODES = ("native", "node", "python")  # LUMEN_HOSTCALL (module docstring)
 
 
 def mode() -> str:
-    value = os.environ.get("LUMEN_HOSTCALL", "python")
+    value = os.environ.get("LUMEN_HOSTCALL", "native")
     if value not in MODES:
         from lumen_core.errors import LumenError
 
         raise LumenError(f"LUMEN_HOSTCALL={value!r}: expected one of {', '.join(MODES)} (or leave it unset: "
-                         "python)")
+                         "native)")
     return value
 
 

@@ -3,8 +3,9 @@
 # the end-to-end benchmark; logs go to $OUT. Carried wheels (.whl, see docs/cuda.md) fill what the image lacks; the
 # Vulkan loader for the wgpu tests comes as .deb files in .gl (docs/wgpu.md), unpacked here; the wgpu tests must
 # find the GPU's Vulkan adapter (LUMEN_REQUIRE_WGPU=1: a missing one fails them).
-#   T_TESTS (s, default 330), TESTS (default: every tests/test_cuda*.py), PYTEST_ARGS (e.g. "-n 8" with
-#   pytest-xdist among the carried wheels), BENCH_ARGS (benchmarks/cuda_models.py
+#   T_TESTS (s, default 330), TESTS (default: every tests/test_cuda*.py and tests/test_wgpu*.py), PYTEST_ARGS (e.g.
+#   "-n 8 --dist loadfile" with pytest-xdist and execnet among the carried wheels: the whole suite in ~200 s
+#   instead of ~600), BENCH_ARGS (benchmarks/cuda_models.py
 #   arguments; BENCH=0 skips it), T_BENCH (s, default 240).
 set -o pipefail
 export PYTHONUNBUFFERED=1
@@ -14,6 +15,11 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 'transformers', transformers.__version__)"
 } 2>&1 | tee "$OUT/env.log"
 if ls .gl/*.deb >/dev/null 2>&1; then for f in .gl/*.deb; do dpkg -x "$f" /; done; ldconfig; fi
+# the NVIDIA driver's Vulkan ICD and EGL vendor files, where the loader does not find them itself (seen on H200 machines)
+ICD=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json
+if [ -z "${VK_DRIVER_FILES:-}" ] && [ -f "$ICD" ]; then
+  export VK_DRIVER_FILES=$ICD __EGL_VENDOR_LIBRARY_FILENAMES=/usr/local/nvidia/share/glvnd/egl_vendor.d/10_nvidia.json
+fi
 export LUMEN_REQUIRE_WGPU=1
 if ls .whl/*.whl >/dev/null 2>&1; then python3 -m pip install -q --no-index --no-deps .whl/*.whl 2>&1 | tail -3; fi
 python3 -m pip install -q --no-deps --no-build-isolation -e . -e plugins/lumen-cpu -e plugins/models-qwen \

@@ -151,4 +151,7 @@ def _why_none() -> str:
         import wgpu  # noqa: F401
     except ImportError:
         return "wgpu-py is not installed: pip install wgpu"
+    why = wdev.adapters_error()
+    if why:  # e.g. its cffi backend missing: ModuleNotFoundError
+        return f"wgpu-py failed to list adapters: {why}"
     return "no driver reported one; `vulkaninfo --summary` shows what the Vulkan loader sees"

@@ -41,6 +41,7 @@ def wgpu_module():
 
 
 _ADAPTERS: list | None = None
+_ADAPTERS_ERROR: list[str] = []  # why enumerating failed (wgpu-py not importable, no loader), if it did
 _ADAPTERS_LOCK = threading.Lock()
 
 
@@ -53,10 +54,17 @@ def adapters() -> list:
             try:
                 wgpu = wgpu_module()
                 found = wgpu.gpu.enumerate_adapters_sync()
-            except Exception:  # no wgpu-py, no loader, no driver: no device (device_info says why)
+            except Exception as exc:  # no wgpu-py (or its cffi), no loader, no driver: no device (adapters_error)
                 found = []
+                _ADAPTERS_ERROR.append(f"{type(exc).__name__}: {exc}")
             _ADAPTERS = [a for a in found if a.info.get("backend_type") in ("Vulkan", "Metal", "D3D12")]
         return _ADAPTERS
+
+
+def adapters_error() -> str | None:
+    """Why ``adapters()`` found none because wgpu-py failed (an import or loader error), or None."""
+    adapters()
+    return _ADAPTERS_ERROR[0] if _ADAPTERS_ERROR else None
 
 
 def adapter_summary(adapter) -> str:
@@ -166,7 +174,9 @@ class Context:
     def __init__(self, index: int):
         found = adapters()
         if index >= len(found):
-            raise PlanError(f"device 'wgpu:{index}' does not exist on this machine ({len(found)} wgpu adapter(s))")
+            why = adapters_error()
+            raise PlanError(f"device 'wgpu:{index}' does not exist on this machine ({len(found)} wgpu adapter(s)"
+                            + (f"; wgpu-py failed: {why})" if why else ")"))
         self.adapter = found[index]
         self.index = index
         feats = [f for f in WANTED_FEATURES if f in self.adapter.features]
