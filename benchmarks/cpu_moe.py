@@ -2,11 +2,12 @@
 (``ops.moe_experts_per_expert``: one registered ``linear`` per matrix), on one MoE layer of a real model's shape
 with random fp8 / NVFP4 experts. Prints time per call, the experts' bytes read per second and the ratio.
 
-    python benchmarks/cpu_moe.py [--shape 35b-a3b] [--formats fp8,nvfp4,nvfp4-int8,nvfp4-bf16,bf16] [--tokens 1,16,512]
-                                 [--threads N] [--cold N]
+    python benchmarks/cpu_moe.py [--shape 35b-a3b] [--formats fp8,fp8-bf16,nvfp4,nvfp4-int8,nvfp4-bf16,bf16]
+                                 [--tokens 1,16,512] [--threads N] [--cold N]
 
 nvfp4-int8 / nvfp4-bf16: NVFP4 experts marked for cpu.compute-quantization int8 (one token's rows: 8-bit
-activations) / bf16 (several tokens' products in AMX bf16 tiles, where the CPU has AMX-BF16).
+activations) / bf16 (several tokens' products in AMX bf16 tiles, where the CPU has AMX-BF16); fp8-bf16: fp8 experts
+marked for bf16.
 Shapes: 35b-a3b (Qwen3.5-35B-A3B: top 8 of 256 experts, H 2048, I 512), g4-26b-a4b (Gemma 4 26B-A4B).
 The expert count is cut to --experts (default 64) to keep memory small: the work per token depends only on top-k.
 "hot" repeats one call (the same experts: from the CPU caches when they fit); "cold" cycles through --cold copies of
@@ -38,10 +39,13 @@ def experts(fmt: str, E: int, H: int, I: int):
     def one(N, K):
         if fmt == "bf16":
             return Weight((rng.normal(size=(N, K)) * 0.1).astype(ml_dtypes.bfloat16), "bf16", (N, K))
-        if fmt == "fp8":
+        if fmt in ("fp8", "fp8-bf16"):
+            from lumen_cpu.fp8 import BF16Scale
+
             data = (rng.normal(size=(N, K)) * 0.5).astype(ml_dtypes.float8_e4m3fn)
             scale = rng.uniform(0.5, 2.0, size=(-(-N // 128), -(-K // 128))).astype(np.float32) * 0.01
-            return Weight(data, "fp8", (N, K), scale, scale_block((N, K), scale.shape))
+            block = scale_block((N, K), scale.shape)
+            return Weight(data, "fp8", (N, K), scale.view(BF16Scale) if fmt == "fp8-bf16" else scale, block)
         from lumen_cpu import nvfp4
 
         packed, bs, gs = quantize_nvfp4(rng.normal(size=(N, K)).astype(np.float32) * 0.1)

@@ -68,8 +68,8 @@ def parse_args(argv=None):
                         "default 32), "
                         "cpu-experts (routed experts computed by the CPU backend), cpu-experts-int8 (the same with "
                         "cpu.compute-quantization int8: 8-bit activations for NVFP4 experts' decode), "
-                        "cpu-experts-bf16 (the same with bf16: NVFP4 experts' several-token products in AMX bf16 "
-                        "tiles); rows other than vram prefill only the first --prompts length")
+                        "cpu-experts-bf16 (the same with bf16: NVFP4 and fp8 experts' several-token products in AMX "
+                        "bf16 tiles); rows other than vram prefill only the first --prompts length")
     p.add_argument("--moe-rows", default="",
                    help="rows per warp of the MoE expert kernels for this run, e.g. gate_up=4,down_t1=2 (keys gate_up, "
                         "down (T > 1), down_t1; values 1, 2 or 4, the compiled ones): a tuning sweep, for every format")
@@ -301,7 +301,7 @@ def experts_block(placement: str) -> dict | None:
 def cpu_block(placement: str | None) -> dict | None:
     """The config's cpu block of a --placements entry: cpu-experts-int8 = cpu-experts with 8-bit activations
     (cpu.compute-quantization int8: NVFP4 experts' decode rows take x quantized per 16 values), cpu-experts-bf16 =
-    with bf16 (NVFP4 experts' several-token products in AMX bf16 tiles, where the CPU has them)."""
+    with bf16 (NVFP4 and fp8 experts' several-token products in AMX bf16 tiles, where the CPU has them)."""
     quant = {"cpu-experts-int8": "int8", "cpu-experts-bf16": "bf16"}.get(placement or "")
     return {"compute-quantization": quant} if quant else None
 

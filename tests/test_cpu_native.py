@@ -537,3 +537,63 @@ def test_several_token_nvfp4_experts_in_amx_tiles_equal_their_model(H, I, T):
     assert rel(got, ref) < 2e-5
     exact = moe_fused.experts(x, ids, w, *layer(False), "silu")
     assert 1e-5 < rel(got, exact.astype(np.float64)) < 0.02
+
+
+@pytest.mark.parametrize("H,I,T,block", [(2048, 512, 40, 128), (128, 192, 3, 64), (96, 64, 5, 0)])
+def test_several_token_fp8_experts_in_amx_tiles_equal_their_model(H, I, T, block):
+    """cpu.compute-quantization bf16 on fp8 experts: e4m3 rows exact in bf16, each token times its row block's scales
+    rounded to bf16, f32 sums in AMX tiles, against that model in float64; not the exact path's result. Block 0: one
+    scale a tensor (the scales cover the whole matrix)."""
+    from lumen_cpu import moe_fused
+    from lumen_cpu.backend import CPUBackend
+
+    if "amx" not in levels():
+        pytest.skip("this CPU (or its OS) does not offer AMX-BF16")
+    native.use("amx")
+    rng = np.random.default_rng(H + I + T)
+    E, k = 6, 3
+
+    def layer(bf16):
+        r, be = np.random.default_rng(7), CPUBackend("cpu", None)
+        be.configure_compute_quantization("bf16" if bf16 else "none")
+
+        def one(N, K):
+            data = (r.normal(size=(N, K)) * 40).astype(ml_dtypes.float8_e4m3fn)
+            shape = (-(-N // block), -(-K // block)) if block else (1, 1)
+            return be.weight(data, "fp8", "ram", r.uniform(0.5, 2, size=shape).astype(F32) * 0.01, (N, K))
+
+        return [(one(I, H), one(I, H)) for _ in range(E)], [one(H, I) for _ in range(E)]
+
+    gate_up, down = layer(True)
+    assert all(getattr(wt.scale, "bf16", False) for wt in down)
+    x = rng.normal(size=(T, H)).astype(F32)
+    ids = np.stack([rng.choice(E, size=k, replace=False) for _ in range(T)])
+    w = rng.uniform(size=(T, k)).astype(F32)
+
+    def rows(wt, vec, tokens):  # W vec, vec times the scales then rounded (tokens): per (row block, column block)
+        N, K = wt.shape
+        q = np.asarray(wt.data).astype(np.float64)
+        s = np.asarray(wt.scale, F32)
+        br, bc = (block, block) if block else (N, K)
+        out = np.zeros(N)
+        for rb in range(-(-N // br)):
+            xs = np.concatenate([tokens(x_part * s[rb, cb]) for cb, x_part in
+                                 enumerate(np.split(vec, range(bc, K, bc)))])
+            out[rb * br:(rb + 1) * br] = q[rb * br:(rb + 1) * br] @ xs
+        return out
+
+    ref = np.zeros((T, H))
+    routed = np.bincount(ids.reshape(-1), minlength=E)
+    for t in range(T):
+        for j, e in enumerate(ids[t]):
+            # an expert routed one token keeps the one-token (f32) rows: only shared rows go through the tiles
+            tiles = bf16_ref if routed[e] > 1 else (lambda a: np.asarray(a, F32).astype(np.float64))
+            g, u = rows(gate_up[e][0], x[t], tiles), rows(gate_up[e][1], x[t], tiles)
+            h = (g / (1 + np.exp(-g)) * u).astype(F32)
+            ref[t] += w[t, j] * rows(down[e], h, tiles)
+    got = moe_fused.experts(x, ids, w, gate_up, down, "silu")
+    # h = act(gate) up in f32 differs from the model's in its last bits, which moves a few of its bf16 roundings (each
+    # h value is rounded once per row block of down's scales: 16 times at H = 2048) by one bf16 step: ~1e-4 there
+    assert rel(got, ref) < (2e-5 if H < 1024 else 3e-4)
+    exact = moe_fused.experts(x, ids, w, *layer(False), "silu")
+    assert 1e-5 < rel(got, exact.astype(np.float64)) < 0.02

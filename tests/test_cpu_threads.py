@@ -176,3 +176,33 @@ def test_compute_quantization_modes_reach_nvfp4_experts(tiny_checkpoint, tmp_pat
         assert "cpu.compute-quantization (bf16) has no effect" in capsys.readouterr().err
     finally:
         native.use(native.HIGHEST)
+
+
+def test_bf16_compute_quantization_reaches_fp8_experts(tiny_checkpoint, tmp_path, capsys, monkeypatch):
+    """fp8 experts on the CPU under cpu.compute-quantization bf16: the prompt's take AMX tiles on a CPU with AMX-BF16
+    (else a note says the mode does nothing); without the key the exact path. (Their numbers against a model of the
+    mode: test_cpu_native; a random tiny model's near-even logits let its rounding change the greedy tokens.)"""
+    from lumen_cpu import moe_fused, native
+
+    from lumen_core.quantize import quantize_checkpoint
+    from lumen_core.sampling import SamplingParams
+
+    src = tiny_checkpoint("qwen3_5_moe")
+    dst = tmp_path / "fp8"
+    quantize_checkpoint(src, dst, "fp8", progress=False)
+    amx = []
+    real = moe_fused._gate_up_scaled
+
+    def spy(*args):
+        amx.append(args[-1])
+        return real(*args)
+
+    monkeypatch.setattr(moe_fused, "_gate_up_scaled", spy)
+    for quant in ("none", "bf16"):
+        amx.clear()
+        engine = lumen.load({"model": {"path": str(dst), "compute": "cpu"}, "cpu": {"compute-quantization": quant}},
+                            progress=False)
+        err = capsys.readouterr().err
+        assert len(list(engine.generate_tokens(list(range(1, 17)), 4, SamplingParams(temperature=0.0)))) == 4
+        assert amx and set(amx) == {quant == "bf16" and native.level == "amx"}, (quant, amx)
+        assert ("cpu.compute-quantization (bf16) has no effect" in err) == (quant == "bf16" and native.level != "amx")

@@ -57,6 +57,12 @@ class CPUBackend(Backend):
         if scale is not None:
             scale = np.array(scale, dtype=np.float32)
             block = scale_block(shape, scale.shape)
+        if fmt == "fp8":
+            self.fp8_weights += 1
+            if self.bf16_activations and scale is not None:
+                from .fp8 import BF16Scale
+
+                scale = scale.view(BF16Scale)
         return Weight(data, fmt, shape, scale, block)
 
     def configure_threads(self, threads: int) -> None:
@@ -82,15 +88,16 @@ class CPUBackend(Backend):
         parallel.NUM_THREADS = threads
 
     quantize_activations = False  # cpu.compute-quantization "int8": this backend's int8-layout weights quantize x
-    bf16_activations = False  # cpu.compute-quantization "bf16": NVFP4 experts' several-token products in AMX
+    bf16_activations = False  # cpu.compute-quantization "bf16": NVFP4 / fp8 experts' several-token products in AMX
     int8_weights = 0  # weights this backend repacked into the int8 layout
     nvfp4_weights = 0  # NVFP4 weights this backend loaded
+    fp8_weights = 0  # fp8 weights this backend loaded
 
     def configure_compute_quantization(self, quantization: str) -> None:
         """cpu.compute-quantization: "int8" marks every int8-layout weight this backend loads (GGUF blocks in RAM):
         its GEMVs (1-3 tokens) quantize x to 8 bits a value and sum integer products (lumen_cpu.int8.gemv_q8); and
         every NVFP4 weight: one token's routed experts quantize x and h to 8 bits per 16 values and sum integer
-        products (lumen_cpu.native.moe_token; needs the C kernels). "bf16" marks every NVFP4 weight for the
+        products (lumen_cpu.native.moe_token; needs the C kernels). "bf16" marks every NVFP4 and fp8 weight for the
         several-token expert products in AMX bf16 tiles (lumen_cpu/_native_amx.c; where the CPU has AMX-BF16)."""
         self.quantize_activations = quantization == "int8"
         self.bf16_activations = quantization == "bf16"
@@ -99,7 +106,7 @@ class CPUBackend(Backend):
         from . import native
 
         if self.bf16_activations:
-            return self.nvfp4_weights > 0 and native.level == "amx"
+            return self.nvfp4_weights + self.fp8_weights > 0 and native.level == "amx"
         return (not self.quantize_activations or self.int8_weights > 0
                 or (self.nvfp4_weights > 0 and native.available))
 

@@ -31,6 +31,14 @@ CHUNK = 16, 64  # rows per parallel task of the GEMV: at least, at most (4 tasks
 E4M3 = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(F32)  # byte -> value (NaN codes too)
 
 
+class BF16Scale(np.ndarray):
+    """An fp8 weight's f32 scales, marked for cpu.compute-quantization "bf16" (the CPU backend's ``weight``): several
+    tokens' routed-expert products in AMX bf16 tiles (moe_fused). Otherwise the plain array (``np.asarray`` of it is
+    the unmarked one)."""
+
+    bf16 = True
+
+
 def scales(w: Weight) -> tuple[np.ndarray, int, int]:
     """(S (rows of blocks, columns of blocks) f32, BR, BC) for every scale layout the CPU backend keeps."""
     n, k = w.shape

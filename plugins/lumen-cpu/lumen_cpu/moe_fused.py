@@ -12,7 +12,7 @@ sum over a token's slots is then taken in slot order (j = 0 .. k-1) by numba.
 One token (decode) reads each routed expert's bytes once, spread over every core: what ``experts: {compute: cpu}``
 placements spend most of their time on. With the C kernels built, one token's fp8 / NVFP4 experts skip the two
 kernels: ``_one_token`` runs them in one parallel region (``native.moe_token``: C workers claiming tasks, rows read
-``PREFETCH`` bytes ahead; NVFP4 with 8-bit activations under cpu.compute-quantization int8). Under bf16, NVFP4
+``PREFETCH`` bytes ahead; NVFP4 with 8-bit activations under cpu.compute-quantization int8). Under bf16, NVFP4 and fp8
 rows shared by several tokens are multiplied in AMX bf16 tiles where the CPU has them (lumen_cpu/_native_amx.c).
 The per-expert path it replaces (``ops.moe_experts``: a parallel GEMV
 launch per matrix, ~24 launches a layer, or a serial tile dequantization per expert in prefill) stays the
@@ -31,7 +31,16 @@ from . import fp8, hostjob, native
 from .activations import moe_act as _act
 from .bitcast import as_f32
 from .fp8 import decode_dot, decode_row, dot, expand_scales, scale_x
-from .native import amx_dots, bf16_pack, f32_dots, nvfp4_decode_rows, nvfp4_decode_rows_bf16
+from .native import (
+    amx_dots,
+    bf16_from_pairs,
+    bf16_pack,
+    f32_dots,
+    f32_pairs,
+    fp8_decode_rows_bf16,
+    nvfp4_decode_rows,
+    nvfp4_decode_rows_bf16,
+)
 from .nvfp4_fused import dot_bits, e2m1, split
 
 F32 = np.float32
@@ -152,8 +161,13 @@ def _down_tokens(buf, r0, r1, h, slots, i0, m, cd, ys):
             ys[i0 + i, r] = cd[r - r0, i]
 
 
+@njit(inline="always")
+def _pairs_scratch(amx, K, most):  # the fp8 bf16 mode's tokens in f32 pairs (lumen_f32_pairs)
+    return np.empty((most + 15) // 16 * (K // 2) * 32 if amx else 1, F32)
+
+
 @njit(cache=True, parallel=True, fastmath=True)
-def _gate_up_scaled(G, U, SG, SU, br, bc, kind, x, experts, offs, toks, h, act, threads, most):
+def _gate_up_scaled(G, U, SG, SU, br, bc, kind, x, experts, offs, toks, h, act, threads, most, amx):
     n, I, K = experts.shape[0], h.shape[1], x.shape[1]
     nch = (I + CHUNK - 1) // CHUNK
     ntask = n * nch
@@ -161,12 +175,33 @@ def _gate_up_scaled(G, U, SG, SU, br, bc, kind, x, experts, offs, toks, h, act, 
     for w in prange(nw):  # one worker a thread: its scratch allocated once, not per task
         bg, bu, eg, eu = np.empty((CHUNK, K), F32), np.empty((CHUNK, K), F32), np.empty(K, F32), np.empty(K, F32)
         gate, cg, cu = np.empty(CHUNK, F32), np.empty((CHUNK, most), F32), np.empty((CHUNK, most), F32)
+        bg16, bu16, pg = _amx_scratch(amx, K, most)
+        pu, pf = pg.copy(), _pairs_scratch(amx, K, most)
+        paired = packed = -1  # the slot group whose tokens pf holds; the (group, row block) pg / pu are made for
         t0, t1 = _share(ntask, w, nw)
         for task in range(t0, t1):
             j, r0 = task // nch, (task % nch) * CHUNK
             r1 = min(r0 + CHUNK, I)
             e = experts[j]
             g, u, sg, su = G[e], U[e], SG[e], SU[e]
+            m = offs[j + 1] - offs[j]
+            if amx and m > 1:  # cpu.compute-quantization bf16 (fp8): exact bf16 rows, tokens x the chunk's row of
+                rb = r0 // br  # block scales rounded to bf16, AMX tiles (the chunk lies in one row block)
+                fp8_decode_rows_bf16(g.ctypes.data, K, r0, r1 - r0, K, I, bg16.ctypes.data, K)
+                fp8_decode_rows_bf16(u.ctypes.data, K, r0, r1 - r0, K, I, bu16.ctypes.data, K)
+                if paired != j:  # a worker's tasks are consecutive chunks: the tokens laid out once an expert,
+                    f32_pairs(x.ctypes.data, K, toks[offs[j]:].ctypes.data, m, K, pf.ctypes.data)
+                    paired = j
+                if packed != j * nch + rb:  # and scaled once a row block
+                    bf16_from_pairs(pf.ctypes.data, m, K, sg[rb].ctypes.data, bc, pg.ctypes.data)
+                    bf16_from_pairs(pf.ctypes.data, m, K, su[rb].ctypes.data, bc, pu.ctypes.data)
+                    packed = j * nch + rb
+                amx_dots(bg16.ctypes.data, r1 - r0, K, pg.ctypes.data, m, cg.ctypes.data, most, F32(1))
+                amx_dots(bu16.ctypes.data, r1 - r0, K, pu.ctypes.data, m, cu.ctypes.data, most, F32(1))
+                for r in range(r0, r1):
+                    for i in range(m):
+                        h[offs[j] + i, r] = _act(cg[r - r0, i], act) * cu[r - r0, i]
+                continue
             if offs[j + 1] - offs[j] == 1:  # one token: decode and dot in one pass, the gate rows then the up
                 xt = x[toks[offs[j]]]       # rows (one sequential stream at a time: ~1.6x faster than both)
                 last = -1
@@ -194,7 +229,7 @@ def _gate_up_scaled(G, U, SG, SU, br, bc, kind, x, experts, offs, toks, h, act, 
 
 
 @njit(cache=True, parallel=True, fastmath=True)
-def _down_scaled(D, SD, br, bc, kind, h, experts, offs, ys, threads, most):
+def _down_scaled(D, SD, br, bc, kind, h, experts, offs, ys, threads, most, amx):
     n, H, I = experts.shape[0], ys.shape[1], h.shape[1]
     nch = (H + CHUNK - 1) // CHUNK
     ntask = n * nch
@@ -202,11 +237,29 @@ def _down_scaled(D, SD, br, bc, kind, h, experts, offs, ys, threads, most):
     slots = np.arange(h.shape[0])
     for w in prange(nw):
         buf, ed, cd = np.empty((CHUNK, I), F32), np.empty(I, F32), np.empty((CHUNK, most), F32)
+        bd16, _, pb = _amx_scratch(amx, I, most)
+        pf = _pairs_scratch(amx, I, most)
+        paired = packed = -1
         t0, t1 = _share(ntask, w, nw)
         for task in range(t0, t1):
             j, r0 = task // nch, (task % nch) * CHUNK
             e = experts[j]
             d, sd = D[e], SD[e]
+            m = offs[j + 1] - offs[j]
+            if amx and m > 1:  # as _gate_up_scaled's
+                r1, rb = min(r0 + CHUNK, H), r0 // br
+                fp8_decode_rows_bf16(d.ctypes.data, I, r0, r1 - r0, I, H, bd16.ctypes.data, I)
+                if paired != j:
+                    f32_pairs(h.ctypes.data, I, slots[offs[j]:].ctypes.data, m, I, pf.ctypes.data)
+                    paired = j
+                if packed != j * nch + rb:
+                    bf16_from_pairs(pf.ctypes.data, m, I, sd[rb].ctypes.data, bc, pb.ctypes.data)
+                    packed = j * nch + rb
+                amx_dots(bd16.ctypes.data, r1 - r0, I, pb.ctypes.data, m, cd.ctypes.data, most, F32(1))
+                for r in range(r0, r1):
+                    for i in range(m):
+                        ys[offs[j] + i, r] = cd[r - r0, i]
+                continue
             single, last = offs[j + 1] - offs[j] == 1, -1
             for r in range(r0, min(r0 + CHUNK, H)):
                 if r // br != last:
@@ -377,6 +430,7 @@ class _Layer:
             if ok:
                 self.data = [_typed(_raw(w) for w in role) for role in mats]
                 self.scales = [_typed(s[0] for s in role) for role in sc]
+                self.bf16 = self.fmt == "fp8" and bool(getattr(first.scale, "bf16", False))  # as NVFP4's, below
         elif ok:  # nvfp4
             ok = self.H % 16 == 0 and self.I % 16 == 0
             if ok:
@@ -540,9 +594,14 @@ def _run(L: _Layer, x, ids, weights, out, t0: int, act: int) -> None:
     if L.fmt in KIND:
         (bg, cg), _, (bd, cd) = L.blocks
         kind = KIND[L.fmt]
+        # cpu.compute-quantization bf16 (fp8 experts): AMX tiles where this CPU and process have them and a chunk
+        # of CHUNK rows lies in one row block of scales and a column pair under one scale (else the f32 path)
+        amx = (native.available and L.bf16 and native.level == "amx" and L.dense and L.H % 32 == 0
+               and L.I % 32 == 0 and (bg % CHUNK == 0 or bg >= L.I) and (bd % CHUNK == 0 or bd >= L.H)
+               and cg % 2 == 0 and cd % 2 == 0)
         _gate_up_scaled(L.data[0], L.data[1], L.scales[0], L.scales[1], bg, cg, kind, x, experts, offs, toks, h,
-                        act, threads, most)
-        _down_scaled(L.data[2], L.scales[2], bd, cd, kind, h, experts, offs, ys, threads, most)
+                        act, threads, most, amx)
+        _down_scaled(L.data[2], L.scales[2], bd, cd, kind, h, experts, offs, ys, threads, most, amx)
     else:
         compiled = native.available and L.dense  # the C decoder steps by whole rows
         # cpu.compute-quantization bf16: AMX tiles where this CPU and process have them (else the f32 path)

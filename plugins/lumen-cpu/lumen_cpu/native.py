@@ -15,8 +15,8 @@ Environment (read once, at import):
 - ``LUMEN_CPU_ISA=amx|avx512vnni|avx512|avx2|scalar``: the highest instruction set the kernels may use (default: the
   highest); the CPU's own support caps it (amx: AMX-BF16 tiles, granted by the OS, used by the bf16 mode's prefill
   products, _native_amx.c). ``level`` is the one in use.
-- ``LUMEN_CPU_PREFETCH=BYTES``: how far ahead of use the int8 layout's row kernels prefetch their rows (default
-  16384; 0: not at all; see _native.h). For tuning and comparisons.
+- ``LUMEN_CPU_PREFETCH=BYTES``: how far ahead of use the int8 layout's row kernels (and the bf16 mode's fp8 row
+  decoder) prefetch their rows (default 16384; 0: not at all; see _native.h). For tuning and comparisons.
 """
 
 from __future__ import annotations
@@ -65,8 +65,8 @@ PREFETCH = 16384
 
 
 def prefetch(nbytes: int) -> None:
-    """Let the int8 row kernels prefetch ``nbytes`` ahead from now on (0: none); LUMEN_CPU_PREFETCH sets it at
-    import."""
+    """Let the int8 row kernels (and the bf16 mode's fp8 row decoder) prefetch ``nbytes`` ahead from now on (0:
+    none); LUMEN_CPU_PREFETCH sets it at import."""
     if not _lib:
         raise RuntimeError("lumen_cpu's C kernels are not loaded (native.available is False)")
     _lib[0].lumen_native_prefetch(int(nbytes))
@@ -260,13 +260,26 @@ def _register_fallbacks() -> None:
     def decode16(w, ldw, s, lds, r0, n, K, out, ldo):
         pass  # link-only: moe_fused calls it only at the amx level, which needs the library
 
+    @cfunc(types.void(*[_i] * 8), cache=True)
+    def decode8(w, ldw, r0, n, K, N, out, ldo):
+        pass  # link-only, as decode16
+
     @cfunc(types.void(*[_i] * 6), cache=True)
     def pack(X, ldx, idx, m, K, P):
         pass  # link-only, as decode16
 
+    @cfunc(types.void(*[_i] * 6), cache=True)
+    def pairs(X, ldx, idx, m, K, F):
+        pass  # link-only, as decode16
+
+    @cfunc(types.void(*[_i] * 6), cache=True)
+    def from_pairs(F, m, K, srow, bc, P):
+        pass  # link-only, as decode16
+
     for name, f in (("lumen_nvfp4_decode_rows", decode), ("lumen_i8_rows", i8), ("lumen_i8_rows_q8", i8q),
                     ("lumen_i8_gemm", i8_gemm), ("lumen_f32_dots", dots), ("lumen_amx_dots", amx),
-                    ("lumen_nvfp4_decode_rows_bf16", decode16), ("lumen_bf16_pack", pack)):
+                    ("lumen_nvfp4_decode_rows_bf16", decode16), ("lumen_fp8_decode_rows_bf16", decode8),
+                    ("lumen_bf16_pack", pack), ("lumen_f32_pairs", pairs), ("lumen_bf16_from_pairs", from_pairs)):
         binding.add_symbol(name, f.address)
         _fallbacks.append(f)
 
@@ -327,10 +340,16 @@ nvfp4_rows_q8 = types.ExternalFunction("lumen_nvfp4_rows_q8",
 # nothing: moe_fused's numba kernel runs then.
 f32_dots = types.ExternalFunction("lumen_f32_dots", types.int64(*[_i] * 9))
 # cpu.compute-quantization "bf16" (_native_amx.c): NVFP4 rows without the global scale, exact in bf16: (w, ldw, s, lds,
-# r0, n, K, out, ldo) with out uint16; tokens X[idx[t]] packed for AMX: (X, ldx, idx, m, K, P); and C[r * ldc + t] =
-# gs * W[r] . token t: (W, R, K, P, m, C, ldc, gs), returning 0 below the amx level (nothing computed).
+# r0, n, K, out, ldo) with out uint16; fp8 rows without their block scales, exact in bf16, read LUMEN_CPU_PREFETCH
+# bytes ahead within the matrix's N rows: (w, ldw, r0, n, K, N, out, ldo); tokens X[idx[t]] packed for AMX: (X, ldx,
+# idx, m, K, P); the same layout in f32: (X, ldx, idx, m, K, F), and from it the bf16 one times a row of fp8 block
+# scales (srow, one per bc columns; 0: none): (F, m, K, srow, bc, P); and C[r * ldc + t] = gs * W[r] . token t: (W, R,
+# K, P, m, C, ldc, gs), returning 0 below the amx level (nothing computed).
 nvfp4_decode_rows_bf16 = types.ExternalFunction("lumen_nvfp4_decode_rows_bf16", types.void(*[_i] * 9))
+fp8_decode_rows_bf16 = types.ExternalFunction("lumen_fp8_decode_rows_bf16", types.void(*[_i] * 8))
 bf16_pack = types.ExternalFunction("lumen_bf16_pack", types.void(*[_i] * 6))
+f32_pairs = types.ExternalFunction("lumen_f32_pairs", types.void(*[_i] * 6))
+bf16_from_pairs = types.ExternalFunction("lumen_bf16_from_pairs", types.void(*[_i] * 6))
 amx_dots = types.ExternalFunction("lumen_amx_dots", types.int64(*[_i] * 7, types.float32))
 # (x, K, xq, xs): x (K,) f32 -> xq (K,) int8 and xs (K / 16,) f32, a scale per 16 values
 quant16 = types.ExternalFunction("lumen_quant16", types.void(_i, _i, _i, _i))
