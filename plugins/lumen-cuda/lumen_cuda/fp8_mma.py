@@ -1,0 +1,80 @@
+"""The FP8 tensor-core prefill GEMM (kernels/gemm_fp8.cu): selection and launch. Opt-in and lossy
+(``LUMEN_CUDA_FP8_MMA=1``; lumen_cuda.fp8_mma_model states the arithmetic and models it in numpy). WRITTEN AND
+COMPILED (nvcc, sm_89 / sm_90 / sm_120 / sm_120a), NOT YET RUN: the session that wrote it had no GPU time left
+(docs/cuda.md, "FP8 tensor-core prefill (opt-in)"); tests/test_cuda_fp8_mma.py checks it against the model on a GPU.
+
+Where it applies (``available``): the option set, a device of capability 8.9 or later whose compiled module reports
+the e4m3 MMA, an fp8 Weight with 128 x 128 block scales and K a multiple of 128; ``gemv.linear_fp8`` takes it from
+``gemv.GEMM_MIN_T`` tokens instead of ``gemm_split``. Nothing is kept per weight: the kernel reads the stored codes
+and scales as they are.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import cupy as cp
+import numpy as np
+
+from lumen_core.backend import Weight
+
+from . import kernels
+from .fp8_mma_model import BLOCK, applies, capable, requested
+
+FILE = "gemm_fp8"
+BM, BN = 128, 64  # the GEMM block's weight rows and tokens (FP8_BM, FP8_BN in the .cu file)
+
+
+@functools.cache
+def _native(device: int) -> bool:
+    """Whether the module compiled for ``device`` has the e4m3 MMA (its ``fp8_mma_native`` flag), asked once per
+    device: a module without it would trap."""
+    with cp.cuda.Device(device):
+        flag = cp.zeros(1, dtype=cp.int32)
+        kernels.function(FILE, "fp8_mma_native")((1,), (32,), (flag,))
+        return int(flag.get()[0]) == 1
+
+
+def available(w: Weight) -> bool:
+    """Whether ``w``'s prefill GEMM runs on the e4m3 tensor cores here (the option read at each call; a bad value
+    raises)."""
+    if not requested(os.environ):
+        return False
+    if w.format != "fp8" or not applies(w.shape, w.block):
+        return False
+    if not capable(cp.cuda.Device().compute_capability):
+        return False
+    return _native(cp.cuda.runtime.getDevice())
+
+
+def quantize_x(x):
+    """x (T, K) f32 device -> (codes (T, K) uint8, scales (T, K/128) f32), as fp8_mma_model.quantize_x."""
+    x = cp.ascontiguousarray(x, dtype=cp.float32)
+    T, K = x.shape
+    xq = cp.empty((T, K), dtype=cp.uint8)
+    sx = cp.empty((T, K // BLOCK), dtype=cp.float32)
+    if T:
+        kernels.function(FILE, "fp8_quantize_x")((T, K // BLOCK), (32,), (x, xq, sx, np.int32(K)))
+    return xq, sx
+
+
+def gemm(xq, sx, data, scale):
+    """y (T, N) f32 from quantized activations and an fp8 weight (codes (N, K) uint8, block scales
+    (ceil(N/128), K/128) f32), as fp8_mma_model.gemm."""
+    T, K = xq.shape
+    N = data.shape[0]
+    y = cp.empty((T, N), dtype=cp.float32)
+    if T and N:
+        grid = (-(-T // BN), -(-N // BM))
+        kernels.function(FILE, "gemm_fp8_mma")(grid, (256,), (
+            cp.ascontiguousarray(data), cp.ascontiguousarray(scale, dtype=cp.float32), xq, sx, y, np.int32(N),
+            np.int32(K), np.int32(T)))
+    return y
+
+
+def linear(x2, w: Weight):
+    """``gemv.linear_fp8``'s prefill here: x2 (T, K) f32 device, w an fp8 Weight (N, K) that ``available`` took."""
+    data = w.data.view(cp.uint8) if w.data.dtype != cp.uint8 else w.data
+    xq, sx = quantize_x(x2)
+    return gemm(xq, sx, data, w.scale)

@@ -1,0 +1,87 @@
+"""The FP8 tensor-core prefill GEMM (kernels/gemm_fp8.cu) without a GPU: its option, where it applies, and its
+arithmetic in numpy, so the CPU tests pin what the kernel must compute (lumen_cuda/fp8_mma.py launches it).
+
+The kernel quantizes the activations to e4m3 per token and 128 columns (``quantize_x``: scale = amax / 448 in f32,
+codes = nearest e4m3 of |x| / scale, ties to even, saturated at 448) and sums the e4m3 codes' products of each
+128-column block on the tensor cores, then adds the block's sum times (weight block scale x token scale) into f32
+accumulators (``gemm``). Lossy: an e4m3 activation keeps 4 significant bits, so against the exact path
+(``gemv.gemm_split``, ~f32 accurate) an output moves by up to ~2.5% of the outputs' largest value (median 0.34%;
+512 Gaussian tokens x 4096 x 1024, tests/test_fp8_mma_model.py), as in vLLM's block-fp8 linear. Hence opt-in:
+``LUMEN_CUDA_FP8_MMA=1``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .sm120_layout import E4M3, e4m3_rne
+
+OPTION = "LUMEN_CUDA_FP8_MMA"  # 1: fp8 prefill GEMMs on the e4m3 tensor cores (lossy); 0 / unset: the exact path
+BLOCK = 128  # the weight's block scales (rows and columns) and the activations' scale group
+MIN_CAPABILITY = 89  # mma.sync m16n8k32 .e4m3: Ada (8.9), Hopper (9.0), Blackwell (10.x, 12.x)
+F32 = np.float32
+
+
+def requested(environ) -> bool:
+    """``LUMEN_CUDA_FP8_MMA`` from ``environ``: off where unset, empty or "0", on for "1"; anything else is an error
+    naming the choices (never a silent default)."""
+    raw = environ.get(OPTION, "").strip()
+    if raw in ("", "0"):
+        return False
+    if raw == "1":
+        return True
+    from lumen_core.errors import LumenError
+
+    raise LumenError(f"{OPTION}={raw!r}: expected 1 (fp8 prefill GEMMs on the e4m3 tensor cores, activations "
+                     f"quantized to e4m3: lossy) or 0 (off, the default); docs/cuda.md, FP8 tensor-core prefill")
+
+
+def capable(cc) -> bool:
+    """Whether a device of compute capability ``cc`` (CuPy's string, e.g. "90"; or a (major, minor) pair) has the
+    e4m3 MMA: 8.9 and later."""
+    if isinstance(cc, tuple):
+        cc = f"{cc[0]}{cc[1]}"
+    return int(cc) >= MIN_CAPABILITY
+
+
+def applies(shape, block) -> bool:
+    """Whether an fp8 weight of ``shape`` (N, K) and scale ``block`` takes the kernel: 128 x 128 block scales (the
+    checkpoints' layout) and K a multiple of 128."""
+    N, K = shape
+    return tuple(block or ()) == (BLOCK, BLOCK) and K % BLOCK == 0 and N > 0 and K > 0
+
+
+def quantize_x(x) -> tuple[np.ndarray, np.ndarray]:
+    """x (T, K) f32 -> (codes (T, K) uint8 e4m3fn, scales (T, K/128) f32), as ``fp8_quantize_x``."""
+    x = np.asarray(x, F32)
+    T, K = x.shape
+    blocks = x.reshape(T, K // BLOCK, BLOCK)
+    amax = np.abs(blocks).max(axis=2)
+    s = np.where(amax > 0, amax / F32(448.0), F32(1.0)).astype(F32)  # one IEEE f32 division, as __fdiv_rn
+    mag = (np.abs(blocks) / s[:, :, None]).astype(F32)
+    codes = e4m3_rne(mag) | np.where(blocks < 0, 0x80, 0).astype(np.uint8)
+    return codes.reshape(T, K).astype(np.uint8), s
+
+
+def gemm(xq, sx, wq, sw) -> np.ndarray:
+    """y (T, N) float64 = sum over 128-column blocks kb of (codes' products summed) x f32(sw[n/128, kb] x sx[t, kb]),
+    the kernel's arithmetic (its block sums and accumulation in f32; here exact, so compare to ~1e-5)."""
+    xq, wq = np.asarray(xq, np.uint8), np.asarray(wq, np.uint8)
+    T, K = xq.shape
+    N = wq.shape[0]
+    xv, wv = E4M3[xq].astype(np.float64), E4M3[wq].astype(np.float64)
+    sw, sx = np.asarray(sw, F32), np.asarray(sx, F32)
+    y = np.zeros((T, N))
+    rows = np.arange(N) // BLOCK
+    for kb in range(K // BLOCK):
+        cols = slice(kb * BLOCK, (kb + 1) * BLOCK)
+        blk = xv[:, cols] @ wv[:, cols].T
+        scale = (sw[rows, kb][None, :] * sx[:, kb][:, None]).astype(F32)  # one f32 multiply, as the kernel
+        y += blk * scale
+    return y
+
+
+def linear(x, wq, sw) -> np.ndarray:
+    """The whole opt-in path: x (T, K) f32 against an fp8 weight (codes (N, K), block scales (N/128, K/128))."""
+    xq, sx = quantize_x(x)
+    return gemm(xq, sx, wq, sw)

@@ -1,0 +1,193 @@
+// FP8 prefill GEMM on the tensor cores (issue 21; opt-in LUMEN_CUDA_FP8_MMA=1, lumen_cuda/gemm_fp8.py; docs/cuda.md,
+// "FP8 tensor-core prefill (opt-in): written, compiled, not yet run"). Lossy, like vLLM's block-fp8 linear: the
+// activations are quantized to e4m3 too.
+//
+// y (T, N) f32 = x (T, K) . W (N, K)^T where W is e4m3 codes with f32 block scales sw (N/128, K/128) (the checkpoints'
+// weight_scale_inv, 128 x 128 blocks) and x is quantized here per token and 128 columns: sx[t, kb] = amax / 448,
+// xq = e4m3(x / sx) (nearest, ties to even, saturated). For each 128-column block kb the codes' products are summed
+// by
+//   mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32
+// (sm_89 and later: Ada, Hopper, Blackwell including SM120; A = 16 weight rows x 32 k, B = 32 k x 8 tokens) into a
+// block accumulator, which the kernel then adds into the output's: acc += blk * (sw[n/128, kb] * sx[t, kb]) (one f32
+// multiply of the two scales, one FMA). lumen_cuda/gemm_fp8.py's model_* functions do the same arithmetic in numpy.
+//
+// Fragments (the PTX ISA's tables for m16n8k32 with 8-bit types; lane = 4 g + t): a0 = row g, k 4t..4t+3; a1 = row
+// g+8, same k; a2 = row g, k 16+4t..; a3 = row g+8, k 16+4t..; b0 = token g, k 4t..4t+3; b1 = token g, k 16+4t..;
+// c0, c1 = row g, tokens 2t, 2t+1; c2, c3 = row g+8, tokens 2t, 2t+1. The lowest k sits in a register's low byte.
+//
+// A block computes 128 weight rows (one row block of scales) x 64 tokens with 8 warps (4 x 2, each 32 rows x 32
+// tokens: 2 x 4 MMAs per 32 k); shared memory holds 64 columns of each tile per stage, two stages filled by cp.async
+// (rows of 64 bytes padded to 80: the fragment reads of a warp hit 32 different banks). Rows past N and tokens past
+// T are zero-filled and never written. Requires K % 128 == 0 (the host checks).
+//
+// No headers: compiles under NVRTC and nvcc alike. Below sm_89 the GEMM's body is compiled out and traps (the host
+// never launches it there); the quantizer is plain CUDA.
+
+#define FP8_BM 128
+#define FP8_BN 64
+#define FP8_BK 64
+#define FP8_LD 80  // bytes a shared row: 64 + 16 of padding
+
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 890
+#define LUMEN_FP8_MMA 1
+#else
+#define LUMEN_FP8_MMA 0
+#endif
+
+// 1 where this module was compiled with the e4m3 MMA (sm_89 and later), else 0: the host checks it once.
+extern "C" __global__ void fp8_mma_native(int* out) {
+  if (threadIdx.x == 0 && blockIdx.x == 0) out[0] = LUMEN_FP8_MMA;
+}
+
+// ---- the activation quantizer ---------------------------------------------------------------------------------
+// f32 a >= 0 (finite) -> the nearest e4m3fn magnitude code, ties to even, saturated to 448 (0x7e); the same bit
+// arithmetic as mma_sm120.cu's e4m3_rne and gemm_fp8.model_e4m3.
+__device__ __forceinline__ unsigned int fp8_e4m3_rne(float a) {
+  if (!(a > 0.0f)) return 0u;
+  if (a >= 448.0f) return 0x7eu;
+  if (a < 0.015625f) return (unsigned int)__float2int_rn(__fmul_rn(a, 512.0f));  // subnormals: multiples of 2^-9
+  const unsigned int u = __float_as_uint(a);
+  unsigned int e = (u >> 23) - 120u, m = (u >> 20) & 7u;
+  const unsigned int rest = u & 0xfffffu;
+  if (rest > 0x80000u || (rest == 0x80000u && (m & 1u))) {
+    if (++m == 8u) { m = 0u; ++e; }
+  }
+  const unsigned int code = (e << 3) | m;
+  return code > 0x7eu ? 0x7eu : code;
+}
+
+// x (T, K) f32 -> xq (T, K) e4m3 bytes, sx (T, K/128) f32. Grid (T, K/128), 32 threads: a warp a (token, block),
+// four consecutive values a lane.
+extern "C" __global__ void fp8_quantize_x(const float* __restrict__ x, unsigned int* __restrict__ xq,
+                                          float* __restrict__ sx, int K) {
+  const int t = blockIdx.x, kb = blockIdx.y, lane = threadIdx.x;
+  const float4 v = reinterpret_cast<const float4*>(x + (size_t)t * K + kb * 128)[lane];
+  float amax = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
+  for (int o = 16; o; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+  const float s = amax > 0.0f ? __fdiv_rn(amax, 448.0f) : 1.0f;
+  const float vals[4] = {v.x, v.y, v.z, v.w};
+  unsigned int word = 0u;
+  for (int i = 0; i < 4; i++) {
+    const unsigned int code = fp8_e4m3_rne(__fdiv_rn(fabsf(vals[i]), s)) | (vals[i] < 0.0f ? 0x80u : 0u);
+    word |= code << (8 * i);
+  }
+  xq[((size_t)t * K + kb * 128) / 4 + lane] = word;
+  if (lane == 0) sx[(size_t)t * (K / 128) + kb] = s;
+}
+
+// ---- the GEMM -----------------------------------------------------------------------------------------------------
+__device__ __forceinline__ void fp8_cp16(void* smem, const void* gmem, bool full) {
+  unsigned int dst;
+  asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }\n" : "=r"(dst) : "l"(smem));
+  const int bytes = full ? 16 : 0;  // 0: zero-fill (rows past N, tokens past T; gmem is then any valid address)
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(bytes));
+}
+
+__device__ __forceinline__ void fp8_cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void fp8_cp_wait1() { asm volatile("cp.async.wait_group 1;\n" ::); }
+__device__ __forceinline__ void fp8_cp_wait0() { asm volatile("cp.async.wait_group 0;\n" ::); }
+
+// One stage: columns k0 .. k0 + 63 of the block's 128 weight rows (512 16-byte pieces) and 64 tokens (256 pieces).
+__device__ __forceinline__ void fp8_load_stage(unsigned char* sw, unsigned char* sx, const unsigned char* W,
+                                               const unsigned char* X, int N, int T, int K, int row0, int tok0,
+                                               int k0) {
+  const int tid = threadIdx.x;
+  for (int p = tid; p < FP8_BM * 4; p += 256) {
+    const int r = p >> 2, c = (p & 3) * 16, row = row0 + r;
+    const bool ok = row < N;
+    fp8_cp16(sw + r * FP8_LD + c, W + (size_t)(ok ? row : 0) * K + k0 + c, ok);
+  }
+  {
+    const int r = tid >> 2, c = (tid & 3) * 16, tok = tok0 + r;
+    const bool ok = tok < T;
+    fp8_cp16(sx + r * FP8_LD + c, X + (size_t)(ok ? tok : 0) * K + k0 + c, ok);
+  }
+}
+
+__device__ __forceinline__ void fp8_mma(float* c, const unsigned int* a, const unsigned int* b) {
+#if LUMEN_FP8_MMA
+  asm volatile(
+      "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#else
+  __trap();
+#endif
+}
+
+// y (T, N) f32 = dequant(xq, sx) . dequant(W, sw)^T. W (N, K) e4m3 bytes, sw (ceil(N/128), K/128) f32; xq (T, K)
+// e4m3 bytes, sx (T, K/128) f32. Grid (ceil(T/64), ceil(N/128)), 256 threads.
+extern "C" __global__ void __launch_bounds__(256) gemm_fp8_mma(const unsigned char* __restrict__ W,
+                                                               const float* __restrict__ sw,
+                                                               const unsigned char* __restrict__ X,
+                                                               const float* __restrict__ sx, float* __restrict__ y,
+                                                               int N, int K, int T) {
+  __shared__ __align__(16) unsigned char s_w[2][FP8_BM * FP8_LD];
+  __shared__ __align__(16) unsigned char s_x[2][FP8_BN * FP8_LD];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int wm = warp >> 1, wn = warp & 1;  // warp tile: rows wm * 32 .., tokens wn * 32 ..
+  const int row0 = blockIdx.y * FP8_BM, tok0 = blockIdx.x * FP8_BN, KB = K / 128, steps = K / FP8_BK;
+  float acc[2][4][4], blk[2][4][4];
+  for (int i = 0; i < 2; i++)
+    for (int j = 0; j < 4; j++)
+      for (int q = 0; q < 4; q++) acc[i][j][q] = 0.0f, blk[i][j][q] = 0.0f;
+
+  fp8_load_stage(s_w[0], s_x[0], W, X, N, T, K, row0, tok0, 0);
+  fp8_cp_commit();
+  for (int s = 0; s < steps; s++) {
+    if (s + 1 < steps) {
+      fp8_load_stage(s_w[(s + 1) & 1], s_x[(s + 1) & 1], W, X, N, T, K, row0, tok0, (s + 1) * FP8_BK);
+      fp8_cp_commit();
+      fp8_cp_wait1();
+    } else {
+      fp8_cp_wait0();
+    }
+    __syncthreads();
+    const unsigned char* cw = s_w[s & 1];
+    const unsigned char* cx = s_x[s & 1];
+    for (int kk = 0; kk < FP8_BK; kk += 32) {
+      unsigned int a[2][4], b[4][2];
+      for (int i = 0; i < 2; i++) {
+        const unsigned char* r = cw + (wm * 32 + 16 * i + g) * FP8_LD + kk + 4 * t;
+        a[i][0] = *reinterpret_cast<const unsigned int*>(r);
+        a[i][1] = *reinterpret_cast<const unsigned int*>(r + 8 * FP8_LD);
+        a[i][2] = *reinterpret_cast<const unsigned int*>(r + 16);
+        a[i][3] = *reinterpret_cast<const unsigned int*>(r + 8 * FP8_LD + 16);
+      }
+      for (int j = 0; j < 4; j++) {
+        const unsigned char* r = cx + (wn * 32 + 8 * j + g) * FP8_LD + kk + 4 * t;
+        b[j][0] = *reinterpret_cast<const unsigned int*>(r);
+        b[j][1] = *reinterpret_cast<const unsigned int*>(r + 16);
+      }
+      for (int i = 0; i < 2; i++)
+        for (int j = 0; j < 4; j++) fp8_mma(blk[i][j], a[i], b[j]);
+    }
+    __syncthreads();  // the stage is refilled next step
+    if ((s & 1) == 1) {  // a 128-column block done: scale it into the output's accumulators
+      const int kb = s >> 1;
+      const float w_s = sw[(size_t)blockIdx.y * KB + kb];
+      for (int j = 0; j < 4; j++) {
+        const int ta = tok0 + wn * 32 + 8 * j + 2 * t;
+        const float x0 = ta < T ? sx[(size_t)ta * KB + kb] : 0.0f;
+        const float x1 = ta + 1 < T ? sx[(size_t)(ta + 1) * KB + kb] : 0.0f;
+        const float s0 = w_s * x0, s1 = w_s * x1;
+        for (int i = 0; i < 2; i++) {
+          acc[i][j][0] = fmaf(blk[i][j][0], s0, acc[i][j][0]);
+          acc[i][j][1] = fmaf(blk[i][j][1], s1, acc[i][j][1]);
+          acc[i][j][2] = fmaf(blk[i][j][2], s0, acc[i][j][2]);
+          acc[i][j][3] = fmaf(blk[i][j][3], s1, acc[i][j][3]);
+          for (int q = 0; q < 4; q++) blk[i][j][q] = 0.0f;
+        }
+      }
+    }
+  }
+  for (int i = 0; i < 2; i++)
+    for (int j = 0; j < 4; j++) {
+      const int r = row0 + wm * 32 + 16 * i + g, ta = tok0 + wn * 32 + 8 * j + 2 * t;
+      if (r < N && ta < T) y[(size_t)ta * N + r] = acc[i][j][0];
+      if (r < N && ta + 1 < T) y[(size_t)(ta + 1) * N + r] = acc[i][j][1];
+      if (r + 8 < N && ta < T) y[(size_t)ta * N + r + 8] = acc[i][j][2];
+      if (r + 8 < N && ta + 1 < T) y[(size_t)(ta + 1) * N + r + 8] = acc[i][j][3];
+    }
+}
