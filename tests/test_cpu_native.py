@@ -597,3 +597,62 @@ def test_several_token_fp8_experts_in_amx_tiles_equal_their_model(H, I, T, block
     assert rel(got, ref) < (2e-5 if H < 1024 else 3e-4)
     exact = moe_fused.experts(x, ids, w, *layer(False), "silu")
     assert 1e-5 < rel(got, exact.astype(np.float64)) < 0.02
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+@pytest.mark.parametrize("H,I,T", [(2048, 512, 40), (64, 96, 5)])
+def test_several_token_experts_default_amx_path_is_exact(fmt, H, I, T, monkeypatch):
+    """The default prefill of fp8 / NVFP4 experts on a CPU with AMX: the tokens as three bf16 planes (hi + mid + lo =
+    the f32 value), so each product is exact in f32: against float64 within f32 summation error, and against the f32
+    path (the ISA capped below amx) within the same bound, both far below the bf16 mode's ~1e-3."""
+    from lumen_cpu import moe_fused, nvfp4
+
+    if "amx" not in levels():
+        pytest.skip("this CPU (or its OS) does not offer AMX-BF16")
+    rng = np.random.default_rng(H + I + T + len(fmt))
+    E, k = 6, 3
+
+    def one(N, K):
+        if fmt == "fp8":
+            data = (rng.normal(size=(N, K)) * 40).astype(ml_dtypes.float8_e4m3fn)
+            s = rng.uniform(0.5, 2, size=(-(-N // 128), -(-K // 128))).astype(F32) * 0.01
+            return Weight(data, "fp8", (N, K), s, scale_block((N, K), s.shape))
+        packed, bs, gs = quantize_nvfp4(rng.normal(size=(N, K)).astype(F32) * 0.1)
+        return nvfp4.weight(packed, (bs, gs), (N, K), "ram")
+
+    gate_up, down = [(one(I, H), one(I, H)) for _ in range(E)], [one(H, I) for _ in range(E)]
+    x = rng.normal(size=(T, H)).astype(F32)
+    ids = np.stack([rng.choice(E, size=k, replace=False) for _ in range(T)])
+    w = rng.uniform(size=(T, k)).astype(F32)
+
+    def dense(wt):
+        if fmt == "fp8":
+            s, (n, kk) = np.asarray(wt.scale, np.float64), wt.shape
+            br, bc = wt.block or (n, kk)  # None: one scale for the matrix
+            return np.asarray(wt.data).astype(np.float64) * np.repeat(np.repeat(s, br, 0), bc, 1)[:n, :kk]
+        return nvfp4.dequantize(wt).astype(np.float64)
+
+    ref = np.zeros((T, H))
+    for t in range(T):
+        for j, e in enumerate(ids[t]):
+            g, u = dense(gate_up[e][0]) @ x[t], dense(gate_up[e][1]) @ x[t]
+            ref[t] += w[t, j] * (dense(down[e]) @ (g / (1 + np.exp(-g)) * u))
+    parts = []
+    kernel = "_gate_up_scaled" if fmt == "fp8" else "_gate_up_nvfp4"
+    real = getattr(moe_fused, kernel)
+
+    def spy(*args):
+        parts.append(args[-1])
+        return real(*args)
+
+    monkeypatch.setattr(moe_fused, kernel, spy)
+    native.use("amx")
+    got = moe_fused.experts(x, ids, w, gate_up, down, "silu")
+    native.use("avx512vnni")
+    try:
+        f32 = moe_fused.experts(x, ids, w, gate_up, down, "silu")
+    finally:
+        native.use(native.HIGHEST)
+    assert parts == [3, 0]  # the tiles with three planes, then the f32 path
+    assert rel(got, ref) < 3e-6 and rel(f32, ref) < 3e-6, (rel(got, ref), rel(f32, ref))
+    assert rel(got, f32.astype(np.float64)) < 3e-6

@@ -128,8 +128,9 @@ def test_the_threads_option_sets_cpu_threads(tiny_checkpoint, tmp_path):
 
 def test_compute_quantization_modes_reach_nvfp4_experts(tiny_checkpoint, tmp_path, capsys, monkeypatch):
     """NVFP4 experts on the CPU: under cpu.compute-quantization int8 one token's experts take the 8-bit path
-    (lumen_cpu.native.moe_token's NVFP4_Q8); under bf16 the prompt's take AMX tiles (on a CPU with AMX-BF16, else a
-    note says the mode does nothing); without the key, the exact paths; no other note."""
+    (lumen_cpu.native.moe_token's NVFP4_Q8); the prompt's take AMX tiles on a CPU with AMX-BF16, the tokens as three
+    exact bf16 planes, or one rounded under bf16 (elsewhere the f32 path, and under bf16 a note that it does
+    nothing); without the key, the exact paths; no other note."""
     from lumen_cpu import moe_fused, native
 
     from lumen_core.quantize import quantize_checkpoint
@@ -164,8 +165,9 @@ def test_compute_quantization_modes_reach_nvfp4_experts(tiny_checkpoint, tmp_pat
         tokens = list(engine.generate_tokens([1, 2, 3, 4, 5], 4, SamplingParams(temperature=0.0)))
         assert len(tokens) == 4
         assert set(seen) == {native.NVFP4_Q8 if quant == "int8" else native.NVFP4}, (quant, seen)
-        # bf16: the prompt's experts in AMX tiles where this CPU has them; elsewhere a note says it does nothing
-        assert set(amx) == {quant == "bf16" and native.level == "amx"}, (quant, amx)
+        # the prompt's experts in AMX tiles where this CPU has them: the tokens as 3 exact bf16 planes, or 1 rounded
+        # under bf16; elsewhere the f32 path (0) and, under bf16, a note that it does nothing
+        assert set(amx) == {(1 if quant == "bf16" else 3) if native.level == "amx" else 0}, (quant, amx)
         noted = "cpu.compute-quantization (bf16) has no effect" in err
         assert noted == (quant == "bf16" and native.level != "amx"), err
         assert "compute-quantization" not in err or noted
@@ -179,9 +181,10 @@ def test_compute_quantization_modes_reach_nvfp4_experts(tiny_checkpoint, tmp_pat
 
 
 def test_bf16_compute_quantization_reaches_fp8_experts(tiny_checkpoint, tmp_path, capsys, monkeypatch):
-    """fp8 experts on the CPU under cpu.compute-quantization bf16: the prompt's take AMX tiles on a CPU with AMX-BF16
-    (else a note says the mode does nothing); without the key the exact path. (Their numbers against a model of the
-    mode: test_cpu_native; a random tiny model's near-even logits let its rounding change the greedy tokens.)"""
+    """fp8 experts on the CPU: on a CPU with AMX-BF16 the prompt's take AMX tiles, the tokens as three exact bf16
+    planes, or one rounded under cpu.compute-quantization bf16 (elsewhere the f32 path, and a note that bf16 does
+    nothing). Their numbers against a model of each: test_cpu_native (a random tiny model's near-even logits let the
+    bf16 rounding change the greedy tokens, so they are not compared here)."""
     from lumen_cpu import moe_fused, native
 
     from lumen_core.quantize import quantize_checkpoint
@@ -204,5 +207,5 @@ def test_bf16_compute_quantization_reaches_fp8_experts(tiny_checkpoint, tmp_path
                             progress=False)
         err = capsys.readouterr().err
         assert len(list(engine.generate_tokens(list(range(1, 17)), 4, SamplingParams(temperature=0.0)))) == 4
-        assert amx and set(amx) == {quant == "bf16" and native.level == "amx"}, (quant, amx)
+        assert amx and set(amx) == {(1 if quant == "bf16" else 3) if native.level == "amx" else 0}, (quant, amx)
         assert ("cpu.compute-quantization (bf16) has no effect" in err) == (quant == "bf16" and native.level != "amx")

@@ -1,14 +1,17 @@
-/* Several tokens' NVFP4 and fp8 expert products in AMX bf16 tiles (cpu.compute-quantization "bf16": prefill).
+/* Several tokens' NVFP4 and fp8 expert products (prefill) in AMX bf16 tiles, on CPUs with AMX-BF16.
  *
- * A value of an NVFP4 row without its global scale, e2m1(code) x e4m3(block scale), has at most 6 significant bits and
- * an exponent within bf16's range, so it is exact in bf16: lumen_nvfp4_decode_rows_bf16 writes those rows. The tokens
- * are rounded to bf16 (the only rounding this mode adds: a relative 2^-9 a value) and packed the way TDPBF16PS reads
- * its second operand (lumen_bf16_pack: per pair of columns, each token's two values side by side); lumen_amx_dots
- * then computes 64 rows x 16 tokens at a time in four f32 accumulator tiles, and the caller's global scale multiplies
- * the f32 results. fp8 rows are exact in bf16 too (lumen_fp8_decode_rows_bf16); their f32 block scales are multiplied
- * into the tokens before the rounding (lumen_f32_pairs, lumen_bf16_from_pairs: a 64-row chunk lies in one row block).
- * Only where the CPU has AMX-BF16 and the OS lets this process use the tile registers
- * (lumen_native_init asks once, arch_prctl ARCH_REQ_XCOMP_PERM); otherwise the callers keep the f32 path.
+ * The weights are exact in bf16: a value of an NVFP4 row without its global scale, e2m1(code) x e4m3(block scale),
+ * has at most 6 significant bits (lumen_nvfp4_decode_rows_bf16), an e4m3 value 4 (lumen_fp8_decode_rows_bf16; the fp8
+ * block scales are multiplied into the tokens instead, a 64-row chunk lying in one row block). The tokens are laid
+ * out once an expert the way TDPBF16PS reads its second operand (lumen_f32_pairs: per pair of columns, each token's
+ * two values side by side, in f32), then converted to bf16 planes (lumen_bf16_from_pairs):
+ *  - 3 planes (the default, "exact"): hi + mid + lo = the f32 token exactly, so every product is exact in f32 and the
+ *    sums differ from the f32 path's only in their order;
+ *  - 1 plane (cpu.compute-quantization "bf16"): the token rounded to bf16 (a relative 2^-9 a value), a third of the
+ *    tile work.
+ * lumen_amx_dots computes 64 rows x 16 tokens at a time in four f32 accumulator tiles, and the caller's NVFP4 global
+ * scale multiplies the f32 results. Only where the CPU has AMX-BF16 and the OS lets this process use the tile
+ * registers (lumen_native_init asks once, arch_prctl ARCH_REQ_XCOMP_PERM); otherwise the callers keep the f32 path.
  */
 #define _GNU_SOURCE /* syscall() under -std=c11 */
 #include <stdlib.h>
@@ -50,14 +53,15 @@ typedef struct {
     uint8_t rows[16];
 } tilecfg;
 
-TA static void amx_dots(const uint16_t *W, i64 R, i64 K, const uint16_t *P, i64 m, float *C, i64 ldc, float gs) {
+TA static void amx_dots(const uint16_t *W, i64 R, i64 K, const uint16_t *P, i64 m, i64 parts, float *C, i64 ldc,
+                        float gs) {
     tilecfg cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
-    for (int t = 0; t < 6; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64; /* 0-3: 16 x 16 f32; 4: A; 5: B */
+    for (int t = 0; t < 8; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64; /* 0-3: 16 x 16 f32; 4: A; 5-7: B's parts */
     _tile_loadconfig(&cfg);
     float o[16 * 16];
-    i64 ldw = K * 2, nt = (m + 15) / 16;
+    i64 ldw = K * 2, nt = (m + 15) / 16, plane = nt * (K / 2) * 64; /* bytes a part of P */
     for (i64 r = 0; r < R; r += 64) { /* rows past R within the 64 (the caller's buffer has them): not stored */
         const uint8_t *w = (const uint8_t *)(W + r * K);
         for (i64 n = 0; n < nt; n++) {
@@ -66,16 +70,40 @@ TA static void amx_dots(const uint16_t *W, i64 R, i64 K, const uint16_t *P, i64 
             _tile_zero(1);
             _tile_zero(2);
             _tile_zero(3);
-            for (i64 k = 0; k < K; k += 32) {
-                _tile_loadd(5, p + (k / 2) * 64, 64);
-                _tile_loadd(4, w + k * 2, ldw); /* the tile macros are statements (asm): one a line */
-                _tile_dpbf16ps(0, 4, 5);
-                _tile_loadd(4, w + 16 * ldw + k * 2, ldw);
-                _tile_dpbf16ps(1, 4, 5);
-                _tile_loadd(4, w + 32 * ldw + k * 2, ldw);
-                _tile_dpbf16ps(2, 4, 5);
-                _tile_loadd(4, w + 48 * ldw + k * 2, ldw);
-                _tile_dpbf16ps(3, 4, 5);
+            if (parts == 1) {
+                for (i64 k = 0; k < K; k += 32) {
+                    _tile_loadd(5, p + (k / 2) * 64, 64);
+                    _tile_loadd(4, w + k * 2, ldw); /* the tile macros are statements (asm): one a line */
+                    _tile_dpbf16ps(0, 4, 5);
+                    _tile_loadd(4, w + 16 * ldw + k * 2, ldw);
+                    _tile_dpbf16ps(1, 4, 5);
+                    _tile_loadd(4, w + 32 * ldw + k * 2, ldw);
+                    _tile_dpbf16ps(2, 4, 5);
+                    _tile_loadd(4, w + 48 * ldw + k * 2, ldw);
+                    _tile_dpbf16ps(3, 4, 5);
+                }
+            } else { /* three parts (hi, mid, lo: the tokens' f32 values exactly), one weight tile load for all */
+                for (i64 k = 0; k < K; k += 32) {
+                    _tile_loadd(5, p + (k / 2) * 64, 64);
+                    _tile_loadd(6, p + plane + (k / 2) * 64, 64);
+                    _tile_loadd(7, p + 2 * plane + (k / 2) * 64, 64);
+                    _tile_loadd(4, w + k * 2, ldw);
+                    _tile_dpbf16ps(0, 4, 5);
+                    _tile_dpbf16ps(0, 4, 6);
+                    _tile_dpbf16ps(0, 4, 7);
+                    _tile_loadd(4, w + 16 * ldw + k * 2, ldw);
+                    _tile_dpbf16ps(1, 4, 5);
+                    _tile_dpbf16ps(1, 4, 6);
+                    _tile_dpbf16ps(1, 4, 7);
+                    _tile_loadd(4, w + 32 * ldw + k * 2, ldw);
+                    _tile_dpbf16ps(2, 4, 5);
+                    _tile_dpbf16ps(2, 4, 6);
+                    _tile_dpbf16ps(2, 4, 7);
+                    _tile_loadd(4, w + 48 * ldw + k * 2, ldw);
+                    _tile_dpbf16ps(3, 4, 5);
+                    _tile_dpbf16ps(3, 4, 6);
+                    _tile_dpbf16ps(3, 4, 7);
+                }
             }
             for (int b = 0; b < 4; b++) {
                 if (b == 0) _tile_stored(0, o, 64);
@@ -94,17 +122,18 @@ TA static void amx_dots(const uint16_t *W, i64 R, i64 K, const uint16_t *P, i64 
 int lumen_amx_usable(void) { return 0; }
 #endif
 
-/* C[r * ldc + t] = gs * (row r of W, bf16, K apart) . (token t of P, lumen_bf16_pack's layout), r < R, t < m. W must
- * hold rows up to R rounded up to 64 (the extra rows are read, not stored); K a multiple of 32. Returns 0 where this
- * CPU or process cannot run AMX (the caller keeps its f32 path). */
-i64 lumen_amx_dots(const uint16_t *W, i64 R, i64 K, const uint16_t *P, i64 m, float *C, i64 ldc, float gs) {
+/* C[r * ldc + t] = gs * (row r of W, bf16, K apart) . (token t of P, lumen_bf16_from_pairs' layout, summed over its
+ * `parts` (1 or 3) planes), r < R, t < m. W must hold rows up to R rounded up to 64 (the extra rows are read, not
+ * stored); K a multiple of 32. Returns 0 where this CPU or process cannot run AMX (the caller keeps its f32 path). */
+i64 lumen_amx_dots(const uint16_t *W, i64 R, i64 K, const uint16_t *P, i64 m, i64 parts, float *C, i64 ldc,
+                   float gs) {
 #ifdef LUMEN_AMX
-    if (lumen_level >= 4 && K % 32 == 0) {
-        if (R > 0 && m > 0) amx_dots(W, R, K, P, m, C, ldc, gs);
+    if (lumen_level >= 4 && K % 32 == 0 && (parts == 1 || parts == 3)) {
+        if (R > 0 && m > 0) amx_dots(W, R, K, P, m, parts, C, ldc, gs);
         return 1;
     }
 #endif
-    (void)W, (void)R, (void)K, (void)P, (void)m, (void)C, (void)ldc, (void)gs;
+    (void)W, (void)R, (void)K, (void)P, (void)m, (void)parts, (void)C, (void)ldc, (void)gs;
     return 0;
 }
 
@@ -112,41 +141,6 @@ static inline uint16_t bf16_rne(float f) { /* f32 -> bf16, rounded to nearest ev
     uint32_t u;
     memcpy(&u, &f, 4);
     return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
-
-#ifdef LUMEN_AMX
-TB static void pack_avx512(const float *X, i64 ldx, const i64 *idx, i64 m, i64 K, uint32_t *P) {
-    for (i64 t = 0; t < m; t++) {
-        const float *x = X + idx[t] * ldx;
-        uint32_t *p = P + (t / 16) * (K / 2) * 16 + t % 16, pairs[16];
-        for (i64 k = 0; k < K; k += 32) { /* 32 values: 16 (even, odd) pairs, each one 32-bit word of P */
-            __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + k + 16), _mm512_loadu_ps(x + k));
-            _mm512_storeu_si512((void *)pairs, (__m512i)v);
-            for (int q = 0; q < 16; q++) p[(k / 2 + q) * 16] = pairs[q];
-        }
-    }
-}
-#endif
-
-/* tokens X[idx[t]] (t < m, K f32 each, rows ldx apart) -> P: per 16 tokens a tile of K / 2 rows of 16 (even, odd)
- * bf16 pairs (rounded to nearest even), tokens past m zero */
-void lumen_bf16_pack(const float *X, i64 ldx, const i64 *idx, i64 m, i64 K, uint16_t *P) {
-    i64 nt = (m + 15) / 16;
-    memset(P, 0, (size_t)(nt * (K / 2) * 32) * 2);
-#ifdef LUMEN_AMX
-    if (lumen_level >= 4 && K % 32 == 0) {
-        pack_avx512(X, ldx, idx, m, K, (uint32_t *)P);
-        return;
-    }
-#endif
-    for (i64 t = 0; t < m; t++) {
-        const float *x = X + idx[t] * ldx;
-        uint16_t *p = P + (t / 16) * (K / 2) * 32 + (t % 16) * 2;
-        for (i64 k = 0; k < K; k += 2) {
-            p[(k / 2) * 32] = bf16_rne(x[k]);
-            p[(k / 2) * 32 + 1] = bf16_rne(x[k + 1]);
-        }
-    }
 }
 
 #ifdef LUMEN_AMX
@@ -221,11 +215,10 @@ void lumen_fp8_decode_rows_bf16(const uint8_t *w, i64 ldw, i64 r0, i64 n, i64 K,
         }
 }
 
-/* The fp8 experts' tokens, in two steps (an expert's rows come in row blocks, each with its own row of column-block
- * scales): lumen_f32_pairs puts an expert's tokens once into lumen_bf16_pack's layout, in f32 (F: per 16 tokens K / 2
- * rows of 16 (even, odd) f32 pairs; tokens past m zero); lumen_bf16_from_pairs then makes P for one row block:
- * bf16 (rounded to nearest even) of F times srow[k / bc] (srow NULL: none; bc even, so a pair shares its scale),
- * contiguous vectors, where packing the tokens anew for each row block scatters every value. */
+/* The tokens in two steps (fp8 rows come in row blocks, each with its own row of column-block scales, so their tokens
+ * are scaled anew for each): lumen_f32_pairs lays an expert's tokens out once, in f32 (F: per 16 tokens K / 2 rows of
+ * 16 (even, odd) f32 pairs; tokens past m zero); lumen_bf16_from_pairs then makes the bf16 planes from F in contiguous
+ * vectors, where packing the tokens anew for each row block would scatter every value. */
 void lumen_f32_pairs(const float *X, i64 ldx, const i64 *idx, i64 m, i64 K, float *F) {
     i64 nt = (m + 15) / 16;
     memset(F, 0, (size_t)(nt * (K / 2) * 32) * 4);
@@ -237,24 +230,54 @@ void lumen_f32_pairs(const float *X, i64 ldx, const i64 *idx, i64 m, i64 K, floa
 }
 
 #ifdef LUMEN_AMX
-TB static void from_pairs_avx512(const float *F, i64 rows, const float *srow, i64 bc, uint16_t *P) {
+TB static inline __m512 bf16_f32(__m256bh h) { /* exact widening */
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)h), 16));
+}
+
+TB static inline void put32(uint16_t *P, __m256bh a, __m256bh b) { /* 16 + 16 bf16 -> 32 consecutive */
+    _mm512_storeu_si512((void *)P, _mm512_inserti64x4(_mm512_castsi256_si512((__m256i)a), (__m256i)b, 1));
+}
+
+TB static void from_pairs_avx512(const float *F, i64 rows, const float *srow, i64 bc, i64 parts, i64 plane,
+                                 uint16_t *P) {
     for (i64 r = 0; r < rows; r++) { /* a row: one column pair k = 2 (r % (K / 2)) of 16 tokens */
         __m512 a = _mm512_loadu_ps(F + 32 * r), b = _mm512_loadu_ps(F + 32 * r + 16);
         if (srow) {
             __m512 sc = _mm512_set1_ps(srow[r * 2 / bc]);
             a = _mm512_mul_ps(a, sc), b = _mm512_mul_ps(b, sc);
         }
-        _mm512_storeu_si512((void *)(P + 32 * r), (__m512i)_mm512_cvtne2ps_pbh(b, a));
+        __m256bh ha = _mm512_cvtneps_pbh(a), hb = _mm512_cvtneps_pbh(b);
+        put32(P + 32 * r, ha, hb);
+        if (parts == 3) { /* a = hi + mid + lo exactly: each rest has 8 fewer significant bits */
+            a = _mm512_sub_ps(a, bf16_f32(ha)), b = _mm512_sub_ps(b, bf16_f32(hb));
+            __m256bh ma = _mm512_cvtneps_pbh(a), mb = _mm512_cvtneps_pbh(b);
+            put32(P + plane + 32 * r, ma, mb);
+            a = _mm512_sub_ps(a, bf16_f32(ma)), b = _mm512_sub_ps(b, bf16_f32(mb));
+            put32(P + 2 * plane + 32 * r, _mm512_cvtneps_pbh(a), _mm512_cvtneps_pbh(b));
+        }
     }
 }
 #endif
 
-void lumen_bf16_from_pairs(const float *F, i64 m, i64 K, const float *srow, i64 bc, uint16_t *P) {
-    i64 nt = (m + 15) / 16;
+static inline float bf16_back(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* P = `parts` (1 or 3) planes of lumen_f32_pairs' layout in bf16 (each nt * (K / 2) * 32 values, nt = tokens / 16
+ * rounded up): 1: bf16 (rounded to nearest even) of F times srow[k / bc] (srow NULL: none; bc even, so a pair shares
+ * its scale), what cpu.compute-quantization bf16 multiplies; 3: hi, mid, lo with hi + mid + lo = that f32 value
+ * exactly (hi = bf16(v), mid = bf16(v - hi), lo = v - hi - mid: 24 significant bits in three 8s), so the AMX sums
+ * equal an f32 product's up to the order of the additions (and bf16's flush of values below 2^-126): the exact
+ * prefill. */
+void lumen_bf16_from_pairs(const float *F, i64 m, i64 K, const float *srow, i64 bc, i64 parts, uint16_t *P) {
+    i64 nt = (m + 15) / 16, plane = nt * (K / 2) * 32;
 #ifdef LUMEN_AMX
     if (lumen_level >= 4) {
         for (i64 n = 0; n < nt; n++)
-            from_pairs_avx512(F + n * (K / 2) * 32, K / 2, srow, bc, P + n * (K / 2) * 32);
+            from_pairs_avx512(F + n * (K / 2) * 32, K / 2, srow, bc, parts, plane, P + n * (K / 2) * 32);
         return;
     }
 #endif
@@ -263,7 +286,15 @@ void lumen_bf16_from_pairs(const float *F, i64 m, i64 K, const float *srow, i64 
             float sc = srow ? srow[r * 2 / bc] : 1.f;
             for (int q = 0; q < 32; q++) {
                 i64 at = (n * (K / 2) + r) * 32 + q;
-                P[at] = bf16_rne(srow ? F[at] * sc : F[at]);
+                float v = srow ? F[at] * sc : F[at];
+                uint16_t h = bf16_rne(v);
+                P[at] = h;
+                if (parts == 3) {
+                    v -= bf16_back(h);
+                    h = bf16_rne(v);
+                    P[plane + at] = h;
+                    P[2 * plane + at] = bf16_rne(v - bf16_back(h));
+                }
             }
         }
 }

@@ -12,8 +12,9 @@ sum over a token's slots is then taken in slot order (j = 0 .. k-1) by numba.
 One token (decode) reads each routed expert's bytes once, spread over every core: what ``experts: {compute: cpu}``
 placements spend most of their time on. With the C kernels built, one token's fp8 / NVFP4 experts skip the two
 kernels: ``_one_token`` runs them in one parallel region (``native.moe_token``: C workers claiming tasks, rows read
-``PREFETCH`` bytes ahead; NVFP4 with 8-bit activations under cpu.compute-quantization int8). Under bf16, NVFP4 and fp8
-rows shared by several tokens are multiplied in AMX bf16 tiles where the CPU has them (lumen_cpu/_native_amx.c).
+``PREFETCH`` bytes ahead; NVFP4 with 8-bit activations under cpu.compute-quantization int8). Where the CPU has AMX,
+NVFP4 and fp8 rows shared by several tokens are multiplied in AMX bf16 tiles (lumen_cpu/_native_amx.c): exact bf16
+rows, the tokens as three bf16 planes summing to their f32 values (exact), or one rounded under bf16.
 The per-expert path it replaces (``ops.moe_experts``: a parallel GEMV
 launch per matrix, ~24 launches a layer, or a serial tile dequantization per expert in prefill) stays the
 reference and the fallback (mixed formats or shapes, other formats).
@@ -34,7 +35,6 @@ from .fp8 import decode_dot, decode_row, dot, expand_scales, scale_x
 from .native import (
     amx_dots,
     bf16_from_pairs,
-    bf16_pack,
     f32_dots,
     f32_pairs,
     fp8_decode_rows_bf16,
@@ -162,12 +162,12 @@ def _down_tokens(buf, r0, r1, h, slots, i0, m, cd, ys):
 
 
 @njit(inline="always")
-def _pairs_scratch(amx, K, most):  # the fp8 bf16 mode's tokens in f32 pairs (lumen_f32_pairs)
-    return np.empty((most + 15) // 16 * (K // 2) * 32 if amx else 1, F32)
+def _pairs_scratch(parts, K, most):  # the AMX path's tokens in f32 pairs (lumen_f32_pairs)
+    return np.empty((most + 15) // 16 * (K // 2) * 32 if parts else 1, F32)
 
 
 @njit(cache=True, parallel=True, fastmath=True)
-def _gate_up_scaled(G, U, SG, SU, br, bc, kind, x, experts, offs, toks, h, act, threads, most, amx):
+def _gate_up_scaled(G, U, SG, SU, br, bc, kind, x, experts, offs, toks, h, act, threads, most, parts):
     n, I, K = experts.shape[0], h.shape[1], x.shape[1]
     nch = (I + CHUNK - 1) // CHUNK
     ntask = n * nch
@@ -175,8 +175,8 @@ def _gate_up_scaled(G, U, SG, SU, br, bc, kind, x, experts, offs, toks, h, act, 
     for w in prange(nw):  # one worker a thread: its scratch allocated once, not per task
         bg, bu, eg, eu = np.empty((CHUNK, K), F32), np.empty((CHUNK, K), F32), np.empty(K, F32), np.empty(K, F32)
         gate, cg, cu = np.empty(CHUNK, F32), np.empty((CHUNK, most), F32), np.empty((CHUNK, most), F32)
-        bg16, bu16, pg = _amx_scratch(amx, K, most)
-        pu, pf = pg.copy(), _pairs_scratch(amx, K, most)
+        bg16, bu16, pg = _amx_scratch(parts, K, most)
+        pu, pf = pg.copy(), _pairs_scratch(parts, K, most)
         paired = packed = -1  # the slot group whose tokens pf holds; the (group, row block) pg / pu are made for
         t0, t1 = _share(ntask, w, nw)
         for task in range(t0, t1):
@@ -185,19 +185,19 @@ def _gate_up_scaled(G, U, SG, SU, br, bc, kind, x, experts, offs, toks, h, act, 
             e = experts[j]
             g, u, sg, su = G[e], U[e], SG[e], SU[e]
             m = offs[j + 1] - offs[j]
-            if amx and m > 1:  # cpu.compute-quantization bf16 (fp8): exact bf16 rows, tokens x the chunk's row of
-                rb = r0 // br  # block scales rounded to bf16, AMX tiles (the chunk lies in one row block)
+            if parts and m > 1:  # AMX tiles (_native_amx.c): exact bf16 rows; the tokens times the chunk's row of
+                rb = r0 // br  # block scales (the chunk lies in one row block) as `parts` bf16 planes
                 fp8_decode_rows_bf16(g.ctypes.data, K, r0, r1 - r0, K, I, bg16.ctypes.data, K)
                 fp8_decode_rows_bf16(u.ctypes.data, K, r0, r1 - r0, K, I, bu16.ctypes.data, K)
                 if paired != j:  # a worker's tasks are consecutive chunks: the tokens laid out once an expert,
                     f32_pairs(x.ctypes.data, K, toks[offs[j]:].ctypes.data, m, K, pf.ctypes.data)
                     paired = j
                 if packed != j * nch + rb:  # and scaled once a row block
-                    bf16_from_pairs(pf.ctypes.data, m, K, sg[rb].ctypes.data, bc, pg.ctypes.data)
-                    bf16_from_pairs(pf.ctypes.data, m, K, su[rb].ctypes.data, bc, pu.ctypes.data)
+                    bf16_from_pairs(pf.ctypes.data, m, K, sg[rb].ctypes.data, bc, parts, pg.ctypes.data)
+                    bf16_from_pairs(pf.ctypes.data, m, K, su[rb].ctypes.data, bc, parts, pu.ctypes.data)
                     packed = j * nch + rb
-                amx_dots(bg16.ctypes.data, r1 - r0, K, pg.ctypes.data, m, cg.ctypes.data, most, F32(1))
-                amx_dots(bu16.ctypes.data, r1 - r0, K, pu.ctypes.data, m, cu.ctypes.data, most, F32(1))
+                amx_dots(bg16.ctypes.data, r1 - r0, K, pg.ctypes.data, m, parts, cg.ctypes.data, most, F32(1))
+                amx_dots(bu16.ctypes.data, r1 - r0, K, pu.ctypes.data, m, parts, cu.ctypes.data, most, F32(1))
                 for r in range(r0, r1):
                     for i in range(m):
                         h[offs[j] + i, r] = _act(cg[r - r0, i], act) * cu[r - r0, i]
@@ -229,7 +229,7 @@ def _gate_up_scaled(G, U, SG, SU, br, bc, kind, x, experts, offs, toks, h, act, 
 
 
 @njit(cache=True, parallel=True, fastmath=True)
-def _down_scaled(D, SD, br, bc, kind, h, experts, offs, ys, threads, most, amx):
+def _down_scaled(D, SD, br, bc, kind, h, experts, offs, ys, threads, most, parts):
     n, H, I = experts.shape[0], ys.shape[1], h.shape[1]
     nch = (H + CHUNK - 1) // CHUNK
     ntask = n * nch
@@ -237,8 +237,8 @@ def _down_scaled(D, SD, br, bc, kind, h, experts, offs, ys, threads, most, amx):
     slots = np.arange(h.shape[0])
     for w in prange(nw):
         buf, ed, cd = np.empty((CHUNK, I), F32), np.empty(I, F32), np.empty((CHUNK, most), F32)
-        bd16, _, pb = _amx_scratch(amx, I, most)
-        pf = _pairs_scratch(amx, I, most)
+        bd16, _, pb = _amx_scratch(parts, I, most)
+        pf = _pairs_scratch(parts, I, most)
         paired = packed = -1
         t0, t1 = _share(ntask, w, nw)
         for task in range(t0, t1):
@@ -246,16 +246,16 @@ def _down_scaled(D, SD, br, bc, kind, h, experts, offs, ys, threads, most, amx):
             e = experts[j]
             d, sd = D[e], SD[e]
             m = offs[j + 1] - offs[j]
-            if amx and m > 1:  # as _gate_up_scaled's
+            if parts and m > 1:  # as _gate_up_scaled's
                 r1, rb = min(r0 + CHUNK, H), r0 // br
                 fp8_decode_rows_bf16(d.ctypes.data, I, r0, r1 - r0, I, H, bd16.ctypes.data, I)
                 if paired != j:
                     f32_pairs(h.ctypes.data, I, slots[offs[j]:].ctypes.data, m, I, pf.ctypes.data)
                     paired = j
                 if packed != j * nch + rb:
-                    bf16_from_pairs(pf.ctypes.data, m, I, sd[rb].ctypes.data, bc, pb.ctypes.data)
+                    bf16_from_pairs(pf.ctypes.data, m, I, sd[rb].ctypes.data, bc, parts, pb.ctypes.data)
                     packed = j * nch + rb
-                amx_dots(bd16.ctypes.data, r1 - r0, I, pb.ctypes.data, m, cd.ctypes.data, most, F32(1))
+                amx_dots(bd16.ctypes.data, r1 - r0, I, pb.ctypes.data, m, parts, cd.ctypes.data, most, F32(1))
                 for r in range(r0, r1):
                     for i in range(m):
                         ys[offs[j] + i, r] = cd[r - r0, i]
@@ -283,15 +283,15 @@ def _dot_bits_scratch(K):  # dot_bits' scratch for rows of K values: x's even an
 
 
 @njit(inline="always")
-def _amx_scratch(amx, K, most):  # the bf16 mode's buffers: two chunks of bf16 rows, the packed tokens
-    if not amx:
+def _amx_scratch(parts, K, most):  # the AMX path's buffers: two chunks of bf16 rows, the tokens' bf16 planes
+    if not parts:
         return np.zeros((1, 1), np.uint16), np.zeros((1, 1), np.uint16), np.empty(1, np.uint16)
     return (np.zeros((CHUNK, K), np.uint16), np.zeros((CHUNK, K), np.uint16),
-            np.empty((most + 15) // 16 * (K // 2) * 32, np.uint16))
+            np.empty(parts * ((most + 15) // 16) * (K // 2) * 32, np.uint16))
 
 
 @njit(cache=True, parallel=True, fastmath=True)
-def _gate_up_nvfp4(G, U, BG, BU, gsg, gsu, e4m3, x, experts, offs, toks, h, act, threads, most, compiled, amx):
+def _gate_up_nvfp4(G, U, BG, BU, gsg, gsu, e4m3, x, experts, offs, toks, h, act, threads, most, compiled, parts):
     n, I, K = experts.shape[0], h.shape[1], x.shape[1]
     nch = (I + CHUNK - 1) // CHUNK
     ntask = n * nch
@@ -301,7 +301,8 @@ def _gate_up_nvfp4(G, U, BG, BU, gsg, gsu, e4m3, x, experts, offs, toks, h, act,
         gate = np.empty(CHUNK, F32)
         cg, cu = np.empty((CHUNK, most), F32), np.empty((CHUNK, most), F32)
         xe, xo, sb = _dot_bits_scratch(K)
-        bg16, bu16, pb = _amx_scratch(amx, K, most)
+        bg16, bu16, pb = _amx_scratch(parts, K, most)
+        pf = _pairs_scratch(parts, K, most)
         packed = -1  # the slot group whose tokens pb holds
         t0, t1 = _share(ntask, w, nw)
         for task in range(t0, t1):
@@ -317,16 +318,17 @@ def _gate_up_nvfp4(G, U, BG, BU, gsg, gsu, e4m3, x, experts, offs, toks, h, act,
                     h[offs[j], r] = _act(gate[r - r0], act) * dot_bits(u[r], bus[r], gsu[e], xe, xo, e4m3, sb)
                 continue
             r1, m = min(r0 + CHUNK, I), offs[j + 1] - offs[j]
-            if amx:  # cpu.compute-quantization bf16: exact bf16 rows, tokens rounded to bf16, AMX tiles
+            if parts:  # AMX tiles (_native_amx.c): exact bf16 rows, the tokens as `parts` bf16 planes
                 nvfp4_decode_rows_bf16(g.ctypes.data, K // 2, bgs.ctypes.data, K // 16, r0, r1 - r0, K,
                                        bg16.ctypes.data, K)
                 nvfp4_decode_rows_bf16(u.ctypes.data, K // 2, bus.ctypes.data, K // 16, r0, r1 - r0, K,
                                        bu16.ctypes.data, K)
                 if packed != j:  # a worker's tasks are consecutive chunks: an expert's tokens are packed once
-                    bf16_pack(x.ctypes.data, K, toks[offs[j]:].ctypes.data, m, K, pb.ctypes.data)
+                    f32_pairs(x.ctypes.data, K, toks[offs[j]:].ctypes.data, m, K, pf.ctypes.data)
+                    bf16_from_pairs(pf.ctypes.data, m, K, 0, 2, parts, pb.ctypes.data)
                     packed = j
-                amx_dots(bg16.ctypes.data, r1 - r0, K, pb.ctypes.data, m, cg.ctypes.data, most, gsg[e])
-                amx_dots(bu16.ctypes.data, r1 - r0, K, pb.ctypes.data, m, cu.ctypes.data, most, gsu[e])
+                amx_dots(bg16.ctypes.data, r1 - r0, K, pb.ctypes.data, m, parts, cg.ctypes.data, most, gsg[e])
+                amx_dots(bu16.ctypes.data, r1 - r0, K, pb.ctypes.data, m, parts, cu.ctypes.data, most, gsu[e])
                 for r in range(r0, r1):
                     for i in range(m):
                         h[offs[j] + i, r] = _act(cg[r - r0, i], act) * cu[r - r0, i]
@@ -346,7 +348,7 @@ def _gate_up_nvfp4(G, U, BG, BU, gsg, gsu, e4m3, x, experts, offs, toks, h, act,
 
 
 @njit(cache=True, parallel=True, fastmath=True)
-def _down_nvfp4(D, BD, gsd, e4m3, h, experts, offs, ys, threads, most, compiled, amx):
+def _down_nvfp4(D, BD, gsd, e4m3, h, experts, offs, ys, threads, most, compiled, parts):
     n, H, I = experts.shape[0], ys.shape[1], h.shape[1]
     nch = (H + CHUNK - 1) // CHUNK
     ntask = n * nch
@@ -355,7 +357,8 @@ def _down_nvfp4(D, BD, gsd, e4m3, h, experts, offs, ys, threads, most, compiled,
     for w in prange(nw):
         buf, ed, cd = np.empty((CHUNK, I), F32), np.empty(I, F32), np.empty((CHUNK, most), F32)
         he, ho, sb = _dot_bits_scratch(I)
-        bd16, _, pb = _amx_scratch(amx, I, most)
+        bd16, _, pb = _amx_scratch(parts, I, most)
+        pf = _pairs_scratch(parts, I, most)
         packed = -1
         t0, t1 = _share(ntask, w, nw)
         for task in range(t0, t1):
@@ -368,13 +371,14 @@ def _down_nvfp4(D, BD, gsd, e4m3, h, experts, offs, ys, threads, most, compiled,
                     ys[offs[j], r] = dot_bits(d[r], bd[r], gsd[e], he, ho, e4m3, sb)
                 continue
             r1, m = min(r0 + CHUNK, H), offs[j + 1] - offs[j]
-            if amx:
+            if parts:
                 nvfp4_decode_rows_bf16(d.ctypes.data, I // 2, bd.ctypes.data, I // 16, r0, r1 - r0, I,
                                        bd16.ctypes.data, I)
                 if packed != j:
-                    bf16_pack(h.ctypes.data, I, slots[offs[j]:].ctypes.data, m, I, pb.ctypes.data)
+                    f32_pairs(h.ctypes.data, I, slots[offs[j]:].ctypes.data, m, I, pf.ctypes.data)
+                    bf16_from_pairs(pf.ctypes.data, m, I, 0, 2, parts, pb.ctypes.data)
                     packed = j
-                amx_dots(bd16.ctypes.data, r1 - r0, I, pb.ctypes.data, m, cd.ctypes.data, most, gsd[e])
+                amx_dots(bd16.ctypes.data, r1 - r0, I, pb.ctypes.data, m, parts, cd.ctypes.data, most, gsd[e])
                 for r in range(r0, r1):
                     for i in range(m):
                         ys[offs[j] + i, r] = cd[r - r0, i]
@@ -583,6 +587,14 @@ def _one_token(L: _Layer, x, ids, weights, act: int):
     return native.moe_token(fmt, L.addresses, gs, blk, L.I, x, ids, weights, act, get_num_threads(), CGU, CD, PREFETCH)
 
 
+EXACT_PARTS = 3  # the default AMX prefill: tokens as hi + mid + lo bf16 planes, exact (_native_amx.c)
+
+
+def _parts(L: _Layer) -> int:
+    """The tokens' bf16 planes in the AMX tiles: 1 under cpu.compute-quantization bf16 (rounded), else 3 (exact)."""
+    return 1 if L.bf16 else EXACT_PARTS
+
+
 def _run(L: _Layer, x, ids, weights, out, t0: int, act: int) -> None:
     T, k = ids.shape
     order, experts, offs, toks = _sort_slots(np.ascontiguousarray(ids).reshape(-1), len(L.data[0]), k, t0)
@@ -594,19 +606,21 @@ def _run(L: _Layer, x, ids, weights, out, t0: int, act: int) -> None:
     if L.fmt in KIND:
         (bg, cg), _, (bd, cd) = L.blocks
         kind = KIND[L.fmt]
-        # cpu.compute-quantization bf16 (fp8 experts): AMX tiles where this CPU and process have them and a chunk
-        # of CHUNK rows lies in one row block of scales and a column pair under one scale (else the f32 path)
-        amx = (native.available and L.bf16 and native.level == "amx" and L.dense and L.H % 32 == 0
+        # fp8 experts in AMX tiles where this CPU and process have them and a chunk of CHUNK rows lies in one row
+        # block of scales, a column pair under one scale (else the f32 path)
+        amx = (L.fmt == "fp8" and native.available and native.level == "amx" and L.dense and L.H % 32 == 0
                and L.I % 32 == 0 and (bg % CHUNK == 0 or bg >= L.I) and (bd % CHUNK == 0 or bd >= L.H)
                and cg % 2 == 0 and cd % 2 == 0)
+        parts = _parts(L) if amx else 0
         _gate_up_scaled(L.data[0], L.data[1], L.scales[0], L.scales[1], bg, cg, kind, x, experts, offs, toks, h,
-                        act, threads, most, amx)
-        _down_scaled(L.data[2], L.scales[2], bd, cd, kind, h, experts, offs, ys, threads, most, amx)
+                        act, threads, most, parts)
+        _down_scaled(L.data[2], L.scales[2], bd, cd, kind, h, experts, offs, ys, threads, most, parts)
     else:
         compiled = native.available and L.dense  # the C decoder steps by whole rows
-        # cpu.compute-quantization bf16: AMX tiles where this CPU and process have them (else the f32 path)
-        amx = compiled and L.bf16 and native.level == "amx" and L.H % 32 == 0 and L.I % 32 == 0
+        # AMX tiles where this CPU and process have them (else the f32 path)
+        amx = compiled and native.level == "amx" and L.H % 32 == 0 and L.I % 32 == 0
+        parts = _parts(L) if amx else 0
         _gate_up_nvfp4(L.data[0], L.data[1], L.scales[0], L.scales[1], L.gs[0], L.gs[1], E4M3, x, experts,
-                       offs, toks, h, act, threads, most, compiled, amx)
-        _down_nvfp4(L.data[2], L.scales[2], L.gs[2], E4M3, h, experts, offs, ys, threads, most, compiled, amx)
+                       offs, toks, h, act, threads, most, compiled, parts)
+        _down_nvfp4(L.data[2], L.scales[2], L.gs[2], E4M3, h, experts, offs, ys, threads, most, compiled, parts)
     _combine(ys, order, np.ascontiguousarray(weights, dtype=F32), k, out)

@@ -13,9 +13,9 @@ Environment (read once, at import):
 
 - ``LUMEN_CPU_NATIVE=0``: do not load the library (the numba kernels run; for comparisons).
 - ``LUMEN_CPU_ISA=amx|avx512vnni|avx512|avx2|scalar``: the highest instruction set the kernels may use (default: the
-  highest); the CPU's own support caps it (amx: AMX-BF16 tiles, granted by the OS, used by the bf16 mode's prefill
+  highest); the CPU's own support caps it (amx: AMX-BF16 tiles, granted by the OS, used by the experts' prefill
   products, _native_amx.c). ``level`` is the one in use.
-- ``LUMEN_CPU_PREFETCH=BYTES``: how far ahead of use the int8 layout's row kernels (and the bf16 mode's fp8 row
+- ``LUMEN_CPU_PREFETCH=BYTES``: how far ahead of use the int8 layout's row kernels (and the AMX prefill's fp8 row
   decoder) prefetch their rows (default 16384; 0: not at all; see _native.h). For tuning and comparisons.
 """
 
@@ -65,7 +65,7 @@ PREFETCH = 16384
 
 
 def prefetch(nbytes: int) -> None:
-    """Let the int8 row kernels (and the bf16 mode's fp8 row decoder) prefetch ``nbytes`` ahead from now on (0:
+    """Let the int8 row kernels (and the AMX prefill's fp8 row decoder) prefetch ``nbytes`` ahead from now on (0:
     none); LUMEN_CPU_PREFETCH sets it at import."""
     if not _lib:
         raise RuntimeError("lumen_cpu's C kernels are not loaded (native.available is False)")
@@ -165,7 +165,7 @@ def _pointer(typingctx, addr, dtype):
 def _register_fallbacks() -> None:
     """Without the library: ``lumen_nvfp4_decode_rows``, ``lumen_i8_rows`` and ``lumen_i8_rows_q8`` as numba cfuncs
     (the same values; f32 sums in another order), ``lumen_i8_gemm``, ``lumen_f32_dots`` and ``lumen_amx_dots`` as
-    ones that decline (their callers' numba kernels run), and the bf16 mode's decoder and packer as empty stand-ins
+    ones that decline (their callers' numba kernels run), and the AMX prefill's decoders and packers as empty stand-ins
     (called only at the amx level, which needs the library), so that the kernels that call them link."""
     from llvmlite import binding
     from numba import carray, cfunc
@@ -252,9 +252,9 @@ def _register_fallbacks() -> None:
     def dots(B, R, K, X, ldx, idx, m, C, ldc):
         return 0  # not done here: moe_fused._dots runs its numba kernel
 
-    @cfunc(types.int64(*[_i] * 7, types.float32), cache=True)
-    def amx(W, R, K, P, m, C, ldc, gs):
-        return 0  # no AMX without the library: the bf16 mode's callers keep the f32 path (and never pack)
+    @cfunc(types.int64(*[_i] * 8, types.float32), cache=True)
+    def amx(W, R, K, P, m, parts, C, ldc, gs):
+        return 0  # no AMX without the library: the AMX prefill's callers keep the f32 path (and never pack)
 
     @cfunc(types.void(*[_i] * 9), cache=True)
     def decode16(w, ldw, s, lds, r0, n, K, out, ldo):
@@ -265,21 +265,17 @@ def _register_fallbacks() -> None:
         pass  # link-only, as decode16
 
     @cfunc(types.void(*[_i] * 6), cache=True)
-    def pack(X, ldx, idx, m, K, P):
-        pass  # link-only, as decode16
-
-    @cfunc(types.void(*[_i] * 6), cache=True)
     def pairs(X, ldx, idx, m, K, F):
         pass  # link-only, as decode16
 
-    @cfunc(types.void(*[_i] * 6), cache=True)
-    def from_pairs(F, m, K, srow, bc, P):
+    @cfunc(types.void(*[_i] * 7), cache=True)
+    def from_pairs(F, m, K, srow, bc, parts, P):
         pass  # link-only, as decode16
 
     for name, f in (("lumen_nvfp4_decode_rows", decode), ("lumen_i8_rows", i8), ("lumen_i8_rows_q8", i8q),
                     ("lumen_i8_gemm", i8_gemm), ("lumen_f32_dots", dots), ("lumen_amx_dots", amx),
                     ("lumen_nvfp4_decode_rows_bf16", decode16), ("lumen_fp8_decode_rows_bf16", decode8),
-                    ("lumen_bf16_pack", pack), ("lumen_f32_pairs", pairs), ("lumen_bf16_from_pairs", from_pairs)):
+                    ("lumen_f32_pairs", pairs), ("lumen_bf16_from_pairs", from_pairs)):
         binding.add_symbol(name, f.address)
         _fallbacks.append(f)
 
@@ -339,18 +335,18 @@ nvfp4_rows_q8 = types.ExternalFunction("lumen_nvfp4_rows_q8",
 # where it has no kernel (below AVX-512, K not a multiple of 16; without the library: the cfunc) and computed
 # nothing: moe_fused's numba kernel runs then.
 f32_dots = types.ExternalFunction("lumen_f32_dots", types.int64(*[_i] * 9))
-# cpu.compute-quantization "bf16" (_native_amx.c): NVFP4 rows without the global scale, exact in bf16: (w, ldw, s, lds,
-# r0, n, K, out, ldo) with out uint16; fp8 rows without their block scales, exact in bf16, read LUMEN_CPU_PREFETCH
-# bytes ahead within the matrix's N rows: (w, ldw, r0, n, K, N, out, ldo); tokens X[idx[t]] packed for AMX: (X, ldx,
-# idx, m, K, P); the same layout in f32: (X, ldx, idx, m, K, F), and from it the bf16 one times a row of fp8 block
-# scales (srow, one per bc columns; 0: none): (F, m, K, srow, bc, P); and C[r * ldc + t] = gs * W[r] . token t: (W, R,
-# K, P, m, C, ldc, gs), returning 0 below the amx level (nothing computed).
+# Several tokens' NVFP4 / fp8 expert products in AMX tiles (_native_amx.c): NVFP4 rows without the global scale, exact
+# in bf16: (w, ldw, s, lds, r0, n, K, out, ldo) with out uint16; fp8 rows without their block scales, exact in bf16,
+# read LUMEN_CPU_PREFETCH bytes ahead within the matrix's N rows: (w, ldw, r0, n, K, N, out, ldo); tokens X[idx[t]]
+# laid out for the tiles in f32: (X, ldx, idx, m, K, F); from that, `parts` bf16 planes of the tokens times a row of
+# fp8 block scales (srow, one per bc columns; 0: none): 3 = hi + mid + lo, exact (the default), 1 = rounded to bf16
+# (cpu.compute-quantization bf16): (F, m, K, srow, bc, parts, P); and C[r * ldc + t] = gs * W[r] . token t summed
+# over the parts: (W, R, K, P, m, parts, C, ldc, gs), returning 0 below the amx level (nothing computed).
 nvfp4_decode_rows_bf16 = types.ExternalFunction("lumen_nvfp4_decode_rows_bf16", types.void(*[_i] * 9))
 fp8_decode_rows_bf16 = types.ExternalFunction("lumen_fp8_decode_rows_bf16", types.void(*[_i] * 8))
-bf16_pack = types.ExternalFunction("lumen_bf16_pack", types.void(*[_i] * 6))
 f32_pairs = types.ExternalFunction("lumen_f32_pairs", types.void(*[_i] * 6))
-bf16_from_pairs = types.ExternalFunction("lumen_bf16_from_pairs", types.void(*[_i] * 6))
-amx_dots = types.ExternalFunction("lumen_amx_dots", types.int64(*[_i] * 7, types.float32))
+bf16_from_pairs = types.ExternalFunction("lumen_bf16_from_pairs", types.void(*[_i] * 7))
+amx_dots = types.ExternalFunction("lumen_amx_dots", types.int64(*[_i] * 8, types.float32))
 # (x, K, xq, xs): x (K,) f32 -> xq (K,) int8 and xs (K / 16,) f32, a scale per 16 values
 quant16 = types.ExternalFunction("lumen_quant16", types.void(_i, _i, _i, _i))
 FP8, NVFP4, NVFP4_Q8 = 0, 1, 2  # lumen_moe_worker's formats
