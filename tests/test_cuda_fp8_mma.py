@@ -1,11 +1,11 @@
-"""The FP8 tensor-core prefill GEMM (kernels/gemm_fp8.cu, lumen_cuda.fp8_mma; opt-in LUMEN_CUDA_FP8_MMA=1) on a GPU
-of capability 8.9 or later (the H200 included), against its numpy model (lumen_cuda.fp8_mma_model; the model's own
-checks, CPU only: tests/test_fp8_mma_model.py).
+"""The fp8 tensor-core prefill GEMMs (kernels/gemm_fp8.cu, lumen_cuda.fp8_mma; opt-in LUMEN_CUDA_FP8_MMA=exact |
+e4m3) on a GPU of capability 8.9 or later (the H200 included), against their numpy model (lumen_cuda.fp8_mma_model;
+the model's own checks, CPU only: tests/test_fp8_mma_model.py).
 
 Written in a session without GPU time: these have not run yet (docs/cuda.md). They check that the module has the
-e4m3 MMA compiled in; that the quantizer's codes and scales are bit-identical to the model's; that the GEMM equals
-the model within an f32 summation bound (the MMA's internal order is not specified), at padded and real shapes; and
-that ``gemv.linear_fp8`` takes the kernel only with the option (without it, the exact ``gemm_split``).
+e4m3 instructions compiled in; that the e4m3 quantizer's codes and scales and the exact path's planes are
+bit-identical to the model's; that each GEMM equals its model within an f32 summation bound (the MMA's internal order
+is not specified), at padded and real shapes; and that ``gemv.linear_fp8`` takes a kernel only with the option.
 """
 
 from __future__ import annotations
@@ -50,6 +50,21 @@ def test_quantizer_equals_the_model_bit_for_bit(cp, mma, T, K):
 
 
 @pytest.mark.parametrize("T,N,K", [(5, 130, 256), (70, 260, 384), (64, 128, 128), (512, 4096, 4096)])
+def test_exact_gemm_equals_the_model_and_the_f32_product(cp, mma, T, N, K):
+    from lumen_cuda import fp8_mma_model as M
+
+    rng = np.random.default_rng(T + N + K + 1)
+    x = rng.normal(size=(T, K)).astype(F32)
+    codes, scale = weight(rng, N, K)
+    xp = mma.x_planes(cp.asarray(x))
+    np.testing.assert_array_equal(cp.asnumpy(xp), M.x_planes(x))
+    y = cp.asnumpy(mma.gemm_x3(xp, cp.asarray(codes), cp.asarray(scale)))
+    want = M.gemm_x3(M.x_planes(x), codes, scale)
+    assert y.shape == (T, N) and np.isfinite(y).all()
+    assert np.abs(y - want).max() <= 2e-6 * np.abs(want).max()
+
+
+@pytest.mark.parametrize("T,N,K", [(5, 130, 256), (70, 260, 384), (64, 128, 128), (512, 4096, 4096)])
 def test_gemm_equals_the_model(cp, mma, T, N, K):
     from lumen_cuda import fp8_mma_model as M
 
@@ -63,7 +78,7 @@ def test_gemm_equals_the_model(cp, mma, T, N, K):
     assert np.abs(y - want).max() <= 2e-5 * np.abs(want).max()
 
 
-def test_linear_fp8_takes_the_kernel_only_with_the_option(cp, mma, monkeypatch):
+def test_linear_fp8_takes_a_kernel_only_with_the_option(cp, mma, monkeypatch):
     from lumen_cuda import fp8_mma_model as M
     from lumen_cuda import gemv
 
@@ -75,15 +90,23 @@ def test_linear_fp8_takes_the_kernel_only_with_the_option(cp, mma, monkeypatch):
     x = rng.normal(size=(T, K)).astype(F32)
     codes, scale = weight(rng, N, K)
     w = Weight(cp.asarray(codes), "fp8", (N, K), cp.asarray(scale), (128, 128))
+    monkeypatch.delenv(M.OPTION, raising=False)
+    assert mma.mode(w) == ""
+    split = cp.asnumpy(gemv.linear_fp8(cp.asarray(x), w))
+    f32 = x.astype(np.float64) @ (M.E4M3[codes].astype(np.float64) * np.repeat(np.repeat(scale, 128, 0), 128, 1)).T
+    monkeypatch.setenv(M.OPTION, "exact")
+    assert mma.mode(w) == "exact"
     exact = cp.asnumpy(gemv.linear_fp8(cp.asarray(x), w))
-    monkeypatch.setenv(M.OPTION, "1")
-    assert mma.available(w)
+    assert np.abs(exact - f32).max() <= 2e-6 * np.abs(f32).max()
+    assert np.abs(split - f32).max() <= 2e-5 * np.abs(f32).max()
+    monkeypatch.setenv(M.OPTION, "e4m3")
+    assert mma.mode(w) == "e4m3"
     lossy = cp.asnumpy(gemv.linear_fp8(cp.asarray(x), w))
     want = M.linear(x, codes, scale)
     assert np.abs(lossy - want).max() <= 2e-5 * np.abs(want).max()
-    assert np.abs(lossy - exact).max() > 1e-4 * np.abs(exact).max()  # not the exact path
+    assert np.abs(lossy - f32).max() > 1e-4 * np.abs(f32).max()  # not an exact path
     monkeypatch.setenv(M.OPTION, "bad")
     with pytest.raises(LumenError, match="LUMEN_CUDA_FP8_MMA"):
         gemv.linear_fp8(cp.asarray(x), w)
-    monkeypatch.setenv(M.OPTION, "1")
-    assert not mma.available(Weight(w.data, "fp8", (N, K), w.scale, None))  # per-channel layouts: the exact path
+    monkeypatch.setenv(M.OPTION, "exact")
+    assert mma.mode(Weight(w.data, "fp8", (N, K), w.scale, None)) == ""  # other scale layouts: gemm_split

@@ -1,9 +1,12 @@
-"""The FP8 tensor-core prefill GEMM (kernels/gemm_fp8.cu; opt-in LUMEN_CUDA_FP8_MMA=1) on the CPU: numpy only.
+"""The fp8 tensor-core prefill GEMMs (kernels/gemm_fp8.cu; opt-in LUMEN_CUDA_FP8_MMA=exact | e4m3) on the CPU: numpy
+only.
 
-What the kernel must compute is pinned here through lumen_cuda.fp8_mma_model: the activation quantizer's codes
-(nearest e4m3, ties to even, saturated; as ml_dtypes rounds), the block-scaled sum (against dequantize-then-matmul),
-the error the quantization adds against the exact product at a real shape (the bound docs/cuda.md states), and the
-option and capability checks. The kernel against this model on a GPU: tests/test_cuda_fp8_mma.py.
+What the kernels must compute is pinned here through lumen_cuda.fp8_mma_model: for ``exact``, the three bf16 planes
+sum to each activation exactly and the block-scaled sum equals the dequantized product to f32 rounding; for
+``e4m3``, the activation quantizer's codes (nearest e4m3, ties to even, saturated; as ml_dtypes rounds), the
+block-scaled sum (against dequantize-then-matmul) and the error the quantization adds against the exact product at a
+real shape (the bound docs/cuda.md states); and the option and capability checks. The kernels against this model on
+a GPU: tests/test_cuda_fp8_mma.py.
 """
 
 from __future__ import annotations
@@ -78,11 +81,27 @@ def test_quantization_error_against_the_exact_product_at_a_real_shape():
     assert err.max() > 1e-4  # lossy, as documented: not the exact path
 
 
+def test_planes_sum_to_the_activations_and_the_exact_model_is_the_f32_product():
+    rng = np.random.default_rng(3)
+    x = (rng.normal(size=(9, 256)) * rng.uniform(1e-6, 1e6, size=(9, 1))).astype(F32)
+    x[0, :5] = [0.0, -0.0, 1e-30, 3.0e38, -2.5]  # (f32 subnormals, below 2^-126, are not kept exactly)
+    p = M.x_planes(x)
+    assert p.shape == (3, 9, 256) and p.dtype == np.uint16
+    total = M.bf16_value(p[0]).astype(np.float64) + M.bf16_value(p[1]) + M.bf16_value(p[2])
+    np.testing.assert_array_equal(total, x.astype(np.float64))  # exact, not approximately
+    T, N, K = 64, 256, 512
+    x = rng.normal(size=(T, K)).astype(F32)
+    codes, scale = fp8_weight(rng, N, K)
+    exact = x.astype(np.float64) @ dequantize(codes, scale).T
+    got = M.gemm_x3(M.x_planes(x), codes, scale)
+    assert np.abs(got - exact).max() <= 1e-12 * np.abs(exact).max()
+
+
 def test_option_and_capability():
-    assert not M.requested({}) and not M.requested({M.OPTION: "0"}) and not M.requested({M.OPTION: " "})
-    assert M.requested({M.OPTION: "1"})
-    with pytest.raises(LumenError, match=r"LUMEN_CUDA_FP8_MMA='yes'.*1 .*0 \(off"):
-        M.requested({M.OPTION: "yes"})
+    assert M.requested({}) == "" and M.requested({M.OPTION: "0"}) == "" and M.requested({M.OPTION: " "}) == ""
+    assert M.requested({M.OPTION: "exact"}) == "exact" and M.requested({M.OPTION: "e4m3"}) == "e4m3"
+    with pytest.raises(LumenError, match=r"LUMEN_CUDA_FP8_MMA='1'.*exact .*e4m3 .*0 \(off"):
+        M.requested({M.OPTION: "1"})
     assert M.capable("90") and M.capable("89") and M.capable((12, 0)) and M.capable("100")
     assert not M.capable("86") and not M.capable((8, 0))
     assert M.applies((4096, 4096), (128, 128)) and M.applies((130, 256), (128, 128))

@@ -1,12 +1,13 @@
-"""The FP8 tensor-core prefill GEMM (kernels/gemm_fp8.cu): selection and launch. Opt-in and lossy
-(``LUMEN_CUDA_FP8_MMA=1``; lumen_cuda.fp8_mma_model states the arithmetic and models it in numpy). WRITTEN AND
-COMPILED (nvcc, sm_89 / sm_90 / sm_120 / sm_120a), NOT YET RUN: the session that wrote it had no GPU time left
-(docs/cuda.md, "FP8 tensor-core prefill (opt-in)"); tests/test_cuda_fp8_mma.py checks it against the model on a GPU.
+"""The fp8 tensor-core prefill GEMMs (kernels/gemm_fp8.cu): selection and launch. Opt-in
+(``LUMEN_CUDA_FP8_MMA=exact`` or ``e4m3``; lumen_cuda.fp8_mma_model states both kernels' arithmetic and models it in
+numpy). WRITTEN AND COMPILED (nvcc, sm_89 / sm_90 / sm_120 / sm_120a), NOT YET RUN: the session that wrote them had no
+GPU time left (docs/cuda.md, "fp8 tensor-core prefill"); tests/test_cuda_fp8_mma.py checks them against the model on
+a GPU. Once measured, ``exact`` (f32-exact products) is meant to replace ``gemv.gemm_split`` as the default.
 
-Where it applies (``available``): the option set, a device of capability 8.9 or later whose compiled module reports
-the e4m3 MMA, an fp8 Weight with 128 x 128 block scales and K a multiple of 128; ``gemv.linear_fp8`` takes it from
-``gemv.GEMM_MIN_T`` tokens instead of ``gemm_split``. Nothing is kept per weight: the kernel reads the stored codes
-and scales as they are.
+Where they apply (``mode``): the option set, a device of capability 8.9 or later whose compiled module reports the
+e4m3 instructions, an fp8 Weight with 128 x 128 block scales and K a multiple of 128; ``gemv.linear_fp8`` takes them
+from ``gemv.GEMM_MIN_T`` tokens instead of ``gemm_split``. Nothing is kept per weight: the kernels read the stored
+codes and scales as they are.
 """
 
 from __future__ import annotations
@@ -28,24 +29,23 @@ BM, BN = 128, 64  # the GEMM block's weight rows and tokens (FP8_BM, FP8_BN in t
 
 @functools.cache
 def _native(device: int) -> bool:
-    """Whether the module compiled for ``device`` has the e4m3 MMA (its ``fp8_mma_native`` flag), asked once per
-    device: a module without it would trap."""
+    """Whether the module compiled for ``device`` has the e4m3 instructions (its ``fp8_mma_native`` flag), asked once
+    per device: a module without them would trap."""
     with cp.cuda.Device(device):
         flag = cp.zeros(1, dtype=cp.int32)
         kernels.function(FILE, "fp8_mma_native")((1,), (32,), (flag,))
         return int(flag.get()[0]) == 1
 
 
-def available(w: Weight) -> bool:
-    """Whether ``w``'s prefill GEMM runs on the e4m3 tensor cores here (the option read at each call; a bad value
-    raises)."""
-    if not requested(os.environ):
-        return False
-    if w.format != "fp8" or not applies(w.shape, w.block):
-        return False
-    if not capable(cp.cuda.Device().compute_capability):
-        return False
-    return _native(cp.cuda.runtime.getDevice())
+def mode(w: Weight) -> str:
+    """The kernel ``w``'s prefill GEMM runs on here: "exact", "e4m3", or "" (``gemm_split``). The option is read
+    at each call; a bad value raises."""
+    chosen = requested(os.environ)
+    if not chosen or w.format != "fp8" or not applies(w.shape, w.block):
+        return ""
+    if not capable(cp.cuda.Device().compute_capability) or not _native(cp.cuda.runtime.getDevice()):
+        return ""
+    return chosen
 
 
 def quantize_x(x):
@@ -73,8 +73,33 @@ def gemm(xq, sx, data, scale):
     return y
 
 
-def linear(x2, w: Weight):
-    """``gemv.linear_fp8``'s prefill here: x2 (T, K) f32 device, w an fp8 Weight (N, K) that ``available`` took."""
+def x_planes(x):
+    """x (T, K) f32 device -> (3, T, K) bf16 bits (hi, mid, lo), as fp8_mma_model.x_planes."""
+    x = cp.ascontiguousarray(x, dtype=cp.float32)
+    xp = cp.empty((3, *x.shape), dtype=cp.uint16)
+    if x.size:
+        kernels.function(FILE, "fp8_x_planes")((min(-(-x.size // 256), 65535),), (256,), (x, xp, np.int64(x.size)))
+    return xp
+
+
+def gemm_x3(xp, data, scale):
+    """y (T, N) f32 from the activations' planes (3, T, K) and an fp8 weight, as fp8_mma_model.gemm_x3."""
+    _, T, K = xp.shape
+    N = data.shape[0]
+    y = cp.empty((T, N), dtype=cp.float32)
+    if T and N:
+        grid = (-(-T // BN), -(-N // BM))
+        kernels.function(FILE, "gemm_fp8_x3")(grid, (256,), (
+            cp.ascontiguousarray(data), cp.ascontiguousarray(scale, dtype=cp.float32), xp, y, np.int32(N),
+            np.int32(K), np.int32(T)))
+    return y
+
+
+def linear(x2, w: Weight, how: str):
+    """``gemv.linear_fp8``'s prefill here: x2 (T, K) f32 device, w an fp8 Weight (N, K) that ``mode`` took, ``how``
+    its answer."""
     data = w.data.view(cp.uint8) if w.data.dtype != cp.uint8 else w.data
+    if how == "exact":
+        return gemm_x3(x_planes(x2), data, w.scale)
     xq, sx = quantize_x(x2)
     return gemm(xq, sx, data, w.scale)

@@ -1,13 +1,18 @@
-"""The FP8 tensor-core prefill GEMM (kernels/gemm_fp8.cu) without a GPU: its option, where it applies, and its
-arithmetic in numpy, so the CPU tests pin what the kernel must compute (lumen_cuda/fp8_mma.py launches it).
+"""The fp8 tensor-core prefill GEMMs (kernels/gemm_fp8.cu) without a GPU: their option, where they apply, and their
+arithmetic in numpy, so the CPU tests pin what the kernels must compute (lumen_cuda/fp8_mma.py launches them).
 
-The kernel quantizes the activations to e4m3 per token and 128 columns (``quantize_x``: scale = amax / 448 in f32,
-codes = nearest e4m3 of |x| / scale, ties to even, saturated at 448) and sums the e4m3 codes' products of each
-128-column block on the tensor cores, then adds the block's sum times (weight block scale x token scale) into f32
-accumulators (``gemm``). Lossy: an e4m3 activation keeps 4 significant bits, so against the exact path
-(``gemv.gemm_split``, ~f32 accurate) an output moves by up to ~2.5% of the outputs' largest value (median 0.34%;
-512 Gaussian tokens x 4096 x 1024, tests/test_fp8_mma_model.py), as in vLLM's block-fp8 linear. Hence opt-in:
-``LUMEN_CUDA_FP8_MMA=1``.
+``LUMEN_CUDA_FP8_MMA`` picks one (unset or 0: neither, the default ``gemv.gemm_split``: three cuBLAS bf16 GEMMs over a
+dequantized bf16 hi + lo copy of each weight slab, ~f32 accurate):
+
+- ``exact``: the e4m3 weights are exact in bf16, and each activation goes in as three bf16 planes whose sum is its
+  f32 value exactly (``x_planes``), so each product is exact in f32; a 128-column block's sum (f32, on the bf16
+  tensor cores) is then scaled by the weight's block scale (``gemm_x3``). Accurate as the f32 path up to rounding
+  order; no dequantized copy.
+- ``e4m3``: the activations are quantized to e4m3 per token and 128 columns (``quantize_x``: scale = amax / 448 in
+  f32, codes = nearest e4m3 of |x| / scale, ties to even, saturated at 448) and the codes' products summed on the
+  e4m3 tensor cores, each block's sum times (weight block scale x token scale) (``gemm``). Lossy: an e4m3 activation
+  keeps 4 significant bits, so an output moves by up to ~2.5% of the outputs' largest value (median 0.34%; 512
+  Gaussian tokens x 4096 x 1024, tests/test_fp8_mma_model.py), as in vLLM's block-fp8 linear.
 """
 
 from __future__ import annotations
@@ -16,24 +21,26 @@ import numpy as np
 
 from .sm120_layout import E4M3, e4m3_rne
 
-OPTION = "LUMEN_CUDA_FP8_MMA"  # 1: fp8 prefill GEMMs on the e4m3 tensor cores (lossy); 0 / unset: the exact path
+OPTION = "LUMEN_CUDA_FP8_MMA"  # exact | e4m3: an fp8 prefill GEMM on the tensor cores; 0 / unset: gemm_split
+MODES = ("exact", "e4m3")
 BLOCK = 128  # the weight's block scales (rows and columns) and the activations' scale group
-MIN_CAPABILITY = 89  # mma.sync m16n8k32 .e4m3: Ada (8.9), Hopper (9.0), Blackwell (10.x, 12.x)
+MIN_CAPABILITY = 89  # mma.sync m16n8k32 .e4m3 and cvt .e4m3x2: Ada (8.9), Hopper (9.0), Blackwell (10.x, 12.x)
 F32 = np.float32
 
 
-def requested(environ) -> bool:
-    """``LUMEN_CUDA_FP8_MMA`` from ``environ``: off where unset, empty or "0", on for "1"; anything else is an error
-    naming the choices (never a silent default)."""
+def requested(environ) -> str:
+    """``LUMEN_CUDA_FP8_MMA`` from ``environ``: "" (off) where unset, empty or "0", else "exact" or "e4m3"; anything
+    else is an error naming the choices (never a silent default)."""
     raw = environ.get(OPTION, "").strip()
     if raw in ("", "0"):
-        return False
-    if raw == "1":
-        return True
+        return ""
+    if raw in MODES:
+        return raw
     from lumen_core.errors import LumenError
 
-    raise LumenError(f"{OPTION}={raw!r}: expected 1 (fp8 prefill GEMMs on the e4m3 tensor cores, activations "
-                     f"quantized to e4m3: lossy) or 0 (off, the default); docs/cuda.md, FP8 tensor-core prefill")
+    raise LumenError(f"{OPTION}={raw!r}: expected exact (fp8 prefill GEMMs on the bf16 tensor cores, f32-exact "
+                     f"products), e4m3 (on the e4m3 tensor cores, activations quantized to e4m3: lossy) or 0 (off, "
+                     f"the default); docs/cuda.md, fp8 tensor-core prefill")
 
 
 def capable(cc) -> bool:
@@ -82,6 +89,41 @@ def gemm(xq, sx, wq, sw) -> np.ndarray:
 
 
 def linear(x, wq, sw) -> np.ndarray:
-    """The whole opt-in path: x (T, K) f32 against an fp8 weight (codes (N, K), block scales (N/128, K/128))."""
+    """The whole e4m3 path: x (T, K) f32 against an fp8 weight (codes (N, K), block scales (N/128, K/128))."""
     xq, sx = quantize_x(x)
     return gemm(xq, sx, wq, sw)
+
+
+def bf16_rne(v) -> np.ndarray:
+    """f32 -> bf16 bits, nearest even (finite values), as ``fp8_bf16_rne``."""
+    u = np.asarray(v, F32).view(np.uint32).astype(np.uint64)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def bf16_value(h) -> np.ndarray:
+    return (np.asarray(h, np.uint16).astype(np.uint32) << 16).view(F32)
+
+
+def x_planes(x) -> np.ndarray:
+    """x (T, K) f32 -> (3, T, K) bf16 bits: hi, mid, lo with hi + mid + lo = x exactly, as ``fp8_x_planes``."""
+    x = np.asarray(x, F32)
+    hi = bf16_rne(x)
+    r = (x - bf16_value(hi)).astype(F32)
+    mid = bf16_rne(r)
+    lo = bf16_rne((r - bf16_value(mid)).astype(F32))
+    return np.stack([hi, mid, lo])
+
+
+def gemm_x3(planes, wq, sw) -> np.ndarray:
+    """y (T, N) float64 = sum over 128-column blocks kb of sw[n/128, kb] x (codes . (hi + mid + lo)), the exact
+    kernel's arithmetic (its block sums and accumulation in f32; here exact, so compare to ~1e-6)."""
+    xv = sum(bf16_value(p).astype(np.float64) for p in np.asarray(planes, np.uint16))
+    wv = E4M3[np.asarray(wq, np.uint8)].astype(np.float64)
+    sw = np.asarray(sw, F32).astype(np.float64)
+    T, K = xv.shape
+    y = np.zeros((T, wv.shape[0]))
+    rows = np.arange(wv.shape[0]) // BLOCK
+    for kb in range(K // BLOCK):
+        cols = slice(kb * BLOCK, (kb + 1) * BLOCK)
+        y += (xv[:, cols] @ wv[:, cols].T) * sw[rows, kb][None, :]
+    return y

@@ -1,15 +1,19 @@
-// FP8 prefill GEMM on the tensor cores (issue 21; opt-in LUMEN_CUDA_FP8_MMA=1, lumen_cuda/gemm_fp8.py; docs/cuda.md,
-// "FP8 tensor-core prefill (opt-in): written, compiled, not yet run"). Lossy, like vLLM's block-fp8 linear: the
-// activations are quantized to e4m3 too.
+// fp8 prefill GEMMs on the tensor cores (issue 21; opt-in LUMEN_CUDA_FP8_MMA=exact | e4m3, lumen_cuda/fp8_mma.py;
+// docs/cuda.md, "fp8 tensor-core prefill (opt-in): written and compiled, not yet run"). Two kernels:
+//  - gemm_fp8_x3 ("exact", at the end of this file): bf16 tensor cores, the activations as three bf16 planes, f32-exact
+//    products;
+//  - gemm_fp8_mma ("e4m3", below): e4m3 tensor cores, the activations quantized to e4m3 too (lossy, like vLLM's
+//    block-fp8 linear).
+// lumen_cuda/fp8_mma_model.py does both kernels' arithmetic in numpy.
 //
-// y (T, N) f32 = x (T, K) . W (N, K)^T where W is e4m3 codes with f32 block scales sw (N/128, K/128) (the checkpoints'
-// weight_scale_inv, 128 x 128 blocks) and x is quantized here per token and 128 columns: sx[t, kb] = amax / 448,
-// xq = e4m3(x / sx) (nearest, ties to even, saturated). For each 128-column block kb the codes' products are summed
-// by
+// e4m3: y (T, N) f32 = x (T, K) . W (N, K)^T where W is e4m3 codes with f32 block scales sw (N/128, K/128) (the
+// checkpoints' weight_scale_inv, 128 x 128 blocks) and x is quantized per token and 128 columns: sx[t, kb] = amax /
+// 448, xq = e4m3(x / sx) (nearest, ties to even, saturated). For each 128-column block kb the codes' products are
+// summed by
 //   mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32
 // (sm_89 and later: Ada, Hopper, Blackwell including SM120; A = 16 weight rows x 32 k, B = 32 k x 8 tokens) into a
 // block accumulator, which the kernel then adds into the output's: acc += blk * (sw[n/128, kb] * sx[t, kb]) (one f32
-// multiply of the two scales, one FMA). lumen_cuda/gemm_fp8.py's model_* functions do the same arithmetic in numpy.
+// multiply of the two scales, one FMA).
 //
 // Fragments (the PTX ISA's tables for m16n8k32 with 8-bit types; lane = 4 g + t): a0 = row g, k 4t..4t+3; a1 = row
 // g+8, same k; a2 = row g, k 16+4t..; a3 = row g+8, k 16+4t..; b0 = token g, k 4t..4t+3; b1 = token g, k 16+4t..;
@@ -20,8 +24,8 @@
 // (rows of 64 bytes padded to 80: the fragment reads of a warp hit 32 different banks). Rows past N and tokens past
 // T are zero-filled and never written. Requires K % 128 == 0 (the host checks).
 //
-// No headers: compiles under NVRTC and nvcc alike. Below sm_89 the GEMM's body is compiled out and traps (the host
-// never launches it there); the quantizer is plain CUDA.
+// No headers: compiles under NVRTC and nvcc alike. Below sm_89 the e4m3 instructions are compiled out and trap (the
+// host never launches either GEMM there); the quantizer and the planes are plain CUDA.
 
 #define FP8_BM 128
 #define FP8_BN 64
@@ -34,7 +38,7 @@
 #define LUMEN_FP8_MMA 0
 #endif
 
-// 1 where this module was compiled with the e4m3 MMA (sm_89 and later), else 0: the host checks it once.
+// 1 where this module was compiled with the e4m3 instructions (sm_89 and later), else 0: the host checks it once.
 extern "C" __global__ void fp8_mma_native(int* out) {
   if (threadIdx.x == 0 && blockIdx.x == 0) out[0] = LUMEN_FP8_MMA;
 }
@@ -180,6 +184,159 @@ extern "C" __global__ void __launch_bounds__(256) gemm_fp8_mma(const unsigned ch
           for (int q = 0; q < 4; q++) blk[i][j][q] = 0.0f;
         }
       }
+    }
+  }
+  for (int i = 0; i < 2; i++)
+    for (int j = 0; j < 4; j++) {
+      const int r = row0 + wm * 32 + 16 * i + g, ta = tok0 + wn * 32 + 8 * j + 2 * t;
+      if (r < N && ta < T) y[(size_t)ta * N + r] = acc[i][j][0];
+      if (r < N && ta + 1 < T) y[(size_t)(ta + 1) * N + r] = acc[i][j][1];
+      if (r + 8 < N && ta < T) y[(size_t)ta * N + r + 8] = acc[i][j][2];
+      if (r + 8 < N && ta + 1 < T) y[(size_t)(ta + 1) * N + r + 8] = acc[i][j][3];
+    }
+}
+
+// ==== the exact variant (LUMEN_CUDA_FP8_MMA=exact): bf16 tensor cores, f32-exact products ========================
+// An e4m3 weight value is exact in bf16 (4 significant bits); each activation goes in as three bf16 planes whose sum
+// is its f32 value exactly (hi = bf16(x), mid = bf16(x - hi), lo = x - hi - mid: 24 significant bits in three 8s;
+// fp8_x_planes). So every product W x is exact in f32 and
+//   y[t, n] = sum over 128-column blocks kb of sw[n/128, kb] * (sum over the block of W[n, k] (hi + mid + lo)[t, k])
+// differs from the f32 product of the dequantized weight only in rounding order (the block sums in f32 by
+// mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32, three MMAs a fragment pair, then one FMA a block), not in
+// the activations' precision: no opt-in needed once measured. The weight bytes are read as stored (no dequantized
+// copy): e4m3 pairs become bf16 pairs in registers (cvt.rn.f16x2.e4m3x2, exact, then f32 and bf16x2).
+//
+// m16n8k16 bf16 fragments (PTX ISA tables; lane = 4 g + t): a0 = row g, k 2t, 2t+1; a1 = row g+8, same k; a2 = row
+// g, k 2t+8, 2t+9; a3 = row g+8, k 2t+8..; b0 = token g, k 2t, 2t+1; b1 = token g, k 2t+8, 2t+9; c as above; the
+// lower k in the lower half of a register. Block: 128 weight rows x 64 tokens, 8 warps of 32 x 32, 32-column
+// stages (weights 128 x 32 bytes padded to 48, planes 3 x 64 tokens x 64 bytes padded to 80: conflict-free fragment
+// reads), two stages by cp.async.
+
+#define X3_BK 32
+#define X3_LDW 48  // bytes a shared weight row: 32 + 16
+#define X3_LDX 80  // bytes a shared plane row: 64 + 16
+
+__device__ __forceinline__ unsigned short fp8_bf16_rne(float v) {  // f32 -> bf16 bits, nearest even (finite v)
+  const unsigned int u = __float_as_uint(v);
+  return (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+// x (T, K) f32 -> xp (3, T, K) bf16 bits: hi, mid, lo with hi + mid + lo = x exactly (n = T K values a plane).
+extern "C" __global__ void fp8_x_planes(const float* __restrict__ x, unsigned short* __restrict__ xp, long long n) {
+  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+    const float v = x[i];
+    const unsigned short h = fp8_bf16_rne(v);
+    const float r = v - __uint_as_float((unsigned int)h << 16);
+    const unsigned short m = fp8_bf16_rne(r);
+    xp[i] = h;
+    xp[n + i] = m;
+    xp[2 * n + i] = fp8_bf16_rne(r - __uint_as_float((unsigned int)m << 16));
+  }
+}
+
+// two e4m3 bytes (the lower k in the low byte) -> two bf16 in one register, exactly
+__device__ __forceinline__ unsigned int fp8_pair_bf16(unsigned short two) {
+#if LUMEN_FP8_MMA
+  unsigned int h2, out;
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(h2) : "h"(two));
+  float lo, hi;
+  asm("{ .reg .f16 a, b; mov.b32 {a, b}, %2; cvt.f32.f16 %0, a; cvt.f32.f16 %1, b; }\n"
+      : "=f"(lo), "=f"(hi) : "r"(h2));
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(out) : "f"(hi), "f"(lo));  // first operand -> upper half
+  return out;
+#else
+  __trap();
+  return 0u;
+#endif
+}
+
+__device__ __forceinline__ void x3_mma(float* c, const unsigned int* a, const unsigned int* b) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// One stage: columns k0 .. k0 + 31 of 128 weight rows (256 16-byte pieces: one a thread) and of the three planes'
+// 64 tokens (768 pieces: three a thread).
+__device__ __forceinline__ void x3_load_stage(unsigned char* sw, unsigned char* sx, const unsigned char* W,
+                                              const unsigned short* XP, int N, int T, int K, long long plane,
+                                              int row0, int tok0, int k0) {
+  const int tid = threadIdx.x;
+  {
+    const int r = tid >> 1, c = (tid & 1) * 16, row = row0 + r;
+    const bool ok = row < N;
+    fp8_cp16(sw + r * X3_LDW + c, W + (size_t)(ok ? row : 0) * K + k0 + c, ok);
+  }
+  for (int p = tid; p < 3 * FP8_BN * 4; p += 256) {
+    const int pl = p / (FP8_BN * 4), q = p % (FP8_BN * 4), r = q >> 2, c = (q & 3) * 8, tok = tok0 + r;
+    const bool ok = tok < T;
+    fp8_cp16(sx + (pl * FP8_BN + r) * X3_LDX + c * 2, XP + pl * plane + (size_t)(ok ? tok : 0) * K + k0 + c, ok);
+  }
+}
+
+// y (T, N) f32 = planes (3, T, K) . dequant(W, sw)^T, W (N, K) e4m3 bytes, sw (ceil(N/128), K/128) f32. Grid
+// (ceil(T/64), ceil(N/128)), 256 threads. K % 128 == 0.
+extern "C" __global__ void __launch_bounds__(256) gemm_fp8_x3(const unsigned char* __restrict__ W,
+                                                              const float* __restrict__ sw,
+                                                              const unsigned short* __restrict__ XP,
+                                                              float* __restrict__ y, int N, int K, int T) {
+  __shared__ __align__(16) unsigned char s_w[2][FP8_BM * X3_LDW];
+  __shared__ __align__(16) unsigned char s_x[2][3 * FP8_BN * X3_LDX];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int wm = warp >> 1, wn = warp & 1;
+  const int row0 = blockIdx.y * FP8_BM, tok0 = blockIdx.x * FP8_BN, KB = K / 128, steps = K / X3_BK;
+  const long long plane = (long long)T * K;
+  float acc[2][4][4], blk[2][4][4];
+  for (int i = 0; i < 2; i++)
+    for (int j = 0; j < 4; j++)
+      for (int q = 0; q < 4; q++) acc[i][j][q] = 0.0f, blk[i][j][q] = 0.0f;
+
+  x3_load_stage(s_w[0], s_x[0], W, XP, N, T, K, plane, row0, tok0, 0);
+  fp8_cp_commit();
+  for (int s = 0; s < steps; s++) {
+    if (s + 1 < steps) {
+      x3_load_stage(s_w[(s + 1) & 1], s_x[(s + 1) & 1], W, XP, N, T, K, plane, row0, tok0, (s + 1) * X3_BK);
+      fp8_cp_commit();
+      fp8_cp_wait1();
+    } else {
+      fp8_cp_wait0();
+    }
+    __syncthreads();
+    const unsigned char* cw = s_w[s & 1];
+    const unsigned char* cx = s_x[s & 1];
+    for (int kk = 0; kk < X3_BK; kk += 16) {
+      unsigned int a[2][4], b[3][4][2];
+      for (int i = 0; i < 2; i++) {
+        const unsigned char* r = cw + (wm * 32 + 16 * i + g) * X3_LDW + kk + 2 * t;
+        a[i][0] = fp8_pair_bf16(*reinterpret_cast<const unsigned short*>(r));
+        a[i][1] = fp8_pair_bf16(*reinterpret_cast<const unsigned short*>(r + 8 * X3_LDW));
+        a[i][2] = fp8_pair_bf16(*reinterpret_cast<const unsigned short*>(r + 8));
+        a[i][3] = fp8_pair_bf16(*reinterpret_cast<const unsigned short*>(r + 8 * X3_LDW + 8));
+      }
+      for (int pl = 0; pl < 3; pl++)
+        for (int j = 0; j < 4; j++) {
+          const unsigned char* r = cx + (pl * FP8_BN + wn * 32 + 8 * j + g) * X3_LDX + (kk + 2 * t) * 2;
+          b[pl][j][0] = *reinterpret_cast<const unsigned int*>(r);
+          b[pl][j][1] = *reinterpret_cast<const unsigned int*>(r + 16);
+        }
+      for (int i = 0; i < 2; i++)
+        for (int j = 0; j < 4; j++) {
+          x3_mma(blk[i][j], a[i], b[0][j]);
+          x3_mma(blk[i][j], a[i], b[1][j]);
+          x3_mma(blk[i][j], a[i], b[2][j]);
+        }
+    }
+    __syncthreads();
+    if ((s & 3) == 3) {  // a 128-column block done: its weight scale into the output's accumulators
+      const float w_s = sw[(size_t)blockIdx.y * KB + (s >> 2)];
+      for (int i = 0; i < 2; i++)
+        for (int j = 0; j < 4; j++)
+          for (int q = 0; q < 4; q++) {
+            acc[i][j][q] = fmaf(blk[i][j][q], w_s, acc[i][j][q]);
+            blk[i][j][q] = 0.0f;
+          }
     }
   }
   for (int i = 0; i < 2; i++)
