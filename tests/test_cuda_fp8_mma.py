@@ -110,3 +110,39 @@ def test_linear_fp8_takes_a_kernel_only_with_the_option(cp, mma, monkeypatch):
         gemv.linear_fp8(cp.asarray(x), w)
     monkeypatch.setenv(M.OPTION, "exact")
     assert mma.mode(Weight(w.data, "fp8", (N, K), w.scale, None)) == ""  # other scale layouts: gemm_split
+
+
+@pytest.mark.parametrize("T", [8, 70, 300])
+def test_routed_fp8_experts_on_the_tensor_cores_equal_the_grouped_reference(cp, mma, monkeypatch, T):
+    """LUMEN_CUDA_FP8_MMA=exact: moe.experts' grouped path (T >= GROUPED_MIN_T) runs fp8 experts with 128 x 128
+    blocks through moe_fp8_x3 (asserted by a spy), equal to the CuPy reference (ops.moe_experts_grouped: dequantized
+    f32 matmuls) within f32 rounding, with skewed routing (buckets of T slots) and token chunks too."""
+    from gpu_util import close
+    from lumen_cuda import fp8_mma, moe, ops
+    from test_cuda_moe import experts, routing
+
+    from lumen_core.plugins import get_registry
+
+    reg = get_registry()
+    gpu = reg.backend_class("cuda")("cuda:0", reg)
+    rng = np.random.default_rng(T)
+    E, k, H, I = 16, 4, 256, 384
+    gate_up, down = experts(gpu, rng, E, H, I, "fp8-block128")
+    calls = []
+    real = fp8_mma.moe_role
+    monkeypatch.setattr(fp8_mma, "moe_role", lambda *a: calls.append(a[1]) or real(*a))
+    monkeypatch.setenv("LUMEN_CUDA_FP8_MMA", "exact")
+    x = cp.asarray(rng.normal(size=(T, H)).astype(np.float32))
+    ids, w = routing(cp, rng, E, k, np.int64, T)
+    for act in ("silu", "gelu_tanh"):
+        calls.clear()
+        close(moe.experts(x, ids, w, gate_up, down, act), ops.moe_experts_grouped(x, ids, w, gate_up, down, act))
+        assert calls == [0, 1, 0]  # gate, up, down on the tensor cores
+    skew = cp.asarray(np.tile(np.array([[5, 2, 9, 0]], np.int64), (T, 1)))
+    close(moe.experts(x, skew, w, gate_up, down, "silu"), ops.moe_experts_grouped(x, skew, w, gate_up, down))
+    monkeypatch.setattr(moe, "CHUNK_FLOATS", 8 * k * max(H, I))  # 8 tokens a launch
+    close(moe.experts(x, ids, w, gate_up, down, "silu"), ops.moe_experts_grouped(x, ids, w, gate_up, down))
+    monkeypatch.delenv("LUMEN_CUDA_FP8_MMA")
+    calls.clear()
+    moe.experts(x, ids, w, gate_up, down, "silu")
+    assert calls == []  # without the option: the CUDA-core grouped kernels

@@ -43,9 +43,22 @@ def mode(w: Weight) -> str:
     chosen = requested(os.environ)
     if not chosen or w.format != "fp8" or not applies(w.shape, w.block):
         return ""
-    if not capable(cp.cuda.Device().compute_capability) or not _native(cp.cuda.runtime.getDevice()):
-        return ""
-    return chosen
+    return chosen if _here() else ""
+
+
+def exact_experts(shape_gate, shape_down, block_gate, block_down) -> bool:
+    """Whether moe.py's grouped path runs fp8 routed experts (gate / up (I, H), down (H, I), their (rows, columns)
+    scale blocks) on the tensor cores (``moe_fp8_x3``): LUMEN_CUDA_FP8_MMA=exact, 128 x 128 blocks, H and I
+    multiples of 128, a device that has the instructions."""
+    if requested(os.environ) != "exact":
+        return False
+    if not (applies(shape_gate, block_gate) and applies(shape_down, block_down)):
+        return False
+    return shape_gate[0] % BLOCK == 0 and shape_down[0] % BLOCK == 0 and _here()
+
+
+def _here() -> bool:
+    return capable(cp.cuda.Device().compute_capability) and _native(cp.cuda.runtime.getDevice())
 
 
 def quantize_x(x):
@@ -93,6 +106,24 @@ def gemm_x3(xp, data, scale):
             cp.ascontiguousarray(data), cp.ascontiguousarray(scale, dtype=cp.float32), xp, y, np.int32(N),
             np.int32(K), np.int32(T)))
     return y
+
+
+def moe_role(tab, data_row: int, scale_row: int, E: int, off, order, div: int, planes, y, N: int, K: int, T: int):
+    """One matrix role of fp8 routed experts over their buckets (``moe_fp8_x3``): y (S, N) f32 rows of the bucketed
+    slots; planes (3, rows, K) bf16 bits, a slot's row slot // div; T bounds a bucket's size."""
+    grid = (-(-T // BN), -(-N // BM), E)
+    kernels.function(FILE, "moe_fp8_x3")(grid, (256,), (
+        tab, np.int32(data_row), np.int32(scale_row), np.int32(E), off, order, np.int32(div), planes,
+        np.int64(planes.shape[1] * planes.shape[2]), y, np.int32(N), np.int32(K)))
+
+
+def moe_act(g, u, act: int):
+    """h = act(g) * u elementwise (0: silu, 1: gelu_tanh; moe.cu's act_mul)."""
+    h = cp.empty_like(g)
+    if g.size:
+        kernels.function(FILE, "moe_x3_act")((min(-(-g.size // 256), 65535),), (256,), (
+            g, u, h, np.int64(g.size), np.int32(act)))
+    return h
 
 
 def linear(x2, w: Weight, how: str):

@@ -59,7 +59,7 @@ from typing import Any
 import cupy as cp
 import numpy as np
 
-from . import cupy_ops, gemv, kernels
+from . import cupy_ops, fp8_mma, gemv, kernels
 from .state import derived
 from .step import require_host
 
@@ -284,8 +284,28 @@ def _grouped(gsrc, dsrc, gblock, dblock, x, ids, ids64, w, y, E, H, I, a):
                        (ids, np.int32(ids64), w, ys, y, np.int32(T), np.int32(k), np.int32(E), np.int32(H)))
 
 
-def _launch(gsrc, dsrc, gfmt, dfmt, gblock, dblock, inputs, E, H, I, act, out, scratch=None):
-    """The kernels for one call; ``scratch``: the layer's dict that keeps its T = 1 buffer (``_scratch``)."""
+def _grouped_x3(gtab, dtab, x, ids, ids64, w, y, E, H, I, a):
+    """fp8 experts on the bf16 tensor cores with f32-exact products (LUMEN_CUDA_FP8_MMA=exact; lumen_cuda.fp8_mma):
+    the slots bucketed as in ``_grouped``; x and then h as three bf16 planes; gate, up and down per (expert, 64
+    slots, 128 rows) from the tables; then the same weighted sum."""
+    T, k = ids.shape
+    S = T * k
+    off, order = cp.empty(E + 1, dtype=cp.int32), cp.empty(S, dtype=cp.int32)
+    _fn("moe_bucket")((1,), (BUCKET_THREADS,), (ids, np.int32(ids64), np.int32(S), np.int32(E), off, order))
+    xp = fp8_mma.x_planes(x)
+    g, u = cp.empty((S, I), dtype=cp.float32), cp.empty((S, I), dtype=cp.float32)
+    fp8_mma.moe_role(gtab, 0, 2, E, off, order, k, xp, g, I, H, T)
+    fp8_mma.moe_role(gtab, 1, 3, E, off, order, k, xp, u, I, H, T)
+    hp = fp8_mma.x_planes(fp8_mma.moe_act(g, u, int(a)))
+    ys = cp.empty((S, H), dtype=cp.float32)
+    fp8_mma.moe_role(dtab, 0, 1, E, off, order, 1, hp, ys, H, I, T)
+    _fn("moe_combine")(((T * H + COMBINE_THREADS - 1) // COMBINE_THREADS,), (COMBINE_THREADS,),
+                       (ids, np.int32(ids64), w, ys, y, np.int32(T), np.int32(k), np.int32(E), np.int32(H)))
+
+
+def _launch(gsrc, dsrc, gfmt, dfmt, gblock, dblock, inputs, E, H, I, act, out, scratch=None, x3=False):
+    """The kernels for one call; ``scratch``: the layer's dict that keeps its T = 1 buffer (``_scratch``); ``x3``:
+    the grouped path on the tensor cores (``_grouped_x3``; fp8 tables only)."""
     x, ids, ids64, w = inputs
     T, k = ids.shape
     y = _out(out, T, H)
@@ -298,7 +318,10 @@ def _launch(gsrc, dsrc, gfmt, dfmt, gblock, dblock, inputs, E, H, I, act, out, s
     step = max(1, CHUNK_FLOATS // (k * max(H, I)))  # tokens per launch: bounds the scratch (shape-only)
     for t0 in range(0, T, step):
         t1 = min(T, t0 + step)
-        _grouped(gsrc, dsrc, gblock, dblock, x[t0:t1], ids[t0:t1], ids64, w[t0:t1], y[t0:t1], E, H, I, a)
+        if x3:
+            _grouped_x3(gsrc[0], dsrc[0], x[t0:t1], ids[t0:t1], ids64, w[t0:t1], y[t0:t1], E, H, I, a)
+        else:
+            _grouped(gsrc, dsrc, gblock, dblock, x[t0:t1], ids[t0:t1], ids64, w[t0:t1], y[t0:t1], E, H, I, a)
     return y
 
 
@@ -320,8 +343,12 @@ def experts(x, ids, weights, gate_up, down, act: str = "silu", out=None):
             out[...] = y
             return out
         return y
+    # the grouped path's fp8 experts on the tensor cores (opt-in): asked only for prefill-sized calls (its first
+    # answer launches a kernel and syncs once, never inside a captured decode step)
+    x3 = (inputs[1].shape[0] >= GROUPED_MIN_T and tg.fmt == "fp8" and td.fmt == "fp8"
+          and fp8_mma.exact_experts(tg.shape, td.shape, tg.block[:2], td.block[:2]))
     return _launch((tg.ptrs, tg.fmt), (td.ptrs, td.fmt), tg.fmt, td.fmt, tg.block, td.block, inputs,
-                   len(gate_up), H, I, act, out, tg.scratch)
+                   len(gate_up), H, I, act, out, tg.scratch, x3)
 
 
 def _packed_ok(w, ndim_shape) -> bool:

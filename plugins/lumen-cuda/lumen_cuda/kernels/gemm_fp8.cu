@@ -259,10 +259,10 @@ __device__ __forceinline__ void x3_mma(float* c, const unsigned int* a, const un
 }
 
 // One stage: columns k0 .. k0 + 31 of 128 weight rows (256 16-byte pieces: one a thread) and of the three planes'
-// 64 tokens (768 pieces: three a thread).
+// 64 tokens (768 pieces: three a thread). src[r]: the plane row of the block's token r (-1: none, zero-filled).
 __device__ __forceinline__ void x3_load_stage(unsigned char* sw, unsigned char* sx, const unsigned char* W,
-                                              const unsigned short* XP, int N, int T, int K, long long plane,
-                                              int row0, int tok0, int k0) {
+                                              const unsigned short* XP, int N, int K, long long plane,
+                                              const int* src, int row0, int k0) {
   const int tid = threadIdx.x;
   {
     const int r = tid >> 1, c = (tid & 1) * 16, row = row0 + r;
@@ -270,34 +270,32 @@ __device__ __forceinline__ void x3_load_stage(unsigned char* sw, unsigned char* 
     fp8_cp16(sw + r * X3_LDW + c, W + (size_t)(ok ? row : 0) * K + k0 + c, ok);
   }
   for (int p = tid; p < 3 * FP8_BN * 4; p += 256) {
-    const int pl = p / (FP8_BN * 4), q = p % (FP8_BN * 4), r = q >> 2, c = (q & 3) * 8, tok = tok0 + r;
-    const bool ok = tok < T;
+    const int pl = p / (FP8_BN * 4), q = p % (FP8_BN * 4), r = q >> 2, c = (q & 3) * 8, tok = src[r];
+    const bool ok = tok >= 0;
     fp8_cp16(sx + (pl * FP8_BN + r) * X3_LDX + c * 2, XP + pl * plane + (size_t)(ok ? tok : 0) * K + k0 + c, ok);
   }
 }
 
-// y (T, N) f32 = planes (3, T, K) . dequant(W, sw)^T, W (N, K) e4m3 bytes, sw (ceil(N/128), K/128) f32. Grid
-// (ceil(T/64), ceil(N/128)), 256 threads. K % 128 == 0.
-extern "C" __global__ void __launch_bounds__(256) gemm_fp8_x3(const unsigned char* __restrict__ W,
-                                                              const float* __restrict__ sw,
-                                                              const unsigned short* __restrict__ XP,
-                                                              float* __restrict__ y, int N, int K, int T) {
+// The block's 128 weight rows from row0 x its 64 tokens: y[dst[r] * N + row] for token r with dst[r] >= 0.
+__device__ __forceinline__ void x3_block(const unsigned char* __restrict__ W, const float* __restrict__ sw,
+                                         const unsigned short* __restrict__ XP, long long plane,
+                                         float* __restrict__ y, int N, int K, int row0, const int* src,
+                                         const int* dst) {
   __shared__ __align__(16) unsigned char s_w[2][FP8_BM * X3_LDW];
   __shared__ __align__(16) unsigned char s_x[2][3 * FP8_BN * X3_LDX];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int wm = warp >> 1, wn = warp & 1;
-  const int row0 = blockIdx.y * FP8_BM, tok0 = blockIdx.x * FP8_BN, KB = K / 128, steps = K / X3_BK;
-  const long long plane = (long long)T * K;
+  const int KB = K / 128, steps = K / X3_BK, rb = row0 / FP8_BM;
   float acc[2][4][4], blk[2][4][4];
   for (int i = 0; i < 2; i++)
     for (int j = 0; j < 4; j++)
       for (int q = 0; q < 4; q++) acc[i][j][q] = 0.0f, blk[i][j][q] = 0.0f;
 
-  x3_load_stage(s_w[0], s_x[0], W, XP, N, T, K, plane, row0, tok0, 0);
+  x3_load_stage(s_w[0], s_x[0], W, XP, N, K, plane, src, row0, 0);
   fp8_cp_commit();
   for (int s = 0; s < steps; s++) {
     if (s + 1 < steps) {
-      x3_load_stage(s_w[(s + 1) & 1], s_x[(s + 1) & 1], W, XP, N, T, K, plane, row0, tok0, (s + 1) * X3_BK);
+      x3_load_stage(s_w[(s + 1) & 1], s_x[(s + 1) & 1], W, XP, N, K, plane, src, row0, (s + 1) * X3_BK);
       fp8_cp_commit();
       fp8_cp_wait1();
     } else {
@@ -330,7 +328,7 @@ extern "C" __global__ void __launch_bounds__(256) gemm_fp8_x3(const unsigned cha
     }
     __syncthreads();
     if ((s & 3) == 3) {  // a 128-column block done: its weight scale into the output's accumulators
-      const float w_s = sw[(size_t)blockIdx.y * KB + (s >> 2)];
+      const float w_s = sw[(size_t)rb * KB + (s >> 2)];
       for (int i = 0; i < 2; i++)
         for (int j = 0; j < 4; j++)
           for (int q = 0; q < 4; q++) {
@@ -341,10 +339,58 @@ extern "C" __global__ void __launch_bounds__(256) gemm_fp8_x3(const unsigned cha
   }
   for (int i = 0; i < 2; i++)
     for (int j = 0; j < 4; j++) {
-      const int r = row0 + wm * 32 + 16 * i + g, ta = tok0 + wn * 32 + 8 * j + 2 * t;
-      if (r < N && ta < T) y[(size_t)ta * N + r] = acc[i][j][0];
-      if (r < N && ta + 1 < T) y[(size_t)(ta + 1) * N + r] = acc[i][j][1];
-      if (r + 8 < N && ta < T) y[(size_t)ta * N + r + 8] = acc[i][j][2];
-      if (r + 8 < N && ta + 1 < T) y[(size_t)(ta + 1) * N + r + 8] = acc[i][j][3];
+      const int r = row0 + wm * 32 + 16 * i + g, c = wn * 32 + 8 * j + 2 * t;
+      const int d0 = dst[c], d1 = dst[c + 1];
+      if (r < N && d0 >= 0) y[(size_t)d0 * N + r] = acc[i][j][0];
+      if (r < N && d1 >= 0) y[(size_t)d1 * N + r] = acc[i][j][1];
+      if (r + 8 < N && d0 >= 0) y[(size_t)d0 * N + r + 8] = acc[i][j][2];
+      if (r + 8 < N && d1 >= 0) y[(size_t)d1 * N + r + 8] = acc[i][j][3];
     }
+}
+
+// y (T, N) f32 = planes (3, T, K) . dequant(W, sw)^T, W (N, K) e4m3 bytes, sw (ceil(N/128), K/128) f32. Grid
+// (ceil(T/64), ceil(N/128)), 256 threads. K % 128 == 0.
+extern "C" __global__ void __launch_bounds__(256) gemm_fp8_x3(const unsigned char* __restrict__ W,
+                                                              const float* __restrict__ sw,
+                                                              const unsigned short* __restrict__ XP,
+                                                              float* __restrict__ y, int N, int K, int T) {
+  __shared__ int src[FP8_BN];
+  const int tok0 = blockIdx.x * FP8_BN;
+  if (threadIdx.x < FP8_BN) src[threadIdx.x] = tok0 + (int)threadIdx.x < T ? tok0 + (int)threadIdx.x : -1;
+  __syncthreads();
+  x3_block(W, sw, XP, (long long)T * K, y, N, K, blockIdx.y * FP8_BM, src, src);
+}
+
+// Routed experts (moe.py's grouped path, LUMEN_CUDA_FP8_MMA=exact): one matrix role of every expert, the slots
+// bucketed by moe_bucket (order[off[e] .. off[e + 1]) = expert e's slots). Block (x, y, z) = (64 of expert z's
+// slots, 128 rows of its matrix); the matrix and its scales are the table's rows data_row / scale_row (uint64 (rows,
+// E) pointers, moe.py's table); a slot's plane row is slot / div (div = k for x's planes (3, T, K): the token; 1 for
+// h's (3, S, K)), its output row the slot: y (S, N). Grid (ceil(T / 64), ceil(N / 128), E): T bounds a bucket.
+extern "C" __global__ void __launch_bounds__(256) moe_fp8_x3(const unsigned long long* __restrict__ tab, int data_row,
+                                                             int scale_row, int E, const int* __restrict__ off,
+                                                             const int* __restrict__ order, int div,
+                                                             const unsigned short* __restrict__ XP, long long plane,
+                                                             float* __restrict__ y, int N, int K) {
+  __shared__ int src[FP8_BN], dst[FP8_BN];
+  const int e = blockIdx.z, beg = off[e], n = off[e + 1] - beg, c0 = blockIdx.x * FP8_BN;
+  if (c0 >= n) return;  // block-uniform: past this expert's bucket
+  if (threadIdx.x < FP8_BN) {
+    const int c = c0 + (int)threadIdx.x, slot = c < n ? order[beg + c] : -1;
+    dst[threadIdx.x] = slot;
+    src[threadIdx.x] = slot >= 0 ? slot / div : -1;
+  }
+  __syncthreads();
+  const unsigned char* W = reinterpret_cast<const unsigned char*>(tab[(size_t)data_row * E + e]);
+  const float* sw = reinterpret_cast<const float*>(tab[(size_t)scale_row * E + e]);
+  x3_block(W, sw, XP, plane, y, N, K, blockIdx.y * FP8_BM, src, dst);
+}
+
+// h (S, I) = act(g) * u elementwise (act 0: silu, 1: gelu_tanh, as moe.cu's act_mul).
+extern "C" __global__ void moe_x3_act(const float* __restrict__ g, const float* __restrict__ u, float* __restrict__ h,
+                                      long long n, int act) {
+  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+    const float a = g[i], b = u[i];
+    h[i] = act == 1 ? 0.5f * a * (1.f + tanhf(0.7978845608028654f * (a + 0.044715f * (a * a * a)))) * b
+                    : a * (0.5f * (tanhf(0.5f * a) + 1.f)) * b;
+  }
 }
