@@ -1,6 +1,6 @@
 """fp8 prefill GEMMs on the GPU at Qwen3.5-9B shapes: the path Lumen takes by default (``gemv.gemm_split``: the
 weight dequantized into bf16 hi + lo, three cuBLAS bf16 GEMMs, ~f32 accurate) against the opt-in kernels of
-``lumen_cuda.fp8_mma`` (LUMEN_CUDA_FP8_MMA=exact: bf16 tensor cores, activations as three bf16 planes, f32-exact
+``lumen_cuda.fp8_mma`` (LUMEN_CUDA_MMA_PREFILL=exact: bf16 tensor cores, activations as three bf16 planes, f32-exact
 products; =e4m3: e4m3 tensor cores, activations quantized to e4m3, lossy), with one cuBLAS bf16 GEMM of the same
 shape (x and W rounded to bf16) as the named baseline. CUDA events, median of --reps
 calls after a warm-up; TFLOP/s counts 2 T N K; "% peak" is against the datasheet's dense rates (fp8 1979, bf16

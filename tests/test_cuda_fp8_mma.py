@@ -1,4 +1,4 @@
-"""The fp8 tensor-core prefill GEMMs (kernels/gemm_fp8.cu, lumen_cuda.fp8_mma; opt-in LUMEN_CUDA_FP8_MMA=exact |
+"""The fp8 tensor-core prefill GEMMs (kernels/gemm_fp8.cu, lumen_cuda.fp8_mma; opt-in LUMEN_CUDA_MMA_PREFILL=exact |
 e4m3) on a GPU of capability 8.9 or later (the H200 included), against their numpy model (lumen_cuda.fp8_mma_model;
 the model's own checks, CPU only: tests/test_fp8_mma_model.py).
 
@@ -106,7 +106,7 @@ def test_linear_fp8_takes_a_kernel_only_with_the_option(cp, mma, monkeypatch):
     assert np.abs(lossy - want).max() <= 2e-5 * np.abs(want).max()
     assert np.abs(lossy - f32).max() > 1e-4 * np.abs(f32).max()  # not an exact path
     monkeypatch.setenv(M.OPTION, "bad")
-    with pytest.raises(LumenError, match="LUMEN_CUDA_FP8_MMA"):
+    with pytest.raises(LumenError, match="LUMEN_CUDA_MMA_PREFILL"):
         gemv.linear_fp8(cp.asarray(x), w)
     monkeypatch.setenv(M.OPTION, "exact")
     assert mma.mode(Weight(w.data, "fp8", (N, K), w.scale, None)) == ""  # other scale layouts: gemm_split
@@ -114,7 +114,7 @@ def test_linear_fp8_takes_a_kernel_only_with_the_option(cp, mma, monkeypatch):
 
 @pytest.mark.parametrize("T", [8, 70, 300])
 def test_routed_fp8_experts_on_the_tensor_cores_equal_the_grouped_reference(cp, mma, monkeypatch, T):
-    """LUMEN_CUDA_FP8_MMA=exact: moe.experts' grouped path (T >= GROUPED_MIN_T) runs fp8 experts with 128 x 128
+    """LUMEN_CUDA_MMA_PREFILL=exact: moe.experts' grouped path (T >= GROUPED_MIN_T) runs fp8 experts with 128 x 128
     blocks through moe_fp8_x3 (asserted by a spy), equal to the CuPy reference (ops.moe_experts_grouped: dequantized
     f32 matmuls) within f32 rounding, with skewed routing (buckets of T slots) and token chunks too."""
     from gpu_util import close
@@ -131,7 +131,7 @@ def test_routed_fp8_experts_on_the_tensor_cores_equal_the_grouped_reference(cp, 
     calls = []
     real = fp8_mma.moe_role
     monkeypatch.setattr(fp8_mma, "moe_role", lambda *a: calls.append(a[1]) or real(*a))
-    monkeypatch.setenv("LUMEN_CUDA_FP8_MMA", "exact")
+    monkeypatch.setenv("LUMEN_CUDA_MMA_PREFILL", "exact")
     x = cp.asarray(rng.normal(size=(T, H)).astype(np.float32))
     ids, w = routing(cp, rng, E, k, np.int64, T)
     for act in ("silu", "gelu_tanh"):
@@ -142,7 +142,44 @@ def test_routed_fp8_experts_on_the_tensor_cores_equal_the_grouped_reference(cp, 
     close(moe.experts(x, skew, w, gate_up, down, "silu"), ops.moe_experts_grouped(x, skew, w, gate_up, down))
     monkeypatch.setattr(moe, "CHUNK_FLOATS", 8 * k * max(H, I))  # 8 tokens a launch
     close(moe.experts(x, ids, w, gate_up, down, "silu"), ops.moe_experts_grouped(x, ids, w, gate_up, down))
-    monkeypatch.delenv("LUMEN_CUDA_FP8_MMA")
+    monkeypatch.delenv("LUMEN_CUDA_MMA_PREFILL")
     calls.clear()
     moe.experts(x, ids, w, gate_up, down, "silu")
     assert calls == []  # without the option: the CUDA-core grouped kernels
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["lists", "packed"])
+@pytest.mark.parametrize("T", [8, 100])
+def test_routed_bf16_experts_on_the_tensor_cores_equal_the_grouped_reference(cp, mma, monkeypatch, T, packed):
+    """LUMEN_CUDA_MMA_PREFILL=exact: bf16 experts (lists, as Qwen's; packed (E, 2I, H), as Gemma 4's) through
+    moe_bf16_x3 (a spy), equal to the CuPy reference within f32 rounding. I = 704 (Gemma-4-26B-A4B's), not a
+    multiple of 128: the last column block is partial."""
+    import ml_dtypes
+    from gpu_util import close
+    from lumen_cuda import fp8_mma, moe, ops
+    from test_cuda_moe import experts, routing
+
+    from lumen_core.plugins import get_registry
+
+    reg = get_registry()
+    gpu = reg.backend_class("cuda")("cuda:0", reg)
+    rng = np.random.default_rng(T + packed)
+    E, k, H, I = 8, 2, 256, 704
+    calls = []
+    real = fp8_mma.moe_role_bf16
+    monkeypatch.setattr(fp8_mma, "moe_role_bf16", lambda *a: calls.append(a[4]) or real(*a))
+    monkeypatch.setenv("LUMEN_CUDA_MMA_PREFILL", "exact")
+    x = cp.asarray(rng.normal(size=(T, H)).astype(np.float32))
+    ids, w = routing(cp, rng, E, k, np.int64, T)
+    if packed:
+        gate_up = gpu.weight((rng.normal(size=(E, 2 * I, H)) * 0.05).astype(ml_dtypes.bfloat16), "bf16", "vram")
+        down = gpu.weight((rng.normal(size=(E, H, I)) * 0.05).astype(ml_dtypes.bfloat16), "bf16", "vram")
+        got = moe.experts_packed(x, ids, w, gate_up, down, "gelu_tanh")
+        want = ops.moe_experts_packed_grouped(x, ids, w, gate_up, down, "gelu_tanh")
+        assert calls == [0, I, 0]  # gate rows, up rows (after the gate's), down
+    else:
+        gate_up, down = experts(gpu, rng, E, H, I, "bf16")
+        got = moe.experts(x, ids, w, gate_up, down, "silu")
+        want = ops.moe_experts_grouped(x, ids, w, gate_up, down, "silu")
+        assert calls == [0, 0, 0]  # row offsets: none (table pointers)
+    close(got, want)

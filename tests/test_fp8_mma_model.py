@@ -1,4 +1,4 @@
-"""The fp8 tensor-core prefill GEMMs (kernels/gemm_fp8.cu; opt-in LUMEN_CUDA_FP8_MMA=exact | e4m3) on the CPU: numpy
+"""The fp8 tensor-core prefill GEMMs (kernels/gemm_fp8.cu; opt-in LUMEN_CUDA_MMA_PREFILL=exact | e4m3) on the CPU: numpy
 only.
 
 What the kernels must compute is pinned here through lumen_cuda.fp8_mma_model: for ``exact``, the three bf16 planes
@@ -100,7 +100,7 @@ def test_planes_sum_to_the_activations_and_the_exact_model_is_the_f32_product():
 def test_option_and_capability():
     assert M.requested({}) == "" and M.requested({M.OPTION: "0"}) == "" and M.requested({M.OPTION: " "}) == ""
     assert M.requested({M.OPTION: "exact"}) == "exact" and M.requested({M.OPTION: "e4m3"}) == "e4m3"
-    with pytest.raises(LumenError, match=r"LUMEN_CUDA_FP8_MMA='1'.*exact .*e4m3 .*0 \(off"):
+    with pytest.raises(LumenError, match=r"LUMEN_CUDA_MMA_PREFILL='1'.*exact .*e4m3 .*0 \(off"):
         M.requested({M.OPTION: "1"})
     assert M.capable("90") and M.capable("89") and M.capable((12, 0)) and M.capable("100")
     assert not M.capable("86") and not M.capable((8, 0))

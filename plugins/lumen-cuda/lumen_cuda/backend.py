@@ -309,7 +309,7 @@ class CUDABackend(Backend):
         from .graph import decode_runner
         from .hostcall import mode, timeout_ns
 
-        # a bad LUMEN_HOSTCALL / LUMEN_HOSTCALL_TIMEOUT / LUMEN_CUDA_FP8_MMA is named here, at load, not mid-prompt
+        # a bad LUMEN_HOSTCALL / LUMEN_HOSTCALL_TIMEOUT / LUMEN_CUDA_MMA_PREFILL is named here, at load, not mid-prompt
         mode(), timeout_ns(), requested(os.environ)
         runner, why = decode_runner(model, self, context_size)
         if runner is None:

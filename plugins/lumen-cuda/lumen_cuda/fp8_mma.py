@@ -1,13 +1,15 @@
-"""The fp8 tensor-core prefill GEMMs (kernels/gemm_fp8.cu): selection and launch. Opt-in
-(``LUMEN_CUDA_FP8_MMA=exact`` or ``e4m3``; lumen_cuda.fp8_mma_model states both kernels' arithmetic and models it in
-numpy). WRITTEN AND COMPILED (nvcc, sm_89 / sm_90 / sm_120 / sm_120a), NOT YET RUN: the session that wrote them had no
-GPU time left (docs/cuda.md, "fp8 tensor-core prefill"); tests/test_cuda_fp8_mma.py checks them against the model on
-a GPU. Once measured, ``exact`` (f32-exact products) is meant to replace ``gemv.gemm_split`` as the default.
+"""The tensor-core prefill kernels of kernels/gemm_fp8.cu: selection and launch. Opt-in
+(``LUMEN_CUDA_MMA_PREFILL=exact`` or ``e4m3``; lumen_cuda.fp8_mma_model states the kernels' arithmetic and models
+it in numpy). WRITTEN AND COMPILED (nvcc, sm_89 / sm_90 / sm_120 / sm_120a), NOT YET RUN: the session that wrote them
+had no GPU time left (docs/cuda.md, "Tensor-core prefill for fp8 and routed experts");
+tests/test_cuda_fp8_mma.py checks them against the model on a GPU. Once measured, ``exact`` (f32-exact products) is
+meant to replace ``gemv.gemm_split`` and the CUDA-core grouped experts as the default.
 
-Where they apply (``mode``): the option set, a device of capability 8.9 or later whose compiled module reports the
-e4m3 instructions, an fp8 Weight with 128 x 128 block scales and K a multiple of 128; ``gemv.linear_fp8`` takes them
-from ``gemv.GEMM_MIN_T`` tokens instead of ``gemm_split``. Nothing is kept per weight: the kernels read the stored
-codes and scales as they are.
+Dense fp8 weights (``mode``): the option set, a device of capability 8.9 or later whose compiled module reports the
+e4m3 instructions, an fp8 Weight with 128 x 128 block scales and K a multiple of 128; ``gemv.linear_fp8`` takes a
+kernel from ``gemv.GEMM_MIN_T`` tokens instead of ``gemm_split``. Nothing is kept per weight: the kernels read the
+stored codes and scales as they are. Routed experts (``exact`` only): moe.py's grouped path (``exact_experts``;
+``moe_role`` for fp8, ``moe_role_bf16`` for bf16 lists and packed experts, ``moe_act`` between).
 """
 
 from __future__ import annotations
@@ -46,15 +48,18 @@ def mode(w: Weight) -> str:
     return chosen if _here() else ""
 
 
-def exact_experts(shape_gate, shape_down, block_gate, block_down) -> bool:
-    """Whether moe.py's grouped path runs fp8 routed experts (gate / up (I, H), down (H, I), their (rows, columns)
-    scale blocks) on the tensor cores (``moe_fp8_x3``): LUMEN_CUDA_FP8_MMA=exact, 128 x 128 blocks, H and I
-    multiples of 128, a device that has the instructions."""
+def exact_experts(fmt: str, shape_gate, shape_down, block_gate=None, block_down=None) -> bool:
+    """Whether moe.py's grouped path runs routed experts (gate / up (I, H), down (H, I)) on the tensor cores
+    (``moe_fp8_x3`` / ``moe_bf16_x3``): LUMEN_CUDA_MMA_PREFILL=exact and a device that has the instructions; fp8 with
+    128 x 128 scale blocks (``block_*``: (rows, columns)) and H, I multiples of 128; bf16 with H, I multiples of 16."""
     if requested(os.environ) != "exact":
         return False
-    if not (applies(shape_gate, block_gate) and applies(shape_down, block_down)):
-        return False
-    return shape_gate[0] % BLOCK == 0 and shape_down[0] % BLOCK == 0 and _here()
+    if fmt == "fp8":
+        ok = (applies(shape_gate, block_gate) and applies(shape_down, block_down)
+              and shape_gate[0] % BLOCK == 0 and shape_down[0] % BLOCK == 0)
+    else:
+        ok = fmt == "bf16" and shape_gate[1] % 16 == 0 and shape_down[1] % 16 == 0
+    return ok and _here()
 
 
 def _here() -> bool:
@@ -114,6 +119,18 @@ def moe_role(tab, data_row: int, scale_row: int, E: int, off, order, div: int, p
     grid = (-(-T // BN), -(-N // BM), E)
     kernels.function(FILE, "moe_fp8_x3")(grid, (256,), (
         tab, np.int32(data_row), np.int32(scale_row), np.int32(E), off, order, np.int32(div), planes,
+        np.int64(planes.shape[1] * planes.shape[2]), y, np.int32(N), np.int32(K)))
+
+
+def moe_role_bf16(tab, data_row: int, base, stride: int, row_off: int, E: int, off, order, div: int, planes, y,
+                  N: int, K: int, T: int):
+    """``moe_role`` for bf16 experts (``moe_bf16_x3``): the matrices from the table's row ``data_row`` (``tab`` not
+    None) or at ``base`` + (e * stride + row_off * K) values (packed experts)."""
+    grid = (-(-T // BN), -(-N // BM), E)
+    null = np.uint64(0)
+    kernels.function(FILE, "moe_bf16_x3")(grid, (256,), (
+        null if tab is None else tab, np.int32(data_row), null if base is None else base, np.int64(stride),
+        np.int32(row_off), np.int32(E), off, order, np.int32(div), planes,
         np.int64(planes.shape[1] * planes.shape[2]), y, np.int32(N), np.int32(K)))
 
 

@@ -1,8 +1,8 @@
 """The fp8 tensor-core prefill GEMMs (kernels/gemm_fp8.cu) without a GPU: their option, where they apply, and their
 arithmetic in numpy, so the CPU tests pin what the kernels must compute (lumen_cuda/fp8_mma.py launches them).
 
-``LUMEN_CUDA_FP8_MMA`` picks one (unset or 0: neither, the default ``gemv.gemm_split``: three cuBLAS bf16 GEMMs over a
-dequantized bf16 hi + lo copy of each weight slab, ~f32 accurate):
+``LUMEN_CUDA_MMA_PREFILL`` picks one (unset or 0: neither, the default ``gemv.gemm_split``: three cuBLAS bf16 GEMMs
+over a dequantized bf16 hi + lo copy of each weight slab, ~f32 accurate):
 
 - ``exact``: the e4m3 weights are exact in bf16, and each activation goes in as three bf16 planes whose sum is its
   f32 value exactly (``x_planes``), so each product is exact in f32; a 128-column block's sum (f32, on the bf16
@@ -21,7 +21,7 @@ import numpy as np
 
 from .sm120_layout import E4M3, e4m3_rne
 
-OPTION = "LUMEN_CUDA_FP8_MMA"  # exact | e4m3: an fp8 prefill GEMM on the tensor cores; 0 / unset: gemm_split
+OPTION = "LUMEN_CUDA_MMA_PREFILL"  # exact | e4m3: prefill on the tensor cores (fp8_mma); 0 / unset: the defaults
 MODES = ("exact", "e4m3")
 BLOCK = 128  # the weight's block scales (rows and columns) and the activations' scale group
 MIN_CAPABILITY = 89  # mma.sync m16n8k32 .e4m3 and cvt .e4m3x2: Ada (8.9), Hopper (9.0), Blackwell (10.x, 12.x)
@@ -29,7 +29,7 @@ F32 = np.float32
 
 
 def requested(environ) -> str:
-    """``LUMEN_CUDA_FP8_MMA`` from ``environ``: "" (off) where unset, empty or "0", else "exact" or "e4m3"; anything
+    """``LUMEN_CUDA_MMA_PREFILL`` from ``environ``: "" (off) where unset, empty or "0", else "exact" or "e4m3"; anything
     else is an error naming the choices (never a silent default)."""
     raw = environ.get(OPTION, "").strip()
     if raw in ("", "0"):
@@ -38,9 +38,9 @@ def requested(environ) -> str:
         return raw
     from lumen_core.errors import LumenError
 
-    raise LumenError(f"{OPTION}={raw!r}: expected exact (fp8 prefill GEMMs on the bf16 tensor cores, f32-exact "
-                     f"products), e4m3 (on the e4m3 tensor cores, activations quantized to e4m3: lossy) or 0 (off, "
-                     f"the default); docs/cuda.md, fp8 tensor-core prefill")
+    raise LumenError(f"{OPTION}={raw!r}: expected exact (fp8 prefill GEMMs and routed experts on the bf16 tensor "
+                     f"cores, f32-exact products), e4m3 (fp8 GEMMs on the e4m3 tensor cores, activations quantized "
+                     f"to e4m3: lossy) or 0 (off, the default); docs/cuda.md, tensor-core prefill")
 
 
 def capable(cc) -> bool:

@@ -358,13 +358,13 @@ def dequantize_fp8(w: Weight):
 
 def linear_fp8(x, w: Weight):  # x (..., K), w (N, K) e4m3 + scale -> (..., N) f32
     """The fp8 GEMV for T <= 8 (aligned); else from T = 5: the tensor-core prefill GEMM (``gemm_split``, or with
-    LUMEN_CUDA_FP8_MMA one of ``fp8_mma``'s); else the dequantized f32 matrix through cuBLAS SGEMM."""
+    LUMEN_CUDA_MMA_PREFILL one of ``fp8_mma``'s); else the dequantized f32 matrix through cuBLAS SGEMM."""
     K = w.shape[-1]
     x2 = x.reshape(-1, K) if x.ndim != 2 else x
     T, N = x2.shape[0], w.shape[0]
     if isinstance(x, cp.ndarray) and gemv_supported("fp8", w.data, T, K, w.block):
         y = gemv_fp8(x2, w.data, w.scale, w.block)
-    elif prefill_supported(x, w.data, T, N, K) and (how := fp8_mma.mode(w)):  # LUMEN_CUDA_FP8_MMA only
+    elif prefill_supported(x, w.data, T, N, K) and (how := fp8_mma.mode(w)):  # LUMEN_CUDA_MMA_PREFILL only
         y = fp8_mma.linear(x2, w, how)
     elif prefill_supported(x, w.data, T, N, K):
         y = gemm_split(x2.astype(cp.float32, copy=False), N,

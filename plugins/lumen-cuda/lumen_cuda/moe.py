@@ -284,28 +284,41 @@ def _grouped(gsrc, dsrc, gblock, dblock, x, ids, ids64, w, y, E, H, I, a):
                        (ids, np.int32(ids64), w, ys, y, np.int32(T), np.int32(k), np.int32(E), np.int32(H)))
 
 
-def _grouped_x3(gtab, dtab, x, ids, ids64, w, y, E, H, I, a):
-    """fp8 experts on the bf16 tensor cores with f32-exact products (LUMEN_CUDA_FP8_MMA=exact; lumen_cuda.fp8_mma):
-    the slots bucketed as in ``_grouped``; x and then h as three bf16 planes; gate, up and down per (expert, 64
-    slots, 128 rows) from the tables; then the same weighted sum."""
+def _grouped_x3(gsrc, dsrc, x, ids, ids64, w, y, E, H, I, a):
+    """Routed experts on the bf16 tensor cores with f32-exact products (LUMEN_CUDA_MMA_PREFILL=exact;
+    lumen_cuda.fp8_mma): the slots bucketed as in ``_grouped``; x and then h as three bf16 planes; gate, up and down
+    per (expert, 64 slots, 128 rows); then the same weighted sum. gsrc / dsrc as ``_launch``'s: (table, "fp8" |
+    "bf16") or (packed base, "packed_bf16")."""
     T, k = ids.shape
     S = T * k
     off, order = cp.empty(E + 1, dtype=cp.int32), cp.empty(S, dtype=cp.int32)
     _fn("moe_bucket")((1,), (BUCKET_THREADS,), (ids, np.int32(ids64), np.int32(S), np.int32(E), off, order))
     xp = fp8_mma.x_planes(x)
-    g, u = cp.empty((S, I), dtype=cp.float32), cp.empty((S, I), dtype=cp.float32)
-    fp8_mma.moe_role(gtab, 0, 2, E, off, order, k, xp, g, I, H, T)
-    fp8_mma.moe_role(gtab, 1, 3, E, off, order, k, xp, u, I, H, T)
+    g, u, ys = (cp.empty((S, I), dtype=cp.float32), cp.empty((S, I), dtype=cp.float32),
+                cp.empty((S, H), dtype=cp.float32))
+
+    def role(src, index: int, scale_row: int, planes, out, N: int, K: int, div: int):
+        """index: the role's table row (0 gate / down, 1 up), scale_row: fp8's scale row (2, 3 / 1)."""
+        tab, kind = src
+        if kind == "fp8":
+            fp8_mma.moe_role(tab, index, scale_row, E, off, order, div, planes, out, N, K, T)
+        elif kind == "bf16":
+            fp8_mma.moe_role_bf16(tab, index, None, 0, 0, E, off, order, div, planes, out, N, K, T)
+        else:  # packed: (E, 2I, H) with the up rows after the gate rows, (E, H, I)
+            rows = tab.shape[1]
+            fp8_mma.moe_role_bf16(None, 0, tab, rows * K, index * I, E, off, order, div, planes, out, N, K, T)
+
+    role(gsrc, 0, 2, xp, g, I, H, k)
+    role(gsrc, 1, 3, xp, u, I, H, k)
     hp = fp8_mma.x_planes(fp8_mma.moe_act(g, u, int(a)))
-    ys = cp.empty((S, H), dtype=cp.float32)
-    fp8_mma.moe_role(dtab, 0, 1, E, off, order, 1, hp, ys, H, I, T)
+    role(dsrc, 0, 1, hp, ys, H, I, 1)
     _fn("moe_combine")(((T * H + COMBINE_THREADS - 1) // COMBINE_THREADS,), (COMBINE_THREADS,),
                        (ids, np.int32(ids64), w, ys, y, np.int32(T), np.int32(k), np.int32(E), np.int32(H)))
 
 
 def _launch(gsrc, dsrc, gfmt, dfmt, gblock, dblock, inputs, E, H, I, act, out, scratch=None, x3=False):
     """The kernels for one call; ``scratch``: the layer's dict that keeps its T = 1 buffer (``_scratch``); ``x3``:
-    the grouped path on the tensor cores (``_grouped_x3``; fp8 tables only)."""
+    the grouped path on the tensor cores (``_grouped_x3``; fp8 / bf16 tables, packed bf16)."""
     x, ids, ids64, w = inputs
     T, k = ids.shape
     y = _out(out, T, H)
@@ -319,7 +332,7 @@ def _launch(gsrc, dsrc, gfmt, dfmt, gblock, dblock, inputs, E, H, I, act, out, s
     for t0 in range(0, T, step):
         t1 = min(T, t0 + step)
         if x3:
-            _grouped_x3(gsrc[0], dsrc[0], x[t0:t1], ids[t0:t1], ids64, w[t0:t1], y[t0:t1], E, H, I, a)
+            _grouped_x3(gsrc, dsrc, x[t0:t1], ids[t0:t1], ids64, w[t0:t1], y[t0:t1], E, H, I, a)
         else:
             _grouped(gsrc, dsrc, gblock, dblock, x[t0:t1], ids[t0:t1], ids64, w[t0:t1], y[t0:t1], E, H, I, a)
     return y
@@ -345,8 +358,8 @@ def experts(x, ids, weights, gate_up, down, act: str = "silu", out=None):
         return y
     # the grouped path's fp8 experts on the tensor cores (opt-in): asked only for prefill-sized calls (its first
     # answer launches a kernel and syncs once, never inside a captured decode step)
-    x3 = (inputs[1].shape[0] >= GROUPED_MIN_T and tg.fmt == "fp8" and td.fmt == "fp8"
-          and fp8_mma.exact_experts(tg.shape, td.shape, tg.block[:2], td.block[:2]))
+    x3 = (inputs[1].shape[0] >= GROUPED_MIN_T and tg.fmt == td.fmt
+          and fp8_mma.exact_experts(tg.fmt, tg.shape, td.shape, tg.block[:2], td.block[:2]))
     return _launch((tg.ptrs, tg.fmt), (td.ptrs, td.fmt), tg.fmt, td.fmt, tg.block, td.block, inputs,
                    len(gate_up), H, I, act, out, tg.scratch, x3)
 
@@ -374,9 +387,11 @@ def experts_packed(x, ids, weights, gate_up, down, act: str = "gelu_tanh", out=N
             return out
         return y
     one = (1, 1, 1)
+    x3 = (inputs[1].shape[0] >= GROUPED_MIN_T and gate_up.format == down.format == "bf16"
+          and fp8_mma.exact_experts("bf16", (I, H), (H, I)))  # as experts'
     return _launch((gate_up.data, f"packed_{gate_up.format}"), (down.data, f"packed_{down.format}"),
                    gate_up.format, down.format, one, one, inputs, E, H, I, act, out,
-                   derived(gate_up).setdefault("moe_scratch", {}))
+                   derived(gate_up).setdefault("moe_scratch", {}), x3)
 
 
 def experts_staged(x, ids, weights, gate_up, down, act: str):

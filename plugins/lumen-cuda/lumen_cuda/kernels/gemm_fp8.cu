@@ -1,9 +1,11 @@
-// fp8 prefill GEMMs on the tensor cores (issue 21; opt-in LUMEN_CUDA_FP8_MMA=exact | e4m3, lumen_cuda/fp8_mma.py;
-// docs/cuda.md, "fp8 tensor-core prefill (opt-in): written and compiled, not yet run"). Two kernels:
+// fp8 prefill GEMMs on the tensor cores (issue 21; opt-in LUMEN_CUDA_MMA_PREFILL=exact | e4m3, lumen_cuda/fp8_mma.py;
+// docs/cuda.md, "Tensor-core prefill for fp8 and routed experts"). The kernels:
 //  - gemm_fp8_x3 ("exact", at the end of this file): bf16 tensor cores, the activations as three bf16 planes, f32-exact
 //    products;
 //  - gemm_fp8_mma ("e4m3", below): e4m3 tensor cores, the activations quantized to e4m3 too (lossy, like vLLM's
-//    block-fp8 linear).
+//    block-fp8 linear);
+//  - moe_fp8_x3 / moe_bf16_x3 ("exact", routed experts): gemm_fp8_x3's block over one expert's bucketed slots, fp8
+//    or bf16 weights.
 // lumen_cuda/fp8_mma_model.py does both kernels' arithmetic in numpy.
 //
 // e4m3: y (T, N) f32 = x (T, K) . W (N, K)^T where W is e4m3 codes with f32 block scales sw (N/128, K/128) (the
@@ -196,7 +198,7 @@ extern "C" __global__ void __launch_bounds__(256) gemm_fp8_mma(const unsigned ch
     }
 }
 
-// ==== the exact variant (LUMEN_CUDA_FP8_MMA=exact): bf16 tensor cores, f32-exact products ========================
+// ==== the exact variant (LUMEN_CUDA_MMA_PREFILL=exact): bf16 tensor cores, f32-exact products ========================
 // An e4m3 weight value is exact in bf16 (4 significant bits); each activation goes in as three bf16 planes whose sum
 // is its f32 value exactly (hi = bf16(x), mid = bf16(x - hi), lo = x - hi - mid: 24 significant bits in three 8s;
 // fp8_x_planes). So every product W x is exact in f32 and
@@ -212,9 +214,16 @@ extern "C" __global__ void __launch_bounds__(256) gemm_fp8_mma(const unsigned ch
 // stages (weights 128 x 32 bytes padded to 48, planes 3 x 64 tokens x 64 bytes padded to 80: conflict-free fragment
 // reads), two stages by cp.async.
 
-#define X3_BK 32
-#define X3_LDW 48  // bytes a shared weight row: 32 + 16
-#define X3_LDX 80  // bytes a shared plane row: 64 + 16
+// Stage geometry per weight type (BF16: 0 = e4m3 bytes, 1 = bf16): BK columns a stage, 32 weight bytes a row either
+// way (padded to 48 in shared memory), plane rows of BK bf16 padded by 16 bytes (80 / 48: conflict-free reads).
+template <int BF16>
+struct X3 {
+  static constexpr int BK = BF16 ? 16 : 32;
+  static constexpr int ES = BF16 ? 2 : 1;       // bytes a weight value
+  static constexpr int LDW = 48;                // bytes a shared weight row: 32 + 16
+  static constexpr int LDX = BK * 2 + 16;       // bytes a shared plane row
+  static constexpr int XP = BK / 8;             // 16-byte pieces a plane row
+};
 
 __device__ __forceinline__ unsigned short fp8_bf16_rne(float v) {  // f32 -> bf16 bits, nearest even (finite v)
   const unsigned int u = __float_as_uint(v);
@@ -258,44 +267,50 @@ __device__ __forceinline__ void x3_mma(float* c, const unsigned int* a, const un
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
-// One stage: columns k0 .. k0 + 31 of 128 weight rows (256 16-byte pieces: one a thread) and of the three planes'
-// 64 tokens (768 pieces: three a thread). src[r]: the plane row of the block's token r (-1: none, zero-filled).
+// One stage: columns k0 .. k0 + BK - 1 of 128 weight rows (256 16-byte pieces: one a thread) and of the three
+// planes' 64 tokens. src[r]: the plane row of the block's token r (-1: none, zero-filled).
+template <int BF16>
 __device__ __forceinline__ void x3_load_stage(unsigned char* sw, unsigned char* sx, const unsigned char* W,
                                               const unsigned short* XP, int N, int K, long long plane,
                                               const int* src, int row0, int k0) {
+  using G = X3<BF16>;
   const int tid = threadIdx.x;
   {
     const int r = tid >> 1, c = (tid & 1) * 16, row = row0 + r;
     const bool ok = row < N;
-    fp8_cp16(sw + r * X3_LDW + c, W + (size_t)(ok ? row : 0) * K + k0 + c, ok);
+    fp8_cp16(sw + r * G::LDW + c, W + ((size_t)(ok ? row : 0) * K + k0) * G::ES + c, ok);
   }
-  for (int p = tid; p < 3 * FP8_BN * 4; p += 256) {
-    const int pl = p / (FP8_BN * 4), q = p % (FP8_BN * 4), r = q >> 2, c = (q & 3) * 8, tok = src[r];
+  for (int p = tid; p < 3 * FP8_BN * G::XP; p += 256) {
+    const int pl = p / (FP8_BN * G::XP), q = p % (FP8_BN * G::XP), r = q / G::XP, c = (q % G::XP) * 8;
+    const int tok = src[r];
     const bool ok = tok >= 0;
-    fp8_cp16(sx + (pl * FP8_BN + r) * X3_LDX + c * 2, XP + pl * plane + (size_t)(ok ? tok : 0) * K + k0 + c, ok);
+    fp8_cp16(sx + (pl * FP8_BN + r) * G::LDX + c * 2, XP + pl * plane + (size_t)(ok ? tok : 0) * K + k0 + c, ok);
   }
 }
 
-// The block's 128 weight rows from row0 x its 64 tokens: y[dst[r] * N + row] for token r with dst[r] >= 0.
+// The block's 128 weight rows from row0 x its 64 tokens: y[dst[r] * N + row] for token r with dst[r] >= 0. fp8:
+// sw the weight's block scales (row block rb = row0 / 128), K % 128 == 0; bf16: sw unused, K % 16 == 0.
+template <int BF16>
 __device__ __forceinline__ void x3_block(const unsigned char* __restrict__ W, const float* __restrict__ sw,
                                          const unsigned short* __restrict__ XP, long long plane,
                                          float* __restrict__ y, int N, int K, int row0, const int* src,
                                          const int* dst) {
-  __shared__ __align__(16) unsigned char s_w[2][FP8_BM * X3_LDW];
-  __shared__ __align__(16) unsigned char s_x[2][3 * FP8_BN * X3_LDX];
+  using G = X3<BF16>;
+  __shared__ __align__(16) unsigned char s_w[2][FP8_BM * G::LDW];
+  __shared__ __align__(16) unsigned char s_x[2][3 * FP8_BN * G::LDX];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int wm = warp >> 1, wn = warp & 1;
-  const int KB = K / 128, steps = K / X3_BK, rb = row0 / FP8_BM;
+  const int KB = K / 128, steps = K / G::BK, rb = row0 / FP8_BM, per_block = 128 / G::BK;
   float acc[2][4][4], blk[2][4][4];
   for (int i = 0; i < 2; i++)
     for (int j = 0; j < 4; j++)
       for (int q = 0; q < 4; q++) acc[i][j][q] = 0.0f, blk[i][j][q] = 0.0f;
 
-  x3_load_stage(s_w[0], s_x[0], W, XP, N, K, plane, src, row0, 0);
+  x3_load_stage<BF16>(s_w[0], s_x[0], W, XP, N, K, plane, src, row0, 0);
   fp8_cp_commit();
   for (int s = 0; s < steps; s++) {
     if (s + 1 < steps) {
-      x3_load_stage(s_w[(s + 1) & 1], s_x[(s + 1) & 1], W, XP, N, K, plane, src, row0, (s + 1) * X3_BK);
+      x3_load_stage<BF16>(s_w[(s + 1) & 1], s_x[(s + 1) & 1], W, XP, N, K, plane, src, row0, (s + 1) * G::BK);
       fp8_cp_commit();
       fp8_cp_wait1();
     } else {
@@ -304,18 +319,25 @@ __device__ __forceinline__ void x3_block(const unsigned char* __restrict__ W, co
     __syncthreads();
     const unsigned char* cw = s_w[s & 1];
     const unsigned char* cx = s_x[s & 1];
-    for (int kk = 0; kk < X3_BK; kk += 16) {
+    for (int kk = 0; kk < G::BK; kk += 16) {
       unsigned int a[2][4], b[3][4][2];
       for (int i = 0; i < 2; i++) {
-        const unsigned char* r = cw + (wm * 32 + 16 * i + g) * X3_LDW + kk + 2 * t;
-        a[i][0] = fp8_pair_bf16(*reinterpret_cast<const unsigned short*>(r));
-        a[i][1] = fp8_pair_bf16(*reinterpret_cast<const unsigned short*>(r + 8 * X3_LDW));
-        a[i][2] = fp8_pair_bf16(*reinterpret_cast<const unsigned short*>(r + 8));
-        a[i][3] = fp8_pair_bf16(*reinterpret_cast<const unsigned short*>(r + 8 * X3_LDW + 8));
+        const unsigned char* r = cw + (wm * 32 + 16 * i + g) * G::LDW + (kk + 2 * t) * G::ES;
+        if (BF16) {  // the weights' own bf16 pairs
+          a[i][0] = *reinterpret_cast<const unsigned int*>(r);
+          a[i][1] = *reinterpret_cast<const unsigned int*>(r + 8 * G::LDW);
+          a[i][2] = *reinterpret_cast<const unsigned int*>(r + 16);
+          a[i][3] = *reinterpret_cast<const unsigned int*>(r + 8 * G::LDW + 16);
+        } else {  // e4m3 pairs made bf16 pairs, exactly
+          a[i][0] = fp8_pair_bf16(*reinterpret_cast<const unsigned short*>(r));
+          a[i][1] = fp8_pair_bf16(*reinterpret_cast<const unsigned short*>(r + 8 * G::LDW));
+          a[i][2] = fp8_pair_bf16(*reinterpret_cast<const unsigned short*>(r + 8));
+          a[i][3] = fp8_pair_bf16(*reinterpret_cast<const unsigned short*>(r + 8 * G::LDW + 8));
+        }
       }
       for (int pl = 0; pl < 3; pl++)
         for (int j = 0; j < 4; j++) {
-          const unsigned char* r = cx + (pl * FP8_BN + wn * 32 + 8 * j + g) * X3_LDX + (kk + 2 * t) * 2;
+          const unsigned char* r = cx + (pl * FP8_BN + wn * 32 + 8 * j + g) * G::LDX + (kk + 2 * t) * 2;
           b[pl][j][0] = *reinterpret_cast<const unsigned int*>(r);
           b[pl][j][1] = *reinterpret_cast<const unsigned int*>(r + 16);
         }
@@ -327,8 +349,8 @@ __device__ __forceinline__ void x3_block(const unsigned char* __restrict__ W, co
         }
     }
     __syncthreads();
-    if ((s & 3) == 3) {  // a 128-column block done: its weight scale into the output's accumulators
-      const float w_s = sw[(size_t)rb * KB + (s >> 2)];
+    if ((s + 1) % per_block == 0 || s + 1 == steps) {  // 128 columns done (or the last): into the accumulators,
+      const float w_s = BF16 ? 1.0f : sw[(size_t)rb * KB + s / per_block];  // times fp8's block scale
       for (int i = 0; i < 2; i++)
         for (int j = 0; j < 4; j++)
           for (int q = 0; q < 4; q++) {
@@ -358,31 +380,57 @@ extern "C" __global__ void __launch_bounds__(256) gemm_fp8_x3(const unsigned cha
   const int tok0 = blockIdx.x * FP8_BN;
   if (threadIdx.x < FP8_BN) src[threadIdx.x] = tok0 + (int)threadIdx.x < T ? tok0 + (int)threadIdx.x : -1;
   __syncthreads();
-  x3_block(W, sw, XP, (long long)T * K, y, N, K, blockIdx.y * FP8_BM, src, src);
+  x3_block<0>(W, sw, XP, (long long)T * K, y, N, K, blockIdx.y * FP8_BM, src, src);
 }
 
-// Routed experts (moe.py's grouped path, LUMEN_CUDA_FP8_MMA=exact): one matrix role of every expert, the slots
+// Routed experts (moe.py's grouped path, LUMEN_CUDA_MMA_PREFILL=exact): one matrix role of every expert, the slots
 // bucketed by moe_bucket (order[off[e] .. off[e + 1]) = expert e's slots). Block (x, y, z) = (64 of expert z's
-// slots, 128 rows of its matrix); the matrix and its scales are the table's rows data_row / scale_row (uint64 (rows,
-// E) pointers, moe.py's table); a slot's plane row is slot / div (div = k for x's planes (3, T, K): the token; 1 for
-// h's (3, S, K)), its output row the slot: y (S, N). Grid (ceil(T / 64), ceil(N / 128), E): T bounds a bucket.
-extern "C" __global__ void __launch_bounds__(256) moe_fp8_x3(const unsigned long long* __restrict__ tab, int data_row,
-                                                             int scale_row, int E, const int* __restrict__ off,
-                                                             const int* __restrict__ order, int div,
-                                                             const unsigned short* __restrict__ XP, long long plane,
-                                                             float* __restrict__ y, int N, int K) {
-  __shared__ int src[FP8_BN], dst[FP8_BN];
+// slots, 128 rows of its matrix). A slot's plane row is slot / div (div = k for x's planes (3, T, K): the token; 1
+// for h's (3, S, K)), its output row the slot: y (S, N). Grid (ceil(T / 64), ceil(N / 128), E): T bounds a bucket.
+// The block's slot rows, or false where the block is past its expert's bucket.
+__device__ __forceinline__ bool x3_slots(const int* __restrict__ off, const int* __restrict__ order, int div, int* src,
+                                         int* dst) {
   const int e = blockIdx.z, beg = off[e], n = off[e + 1] - beg, c0 = blockIdx.x * FP8_BN;
-  if (c0 >= n) return;  // block-uniform: past this expert's bucket
+  if (c0 >= n) return false;  // block-uniform
   if (threadIdx.x < FP8_BN) {
     const int c = c0 + (int)threadIdx.x, slot = c < n ? order[beg + c] : -1;
     dst[threadIdx.x] = slot;
     src[threadIdx.x] = slot >= 0 ? slot / div : -1;
   }
   __syncthreads();
+  return true;
+}
+
+// fp8 experts: the matrix and its scales are the table's rows data_row / scale_row (uint64 (rows, E) pointers,
+// moe.py's table). K % 128 == 0.
+extern "C" __global__ void __launch_bounds__(256) moe_fp8_x3(const unsigned long long* __restrict__ tab, int data_row,
+                                                             int scale_row, int E, const int* __restrict__ off,
+                                                             const int* __restrict__ order, int div,
+                                                             const unsigned short* __restrict__ XP, long long plane,
+                                                             float* __restrict__ y, int N, int K) {
+  __shared__ int src[FP8_BN], dst[FP8_BN];
+  if (!x3_slots(off, order, div, src, dst)) return;
+  const int e = blockIdx.z;
   const unsigned char* W = reinterpret_cast<const unsigned char*>(tab[(size_t)data_row * E + e]);
   const float* sw = reinterpret_cast<const float*>(tab[(size_t)scale_row * E + e]);
-  x3_block(W, sw, XP, plane, y, N, K, blockIdx.y * FP8_BM, src, dst);
+  x3_block<0>(W, sw, XP, plane, y, N, K, blockIdx.y * FP8_BM, src, dst);
+}
+
+// bf16 experts: the matrix is the table's row data_row (tab non-null), or base + (e * stride + row_off * K) values
+// (packed experts: (E, 2I, H) with the up rows at row_off I, (E, H, I)). K % 16 == 0.
+extern "C" __global__ void __launch_bounds__(256) moe_bf16_x3(const unsigned long long* __restrict__ tab, int data_row,
+                                                              const unsigned short* __restrict__ base,
+                                                              long long stride, int row_off, int E,
+                                                              const int* __restrict__ off,
+                                                              const int* __restrict__ order, int div,
+                                                              const unsigned short* __restrict__ XP, long long plane,
+                                                              float* __restrict__ y, int N, int K) {
+  __shared__ int src[FP8_BN], dst[FP8_BN];
+  if (!x3_slots(off, order, div, src, dst)) return;
+  const int e = blockIdx.z;
+  const unsigned short* W = tab ? reinterpret_cast<const unsigned short*>(tab[(size_t)data_row * E + e])
+                                : base + (size_t)e * stride + (size_t)row_off * K;
+  x3_block<1>(reinterpret_cast<const unsigned char*>(W), nullptr, XP, plane, y, N, K, blockIdx.y * FP8_BM, src, dst);
 }
 
 // h (S, I) = act(g) * u elementwise (act 0: silu, 1: gelu_tanh, as moe.cu's act_mul).
