@@ -98,26 +98,30 @@ def test_nvfp4_rows_equal_float64(isa, K):
     assert rel(out, ref) < 1e-5, isa
 
 
+def expert_matrix(rng, fmt, N, K, block=128):
+    """An expert matrix (N, K): fp8 (e4m3 values ~ N(0, 40), f32 scales per block x block) or NVFP4."""
+    from lumen_cpu import nvfp4
+
+    if fmt == "fp8":
+        data = (rng.normal(size=(N, K)) * 40).astype(ml_dtypes.float8_e4m3fn)
+        s = rng.uniform(0.5, 2, size=(-(-N // block), -(-K // block))).astype(F32) * 0.01
+        return Weight(data, "fp8", (N, K), s, scale_block((N, K), s.shape))
+    packed, bs, gs = quantize_nvfp4(rng.normal(size=(N, K)).astype(F32) * 0.1)
+    return nvfp4.weight(packed, (bs, gs), (N, K), "ram")
+
+
 @pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
 @pytest.mark.parametrize("H,I", [(2048, 512), (80, 48)])
 def test_one_token_experts_equal_the_per_expert_path(isa, fmt, H, I):
     """moe_fused's one-token path (one compiled call a layer) against ops.moe_experts_per_expert (each matrix
     dequantized, f32 matmuls)."""
-    from lumen_cpu import moe_fused, nvfp4, ops
+    from lumen_cpu import moe_fused, ops
 
     rng = np.random.default_rng(H + I)
     E, k = 12, 4
 
-    def one(N, K):
-        if fmt == "fp8":
-            data = (rng.normal(size=(N, K)) * 40).astype(ml_dtypes.float8_e4m3fn)
-            s = rng.uniform(0.5, 2, size=(-(-N // 32), -(-K // 32))).astype(F32) * 0.01
-            return Weight(data, "fp8", (N, K), s, scale_block((N, K), s.shape))
-        packed, bs, gs = quantize_nvfp4(rng.normal(size=(N, K)).astype(F32) * 0.1)
-        return nvfp4.weight(packed, (bs, gs), (N, K), "ram")
-
-    gate_up = [(one(I, H), one(I, H)) for _ in range(E)]
-    down = [one(H, I) for _ in range(E)]
+    gate_up = [(expert_matrix(rng, fmt, I, H, 32), expert_matrix(rng, fmt, I, H, 32)) for _ in range(E)]
+    down = [expert_matrix(rng, fmt, H, I, 32) for _ in range(E)]
     x = rng.normal(size=(1, H)).astype(F32)
     ids = np.array([[3, 11, 7, 0]])
     w = rng.uniform(size=(1, k)).astype(F32)
@@ -612,15 +616,8 @@ def test_several_token_experts_default_amx_path_is_exact(fmt, H, I, T, monkeypat
     rng = np.random.default_rng(H + I + T + len(fmt))
     E, k = 6, 3
 
-    def one(N, K):
-        if fmt == "fp8":
-            data = (rng.normal(size=(N, K)) * 40).astype(ml_dtypes.float8_e4m3fn)
-            s = rng.uniform(0.5, 2, size=(-(-N // 128), -(-K // 128))).astype(F32) * 0.01
-            return Weight(data, "fp8", (N, K), s, scale_block((N, K), s.shape))
-        packed, bs, gs = quantize_nvfp4(rng.normal(size=(N, K)).astype(F32) * 0.1)
-        return nvfp4.weight(packed, (bs, gs), (N, K), "ram")
-
-    gate_up, down = [(one(I, H), one(I, H)) for _ in range(E)], [one(H, I) for _ in range(E)]
+    gate_up = [(expert_matrix(rng, fmt, I, H), expert_matrix(rng, fmt, I, H)) for _ in range(E)]
+    down = [expert_matrix(rng, fmt, H, I) for _ in range(E)]
     x = rng.normal(size=(T, H)).astype(F32)
     ids = np.stack([rng.choice(E, size=k, replace=False) for _ in range(T)])
     w = rng.uniform(size=(T, k)).astype(F32)

@@ -122,6 +122,21 @@ __device__ __forceinline__ void fp8_mma(float* c, const unsigned int* a, const u
 #endif
 }
 
+// A warp's 32 x 32 accumulators into y (rows of N): weight row r = row0 + wm * 32 + 16 i + g (+ 8), the block's token
+// c = wn * 32 + 8 j + 2 t (+ 1) to output row dst[c] (-1: none).
+__device__ __forceinline__ void frag_store(const float (&acc)[2][4][4], float* __restrict__ y, int N, int row0,
+                                           int wm, int wn, int g, int t, const int* dst) {
+  for (int i = 0; i < 2; i++)
+    for (int j = 0; j < 4; j++) {
+      const int r = row0 + wm * 32 + 16 * i + g, c = wn * 32 + 8 * j + 2 * t;
+      const int d0 = dst[c], d1 = dst[c + 1];
+      if (r < N && d0 >= 0) y[(size_t)d0 * N + r] = acc[i][j][0];
+      if (r < N && d1 >= 0) y[(size_t)d1 * N + r] = acc[i][j][1];
+      if (r + 8 < N && d0 >= 0) y[(size_t)d0 * N + r + 8] = acc[i][j][2];
+      if (r + 8 < N && d1 >= 0) y[(size_t)d1 * N + r + 8] = acc[i][j][3];
+    }
+}
+
 // y (T, N) f32 = dequant(xq, sx) . dequant(W, sw)^T. W (N, K) e4m3 bytes, sw (ceil(N/128), K/128) f32; xq (T, K)
 // e4m3 bytes, sx (T, K/128) f32. Grid (ceil(T/64), ceil(N/128)), 256 threads.
 extern "C" __global__ void __launch_bounds__(256) gemm_fp8_mma(const unsigned char* __restrict__ W,
@@ -188,14 +203,10 @@ extern "C" __global__ void __launch_bounds__(256) gemm_fp8_mma(const unsigned ch
       }
     }
   }
-  for (int i = 0; i < 2; i++)
-    for (int j = 0; j < 4; j++) {
-      const int r = row0 + wm * 32 + 16 * i + g, ta = tok0 + wn * 32 + 8 * j + 2 * t;
-      if (r < N && ta < T) y[(size_t)ta * N + r] = acc[i][j][0];
-      if (r < N && ta + 1 < T) y[(size_t)(ta + 1) * N + r] = acc[i][j][1];
-      if (r + 8 < N && ta < T) y[(size_t)ta * N + r + 8] = acc[i][j][2];
-      if (r + 8 < N && ta + 1 < T) y[(size_t)(ta + 1) * N + r + 8] = acc[i][j][3];
-    }
+  __shared__ int dst[FP8_BN];
+  if (threadIdx.x < FP8_BN) dst[threadIdx.x] = tok0 + (int)threadIdx.x < T ? tok0 + (int)threadIdx.x : -1;
+  __syncthreads();
+  frag_store(acc, y, N, row0, wm, wn, g, t, dst);
 }
 
 // ==== the exact variant (LUMEN_CUDA_MMA_PREFILL=exact): bf16 tensor cores, f32-exact products ========================
@@ -359,15 +370,7 @@ __device__ __forceinline__ void x3_block(const unsigned char* __restrict__ W, co
           }
     }
   }
-  for (int i = 0; i < 2; i++)
-    for (int j = 0; j < 4; j++) {
-      const int r = row0 + wm * 32 + 16 * i + g, c = wn * 32 + 8 * j + 2 * t;
-      const int d0 = dst[c], d1 = dst[c + 1];
-      if (r < N && d0 >= 0) y[(size_t)d0 * N + r] = acc[i][j][0];
-      if (r < N && d1 >= 0) y[(size_t)d1 * N + r] = acc[i][j][1];
-      if (r + 8 < N && d0 >= 0) y[(size_t)d0 * N + r + 8] = acc[i][j][2];
-      if (r + 8 < N && d1 >= 0) y[(size_t)d1 * N + r + 8] = acc[i][j][3];
-    }
+  frag_store(acc, y, N, row0, wm, wn, g, t, dst);
 }
 
 // y (T, N) f32 = planes (3, T, K) . dequant(W, sw)^T, W (N, K) e4m3 bytes, sw (ceil(N/128), K/128) f32. Grid
