@@ -183,3 +183,52 @@ def test_routed_bf16_experts_on_the_tensor_cores_equal_the_grouped_reference(cp,
         want = ops.moe_experts_grouped(x, ids, w, gate_up, down, "silu")
         assert calls == [0, 0, 0]  # row offsets: none (table pointers)
     close(got, want)
+
+
+@pytest.mark.parametrize("T,N,K", [(5, 130, 64), (70, 300, 512), (512, 4096, 4096)])
+def test_nvfp4_exact_gemm_equals_the_f32_product(cp, mma, monkeypatch, T, N, K):
+    """LUMEN_CUDA_MMA_PREFILL=exact on an NVFP4 weight: gemv.linear_nvfp4 takes gemm_nvfp4_x3 (e2m1 x block scale
+    exact in bf16, three planes, the global scale after), equal to the f32 product of the dequantized weight."""
+    from gpu_util import close
+    from lumen_cuda import gemv
+    from test_cuda_moe import nvfp4_host
+
+    from lumen_core.plugins import get_registry
+
+    reg = get_registry()
+    gpu = reg.backend_class("cuda")("cuda:0", reg)
+    rng = np.random.default_rng(T + N + K)
+    packed, scale = nvfp4_host(rng, N, K)
+    w = gpu.weight(packed, "nvfp4", "vram", scale=scale)
+    x = cp.asarray(rng.normal(size=(T, K)).astype(F32))
+    want = x @ gemv.dequantize_nvfp4(w).T
+    monkeypatch.setenv("LUMEN_CUDA_MMA_PREFILL", "exact")
+    assert mma.nvfp4_exact(w)
+    calls = []
+    real = mma.gemm_nvfp4_x3
+    monkeypatch.setattr(mma, "gemm_nvfp4_x3", lambda *a: calls.append(1) or real(*a))
+    close(gemv.linear_nvfp4(x, w), want, 2e-6)
+    assert calls == [1]
+
+
+@pytest.mark.parametrize("T", [8, 300])
+def test_routed_nvfp4_experts_on_the_tensor_cores_equal_the_grouped_reference(cp, mma, monkeypatch, T):
+    from gpu_util import close
+    from lumen_cuda import fp8_mma, moe, ops
+    from test_cuda_moe import experts, routing
+
+    from lumen_core.plugins import get_registry
+
+    reg = get_registry()
+    gpu = reg.backend_class("cuda")("cuda:0", reg)
+    rng = np.random.default_rng(T + 5)
+    E, k, H, I = 16, 4, 256, 384
+    gate_up, down = experts(gpu, rng, E, H, I, "nvfp4")
+    calls = []
+    real = fp8_mma.moe_role_nvfp4
+    monkeypatch.setattr(fp8_mma, "moe_role_nvfp4", lambda *a: calls.append(a[1:4]) or real(*a))
+    monkeypatch.setenv("LUMEN_CUDA_MMA_PREFILL", "exact")
+    x = cp.asarray(rng.normal(size=(T, H)).astype(np.float32))
+    ids, w = routing(cp, rng, E, k, np.int64, T)
+    close(moe.experts(x, ids, w, gate_up, down, "silu"), ops.moe_experts_grouped(x, ids, w, gate_up, down, "silu"))
+    assert calls == [(0, 2, 4), (1, 3, 5), (0, 1, 2)]  # the table rows of codes, block scales, global scales

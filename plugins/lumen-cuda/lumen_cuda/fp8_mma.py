@@ -8,8 +8,9 @@ meant to replace ``gemv.gemm_split`` and the CUDA-core grouped experts as the de
 Dense fp8 weights (``mode``): the option set, a device of capability 8.9 or later whose compiled module reports the
 e4m3 instructions, an fp8 Weight with 128 x 128 block scales and K a multiple of 128; ``gemv.linear_fp8`` takes a
 kernel from ``gemv.GEMM_MIN_T`` tokens instead of ``gemm_split``. Nothing is kept per weight: the kernels read the
-stored codes and scales as they are. Routed experts (``exact`` only): moe.py's grouped path (``exact_experts``;
-``moe_role`` for fp8, ``moe_role_bf16`` for bf16 lists and packed experts, ``moe_act`` between).
+stored codes and scales as they are. Dense NVFP4 weights (``exact`` only): ``nvfp4_exact``, ``linear_nvfp4`` for
+``gemv.linear_nvfp4``. Routed experts (``exact`` only): moe.py's grouped path (``exact_experts``; ``moe_role`` for
+fp8, ``moe_role_bf16`` for bf16 lists and packed experts, ``moe_role_nvfp4``, ``moe_act`` between).
 """
 
 from __future__ import annotations
@@ -50,15 +51,30 @@ def mode(w: Weight) -> str:
 
 def exact_experts(fmt: str, shape_gate, shape_down, block_gate=None, block_down=None) -> bool:
     """Whether moe.py's grouped path runs routed experts (gate / up (I, H), down (H, I)) on the tensor cores
-    (``moe_fp8_x3`` / ``moe_bf16_x3``): LUMEN_CUDA_MMA_PREFILL=exact and a device that has the instructions; fp8 with
-    128 x 128 scale blocks (``block_*``: (rows, columns)) and H, I multiples of 128; bf16 with H, I multiples of 16."""
+    (``moe_fp8_x3`` / ``moe_bf16_x3`` / ``moe_nvfp4_x3``): LUMEN_CUDA_MMA_PREFILL=exact and a device that has the
+    instructions; fp8 with 128 x 128 scale blocks (``block_*``: (rows, columns)) and H, I multiples of 128; bf16 with
+    H, I multiples of 16; NVFP4 of 32."""
     if requested(os.environ) != "exact":
         return False
     if fmt == "fp8":
         ok = (applies(shape_gate, block_gate) and applies(shape_down, block_down)
               and shape_gate[0] % BLOCK == 0 and shape_down[0] % BLOCK == 0)
     else:
-        ok = fmt == "bf16" and shape_gate[1] % 16 == 0 and shape_down[1] % 16 == 0
+        step = {"bf16": 16, "nvfp4": 32}.get(fmt)
+        ok = step is not None and shape_gate[1] % step == 0 and shape_down[1] % step == 0
+    return ok and _here()
+
+
+def nvfp4_exact(w: Weight) -> bool:
+    """Whether an NVFP4 Weight's prefill GEMM runs as ``gemm_nvfp4_x3`` here: LUMEN_CUDA_MMA_PREFILL=exact, K a
+    multiple of 32, its e4m3 block scales (N, K/16) uint8 C-contiguous on the device, a device that has the
+    instructions."""
+    if requested(os.environ) != "exact" or w.format != "nvfp4":
+        return False
+    N, K = w.shape
+    b = getattr(w.scale, "block", None)
+    ok = (K % 32 == 0 and isinstance(b, cp.ndarray) and b.dtype == cp.uint8 and b.shape == (N, K // 16)
+          and b.flags.c_contiguous and w.data.dtype == cp.uint8 and w.data.flags.c_contiguous)
     return ok and _here()
 
 
@@ -134,6 +150,16 @@ def moe_role_bf16(tab, data_row: int, base, stride: int, row_off: int, E: int, o
         np.int64(planes.shape[1] * planes.shape[2]), y, np.int32(N), np.int32(K)))
 
 
+def moe_role_nvfp4(tab, data_row: int, scale_row: int, gs_row: int, E: int, off, order, div: int, planes, y,
+                   N: int, K: int, T: int):
+    """``moe_role`` for NVFP4 experts (``moe_nvfp4_x3``): codes, block scales and global scales from the table's rows
+    ``data_row``, ``scale_row``, ``gs_row``."""
+    grid = (-(-T // BN), -(-N // BM), E)
+    kernels.function(FILE, "moe_nvfp4_x3")(grid, (256,), (
+        tab, np.int32(data_row), np.int32(scale_row), np.int32(gs_row), np.int32(E), off, order, np.int32(div),
+        planes, np.int64(planes.shape[1] * planes.shape[2]), y, np.int32(N), np.int32(K)))
+
+
 def moe_act(g, u, act: int):
     """h = act(g) * u elementwise (0: silu, 1: gelu_tanh; moe.cu's act_mul)."""
     h = cp.empty_like(g)
@@ -141,6 +167,24 @@ def moe_act(g, u, act: int):
         kernels.function(FILE, "moe_x3_act")((min(-(-g.size // 256), 65535),), (256,), (
             g, u, h, np.int64(g.size), np.int32(act)))
     return h
+
+
+def gemm_nvfp4_x3(xp, data, block, global_scale):
+    """y (T, N) f32 from the activations' planes (3, T, K) and an NVFP4 weight (codes (N, K/2), e4m3 block scales
+    (N, K/16), global scale): f32-exact products (``gemm_nvfp4_x3``)."""
+    _, T, K = xp.shape
+    N = data.shape[0]
+    y = cp.empty((T, N), dtype=cp.float32)
+    if T and N:
+        grid = (-(-T // BN), -(-N // BM))
+        kernels.function(FILE, "gemm_nvfp4_x3")(grid, (256,), (
+            data, block, np.float32(global_scale), xp, y, np.int32(N), np.int32(K), np.int32(T)))
+    return y
+
+
+def linear_nvfp4(x2, w: Weight):
+    """``gemv.linear_nvfp4``'s prefill here: x2 (T, K) f32 device, w an NVFP4 Weight that ``nvfp4_exact`` took."""
+    return gemm_nvfp4_x3(x_planes(x2), w.data, w.scale.block, w.scale.global_scale)
 
 
 def linear(x2, w: Weight, how: str):

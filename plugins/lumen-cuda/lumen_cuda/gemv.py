@@ -432,8 +432,8 @@ def gemv_nvfp4(x, data, block, global_scale, out=None, rows: int | None = None):
 
 def linear_nvfp4(x, w: Weight):  # x (..., K), w (N, K) NVFP4 -> (..., N) f32
     """T <= 8 (aligned): the NVFP4 GEMV (no cuBLAS: capturable); else from T = 5: the tensor-core prefill GEMM
-    (``gemm_split``); where neither applies, dequantize a slab of rows at a time to f32 (kernels/nvfp4.cu), then
-    cuBLAS SGEMM."""
+    (``gemm_split``; opt-in: ``sm120``'s or ``fp8_mma``'s); where neither applies, dequantize a slab of rows at a time
+    to f32 (kernels/nvfp4.cu), then cuBLAS SGEMM."""
     N, K = w.shape
     x2 = x.reshape(-1, K) if x.ndim != 2 else x
     x2 = x2.astype(cp.float32, copy=False)
@@ -444,6 +444,8 @@ def linear_nvfp4(x, w: Weight):  # x (..., K), w (N, K) NVFP4 -> (..., N) f32
         terms = sm120.available()  # SM120 + LUMEN_CUDA_SM120_MMA only (lossy, opt-in: docs/cuda.md issue 21)
         if terms:
             y = sm120.linear_nvfp4(x2, w, terms)
+        elif fp8_mma.nvfp4_exact(w):  # LUMEN_CUDA_MMA_PREFILL=exact only
+            y = fp8_mma.linear_nvfp4(x2, w)
         else:
             y = gemm_split(x2, N, lambda r, n, out: nvfp4_split(w.data, w.scale.block, w.scale.global_scale, r, n,
                                                                 out))

@@ -288,7 +288,7 @@ def _grouped_x3(gsrc, dsrc, x, ids, ids64, w, y, E, H, I, a):
     """Routed experts on the bf16 tensor cores with f32-exact products (LUMEN_CUDA_MMA_PREFILL=exact;
     lumen_cuda.fp8_mma): the slots bucketed as in ``_grouped``; x and then h as three bf16 planes; gate, up and down
     per (expert, 64 slots, 128 rows); then the same weighted sum. gsrc / dsrc as ``_launch``'s: (table, "fp8" |
-    "bf16") or (packed base, "packed_bf16")."""
+    "nvfp4" | "bf16") or (packed base, "packed_bf16")."""
     T, k = ids.shape
     S = T * k
     off, order = cp.empty(E + 1, dtype=cp.int32), cp.empty(S, dtype=cp.int32)
@@ -297,11 +297,15 @@ def _grouped_x3(gsrc, dsrc, x, ids, ids64, w, y, E, H, I, a):
     g, u, ys = (cp.empty((S, I), dtype=cp.float32), cp.empty((S, I), dtype=cp.float32),
                 cp.empty((S, H), dtype=cp.float32))
 
-    def role(src, index: int, scale_row: int, planes, out, N: int, K: int, div: int):
-        """index: the role's table row (0 gate / down, 1 up), scale_row: fp8's scale row (2, 3 / 1)."""
+    def role(src, index: int, roles: int, planes, out, N: int, K: int, div: int):
+        """index: the role's table row (0 gate / down, 1 up); roles: the table's matrices (2: gate and up, 1: down),
+        whose data rows come first, then their scales (fp8: f32 blocks; NVFP4: e4m3 blocks, then global scales)."""
         tab, kind = src
         if kind == "fp8":
-            fp8_mma.moe_role(tab, index, scale_row, E, off, order, div, planes, out, N, K, T)
+            fp8_mma.moe_role(tab, index, index + roles, E, off, order, div, planes, out, N, K, T)
+        elif kind == "nvfp4":
+            fp8_mma.moe_role_nvfp4(tab, index, index + roles, index + 2 * roles, E, off, order, div, planes, out, N,
+                                   K, T)
         elif kind == "bf16":
             fp8_mma.moe_role_bf16(tab, index, None, 0, 0, E, off, order, div, planes, out, N, K, T)
         else:  # packed: (E, 2I, H) with the up rows after the gate rows, (E, H, I)
@@ -309,7 +313,7 @@ def _grouped_x3(gsrc, dsrc, x, ids, ids64, w, y, E, H, I, a):
             fp8_mma.moe_role_bf16(None, 0, tab, rows * K, index * I, E, off, order, div, planes, out, N, K, T)
 
     role(gsrc, 0, 2, xp, g, I, H, k)
-    role(gsrc, 1, 3, xp, u, I, H, k)
+    role(gsrc, 1, 2, xp, u, I, H, k)
     hp = fp8_mma.x_planes(fp8_mma.moe_act(g, u, int(a)))
     role(dsrc, 0, 1, hp, ys, H, I, 1)
     _fn("moe_combine")(((T * H + COMBINE_THREADS - 1) // COMBINE_THREADS,), (COMBINE_THREADS,),
@@ -318,7 +322,7 @@ def _grouped_x3(gsrc, dsrc, x, ids, ids64, w, y, E, H, I, a):
 
 def _launch(gsrc, dsrc, gfmt, dfmt, gblock, dblock, inputs, E, H, I, act, out, scratch=None, x3=False):
     """The kernels for one call; ``scratch``: the layer's dict that keeps its T = 1 buffer (``_scratch``); ``x3``:
-    the grouped path on the tensor cores (``_grouped_x3``; fp8 / bf16 tables, packed bf16)."""
+    the grouped path on the tensor cores (``_grouped_x3``; fp8 / NVFP4 / bf16 tables, packed bf16)."""
     x, ids, ids64, w = inputs
     T, k = ids.shape
     y = _out(out, T, H)

@@ -4,8 +4,9 @@
 //    products;
 //  - gemm_fp8_mma ("e4m3", below): e4m3 tensor cores, the activations quantized to e4m3 too (lossy, like vLLM's
 //    block-fp8 linear);
-//  - moe_fp8_x3 / moe_bf16_x3 ("exact", routed experts): gemm_fp8_x3's block over one expert's bucketed slots, fp8
-//    or bf16 weights.
+//  - gemm_nvfp4_x3 ("exact"): the same for NVFP4 weights (e2m1 x block scale exact in bf16);
+//  - moe_fp8_x3 / moe_bf16_x3 / moe_nvfp4_x3 ("exact", routed experts): the x3 block over one expert's bucketed
+//    slots.
 // lumen_cuda/fp8_mma_model.py does both kernels' arithmetic in numpy.
 //
 // e4m3: y (T, N) f32 = x (T, K) . W (N, K)^T where W is e4m3 codes with f32 block scales sw (N/128, K/128) (the
@@ -225,16 +226,27 @@ extern "C" __global__ void __launch_bounds__(256) gemm_fp8_mma(const unsigned ch
 // stages (weights 128 x 32 bytes padded to 48, planes 3 x 64 tokens x 64 bytes padded to 80: conflict-free fragment
 // reads), two stages by cp.async.
 
-// Stage geometry per weight type (BF16: 0 = e4m3 bytes, 1 = bf16): BK columns a stage, 32 weight bytes a row either
-// way (padded to 48 in shared memory), plane rows of BK bf16 padded by 16 bytes (80 / 48: conflict-free reads).
-template <int BF16>
+// Stage geometry per weight format (X3_FP8: e4m3 bytes, X3_BF16: bf16, X3_NVFP4: packed e2m1 codes, low nibble
+// first, with e4m3 scales per 16 values and a global scale): BK columns a stage, WB weight bytes a row (padded to 48
+// in shared memory: 12 words a row, conflict-free fragment reads), plane rows of BK bf16 padded by 16 bytes.
+#define X3_FP8 0
+#define X3_BF16 1
+#define X3_NVFP4 2
+template <int FMT>
 struct X3 {
-  static constexpr int BK = BF16 ? 16 : 32;
-  static constexpr int ES = BF16 ? 2 : 1;       // bytes a weight value
-  static constexpr int LDW = 48;                // bytes a shared weight row: 32 + 16
-  static constexpr int LDX = BK * 2 + 16;       // bytes a shared plane row
-  static constexpr int XP = BK / 8;             // 16-byte pieces a plane row
+  static constexpr int BK = FMT == X3_BF16 ? 16 : 32;
+  static constexpr int WB = FMT == X3_NVFP4 ? 16 : 32;  // weight bytes a row a stage
+  static constexpr int LDW = 48;                         // bytes a shared weight row
+  static constexpr int LDX = BK * 2 + 16;                // bytes a shared plane row
+  static constexpr int XP = BK / 8;                      // 16-byte pieces a plane row
 };
+
+// byte offset of value k of row `row` in a weight of K columns
+template <int FMT>
+__device__ __forceinline__ size_t x3_offset(size_t row, int K, int k) {
+  const size_t at = row * (size_t)K + (size_t)k;
+  return FMT == X3_BF16 ? at * 2 : FMT == X3_NVFP4 ? at / 2 : at;
+}
 
 __device__ __forceinline__ unsigned short fp8_bf16_rne(float v) {  // f32 -> bf16 bits, nearest even (finite v)
   const unsigned int u = __float_as_uint(v);
@@ -278,18 +290,18 @@ __device__ __forceinline__ void x3_mma(float* c, const unsigned int* a, const un
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
-// One stage: columns k0 .. k0 + BK - 1 of 128 weight rows (256 16-byte pieces: one a thread) and of the three
+// One stage: columns k0 .. k0 + BK - 1 of 128 weight rows (128 x WB / 16 pieces of 16 bytes) and of the three
 // planes' 64 tokens. src[r]: the plane row of the block's token r (-1: none, zero-filled).
-template <int BF16>
+template <int FMT>
 __device__ __forceinline__ void x3_load_stage(unsigned char* sw, unsigned char* sx, const unsigned char* W,
                                               const unsigned short* XP, int N, int K, long long plane,
                                               const int* src, int row0, int k0) {
-  using G = X3<BF16>;
+  using G = X3<FMT>;
   const int tid = threadIdx.x;
-  {
-    const int r = tid >> 1, c = (tid & 1) * 16, row = row0 + r;
+  if (tid < FP8_BM * (G::WB / 16)) {
+    const int r = tid / (G::WB / 16), c = (tid % (G::WB / 16)) * 16, row = row0 + r;
     const bool ok = row < N;
-    fp8_cp16(sw + r * G::LDW + c, W + ((size_t)(ok ? row : 0) * K + k0) * G::ES + c, ok);
+    fp8_cp16(sw + r * G::LDW + c, W + x3_offset<FMT>(ok ? row : 0, K, k0) + c, ok);
   }
   for (int p = tid; p < 3 * FP8_BN * G::XP; p += 256) {
     const int pl = p / (FP8_BN * G::XP), q = p % (FP8_BN * G::XP), r = q / G::XP, c = (q % G::XP) * 8;
@@ -299,14 +311,37 @@ __device__ __forceinline__ void x3_load_stage(unsigned char* sw, unsigned char* 
   }
 }
 
+// NVFP4: two e2m1 codes (a byte, the lower k in the low nibble) times their e4m3 block scale -> two bf16, exactly (a
+// code's value has 2 significant bits, the scale 4).
+__device__ __forceinline__ float x3_e2m1(unsigned int c) {  // sign << 3 | index of 0, .5, 1, 1.5, 2, 3, 4, 6
+  const unsigned int m = c & 7u, e = m >> 1;
+  const float v = e ? __uint_as_float(((e + 126u) << 23) | ((m & 1u) << 22)) : 0.5f * (float)(m & 1u);
+  return (c & 8u) ? -v : v;
+}
+
+__device__ __forceinline__ unsigned int x3_nvfp4_pair(unsigned int byte, float scale) {
+  const float lo = x3_e2m1(byte & 15u) * scale, hi = x3_e2m1(byte >> 4) * scale;
+  unsigned int out;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(out) : "f"(hi), "f"(lo));  // first operand -> upper half
+  return out;
+}
+
+__device__ __forceinline__ float x3_e4m3(unsigned int b) {  // e4m3fn byte -> f32, exactly (a NaN code: 480)
+  const unsigned int e = (b >> 3) & 15u, m = b & 7u;
+  const float v = e ? __uint_as_float(((e + 120u) << 23) | (m << 20)) : (float)m * 0.001953125f;
+  return (b & 0x80u) ? -v : v;
+}
+
 // The block's 128 weight rows from row0 x its 64 tokens: y[dst[r] * N + row] for token r with dst[r] >= 0. fp8:
-// sw the weight's block scales (row block rb = row0 / 128), K % 128 == 0; bf16: sw unused, K % 16 == 0.
-template <int BF16>
+// sw the weight's block scales (row block rb = row0 / 128), K % 128 == 0; bf16: K % 16 == 0; NVFP4: bs its e4m3
+// block scales (N, K / 16), gs its global scale (times the result), K % 32 == 0.
+template <int FMT>
 __device__ __forceinline__ void x3_block(const unsigned char* __restrict__ W, const float* __restrict__ sw,
+                                         const unsigned char* __restrict__ bs, float gs,
                                          const unsigned short* __restrict__ XP, long long plane,
                                          float* __restrict__ y, int N, int K, int row0, const int* src,
                                          const int* dst) {
-  using G = X3<BF16>;
+  using G = X3<FMT>;
   __shared__ __align__(16) unsigned char s_w[2][FP8_BM * G::LDW];
   __shared__ __align__(16) unsigned char s_x[2][3 * FP8_BN * G::LDX];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -317,11 +352,11 @@ __device__ __forceinline__ void x3_block(const unsigned char* __restrict__ W, co
     for (int j = 0; j < 4; j++)
       for (int q = 0; q < 4; q++) acc[i][j][q] = 0.0f, blk[i][j][q] = 0.0f;
 
-  x3_load_stage<BF16>(s_w[0], s_x[0], W, XP, N, K, plane, src, row0, 0);
+  x3_load_stage<FMT>(s_w[0], s_x[0], W, XP, N, K, plane, src, row0, 0);
   fp8_cp_commit();
   for (int s = 0; s < steps; s++) {
     if (s + 1 < steps) {
-      x3_load_stage<BF16>(s_w[(s + 1) & 1], s_x[(s + 1) & 1], W, XP, N, K, plane, src, row0, (s + 1) * G::BK);
+      x3_load_stage<FMT>(s_w[(s + 1) & 1], s_x[(s + 1) & 1], W, XP, N, K, plane, src, row0, (s + 1) * G::BK);
       fp8_cp_commit();
       fp8_cp_wait1();
     } else {
@@ -333,8 +368,20 @@ __device__ __forceinline__ void x3_block(const unsigned char* __restrict__ W, co
     for (int kk = 0; kk < G::BK; kk += 16) {
       unsigned int a[2][4], b[3][4][2];
       for (int i = 0; i < 2; i++) {
-        const unsigned char* r = cw + (wm * 32 + 16 * i + g) * G::LDW + (kk + 2 * t) * G::ES;
-        if (BF16) {  // the weights' own bf16 pairs
+        const int rl = wm * 32 + 16 * i + g;  // the fragment's rows rl, rl + 8 of the block
+        if (FMT == X3_NVFP4) {  // codes a byte a pair; the pair's block scale (16 columns: kk .. kk + 15)
+          const unsigned char* r = cw + rl * G::LDW + kk / 2 + t;
+          const int kb = (s * G::BK + kk) / 16;
+          const int r0 = min(row0 + rl, N - 1), r8 = min(row0 + rl + 8, N - 1);
+          const float s0 = x3_e4m3(bs[(size_t)r0 * (K / 16) + kb]), s8 = x3_e4m3(bs[(size_t)r8 * (K / 16) + kb]);
+          a[i][0] = x3_nvfp4_pair(r[0], s0);
+          a[i][1] = x3_nvfp4_pair(r[8 * G::LDW], s8);
+          a[i][2] = x3_nvfp4_pair(r[4], s0);
+          a[i][3] = x3_nvfp4_pair(r[8 * G::LDW + 4], s8);
+          continue;
+        }
+        const unsigned char* r = cw + rl * G::LDW + (kk + 2 * t) * (FMT == X3_BF16 ? 2 : 1);
+        if (FMT == X3_BF16) {  // the weights' own bf16 pairs
           a[i][0] = *reinterpret_cast<const unsigned int*>(r);
           a[i][1] = *reinterpret_cast<const unsigned int*>(r + 8 * G::LDW);
           a[i][2] = *reinterpret_cast<const unsigned int*>(r + 16);
@@ -361,7 +408,7 @@ __device__ __forceinline__ void x3_block(const unsigned char* __restrict__ W, co
     }
     __syncthreads();
     if ((s + 1) % per_block == 0 || s + 1 == steps) {  // 128 columns done (or the last): into the accumulators,
-      const float w_s = BF16 ? 1.0f : sw[(size_t)rb * KB + s / per_block];  // times fp8's block scale
+      const float w_s = FMT == X3_FP8 ? sw[(size_t)rb * KB + s / per_block] : 1.0f;  // times fp8's block scale
       for (int i = 0; i < 2; i++)
         for (int j = 0; j < 4; j++)
           for (int q = 0; q < 4; q++) {
@@ -370,6 +417,10 @@ __device__ __forceinline__ void x3_block(const unsigned char* __restrict__ W, co
           }
     }
   }
+  if (FMT == X3_NVFP4)
+    for (int i = 0; i < 2; i++)
+      for (int j = 0; j < 4; j++)
+        for (int q = 0; q < 4; q++) acc[i][j][q] *= gs;
   frag_store(acc, y, N, row0, wm, wn, g, t, dst);
 }
 
@@ -383,7 +434,7 @@ extern "C" __global__ void __launch_bounds__(256) gemm_fp8_x3(const unsigned cha
   const int tok0 = blockIdx.x * FP8_BN;
   if (threadIdx.x < FP8_BN) src[threadIdx.x] = tok0 + (int)threadIdx.x < T ? tok0 + (int)threadIdx.x : -1;
   __syncthreads();
-  x3_block<0>(W, sw, XP, (long long)T * K, y, N, K, blockIdx.y * FP8_BM, src, src);
+  x3_block<X3_FP8>(W, sw, nullptr, 1.0f, XP, (long long)T * K, y, N, K, blockIdx.y * FP8_BM, src, src);
 }
 
 // Routed experts (moe.py's grouped path, LUMEN_CUDA_MMA_PREFILL=exact): one matrix role of every expert, the slots
@@ -416,7 +467,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_fp8_x3(const unsigned long
   const int e = blockIdx.z;
   const unsigned char* W = reinterpret_cast<const unsigned char*>(tab[(size_t)data_row * E + e]);
   const float* sw = reinterpret_cast<const float*>(tab[(size_t)scale_row * E + e]);
-  x3_block<0>(W, sw, XP, plane, y, N, K, blockIdx.y * FP8_BM, src, dst);
+  x3_block<X3_FP8>(W, sw, nullptr, 1.0f, XP, plane, y, N, K, blockIdx.y * FP8_BM, src, dst);
 }
 
 // bf16 experts: the matrix is the table's row data_row (tab non-null), or base + (e * stride + row_off * K) values
@@ -433,7 +484,39 @@ extern "C" __global__ void __launch_bounds__(256) moe_bf16_x3(const unsigned lon
   const int e = blockIdx.z;
   const unsigned short* W = tab ? reinterpret_cast<const unsigned short*>(tab[(size_t)data_row * E + e])
                                 : base + (size_t)e * stride + (size_t)row_off * K;
-  x3_block<1>(reinterpret_cast<const unsigned char*>(W), nullptr, XP, plane, y, N, K, blockIdx.y * FP8_BM, src, dst);
+  x3_block<X3_BF16>(reinterpret_cast<const unsigned char*>(W), nullptr, nullptr, 1.0f, XP, plane, y, N, K,
+                    blockIdx.y * FP8_BM, src, dst);
+}
+
+// y (T, N) f32 = planes (3, T, K) . W^T for an NVFP4 weight: codes (N, K/2), e4m3 block scales bs (N, K/16), global
+// scale gs. Grid (ceil(T/64), ceil(N/128)), 256 threads. K % 32 == 0.
+extern "C" __global__ void __launch_bounds__(256) gemm_nvfp4_x3(const unsigned char* __restrict__ W,
+                                                                const unsigned char* __restrict__ bs, float gs,
+                                                                const unsigned short* __restrict__ XP,
+                                                                float* __restrict__ y, int N, int K, int T) {
+  __shared__ int src[FP8_BN];
+  const int tok0 = blockIdx.x * FP8_BN;
+  if (threadIdx.x < FP8_BN) src[threadIdx.x] = tok0 + (int)threadIdx.x < T ? tok0 + (int)threadIdx.x : -1;
+  __syncthreads();
+  x3_block<X3_NVFP4>(W, nullptr, bs, gs, XP, (long long)T * K, y, N, K, blockIdx.y * FP8_BM, src, src);
+}
+
+// NVFP4 experts (moe.py's nvfp4 table: data rows, then block-scale rows, then global scales as f32 bits in the low
+// 32 bits of a uint64): the matrix, its block scales and global scale are the table's rows data_row, scale_row,
+// gs_row. K % 32 == 0.
+extern "C" __global__ void __launch_bounds__(256) moe_nvfp4_x3(const unsigned long long* __restrict__ tab,
+                                                               int data_row, int scale_row, int gs_row, int E,
+                                                               const int* __restrict__ off,
+                                                               const int* __restrict__ order, int div,
+                                                               const unsigned short* __restrict__ XP, long long plane,
+                                                               float* __restrict__ y, int N, int K) {
+  __shared__ int src[FP8_BN], dst[FP8_BN];
+  if (!x3_slots(off, order, div, src, dst)) return;
+  const int e = blockIdx.z;
+  const unsigned char* W = reinterpret_cast<const unsigned char*>(tab[(size_t)data_row * E + e]);
+  const unsigned char* bs = reinterpret_cast<const unsigned char*>(tab[(size_t)scale_row * E + e]);
+  const float gs = __uint_as_float((unsigned int)(tab[(size_t)gs_row * E + e] & 0xffffffffull));
+  x3_block<X3_NVFP4>(W, nullptr, bs, gs, XP, plane, y, N, K, blockIdx.y * FP8_BM, src, dst);
 }
 
 // h (S, I) = act(g) * u elementwise (act 0: silu, 1: gelu_tanh, as moe.cu's act_mul).
