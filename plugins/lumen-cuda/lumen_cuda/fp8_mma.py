@@ -15,7 +15,6 @@ fp8, ``moe_role_bf16`` for bf16 lists and packed experts, ``moe_role_nvfp4``, ``
 
 from __future__ import annotations
 
-import functools
 import os
 
 import cupy as cp
@@ -30,14 +29,16 @@ FILE = "gemm_fp8"
 BM, BN = 128, 64  # the GEMM block's weight rows and tokens (FP8_BM, FP8_BN in the .cu file)
 
 
-@functools.cache
-def _native(device: int) -> bool:
-    """Whether the module compiled for ``device`` has the e4m3 instructions (its ``fp8_mma_native`` flag), asked once
-    per device: a module without them would trap."""
-    with cp.cuda.Device(device):
+def _native() -> bool:
+    """Whether the module compiled for the current device has the e4m3 instructions (its ``fp8_mma_native`` flag),
+    asked once per device (``kernels.device_fact``): a module without them would trap."""
+
+    def ask() -> int:
         flag = cp.zeros(1, dtype=cp.int32)
         kernels.function(FILE, "fp8_mma_native")((1,), (32,), (flag,))
-        return int(flag.get()[0]) == 1
+        return int(flag.get()[0])
+
+    return kernels.device_fact("fp8_mma_native", ask) == 1
 
 
 def mode(w: Weight) -> str:
@@ -79,7 +80,7 @@ def nvfp4_exact(w: Weight) -> bool:
 
 
 def _here() -> bool:
-    return capable(cp.cuda.Device().compute_capability) and _native(cp.cuda.runtime.getDevice())
+    return capable(cp.cuda.Device().compute_capability) and _native()
 
 
 def quantize_x(x):

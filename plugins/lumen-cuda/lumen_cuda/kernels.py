@@ -8,7 +8,8 @@ every engine in the process, never change once made, and hold no model's data, s
 - ``_MODULES``: a compiled ``.cu`` file per (file, arch, options);
 - ``_FUNCTIONS``: one kernel of it per (device, file, kernel, options), with the dynamic shared memory it has been
   allowed (``function(..., smem=)``);
-- ``_ATTRIBUTES``: device attributes (shared memory a block may opt into, SM count) per (device, attribute);
+- ``_ATTRIBUTES``: device attributes (shared memory a block may opt into, SM count) per (device, attribute), and
+  facts about a compiled module on a device (``device_fact``) per (device, name);
 - ``_CONSTANTS``: small immutable device tables (the e4m3 decoding table, 1 KB) per (device, name).
 
 Everything that belongs to a model or a decode step (weights' derived arrays, pointer tables, the expert cache,
@@ -92,6 +93,16 @@ def device_attribute(attr: int, default: int) -> int:
         except Exception:  # a runtime without the attribute
             value = default
         _ATTRIBUTES[(dev, attr)] = value
+    return value
+
+
+def device_fact(name: str, compute) -> int:
+    """``compute()`` for the current device, once (kept with the device attributes under ``name``): a fact about a
+    compiled module there, e.g. whether it holds an arch-specific instruction (lumen_cuda.fp8_mma)."""
+    key = (cp.cuda.runtime.getDevice(), name)
+    value = _ATTRIBUTES.get(key)
+    if value is None:
+        value = _ATTRIBUTES[key] = int(compute())
     return value
 
 
