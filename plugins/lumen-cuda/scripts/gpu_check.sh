@@ -1,8 +1,9 @@
 #!/bin/bash
 # One device run: install the repo's packages (no deps, no network there), run every CUDA and wgpu test file, then
-# the end-to-end benchmark; logs go to $OUT. Carried wheels (.whl, see docs/cuda.md) fill what the image lacks; the
-# Vulkan loader for the wgpu tests comes as .deb files in .gl (docs/wgpu.md), unpacked here; the wgpu tests must
-# find the GPU's Vulkan adapter (LUMEN_REQUIRE_WGPU=1: a missing one fails them).
+# the end-to-end benchmark; logs go to $OUT. Carried wheels (.whl, docs/cuda.md "Running the GPU suite": cffi and
+# pycparser for wgpu-py among them) fill what the image lacks; the Vulkan loader for the wgpu tests comes as .deb
+# files in .gl (docs/wgpu.md), unpacked here; the wgpu tests must find the GPU's Vulkan adapter
+# (LUMEN_REQUIRE_WGPU=1: a missing one fails them).
 #   T_TESTS (s, default 330), TESTS (default: every tests/test_cuda*.py and tests/test_wgpu*.py), PYTEST_ARGS (e.g.
 #   "-n 8 --dist loadfile" with pytest-xdist and execnet among the carried wheels: the whole suite in ~200 s
 #   instead of ~600), BENCH_ARGS (benchmarks/cuda_models.py
