@@ -653,3 +653,29 @@ def test_several_token_experts_default_amx_path_is_exact(fmt, H, I, T, monkeypat
     assert parts == [3, 0]  # the tiles with three planes, then the f32 path
     assert rel(got, ref) < 3e-6 and rel(f32, ref) < 3e-6, (rel(got, ref), rel(f32, ref))
     assert rel(got, f32.astype(np.float64)) < 3e-6
+
+
+def test_fp8_rows_to_bf16_give_every_e4m3_code_exactly():
+    """lumen_fp8_decode_rows_bf16 (the prompt path's weight rows on AMX machines; 16-bit lanes, the subnormals from a
+    table) on all 256 codes, in rows of 32-multiples and at a row offset: each the bf16 of ml_dtypes' e4m3 value,
+    exactly; the two NaN codes give +-480 (the f32 kernels' e4m3x16 does the same; checkpoints hold none)."""
+    import ctypes
+
+    lib = native.lib()
+    rows = np.arange(512, dtype=np.uint16).astype(np.uint8).reshape(4, 128)[:, ::-1].copy()  # codes in two orders
+    N, K = rows.shape
+    out = np.zeros((3, K + 16), dtype=np.uint16)
+    i = ctypes.c_int64
+    lib.lumen_fp8_decode_rows_bf16.argtypes = [ctypes.c_void_p, i, i, i, i, i, ctypes.c_void_p, i]
+    values = rows[1:].view(ml_dtypes.float8_e4m3fn).astype(F32)
+    nan = np.isnan(values)
+    values[nan] = np.copysign(480.0, np.where(rows[1:][nan] & 0x80, -1.0, 1.0))
+    want = (values.view(np.uint32) >> 16).astype(np.uint16)
+    assert (values.view(np.uint32) & 0xFFFF == 0).all()  # every e4m3 value is exact in bf16
+    for isa in levels():  # the AVX-512 kernel from avx512 on, the scalar loop below
+        native.use(isa)
+        out[...] = 0
+        lib.lumen_fp8_decode_rows_bf16(rows.ctypes.data, K, 1, 3, K, N, out.ctypes.data, K + 16)
+        np.testing.assert_array_equal(out[:, :K], want, err_msg=isa)
+        assert not out[:, K:].any()  # nothing past K
+    native.use(native.HIGHEST)

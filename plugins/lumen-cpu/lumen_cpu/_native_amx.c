@@ -183,14 +183,28 @@ void lumen_nvfp4_decode_rows_bf16(const uint8_t *w, i64 ldw, const uint8_t *s, i
 }
 
 #ifdef LUMEN_AMX
+/* 32 e4m3 bytes -> 32 bf16, exact, in 16-bit lanes: a normal value's exponent and mantissa move into place and the
+ * bias difference (127 - 7) is added; the subnormals (exponent 0: m x 2^-9, m < 8) come from an 8-entry table; the
+ * sign moves to bit 15. Half the work of widening to f32 and narrowing back (the prompt's products of 512 tokens of a
+ * 35B-A3B layer on 2 cores: this conversion was 41% of the time). The NaN codes (0x7F, 0xFF) give +-480, as e4m3x16. */
+TB static inline __m512i e4m3x32_bf16(const uint8_t *p) {
+    const __m512i sub = _mm512_inserti32x4(_mm512_setzero_si512(), /* m x 2^-9 in bf16, m = 0 .. 7 */
+                                           _mm_setr_epi16(0, 0x3B00, 0x3B80, 0x3BC0, 0x3C00, 0x3C20, 0x3C40, 0x3C60), 0);
+    __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)p));
+    __m512i mag = _mm512_add_epi16(_mm512_slli_epi16(_mm512_and_si512(b, _mm512_set1_epi16(0x7F)), 4),
+                                   _mm512_set1_epi16(0x3C00));
+    mag = _mm512_mask_permutexvar_epi16(mag, _mm512_testn_epi16_mask(b, _mm512_set1_epi16(0x78)), b, sub);
+    /* mag | (b << 8 & 0x8000): A | (B & C) */
+    return _mm512_ternarylogic_epi32(mag, _mm512_slli_epi16(b, 8), _mm512_set1_epi16((short)0x8000), 0xF8);
+}
+
 TB static void fp8_bf16_avx512(const uint8_t *w, i64 ldw, i64 r0, i64 n, i64 K, i64 N, uint16_t *out, i64 ldo) {
     i64 ahead = rows_ahead(K);
     for (i64 i = 0; i < n; i++) {
         const uint8_t *row = w + (r0 + i) * ldw;
         prefetch_ahead(row, ldw, K, r0 + i, N, ahead);
         uint16_t *o = out + i * ldo;
-        for (i64 c = 0; c < K; c += 32) /* exact values: the conversion's rounding never applies */
-            _mm512_storeu_si512((void *)(o + c), (__m512i)_mm512_cvtne2ps_pbh(e4m3x16(row + c + 16), e4m3x16(row + c)));
+        for (i64 c = 0; c < K; c += 32) _mm512_storeu_si512((void *)(o + c), e4m3x32_bf16(row + c));
     }
 }
 #endif
