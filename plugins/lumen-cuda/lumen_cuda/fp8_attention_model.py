@@ -1,0 +1,73 @@
+"""FP8 attention's arithmetic in numpy: what an FP8-MMA attention kernel (issue 21: LumenLLM's
+``attention.compute-quantization: fp8`` over an fp8 KV cache) is to compute, so that its accuracy can be measured
+on the CPU before the kernel exists (``benchmarks/fp8_attention_accuracy.py``) and the kernel tested against it.
+No kernel implements it yet; the plan still refuses ``fp8`` attention.
+
+- K and V: the cache's e4m3 values as stored (Lumen's fp8 cache has no scale and saturates at +-448).
+- Q: each (token, head) row scaled into e4m3: ``sq = amax|q| / 448``, codes ``e4m3(q / sq)`` (nearest, ties to
+  even); a zero row stays zero.
+- Scores: the code products are exact in f32 (an e4m3 value has 4 significant bits), summed in f32 as the MMA's
+  accumulator does, then times ``sq`` and the softmax scale; softcap and the causal / sliding mask as usual.
+- Softmax in f32, FlashAttention style: ``m`` = the row's max, ``p = exp(s - m)`` in (0, 1], ``l`` = the sum of
+  the f32 ``p`` (before rounding).
+- P into e4m3 with a fixed scale: ``e4m3(p * 448)``: the largest p (1) becomes 448; a p below ~2^-9 / 448
+  (~4.4e-6) rounds to zero, one below 2^-6 / 448 keeps fewer than 4 significant bits (e4m3's subnormals).
+- Output: ``(P codes . V)`` summed in f32, divided by 448 and by ``l``.
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+F32 = np.float32
+E4M3 = ml_dtypes.float8_e4m3fn
+E4M3_MAX = 448.0
+
+
+def e4m3(x) -> np.ndarray:
+    """f32 values rounded to e4m3 (nearest, ties to even), back in f32; |x| must be <= 448."""
+    return np.asarray(x, F32).astype(E4M3).astype(F32)
+
+
+def quantize_q(q) -> tuple[np.ndarray, np.ndarray]:
+    """q (..., D) f32 -> (codes as f32 values (..., D), scales (..., 1)): q ~ codes * scales, per row."""
+    q = np.asarray(q, F32)
+    amax = np.abs(q).max(axis=-1, keepdims=True)
+    sq = np.where(amax > 0, amax / F32(E4M3_MAX), F32(1)).astype(F32)
+    return e4m3(np.clip(q / sq, -E4M3_MAX, E4M3_MAX)), sq
+
+
+def mask(start: int, T: int, lo: int, end: int, window: int | None, blocks=None) -> np.ndarray:
+    """(T, end - lo) bool: query start + i sees key j (causal, within the window; ``blocks`` as lumen_cpu's)."""
+    qpos = np.arange(start, start + T)[:, None]
+    kpos = np.arange(lo, end)[None, :]
+    ok = kpos <= qpos
+    for first, stop in blocks or ():
+        ok |= (qpos >= first) & (qpos < stop) & (kpos >= first) & (kpos < stop)
+    if window is not None:
+        ok &= kpos > qpos - window
+    return ok
+
+
+def attend(q, keys, vals, start: int, lo: int, scale: float, window: int | None = None,
+           softcap: float | None = None, blocks=None) -> np.ndarray:
+    """The kernel's result for q (T, Hq, D) at positions start.., keys (Hkv, S, D) / vals (Hkv, S, Dv) at lo..
+    (f32 arrays holding e4m3 values: an fp8 cache's) -> (T, Hq, Dv) f32. The signature of lumen_cpu's ``_attend``."""
+    q = np.asarray(q, F32)
+    keys, vals = np.asarray(keys, F32), np.asarray(vals, F32)
+    T, hq, D = q.shape
+    hkv, S, _ = keys.shape
+    g = hq // hkv
+    codes, sq = quantize_q(q)  # (T, Hq, D), (T, Hq, 1)
+    qg = codes.transpose(1, 0, 2).reshape(hkv, g * T, D)  # (Hkv, g T, D)
+    s = (qg @ keys.transpose(0, 2, 1)).reshape(hkv, g, T, S)
+    s = s * sq.transpose(1, 0, 2).reshape(hkv, g, T, 1) * F32(scale)
+    if softcap:
+        s = np.tanh(s / F32(softcap)) * F32(softcap)
+    s = np.where(mask(start, T, lo, lo + S, window, blocks), s, -np.inf).astype(F32)
+    p = np.exp(s - s.max(axis=-1, keepdims=True)).astype(F32)
+    l = p.sum(axis=-1, keepdims=True, dtype=F32)
+    pq = e4m3(p * F32(E4M3_MAX))
+    o = (pq.reshape(hkv, g * T, S) @ vals).reshape(hkv, g, T, -1) / F32(E4M3_MAX) / l
+    return o.reshape(hq, T, -1).transpose(1, 0, 2).astype(F32)
