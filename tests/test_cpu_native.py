@@ -672,7 +672,7 @@ def test_fp8_rows_to_bf16_give_every_e4m3_code_exactly():
     values[nan] = np.copysign(480.0, np.where(rows[1:][nan] & 0x80, -1.0, 1.0))
     want = (values.view(np.uint32) >> 16).astype(np.uint16)
     assert (values.view(np.uint32) & 0xFFFF == 0).all()  # every e4m3 value is exact in bf16
-    for isa in levels():  # the AVX-512 kernel from avx512 on, the scalar loop below
+    for isa in levels():  # the AVX-512 kernel at the amx level, the scalar loop below it
         native.use(isa)
         out[...] = 0
         lib.lumen_fp8_decode_rows_bf16(rows.ctypes.data, K, 1, 3, K, N, out.ctypes.data, K + 16)

@@ -188,8 +188,8 @@ void lumen_nvfp4_decode_rows_bf16(const uint8_t *w, i64 ldw, const uint8_t *s, i
  * sign moves to bit 15. Half the work of widening to f32 and narrowing back (the prompt's products of 512 tokens of a
  * 35B-A3B layer on 2 cores: this conversion was 41% of the time). The NaN codes (0x7F, 0xFF) give +-480, as e4m3x16. */
 TB static inline __m512i e4m3x32_bf16(const uint8_t *p) {
-    const __m512i sub = _mm512_inserti32x4(_mm512_setzero_si512(), /* m x 2^-9 in bf16, m = 0 .. 7 */
-                                           _mm_setr_epi16(0, 0x3B00, 0x3B80, 0x3BC0, 0x3C00, 0x3C20, 0x3C40, 0x3C60), 0);
+    const __m128i m9 = _mm_setr_epi16(0, 0x3B00, 0x3B80, 0x3BC0, 0x3C00, 0x3C20, 0x3C40, 0x3C60); /* m 2^-9, bf16 */
+    const __m512i sub = _mm512_inserti32x4(_mm512_setzero_si512(), m9, 0);
     __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)p));
     __m512i mag = _mm512_add_epi16(_mm512_slli_epi16(_mm512_and_si512(b, _mm512_set1_epi16(0x7F)), 4),
                                    _mm512_set1_epi16(0x3C00));
