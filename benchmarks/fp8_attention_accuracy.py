@@ -74,8 +74,8 @@ def main(argv=None) -> None:
     print("| KV cache, attention | NLL (nats/token) | perplexity | change vs the default | s | model calls |")
     print("|---|---:|---:|---:|---:|---:|")
     base = rows[0][1]
-    for name, nll, seconds, n in rows:
-        change = f"{math.exp(nll) / math.exp(base) - 1:+.3%}" if nll != base or name != rows[0][0] else ""
+    for i, (name, nll, seconds, n) in enumerate(rows):
+        change = f"{math.exp(nll) / math.exp(base) - 1:+.3%}" if i else ""
         print(f"| {name} | {nll:.5f} | {math.exp(nll):.4f} | {change} | {seconds:.1f} | {n or ''} |")
     fp8_kv, fp8_att = rows[1][1], rows[2][1]
     print(f"\nFP8 attention against the fp8 KV cache's f32 attention: {math.exp(fp8_att) / math.exp(fp8_kv) - 1:+.3%} "
