@@ -114,9 +114,10 @@ def test_linear_fp8_takes_a_kernel_only_with_the_option(cp, mma, monkeypatch):
 
 @pytest.mark.parametrize("T", [8, 70, 300])
 def test_routed_fp8_experts_on_the_tensor_cores_equal_the_grouped_reference(cp, mma, monkeypatch, T):
-    """LUMEN_CUDA_MMA_PREFILL=exact: moe.experts' grouped path (T >= GROUPED_MIN_T) runs fp8 experts with 128 x 128
-    blocks through moe_fp8_x3 (asserted by a spy), equal to the CuPy reference (ops.moe_experts_grouped: dequantized
-    f32 matmuls) within f32 rounding, with skewed routing (buckets of T slots) and token chunks too."""
+    """By default (and with LUMEN_CUDA_MMA_PREFILL=exact) moe.experts' grouped path (T >= GROUPED_MIN_T) runs fp8
+    experts with 128 x 128 blocks through moe_fp8_x3 (asserted by a spy), equal to the CuPy reference
+    (ops.moe_experts_grouped: dequantized f32 matmuls) within f32 rounding, with skewed routing (buckets of T slots)
+    and token chunks too; LUMEN_CUDA_MMA_PREFILL=0 keeps the CUDA-core kernels."""
     from gpu_util import close
     from lumen_cuda import fp8_mma, moe, ops
     from test_cuda_moe import experts, routing
@@ -131,9 +132,12 @@ def test_routed_fp8_experts_on_the_tensor_cores_equal_the_grouped_reference(cp, 
     calls = []
     real = fp8_mma.moe_role
     monkeypatch.setattr(fp8_mma, "moe_role", lambda *a: calls.append(a[1]) or real(*a))
-    monkeypatch.setenv("LUMEN_CUDA_MMA_PREFILL", "exact")
+    monkeypatch.delenv("LUMEN_CUDA_MMA_PREFILL", raising=False)
     x = cp.asarray(rng.normal(size=(T, H)).astype(np.float32))
     ids, w = routing(cp, rng, E, k, np.int64, T)
+    close(moe.experts(x, ids, w, gate_up, down, "silu"), ops.moe_experts_grouped(x, ids, w, gate_up, down, "silu"))
+    assert calls == [0, 1, 0]  # the default
+    monkeypatch.setenv("LUMEN_CUDA_MMA_PREFILL", "exact")
     for act in ("silu", "gelu_tanh"):
         calls.clear()
         close(moe.experts(x, ids, w, gate_up, down, act), ops.moe_experts_grouped(x, ids, w, gate_up, down, act))
@@ -142,16 +146,16 @@ def test_routed_fp8_experts_on_the_tensor_cores_equal_the_grouped_reference(cp, 
     close(moe.experts(x, skew, w, gate_up, down, "silu"), ops.moe_experts_grouped(x, skew, w, gate_up, down))
     monkeypatch.setattr(moe, "CHUNK_FLOATS", 8 * k * max(H, I))  # 8 tokens a launch
     close(moe.experts(x, ids, w, gate_up, down, "silu"), ops.moe_experts_grouped(x, ids, w, gate_up, down))
-    monkeypatch.delenv("LUMEN_CUDA_MMA_PREFILL")
+    monkeypatch.setenv("LUMEN_CUDA_MMA_PREFILL", "0")
     calls.clear()
-    moe.experts(x, ids, w, gate_up, down, "silu")
-    assert calls == []  # without the option: the CUDA-core grouped kernels
+    close(moe.experts(x, ids, w, gate_up, down, "silu"), ops.moe_experts_grouped(x, ids, w, gate_up, down))
+    assert calls == []  # off: the CUDA-core grouped kernels
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["lists", "packed"])
 @pytest.mark.parametrize("T", [8, 100])
 def test_routed_bf16_experts_on_the_tensor_cores_equal_the_grouped_reference(cp, mma, monkeypatch, T, packed):
-    """LUMEN_CUDA_MMA_PREFILL=exact: bf16 experts (lists, as Qwen's; packed (E, 2I, H), as Gemma 4's) through
+    """By default: bf16 experts (lists, as Qwen's; packed (E, 2I, H), as Gemma 4's) through
     moe_bf16_x3 (a spy), equal to the CuPy reference within f32 rounding. I = 704 (Gemma-4-26B-A4B's), not a
     multiple of 128: the last column block is partial."""
     import ml_dtypes
@@ -168,7 +172,7 @@ def test_routed_bf16_experts_on_the_tensor_cores_equal_the_grouped_reference(cp,
     calls = []
     real = fp8_mma.moe_role_bf16
     monkeypatch.setattr(fp8_mma, "moe_role_bf16", lambda *a: calls.append(a[4]) or real(*a))
-    monkeypatch.setenv("LUMEN_CUDA_MMA_PREFILL", "exact")
+    monkeypatch.delenv("LUMEN_CUDA_MMA_PREFILL", raising=False)  # the default
     x = cp.asarray(rng.normal(size=(T, H)).astype(np.float32))
     ids, w = routing(cp, rng, E, k, np.int64, T)
     if packed:
@@ -227,7 +231,7 @@ def test_routed_nvfp4_experts_on_the_tensor_cores_equal_the_grouped_reference(cp
     calls = []
     real = fp8_mma.moe_role_nvfp4
     monkeypatch.setattr(fp8_mma, "moe_role_nvfp4", lambda *a: calls.append(a[1:4]) or real(*a))
-    monkeypatch.setenv("LUMEN_CUDA_MMA_PREFILL", "exact")
+    monkeypatch.delenv("LUMEN_CUDA_MMA_PREFILL", raising=False)  # the default
     x = cp.asarray(rng.normal(size=(T, H)).astype(np.float32))
     ids, w = routing(cp, rng, E, k, np.int64, T)
     close(moe.experts(x, ids, w, gate_up, down, "silu"), ops.moe_experts_grouped(x, ids, w, gate_up, down, "silu"))

@@ -246,13 +246,20 @@ def test_packed_graph_capture(cp, gpu, moe, ops):
 
 # -- experts over T tokens ------------------------------------------------------------------------------------------
 TS = [1, 2, 7, 64, 300]  # T < moe.GROUPED_MIN_T: per-slot kernels; from it on: bucketed by expert
+# the grouped path's kernels: "" the default (bf16 / fp8 / NVFP4 on the tensor cores, lumen_cuda.fp8_mma, where the
+# device has them), "0" the CUDA-core grouped kernels (LUMEN_CUDA_MMA_PREFILL=0, and devices before 8.9)
+MMA = pytest.mark.parametrize("mma", ["", "0"], ids=["mma-default", "mma-off"])
 
 
 @pytest.mark.gpu
+@MMA
 @pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
 @pytest.mark.parametrize("kind", ["bf16", "f16", "fp8-block128", "f32", "nvfp4"])
 @pytest.mark.parametrize("T", TS)
-def test_experts_tokens_match_grouped(cp, gpu, moe, ops, T, kind, act):
+def test_experts_tokens_match_grouped(cp, gpu, moe, ops, T, kind, act, mma, monkeypatch):
+    if mma == "0" and T < moe.GROUPED_MIN_T:
+        pytest.skip("the option changes only the grouped path (T >= GROUPED_MIN_T)")
+    monkeypatch.setenv("LUMEN_CUDA_MMA_PREFILL", mma)
     rng = np.random.default_rng(T * 7 + len(kind) + len(act))
     E, k, H, I = 16, 4, 256, 384
     gate_up, down = experts(gpu, rng, E, H, I, kind)
@@ -268,11 +275,16 @@ def test_experts_tokens_match_grouped(cp, gpu, moe, ops, T, kind, act):
 
 
 @pytest.mark.gpu
+@MMA
 @pytest.mark.parametrize("grouped_min_t", [1, 10**9])
 @pytest.mark.parametrize("kind", ["bf16", "fp8-block128", "nvfp4"])
-def test_experts_both_paths_skewed_and_chunked(cp, gpu, moe, ops, monkeypatch, kind, grouped_min_t):
+def test_experts_both_paths_skewed_and_chunked(cp, gpu, moe, ops, monkeypatch, kind, grouped_min_t, mma):
     """Either path forced for every T (grouped from T = 1, or per-slot up to T = 300); skewed routing (every
-    token to the same few experts: buckets of 300 slots) and the grouped path cut into token chunks."""
+    token to the same few experts: buckets of 300 slots) and the grouped path cut into token chunks; the grouped
+    path's tensor-core and CUDA-core kernels."""
+    if mma == "0" and grouped_min_t > 1:
+        pytest.skip("the option changes only the grouped path")
+    monkeypatch.setenv("LUMEN_CUDA_MMA_PREFILL", mma)
     monkeypatch.setattr(moe, "GROUPED_MIN_T", grouped_min_t)
     rng = np.random.default_rng(21)
     E, k, H, I = 8, 2, 256, 128
@@ -291,9 +303,13 @@ def test_experts_both_paths_skewed_and_chunked(cp, gpu, moe, ops, monkeypatch, k
 
 
 @pytest.mark.gpu
+@MMA
 @pytest.mark.parametrize("act", ["gelu_tanh", "silu"])
 @pytest.mark.parametrize("T", [5, 64])
-def test_experts_packed_tokens_match_grouped(cp, gpu, moe, ops, T, act):
+def test_experts_packed_tokens_match_grouped(cp, gpu, moe, ops, T, act, mma, monkeypatch):
+    if mma == "0" and T < moe.GROUPED_MIN_T:
+        pytest.skip("the option changes only the grouped path (T >= GROUPED_MIN_T)")
+    monkeypatch.setenv("LUMEN_CUDA_MMA_PREFILL", mma)
     rng = np.random.default_rng(T + len(act))
     E, k, H, I = 16, 4, 256, 128
     gate_up = gpu.weight((rng.normal(size=(E, 2 * I, H)) * 0.05).astype(ml_dtypes.bfloat16), "bf16", "vram")
@@ -307,10 +323,14 @@ def test_experts_packed_tokens_match_grouped(cp, gpu, moe, ops, T, act):
 
 
 @pytest.mark.gpu
+@MMA
 @pytest.mark.parametrize("T", [4, 64])
-def test_tokens_graph_capture(cp, gpu, moe, ops, T):
+def test_tokens_graph_capture(cp, gpu, moe, ops, T, mma, monkeypatch):
     """A T-token call (per-call scratch from the allocator) captured under a private pool, as lumen_cuda.graph
     does, replays to the eager result, and to the new experts after ids are rewritten in place."""
+    if mma == "0" and T < moe.GROUPED_MIN_T:
+        pytest.skip("the option changes only the grouped path (T >= GROUPED_MIN_T)")
+    monkeypatch.setenv("LUMEN_CUDA_MMA_PREFILL", mma)
     rng = np.random.default_rng(13 + T)
     E, k, H, I = 16, 4, 256, 128
     gate_up, down = experts(gpu, rng, E, H, I, "bf16")

@@ -100,8 +100,13 @@ def test_planes_sum_to_the_activations_and_the_exact_model_is_the_f32_product():
 def test_option_and_capability():
     assert M.requested({}) == "" and M.requested({M.OPTION: "0"}) == "" and M.requested({M.OPTION: " "}) == ""
     assert M.requested({M.OPTION: "exact"}) == "exact" and M.requested({M.OPTION: "e4m3"}) == "e4m3"
-    with pytest.raises(LumenError, match=r"LUMEN_CUDA_MMA_PREFILL='1'.*exact .*e4m3 .*0 \(off"):
+    with pytest.raises(LumenError, match=r"LUMEN_CUDA_MMA_PREFILL='1'.*exact .*e4m3 .*0 \(no tensor-core"):
         M.requested({M.OPTION: "1"})
+    assert M.experts_requested({}) and M.experts_requested({M.OPTION: ""})  # routed experts: the default
+    assert M.experts_requested({M.OPTION: "exact"}) and M.experts_requested({M.OPTION: "e4m3"})
+    assert not M.experts_requested({M.OPTION: "0"}) and not M.experts_requested({M.OPTION: " 0 "})
+    with pytest.raises(LumenError, match="LUMEN_CUDA_MMA_PREFILL='off'"):
+        M.experts_requested({M.OPTION: "off"})
     assert M.capable("90") and M.capable("89") and M.capable((12, 0)) and M.capable("100")
     assert not M.capable("86") and not M.capable((8, 0))
     assert M.applies((4096, 4096), (128, 128)) and M.applies((130, 256), (128, 128))

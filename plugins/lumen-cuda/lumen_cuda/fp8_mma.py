@@ -1,16 +1,15 @@
-"""The tensor-core prefill kernels of kernels/gemm_fp8.cu: selection and launch. Opt-in
-(``LUMEN_CUDA_MMA_PREFILL=exact`` or ``e4m3``; lumen_cuda.fp8_mma_model states the kernels' arithmetic and models
-it in numpy). WRITTEN AND COMPILED (nvcc, sm_89 / sm_90 / sm_120 / sm_120a), NOT YET RUN: the session that wrote them
-had no GPU time left (docs/cuda.md, "Tensor-core prefill for fp8 and routed experts");
-tests/test_cuda_fp8_mma.py checks them against the model on a GPU. Once measured, ``exact`` (f32-exact products) is
-meant to replace ``gemv.gemm_split`` and the CUDA-core grouped experts as the default.
+"""The tensor-core prefill kernels of kernels/gemm_fp8.cu: selection and launch (lumen_cuda.fp8_mma_model states
+their arithmetic, models it in numpy, and documents ``LUMEN_CUDA_MMA_PREFILL``). Compiled for sm_89 / sm_90 / sm_120
+/ sm_120a; run and measured on sm_90 (H100, docs/cuda.md, "Tensor-core prefill for fp8 and routed experts");
+tests/test_cuda_fp8_mma.py checks them against the model on a GPU.
 
-Dense fp8 weights (``mode``): the option set, a device of capability 8.9 or later whose compiled module reports the
-e4m3 instructions, an fp8 Weight with 128 x 128 block scales and K a multiple of 128; ``gemv.linear_fp8`` takes a
-kernel from ``gemv.GEMM_MIN_T`` tokens instead of ``gemm_split``. Nothing is kept per weight: the kernels read the
-stored codes and scales as they are. Dense NVFP4 weights (``exact`` only): ``nvfp4_exact``, ``linear_nvfp4`` for
-``gemv.linear_nvfp4``. Routed experts (``exact`` only): moe.py's grouped path (``exact_experts``; ``moe_role`` for
-fp8, ``moe_role_bf16`` for bf16 lists and packed experts, ``moe_role_nvfp4``, ``moe_act`` between).
+Routed experts (the default; off with ``LUMEN_CUDA_MMA_PREFILL=0``): moe.py's grouped path (``exact_experts``;
+``moe_role`` for fp8, ``moe_role_bf16`` for bf16 lists and packed experts, ``moe_role_nvfp4``, ``moe_act`` between).
+Dense fp8 weights (``mode``; ``exact`` or ``e4m3`` only): a device of capability 8.9 or later whose compiled module
+reports the e4m3 instructions, an fp8 Weight with 128 x 128 block scales and K a multiple of 128; ``gemv.linear_fp8``
+takes a kernel from ``gemv.GEMM_MIN_T`` tokens instead of ``gemm_split``. Nothing is kept per weight: the kernels
+read the stored codes and scales as they are. Dense NVFP4 weights (``exact`` only): ``nvfp4_exact``,
+``linear_nvfp4`` for ``gemv.linear_nvfp4``.
 """
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ import numpy as np
 from lumen_core.backend import Weight
 
 from . import kernels
-from .fp8_mma_model import BLOCK, applies, capable, requested
+from .fp8_mma_model import BLOCK, applies, capable, experts_requested, requested
 
 FILE = "gemm_fp8"
 BM, BN = 128, 64  # the GEMM block's weight rows and tokens (FP8_BM, FP8_BN in the .cu file)
@@ -52,10 +51,10 @@ def mode(w: Weight) -> str:
 
 def exact_experts(fmt: str, shape_gate, shape_down, block_gate=None, block_down=None) -> bool:
     """Whether moe.py's grouped path runs routed experts (gate / up (I, H), down (H, I)) on the tensor cores
-    (``moe_fp8_x3`` / ``moe_bf16_x3`` / ``moe_nvfp4_x3``): LUMEN_CUDA_MMA_PREFILL=exact and a device that has the
-    instructions; fp8 with 128 x 128 scale blocks (``block_*``: (rows, columns)) and H, I multiples of 128; bf16 with
-    H, I multiples of 16; NVFP4 of 32."""
-    if requested(os.environ) != "exact":
+    (``moe_fp8_x3`` / ``moe_bf16_x3`` / ``moe_nvfp4_x3``): LUMEN_CUDA_MMA_PREFILL other than 0 and a device that
+    has the instructions; fp8 with 128 x 128 scale blocks (``block_*``: (rows, columns)) and H, I multiples of 128;
+    bf16 with H, I multiples of 16; NVFP4 of 32."""
+    if not experts_requested(os.environ):
         return False
     if fmt == "fp8":
         ok = (applies(shape_gate, block_gate) and applies(shape_down, block_down)

@@ -1,8 +1,17 @@
 """The fp8 tensor-core prefill GEMMs (kernels/gemm_fp8.cu) without a GPU: their option, where they apply, and their
 arithmetic in numpy, so the CPU tests pin what the kernels must compute (lumen_cuda/fp8_mma.py launches them).
 
-``LUMEN_CUDA_MMA_PREFILL`` picks one (unset or 0: neither, the default ``gemv.gemm_split``: three cuBLAS bf16 GEMMs
-over a dequantized bf16 hi + lo copy of each weight slab, ~f32 accurate):
+``LUMEN_CUDA_MMA_PREFILL`` picks where they run (``requested``, ``experts_requested``):
+
+- unset or empty (the default): routed experts' grouped prefill (fp8, NVFP4, bf16) on the bf16 tensor cores with
+  f32-exact products (``exact`` below), measured 2.06x the CUDA-core grouped kernels on the 35B-A3B fp8 prefill;
+  dense GEMMs on ``gemv.gemm_split`` (three cuBLAS bf16 GEMMs over a dequantized bf16 hi + lo copy of each weight
+  slab, ~f32 accurate), which beats these kernels on dense shapes (docs/cuda.md).
+- ``0``: neither: the CUDA-core grouped experts and ``gemm_split``.
+- ``exact``: the routed experts, and dense fp8 and NVFP4 GEMMs too, on the kernel below.
+- ``e4m3``: the routed experts as by default; dense fp8 GEMMs on the e4m3 kernel (lossy).
+
+The two kernels:
 
 - ``exact``: the e4m3 weights are exact in bf16, and each activation goes in as three bf16 planes whose sum is its
   f32 value exactly (``x_planes``), so each product is exact in f32; a 128-column block's sum (f32, on the bf16
@@ -29,8 +38,8 @@ F32 = np.float32
 
 
 def requested(environ) -> str:
-    """``LUMEN_CUDA_MMA_PREFILL`` from ``environ``: "" (off) where unset, empty or "0", else "exact" or "e4m3"; anything
-    else is an error naming the choices (never a silent default)."""
+    """``LUMEN_CUDA_MMA_PREFILL`` from ``environ`` for dense GEMMs: "" (``gemm_split``) where unset, empty or "0",
+    else "exact" or "e4m3"; anything else is an error naming the choices (never a silent default)."""
     raw = environ.get(OPTION, "").strip()
     if raw in ("", "0"):
         return ""
@@ -38,9 +47,17 @@ def requested(environ) -> str:
         return raw
     from lumen_core.errors import LumenError
 
-    raise LumenError(f"{OPTION}={raw!r}: expected exact (fp8 prefill GEMMs and routed experts on the bf16 tensor "
-                     f"cores, f32-exact products), e4m3 (fp8 GEMMs on the e4m3 tensor cores, activations quantized "
-                     f"to e4m3: lossy) or 0 (off, the default); docs/cuda.md, tensor-core prefill")
+    raise LumenError(f"{OPTION}={raw!r}: expected unset (the default: routed experts' prefill on the bf16 tensor "
+                     f"cores, f32-exact products; dense GEMMs on cuBLAS), exact (dense fp8 / NVFP4 GEMMs on the "
+                     f"tensor cores too), e4m3 (dense fp8 GEMMs on the e4m3 tensor cores, activations quantized to "
+                     f"e4m3: lossy) or 0 (no tensor-core kernels of this module); docs/cuda.md, tensor-core prefill")
+
+
+def experts_requested(environ) -> bool:
+    """Whether routed experts' grouped prefill may run on the tensor cores: every value but "0" (checked as
+    ``requested``)."""
+    requested(environ)
+    return environ.get(OPTION, "").strip() != "0"
 
 
 def capable(cc) -> bool:

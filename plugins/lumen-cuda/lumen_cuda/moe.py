@@ -285,10 +285,10 @@ def _grouped(gsrc, dsrc, gblock, dblock, x, ids, ids64, w, y, E, H, I, a):
 
 
 def _grouped_x3(gsrc, dsrc, x, ids, ids64, w, y, E, H, I, a):
-    """Routed experts on the bf16 tensor cores with f32-exact products (LUMEN_CUDA_MMA_PREFILL=exact;
-    lumen_cuda.fp8_mma): the slots bucketed as in ``_grouped``; x and then h as three bf16 planes; gate, up and down
-    per (expert, 64 slots, 128 rows); then the same weighted sum. gsrc / dsrc as ``_launch``'s: (table, "fp8" |
-    "nvfp4" | "bf16") or (packed base, "packed_bf16")."""
+    """Routed experts on the bf16 tensor cores with f32-exact products (the default where the device has them; off
+    with LUMEN_CUDA_MMA_PREFILL=0; lumen_cuda.fp8_mma): the slots bucketed as in ``_grouped``; x and then h as three
+    bf16 planes; gate, up and down per (expert, 64 slots, 128 rows); then the same weighted sum. gsrc / dsrc as
+    ``_launch``'s: (table, "fp8" | "nvfp4" | "bf16") or (packed base, "packed_bf16")."""
     T, k = ids.shape
     S = T * k
     off, order = cp.empty(E + 1, dtype=cp.int32), cp.empty(S, dtype=cp.int32)
@@ -360,8 +360,9 @@ def experts(x, ids, weights, gate_up, down, act: str = "silu", out=None):
             out[...] = y
             return out
         return y
-    # the grouped path's fp8 experts on the tensor cores (opt-in): asked only for prefill-sized calls (its first
-    # answer launches a kernel and syncs once, never inside a captured decode step)
+    # the grouped path on the tensor cores (the default; LUMEN_CUDA_MMA_PREFILL=0 keeps the CUDA-core kernels): asked
+    # only for prefill-sized calls (its first answer launches a kernel and syncs once, never inside a captured decode
+    # step)
     x3 = (inputs[1].shape[0] >= GROUPED_MIN_T and tg.fmt == td.fmt
           and fp8_mma.exact_experts(tg.fmt, tg.shape, td.shape, tg.block[:2], td.block[:2]))
     return _launch((tg.ptrs, tg.fmt), (td.ptrs, td.fmt), tg.fmt, td.fmt, tg.block, td.block, inputs,

@@ -1,0 +1,138 @@
+"""Routed experts' prefill on the GPU, one MoE layer at the real shapes: the grouped path's tensor-core kernels (the
+default, ``lumen_cuda.fp8_mma``: bf16 MMA, activations as three bf16 planes, f32-exact products) against the
+CUDA-core grouped kernels they replaced (``LUMEN_CUDA_MMA_PREFILL=0``, the named baseline), for every expert
+format, in one run.
+
+    python benchmarks/cuda_moe_prefill.py [--tokens 512,4096] [--reps 10] [--json PATH]
+
+Rows: the Qwen3.5-35B-A3B experts (256 of 2048 x 512, top 8) in fp8 (128 x 128 block scales), NVFP4 and bf16
+(per-expert lists, as Qwen's checkpoints load), and the Gemma-4-26B-A4B experts (128 of 2816 x 704, top 8) packed
+bf16 (E, 2I, H) as Gemma 4's load. Random weights, uniform random routing. Each call is ``moe.experts`` /
+``experts_packed`` (bucketing, gate, up, activation, down, weighted sum), timed with CUDA events, median of --reps
+after a warm-up. "bound" is the larger of the expert bytes the call must read once (every expert some token picks:
+all of them at these T) over the read bandwidth measured in the same run, and its useful FLOPs (2 x 3 x I x H per
+slot) over the dense bf16 tensor-core rate (990 TFLOP/s, the H100 / H200 SXM datasheet: a lead, not a
+measurement). "max diff": the two paths' largest output difference over the largest output (f32 rounding order).
+Dev tool: needs cupy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+
+import cupy as cp
+import ml_dtypes
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+PEAK_BF16 = 990e12
+ROWS = [("35B-A3B fp8", 256, 8, 2048, 512, "fp8-block128"), ("35B-A3B nvfp4", 256, 8, 2048, 512, "nvfp4"),
+        ("35B-A3B bf16", 256, 8, 2048, 512, "bf16"), ("26B-A4B bf16 packed", 128, 8, 2816, 704, "packed")]
+BYTES = {"fp8-block128": 1.0, "nvfp4": 0.5 + 1 / 16, "bf16": 2.0, "packed": 2.0}  # per weight, scales included
+
+
+def timed(fn, reps: int) -> float:
+    fn()
+    cp.cuda.Device().synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = cp.cuda.Event(), cp.cuda.Event()
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(cp.cuda.get_elapsed_time(a, b) / 1e3)
+    return statistics.median(times)
+
+
+def read_bandwidth() -> float:
+    a = cp.ones(1 << 29, cp.float32)  # 2 GiB, read once per sum
+    a.sum()
+    cp.cuda.Device().synchronize()
+    ev = cp.cuda.Event(), cp.cuda.Event()
+    ev[0].record()
+    for _ in range(5):
+        a.sum()
+    ev[1].record()
+    ev[1].synchronize()
+    return 5 * a.nbytes / (cp.cuda.get_elapsed_time(*ev) / 1e3)
+
+
+def layer(gpu, rng, E: int, H: int, I: int, kind: str):
+    """The layer's expert weights and the call that runs them on (x, ids, weights)."""
+    from lumen_cuda import moe
+    from test_cuda_moe import experts
+
+    if kind == "packed":
+        gate_up = gpu.weight((rng.normal(size=(E, 2 * I, H)) * 0.05).astype(ml_dtypes.bfloat16), "bf16", "vram")
+        down = gpu.weight((rng.normal(size=(E, H, I)) * 0.05).astype(ml_dtypes.bfloat16), "bf16", "vram")
+        return lambda x, ids, w: moe.experts_packed(x, ids, w, gate_up, down, "gelu_tanh")
+    gate_up, down = experts(gpu, rng, E, H, I, kind)
+    return lambda x, ids, w: moe.experts(x, ids, w, gate_up, down, "silu")
+
+
+def both(run, inputs, reps: int) -> tuple[dict, float]:
+    """The call's median time with LUMEN_CUDA_MMA_PREFILL=0 and unset, and the two outputs' largest difference over
+    the largest output."""
+    got, out = {}, {}
+    for mode in ("0", ""):
+        os.environ["LUMEN_CUDA_MMA_PREFILL"] = mode
+        got[mode] = timed(lambda: run(*inputs), reps)
+        out[mode] = cp.asnumpy(run(*inputs)).astype(np.float64)
+    os.environ.pop("LUMEN_CUDA_MMA_PREFILL")
+    return got, float(np.abs(out[""] - out["0"]).max() / np.abs(out["0"]).max())
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", default="512,4096")
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--rows", default=",".join(r[0] for r in ROWS), help="row names, comma-separated")
+    ap.add_argument("--json")
+    args = ap.parse_args(argv)
+    from lumen_core.plugins import get_registry
+
+    reg = get_registry()
+    gpu = reg.backend_class("cuda")("cuda:0", reg)
+    bw = read_bandwidth()
+    print(f"device: {cp.cuda.runtime.getDeviceProperties(0)['name'].decode()}; read bandwidth {bw / 1e9:.0f} GB/s")
+    wanted = set(args.rows.split(","))
+    results = []
+    print("| experts | T | CUDA-core grouped (=0) | tensor cores (default) | speed-up | bound | bound / default | "
+          "max diff |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for name, E, k, H, I, kind in ROWS:
+        if name not in wanted:
+            continue
+        rng = np.random.default_rng(len(name))
+        run = layer(gpu, rng, E, H, I, kind)
+        for T in (int(t) for t in args.tokens.split(",")):
+            x = cp.asarray(rng.normal(size=(T, H)).astype(np.float32))
+            ids = cp.asarray(np.argsort(rng.random((T, E)), axis=1)[:, :k].astype(np.int64))
+            w = cp.asarray(np.full((T, k), 1.0 / k, np.float32))
+            got, diff = both(run, (x, ids, w), args.reps)
+            picked = len(np.unique(cp.asnumpy(ids)))
+            nbytes = picked * 3 * H * I * BYTES[kind]
+            flops = 2 * T * k * 3 * H * I
+            bound = max(nbytes / bw, flops / PEAK_BF16)
+            row = {"experts": name, "T": T, "cuda_core_ms": got["0"] * 1e3, "tensor_core_ms": got[""] * 1e3,
+                   "speedup": got["0"] / got[""], "bound_ms": bound * 1e3, "fraction": bound / got[""],
+                   "max_diff": diff}
+            results.append(row)
+            print(f"| {name} | {T} | {row['cuda_core_ms']:.3f} ms | {row['tensor_core_ms']:.3f} ms | "
+                  f"{row['speedup']:.2f}x | {row['bound_ms']:.3f} ms | {row['fraction']:.1%} | {diff:.1e} |",
+                  flush=True)
+        run = None
+        cp.get_default_memory_pool().free_all_blocks()
+    if args.json:
+        Path(args.json).write_text(json.dumps({"read_bandwidth": bw, "rows": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
