@@ -248,17 +248,20 @@ def test_packed_graph_capture(cp, gpu, moe, ops):
 TS = [1, 2, 7, 64, 300]  # T < moe.GROUPED_MIN_T: per-slot kernels; from it on: bucketed by expert
 # the grouped path's kernels: "" the default (bf16 / fp8 / NVFP4 on the tensor cores, lumen_cuda.fp8_mma, where the
 # device has them), "0" the CUDA-core grouped kernels (LUMEN_CUDA_MMA_PREFILL=0, and devices before 8.9)
-MMA = pytest.mark.parametrize("mma", ["", "0"], ids=["mma-default", "mma-off"])
+
+
+def with_mma(ts, grouped_from: int = 8):
+    """(T, mma) pairs: every T by default, and with the option off where the call takes the grouped path (T >=
+    moe.GROUPED_MIN_T, 8): the option changes nothing else."""
+    return [(T, m) for T in ts for m in ("", "0") if m == "" or T >= grouped_from]
 
 
 @pytest.mark.gpu
-@MMA
 @pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
 @pytest.mark.parametrize("kind", ["bf16", "f16", "fp8-block128", "f32", "nvfp4"])
-@pytest.mark.parametrize("T", TS)
+@pytest.mark.parametrize("T,mma", with_mma(TS))
 def test_experts_tokens_match_grouped(cp, gpu, moe, ops, T, kind, act, mma, monkeypatch):
-    if mma == "0" and T < moe.GROUPED_MIN_T:
-        pytest.skip("the option changes only the grouped path (T >= GROUPED_MIN_T)")
+    assert moe.GROUPED_MIN_T == 8
     monkeypatch.setenv("LUMEN_CUDA_MMA_PREFILL", mma)
     rng = np.random.default_rng(T * 7 + len(kind) + len(act))
     E, k, H, I = 16, 4, 256, 384
@@ -275,15 +278,12 @@ def test_experts_tokens_match_grouped(cp, gpu, moe, ops, T, kind, act, mma, monk
 
 
 @pytest.mark.gpu
-@MMA
-@pytest.mark.parametrize("grouped_min_t", [1, 10**9])
+@pytest.mark.parametrize("grouped_min_t,mma", [(1, ""), (1, "0"), (10**9, "")])
 @pytest.mark.parametrize("kind", ["bf16", "fp8-block128", "nvfp4"])
 def test_experts_both_paths_skewed_and_chunked(cp, gpu, moe, ops, monkeypatch, kind, grouped_min_t, mma):
     """Either path forced for every T (grouped from T = 1, or per-slot up to T = 300); skewed routing (every
     token to the same few experts: buckets of 300 slots) and the grouped path cut into token chunks; the grouped
-    path's tensor-core and CUDA-core kernels."""
-    if mma == "0" and grouped_min_t > 1:
-        pytest.skip("the option changes only the grouped path")
+    path's tensor-core and CUDA-core kernels (mma "0")."""
     monkeypatch.setenv("LUMEN_CUDA_MMA_PREFILL", mma)
     monkeypatch.setattr(moe, "GROUPED_MIN_T", grouped_min_t)
     rng = np.random.default_rng(21)
@@ -303,12 +303,9 @@ def test_experts_both_paths_skewed_and_chunked(cp, gpu, moe, ops, monkeypatch, k
 
 
 @pytest.mark.gpu
-@MMA
 @pytest.mark.parametrize("act", ["gelu_tanh", "silu"])
-@pytest.mark.parametrize("T", [5, 64])
+@pytest.mark.parametrize("T,mma", with_mma([5, 64]))
 def test_experts_packed_tokens_match_grouped(cp, gpu, moe, ops, T, act, mma, monkeypatch):
-    if mma == "0" and T < moe.GROUPED_MIN_T:
-        pytest.skip("the option changes only the grouped path (T >= GROUPED_MIN_T)")
     monkeypatch.setenv("LUMEN_CUDA_MMA_PREFILL", mma)
     rng = np.random.default_rng(T + len(act))
     E, k, H, I = 16, 4, 256, 128
@@ -323,13 +320,10 @@ def test_experts_packed_tokens_match_grouped(cp, gpu, moe, ops, T, act, mma, mon
 
 
 @pytest.mark.gpu
-@MMA
-@pytest.mark.parametrize("T", [4, 64])
+@pytest.mark.parametrize("T,mma", with_mma([4, 64]))
 def test_tokens_graph_capture(cp, gpu, moe, ops, T, mma, monkeypatch):
     """A T-token call (per-call scratch from the allocator) captured under a private pool, as lumen_cuda.graph
     does, replays to the eager result, and to the new experts after ids are rewritten in place."""
-    if mma == "0" and T < moe.GROUPED_MIN_T:
-        pytest.skip("the option changes only the grouped path (T >= GROUPED_MIN_T)")
     monkeypatch.setenv("LUMEN_CUDA_MMA_PREFILL", mma)
     rng = np.random.default_rng(13 + T)
     E, k, H, I = 16, 4, 256, 128

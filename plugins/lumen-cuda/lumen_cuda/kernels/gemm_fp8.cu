@@ -347,6 +347,11 @@ __device__ __forceinline__ void x3_block(const unsigned char* __restrict__ W, co
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int wm = warp >> 1, wn = warp & 1;
   const int KB = K / 128, steps = K / G::BK, rb = row0 / FP8_BM, per_block = 128 / G::BK;
+  // the block's tokens are a prefix of its 64 (dst[r] >= 0): a warp does only its 8-token fragments that hold some
+  // (jn of 4), none where it holds none. A routed expert's bucket is often much smaller than 64 (16 slots an expert
+  // on average at a 512-token prefill of 256 experts, top 8): without this most of its MMAs would be padding.
+  const int nv = __syncthreads_count(threadIdx.x < FP8_BN && dst[threadIdx.x] >= 0);
+  const int jn = max(0, min(4, (nv - wn * 32 + 7) >> 3));
   float acc[2][4][4], blk[2][4][4];
   for (int i = 0; i < 2; i++)
     for (int j = 0; j < 4; j++)
@@ -365,7 +370,7 @@ __device__ __forceinline__ void x3_block(const unsigned char* __restrict__ W, co
     __syncthreads();
     const unsigned char* cw = s_w[s & 1];
     const unsigned char* cx = s_x[s & 1];
-    for (int kk = 0; kk < G::BK; kk += 16) {
+    for (int kk = 0; kk < G::BK && jn > 0; kk += 16) {  // warp-uniform
       unsigned int a[2][4], b[3][4][2];
       for (int i = 0; i < 2; i++) {
         const int rl = wm * 32 + 16 * i + g;  // the fragment's rows rl, rl + 8 of the block
@@ -395,12 +400,14 @@ __device__ __forceinline__ void x3_block(const unsigned char* __restrict__ W, co
       }
       for (int pl = 0; pl < 3; pl++)
         for (int j = 0; j < 4; j++) {
+          if (j >= jn) break;
           const unsigned char* r = cx + (pl * FP8_BN + wn * 32 + 8 * j + g) * G::LDX + (kk + 2 * t) * 2;
           b[pl][j][0] = *reinterpret_cast<const unsigned int*>(r);
           b[pl][j][1] = *reinterpret_cast<const unsigned int*>(r + 16);
         }
       for (int i = 0; i < 2; i++)
         for (int j = 0; j < 4; j++) {
+          if (j >= jn) break;
           x3_mma(blk[i][j], a[i], b[0][j]);
           x3_mma(blk[i][j], a[i], b[1][j]);
           x3_mma(blk[i][j], a[i], b[2][j]);
