@@ -332,57 +332,6 @@ __device__ __forceinline__ float x3_e4m3(unsigned int b) {  // e4m3fn byte -> f3
   return (b & 0x80u) ? -v : v;
 }
 
-// One stage's MMAs for a warp whose first JN 8-token fragments of its 32 hold tokens (blk: the warp's 128-column
-// block sums). JN is a template argument so that every loop has constant bounds: a run-time bound inside these
-// loops raised the kernels from ~120 to ~157 registers (one block an SM instead of two) and halved their speed.
-template <int FMT, int JN>
-__device__ __forceinline__ void x3_stage(const unsigned char* cw, const unsigned char* cx,
-                                         const unsigned char* __restrict__ bs, float (&blk)[2][4][4], int wm, int wn,
-                                         int g, int t, int s, int row0, int N, int K) {
-  using G = X3<FMT>;
-  for (int kk = 0; kk < G::BK; kk += 16) {
-    unsigned int a[2][4], b[3][JN][2];
-    for (int i = 0; i < 2; i++) {
-      const int rl = wm * 32 + 16 * i + g;  // the fragment's rows rl, rl + 8 of the block
-      if (FMT == X3_NVFP4) {  // codes a byte a pair; the pair's block scale (16 columns: kk .. kk + 15)
-        const unsigned char* r = cw + rl * G::LDW + kk / 2 + t;
-        const int kb = (s * G::BK + kk) / 16;
-        const int r0 = min(row0 + rl, N - 1), r8 = min(row0 + rl + 8, N - 1);
-        const float s0 = x3_e4m3(bs[(size_t)r0 * (K / 16) + kb]), s8 = x3_e4m3(bs[(size_t)r8 * (K / 16) + kb]);
-        a[i][0] = x3_nvfp4_pair(r[0], s0);
-        a[i][1] = x3_nvfp4_pair(r[8 * G::LDW], s8);
-        a[i][2] = x3_nvfp4_pair(r[4], s0);
-        a[i][3] = x3_nvfp4_pair(r[8 * G::LDW + 4], s8);
-        continue;
-      }
-      const unsigned char* r = cw + rl * G::LDW + (kk + 2 * t) * (FMT == X3_BF16 ? 2 : 1);
-      if (FMT == X3_BF16) {  // the weights' own bf16 pairs
-        a[i][0] = *reinterpret_cast<const unsigned int*>(r);
-        a[i][1] = *reinterpret_cast<const unsigned int*>(r + 8 * G::LDW);
-        a[i][2] = *reinterpret_cast<const unsigned int*>(r + 16);
-        a[i][3] = *reinterpret_cast<const unsigned int*>(r + 8 * G::LDW + 16);
-      } else {  // e4m3 pairs made bf16 pairs, exactly
-        a[i][0] = fp8_pair_bf16(*reinterpret_cast<const unsigned short*>(r));
-        a[i][1] = fp8_pair_bf16(*reinterpret_cast<const unsigned short*>(r + 8 * G::LDW));
-        a[i][2] = fp8_pair_bf16(*reinterpret_cast<const unsigned short*>(r + 8));
-        a[i][3] = fp8_pair_bf16(*reinterpret_cast<const unsigned short*>(r + 8 * G::LDW + 8));
-      }
-    }
-    for (int pl = 0; pl < 3; pl++)
-      for (int j = 0; j < JN; j++) {
-        const unsigned char* r = cx + (pl * FP8_BN + wn * 32 + 8 * j + g) * G::LDX + (kk + 2 * t) * 2;
-        b[pl][j][0] = *reinterpret_cast<const unsigned int*>(r);
-        b[pl][j][1] = *reinterpret_cast<const unsigned int*>(r + 16);
-      }
-    for (int i = 0; i < 2; i++)
-      for (int j = 0; j < JN; j++) {
-        x3_mma(blk[i][j], a[i], b[0][j]);
-        x3_mma(blk[i][j], a[i], b[1][j]);
-        x3_mma(blk[i][j], a[i], b[2][j]);
-      }
-  }
-}
-
 // The block's 128 weight rows from row0 x its 64 tokens: y[dst[r] * N + row] for token r with dst[r] >= 0. fp8:
 // sw the weight's block scales (row block rb = row0 / 128), K % 128 == 0; bf16: K % 16 == 0; NVFP4: bs its e4m3
 // block scales (N, K / 16), gs its global scale (times the result), K % 32 == 0.
@@ -398,11 +347,6 @@ __device__ __forceinline__ void x3_block(const unsigned char* __restrict__ W, co
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int wm = warp >> 1, wn = warp & 1;
   const int KB = K / 128, steps = K / G::BK, rb = row0 / FP8_BM, per_block = 128 / G::BK;
-  // the block's tokens are a prefix of its 64 (dst[r] >= 0): a warp does only its 8-token fragments that hold some
-  // (jn of 4), none where it holds none. A routed expert's bucket is often much smaller than 64 (16 slots an expert
-  // on average at a 512-token prefill of 256 experts, top 8): without this most of its MMAs would be padding.
-  const int nv = __syncthreads_count(threadIdx.x < FP8_BN && dst[threadIdx.x] >= 0);
-  const int jn = max(0, min(4, (nv - wn * 32 + 7) >> 3));
   float acc[2][4][4], blk[2][4][4];
   for (int i = 0; i < 2; i++)
     for (int j = 0; j < 4; j++)
@@ -421,12 +365,46 @@ __device__ __forceinline__ void x3_block(const unsigned char* __restrict__ W, co
     __syncthreads();
     const unsigned char* cw = s_w[s & 1];
     const unsigned char* cx = s_x[s & 1];
-    switch (jn) {  // warp-uniform
-      case 4: x3_stage<FMT, 4>(cw, cx, bs, blk, wm, wn, g, t, s, row0, N, K); break;
-      case 3: x3_stage<FMT, 3>(cw, cx, bs, blk, wm, wn, g, t, s, row0, N, K); break;
-      case 2: x3_stage<FMT, 2>(cw, cx, bs, blk, wm, wn, g, t, s, row0, N, K); break;
-      case 1: x3_stage<FMT, 1>(cw, cx, bs, blk, wm, wn, g, t, s, row0, N, K); break;
-      default: break;
+    for (int kk = 0; kk < G::BK; kk += 16) {
+      unsigned int a[2][4], b[3][4][2];
+      for (int i = 0; i < 2; i++) {
+        const int rl = wm * 32 + 16 * i + g;  // the fragment's rows rl, rl + 8 of the block
+        if (FMT == X3_NVFP4) {  // codes a byte a pair; the pair's block scale (16 columns: kk .. kk + 15)
+          const unsigned char* r = cw + rl * G::LDW + kk / 2 + t;
+          const int kb = (s * G::BK + kk) / 16;
+          const int r0 = min(row0 + rl, N - 1), r8 = min(row0 + rl + 8, N - 1);
+          const float s0 = x3_e4m3(bs[(size_t)r0 * (K / 16) + kb]), s8 = x3_e4m3(bs[(size_t)r8 * (K / 16) + kb]);
+          a[i][0] = x3_nvfp4_pair(r[0], s0);
+          a[i][1] = x3_nvfp4_pair(r[8 * G::LDW], s8);
+          a[i][2] = x3_nvfp4_pair(r[4], s0);
+          a[i][3] = x3_nvfp4_pair(r[8 * G::LDW + 4], s8);
+          continue;
+        }
+        const unsigned char* r = cw + rl * G::LDW + (kk + 2 * t) * (FMT == X3_BF16 ? 2 : 1);
+        if (FMT == X3_BF16) {  // the weights' own bf16 pairs
+          a[i][0] = *reinterpret_cast<const unsigned int*>(r);
+          a[i][1] = *reinterpret_cast<const unsigned int*>(r + 8 * G::LDW);
+          a[i][2] = *reinterpret_cast<const unsigned int*>(r + 16);
+          a[i][3] = *reinterpret_cast<const unsigned int*>(r + 8 * G::LDW + 16);
+        } else {  // e4m3 pairs made bf16 pairs, exactly
+          a[i][0] = fp8_pair_bf16(*reinterpret_cast<const unsigned short*>(r));
+          a[i][1] = fp8_pair_bf16(*reinterpret_cast<const unsigned short*>(r + 8 * G::LDW));
+          a[i][2] = fp8_pair_bf16(*reinterpret_cast<const unsigned short*>(r + 8));
+          a[i][3] = fp8_pair_bf16(*reinterpret_cast<const unsigned short*>(r + 8 * G::LDW + 8));
+        }
+      }
+      for (int pl = 0; pl < 3; pl++)
+        for (int j = 0; j < 4; j++) {
+          const unsigned char* r = cx + (pl * FP8_BN + wn * 32 + 8 * j + g) * G::LDX + (kk + 2 * t) * 2;
+          b[pl][j][0] = *reinterpret_cast<const unsigned int*>(r);
+          b[pl][j][1] = *reinterpret_cast<const unsigned int*>(r + 16);
+        }
+      for (int i = 0; i < 2; i++)
+        for (int j = 0; j < 4; j++) {
+          x3_mma(blk[i][j], a[i], b[0][j]);
+          x3_mma(blk[i][j], a[i], b[1][j]);
+          x3_mma(blk[i][j], a[i], b[2][j]);
+        }
     }
     __syncthreads();
     if ((s + 1) % per_block == 0 || s + 1 == steps) {  // 128 columns done (or the last): into the accumulators,
