@@ -19,11 +19,11 @@ Rows (random checkpoints built by transformers in bf16 and saved; fp8 copies wri
 
 Per row, in one process: Lumen (everything on cuda:0, weights in VRAM, decode through the captured CUDA graph
 and the on-device sampler, greedy) and transformers (bf16, its default attention; for fp8 rows transformers runs
-the bf16 source checkpoint). Prefill tok/s at each ``--prompts`` length, decode tok/s at batch 1 after the first
-prompt, the fraction of the bandwidth bound (bytes a decode step reads / the read bandwidth measured in the same
-run; a MoE step reads the routed experts it picks, counted as top-k of E) and of the tensor-core bound for prefill
-(2 x active parameters x tokens / the bf16 dense peak, 989 TFLOP/s on the H200). Dev tool: cupy, torch,
-transformers.
+the bf16 source checkpoint). Prefill tok/s at each ``--prompts`` length (Lumen: the median of 3 timed runs after a
+warm-up), decode tok/s at batch 1 after the first prompt, the fraction of the bandwidth bound (bytes a decode step
+reads / the read bandwidth measured in the same run; a MoE step reads the routed experts it picks, counted as top-k
+of E) and of the tensor-core bound for prefill (2 x active parameters x tokens / the bf16 dense peak, 989 TFLOP/s on
+the H200). Dev tool: cupy, torch, transformers.
 """
 
 from __future__ import annotations
@@ -322,6 +322,9 @@ def pinned_bandwidth() -> float:
     return 3 * n / (time.perf_counter() - t)
 
 
+PREFILL_RUNS = 3  # timed prefills per prompt length after the warm-up; the median is reported (every run in --json)
+
+
 def time_lumen(path: Path, prompts, steps: int, experts: dict | None = None, repeat: int = 1,
                cpu: dict | None = None) -> dict:
     import cupy as cp
@@ -345,12 +348,16 @@ def time_lumen(path: Path, prompts, steps: int, experts: dict | None = None, rep
     load_s = time.perf_counter() - t
     vocab = engine.model.vocab_size
     greedy = SamplingParams(temperature=0.0)
-    out = {"load_s": load_s, "prefill": {}}
+    out = {"load_s": load_s, "prefill": {}, "prefill_runs": {}}
     for n in prompts:
         ids = np.random.RandomState(n).randint(0, vocab, n).tolist()
-        for _ in range(2):  # warm-up (capture on the first call, kernel compiles), then the timed run
+        toks = list(engine.generate_tokens(ids, 2, greedy))  # warm-up: capture on the first call, kernel compiles
+        runs = []
+        for _ in range(PREFILL_RUNS):  # the median of several: one run's noise moved the per-layer slope by ~50%
             toks = list(engine.generate_tokens(ids, 2, greedy))
-        out["prefill"][n] = n / engine.stats.prefill_seconds
+            runs.append(n / engine.stats.prefill_seconds)
+        out["prefill_runs"][n] = runs
+        out["prefill"][n] = statistics.median(runs)
     ids = np.random.RandomState(0).randint(0, vocab, prompts[0]).tolist()
     c0 = _copied_bytes(engine)
     list(engine.generate_tokens(ids, 1, greedy))  # the prefill's copies alone (streamed experts)
