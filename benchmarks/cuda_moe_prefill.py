@@ -21,13 +21,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 from pathlib import Path
 
 import cupy as cp
 import ml_dtypes
 import numpy as np
+from cuda_fp8_gemm import timed  # CUDA-event median of reps calls after a warm-up
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
@@ -35,20 +35,6 @@ PEAK_BF16 = 990e12
 ROWS = [("35B-A3B fp8", 256, 8, 2048, 512, "fp8-block128"), ("35B-A3B nvfp4", 256, 8, 2048, 512, "nvfp4"),
         ("35B-A3B bf16", 256, 8, 2048, 512, "bf16"), ("26B-A4B bf16 packed", 128, 8, 2816, 704, "packed")]
 BYTES = {"fp8-block128": 1.0, "nvfp4": 0.5 + 1 / 16, "bf16": 2.0, "packed": 2.0}  # per weight, scales included
-
-
-def timed(fn, reps: int) -> float:
-    fn()
-    cp.cuda.Device().synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = cp.cuda.Event(), cp.cuda.Event()
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(cp.cuda.get_elapsed_time(a, b) / 1e3)
-    return statistics.median(times)
 
 
 def read_bandwidth() -> float:
