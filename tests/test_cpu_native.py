@@ -679,3 +679,40 @@ def test_fp8_rows_to_bf16_give_every_e4m3_code_exactly():
         np.testing.assert_array_equal(out[:, :K], want, err_msg=isa)
         assert not out[:, K:].any()  # nothing past K
     native.use(native.HIGHEST)
+
+
+@pytest.mark.parametrize("R,K,m,parts,pad", [(64, 2048, 27, 1, 32), (64, 2048, 27, 3, 32), (40, 512, 5, 1, 0),
+                                             (100, 96, 16, 3, 32)])
+def test_amx_dots_token_major_and_padded_rows(R, K, m, parts, pad):
+    """lumen_amx_dots with the weight rows K + pad apart (the callers' padding against L1 set conflicts) writes the
+    same values row-major (tm 0) and token-major (tm 1: what moe_fused hands ys directly), nothing past the R x m
+    products, and they are the float64 products of the bf16 rows with the tokens' planes (3 planes: exact tokens)."""
+    import ctypes
+
+    if "amx" not in levels():
+        pytest.skip("this CPU (or its OS) does not offer AMX-BF16")
+    native.use("amx")
+    lib, i, p = native.lib(), ctypes.c_int64, ctypes.c_void_p
+    lib.lumen_amx_dots.argtypes = [p, i, i, i, p, i, i, p, i, i, ctypes.c_float]
+    lib.lumen_amx_dots.restype = i
+    lib.lumen_f32_pairs.argtypes = [p, i, p, i, i, p]
+    lib.lumen_bf16_from_pairs.argtypes = [p, i, i, p, i, i, p]
+    rng = np.random.default_rng(R + K + m)
+    W = rng.integers(0, 0x3F00, size=((R + 63) // 64 * 64, K + pad)).astype(np.uint16)  # positive normal bf16
+    x = rng.normal(size=(m, K)).astype(F32)
+    nt = (m + 15) // 16
+    F = np.empty(nt * (K // 2) * 32, F32)
+    idx = np.arange(m, dtype=np.int64)
+    lib.lumen_f32_pairs(x.ctypes.data, K, idx.ctypes.data, m, K, F.ctypes.data)
+    P = np.empty(parts * nt * (K // 2) * 32, np.uint16)
+    lib.lumen_bf16_from_pairs(F.ctypes.data, m, K, None, 2, parts, P.ctypes.data)
+    rows, toks = np.full((R, m + 3), np.nan, F32), np.full((m, R + 5), np.nan, F32)
+    assert lib.lumen_amx_dots(W.ctypes.data, K + pad, R, K, P.ctypes.data, m, parts, rows.ctypes.data, m + 3, 0, 0.5)
+    assert lib.lumen_amx_dots(W.ctypes.data, K + pad, R, K, P.ctypes.data, m, parts, toks.ctypes.data, R + 5, 1, 0.5)
+    native.use(native.HIGHEST)
+    np.testing.assert_array_equal(rows[:, :m], toks[:, :R].T)
+    assert np.isnan(rows[:, m:]).all() and np.isnan(toks[:, R:]).all()
+    wf = (W[:R, :K].astype(np.uint32) << 16).view(F32).astype(np.float64)
+    xs = x.astype(np.float64) if parts == 3 else x.astype(ml_dtypes.bfloat16).astype(np.float64)
+    want = 0.5 * wf @ xs.T
+    assert np.abs(rows[:, :m] - want).max() <= 3e-6 * np.abs(want).max()

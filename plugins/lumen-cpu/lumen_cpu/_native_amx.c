@@ -53,17 +53,17 @@ typedef struct {
     uint8_t rows[16];
 } tilecfg;
 
-TA static void amx_dots(const uint16_t *W, i64 R, i64 K, const uint16_t *P, i64 m, i64 parts, float *C, i64 ldc,
-                        float gs) {
+TA static void amx_dots(const uint16_t *W, i64 ldW, i64 R, i64 K, const uint16_t *P, i64 m, i64 parts, float *C,
+                        i64 ldc, i64 tm, float gs) {
     tilecfg cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
     for (int t = 0; t < 8; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64; /* 0-3: 16 x 16 f32; 4: A; 5-7: B's parts */
     _tile_loadconfig(&cfg);
     float o[16 * 16];
-    i64 ldw = K * 2, nt = (m + 15) / 16, plane = nt * (K / 2) * 64; /* bytes a part of P */
+    i64 ldw = ldW * 2, nt = (m + 15) / 16, plane = nt * (K / 2) * 64; /* bytes a part of P */
     for (i64 r = 0; r < R; r += 64) { /* rows past R within the 64 (the caller's buffer has them): not stored */
-        const uint8_t *w = (const uint8_t *)(W + r * K);
+        const uint8_t *w = (const uint8_t *)(W + r * ldW);
         for (i64 n = 0; n < nt; n++) {
             const uint8_t *p = (const uint8_t *)(P + n * (K / 2) * 32);
             _tile_zero(0);
@@ -110,9 +110,13 @@ TA static void amx_dots(const uint16_t *W, i64 R, i64 K, const uint16_t *P, i64 
                 if (b == 1) _tile_stored(1, o, 64);
                 if (b == 2) _tile_stored(2, o, 64);
                 if (b == 3) _tile_stored(3, o, 64);
-                for (i64 i = 0; i < 16 && r + 16 * b + i < R; i++)
-                    for (i64 j = 0; j < 16 && 16 * n + j < m; j++)
-                        C[(r + 16 * b + i) * ldc + 16 * n + j] = o[16 * i + j] * gs;
+                i64 ni = R - r - 16 * b < 16 ? R - r - 16 * b : 16, nj = m - 16 * n < 16 ? m - 16 * n : 16;
+                if (tm) /* token-major: a token's 16 rows side by side */
+                    for (i64 j = 0; j < nj; j++)
+                        for (i64 i = 0; i < ni; i++) C[(16 * n + j) * ldc + r + 16 * b + i] = o[16 * i + j] * gs;
+                else
+                    for (i64 i = 0; i < ni; i++)
+                        for (i64 j = 0; j < nj; j++) C[(r + 16 * b + i) * ldc + 16 * n + j] = o[16 * i + j] * gs;
             }
         }
     }
@@ -122,18 +126,20 @@ TA static void amx_dots(const uint16_t *W, i64 R, i64 K, const uint16_t *P, i64 
 int lumen_amx_usable(void) { return 0; }
 #endif
 
-/* C[r * ldc + t] = gs * (row r of W, bf16, K apart) . (token t of P, lumen_bf16_from_pairs' layout, summed over its
- * `parts` (1 or 3) planes), r < R, t < m. W must hold rows up to R rounded up to 64 (the extra rows are read, not
- * stored); K a multiple of 32. Returns 0 where this CPU or process cannot run AMX (the caller keeps its f32 path). */
-i64 lumen_amx_dots(const uint16_t *W, i64 R, i64 K, const uint16_t *P, i64 m, i64 parts, float *C, i64 ldc,
-                   float gs) {
+/* C[r * ldc + t] (tm 0) or C[t * ldc + r] (tm 1: token-major) = gs * (row r of W, bf16, ldW apart) . (token t of P,
+ * lumen_bf16_from_pairs' layout, summed over its `parts` (1 or 3) planes), r < R, t < m. W must hold rows up to R
+ * rounded up to 64 (the extra rows are read, not stored); K a multiple of 32. A tile's 16 rows ldW * 2 bytes apart
+ * fall in one L1 set when that is a multiple of 4 KB (K = 2048, unpadded): the callers pad ldW by 32 values. Returns 0
+ * where this CPU or process cannot run AMX (the caller keeps its f32 path). */
+i64 lumen_amx_dots(const uint16_t *W, i64 ldW, i64 R, i64 K, const uint16_t *P, i64 m, i64 parts, float *C, i64 ldc,
+                   i64 tm, float gs) {
 #ifdef LUMEN_AMX
     if (lumen_level >= 4 && K % 32 == 0 && (parts == 1 || parts == 3)) {
-        if (R > 0 && m > 0) amx_dots(W, R, K, P, m, parts, C, ldc, gs);
+        if (R > 0 && m > 0) amx_dots(W, ldW, R, K, P, m, parts, C, ldc, tm, gs);
         return 1;
     }
 #endif
-    (void)W, (void)R, (void)K, (void)P, (void)m, (void)parts, (void)C, (void)ldc, (void)gs;
+    (void)W, (void)ldW, (void)R, (void)K, (void)P, (void)m, (void)parts, (void)C, (void)ldc, (void)tm, (void)gs;
     return 0;
 }
 
@@ -145,9 +151,12 @@ static inline uint16_t bf16_rne(float f) { /* f32 -> bf16, rounded to nearest ev
 
 #ifdef LUMEN_AMX
 TB static void decode_bf16_avx512(const uint8_t *w, i64 ldw, const uint8_t *s, i64 lds, i64 r0, i64 n, i64 K,
-                                  uint16_t *out, i64 ldo) {
+                                  i64 N, uint16_t *out, i64 ldo) {
+    i64 ahead = rows_ahead(ldw);
     for (i64 i = 0; i < n; i++) {
         const uint8_t *row = w + (r0 + i) * ldw, *srow = s + (r0 + i) * lds;
+        prefetch_ahead(row, ldw, ldw, r0 + i, N, ahead);
+        prefetch_ahead(srow, lds, lds, r0 + i, N, ahead);
         uint16_t *o = out + i * ldo;
         for (i64 c = 0; c < K; c += 32) { /* K a multiple of 32 */
             __m512 a, b;
@@ -158,15 +167,18 @@ TB static void decode_bf16_avx512(const uint8_t *w, i64 ldw, const uint8_t *s, i
 }
 #endif
 
-/* out[i * ldo + k] = bf16 of e2m1(code) * e4m3(block scale) for rows r0 .. r0 + n (exact: no global scale) */
-void lumen_nvfp4_decode_rows_bf16(const uint8_t *w, i64 ldw, const uint8_t *s, i64 lds, i64 r0, i64 n, i64 K,
+/* out[i * ldo + k] = bf16 of e2m1(code) * e4m3(block scale) for rows r0 .. r0 + n (exact: no global scale) of a
+ * matrix of N rows, read (codes and scales) lumen_prefetch bytes ahead within those N rows, as the fp8 decoder below:
+ * without, one layer's NVFP4 experts of 512 tokens on one core of the 2-core Xeon VM took 1.2x as long */
+void lumen_nvfp4_decode_rows_bf16(const uint8_t *w, i64 ldw, const uint8_t *s, i64 lds, i64 r0, i64 n, i64 K, i64 N,
                                   uint16_t *out, i64 ldo) {
 #ifdef LUMEN_AMX
     if (lumen_level >= 4 && K % 32 == 0) {
-        decode_bf16_avx512(w, ldw, s, lds, r0, n, K, out, ldo);
+        decode_bf16_avx512(w, ldw, s, lds, r0, n, K, N, out, ldo);
         return;
     }
 #endif
+    (void)N;
     for (i64 i = 0; i < n; i++) {
         const uint8_t *row = w + (r0 + i) * ldw, *srow = s + (r0 + i) * lds;
         uint16_t *o = out + i * ldo;

@@ -22,6 +22,7 @@ reference and the fallback (mixed formats or shapes, other formats).
 
 from __future__ import annotations
 
+import threading
 import weakref
 
 import numpy as np
@@ -45,6 +46,7 @@ from .nvfp4_fused import dot_bits, e2m1, split
 
 F32 = np.float32
 CHUNK = 64  # rows per parallel task (a worker's range of tasks is contiguous: long sequential reads)
+PAD = 32  # the AMX path's bf16 rows K + PAD apart: K * 2 bytes a multiple of 4 KB put a tile's 16 rows in one L1 set
 MAX_SLOTS = 8192  # (token, expert) pairs per kernel call: bounds the (slots, H) f32 scratch (64 MiB at H = 2048)
 ACTS = {"silu": 0, "gelu_tanh": 1}
 E4M3 = fp8.E4M3  # NVFP4 block scales decode through this table
@@ -161,6 +163,13 @@ def _down_tokens(buf, r0, r1, h, slots, i0, m, cd, ys):
             ys[i0 + i, r] = cd[r - r0, i]
 
 
+@njit(cache=True, fastmath=False)  # not inlined into the fastmath kernels: vectorized there, silu(-5000) gave NaN
+def _h_rows(tg, tu, r0, r1, h, s0, m, act):  # h of slots s0 .. s0 + m, rows r0 .. r1, from token-major gate and up
+    for i in range(m):
+        for r in range(r0, r1):
+            h[s0 + i, r] = _act(tg[i, r - r0], act) * tu[i, r - r0]
+
+
 @njit(inline="always")
 def _pairs_scratch(parts, K, most):  # the AMX path's tokens in f32 pairs (lumen_f32_pairs)
     return np.empty((most + 15) // 16 * (K // 2) * 32 if parts else 1, F32)
@@ -176,7 +185,7 @@ def _gate_up_scaled(G, U, SG, SU, br, bc, kind, x, experts, offs, toks, h, act, 
         bg, bu, eg, eu = np.empty((CHUNK, K), F32), np.empty((CHUNK, K), F32), np.empty(K, F32), np.empty(K, F32)
         gate, cg, cu = np.empty(CHUNK, F32), np.empty((CHUNK, most), F32), np.empty((CHUNK, most), F32)
         bg16, bu16, pg = _amx_scratch(parts, K, most)
-        pu, pf = pg.copy(), _pairs_scratch(parts, K, most)
+        pu, pf, tg, tu = pg.copy(), _pairs_scratch(parts, K, most), cg.reshape(most, CHUNK), cu.reshape(most, CHUNK)
         paired = packed = -1  # the slot group whose tokens pf holds; the (group, row block) pg / pu are made for
         t0, t1 = _share(ntask, w, nw)
         for task in range(t0, t1):
@@ -187,8 +196,8 @@ def _gate_up_scaled(G, U, SG, SU, br, bc, kind, x, experts, offs, toks, h, act, 
             m = offs[j + 1] - offs[j]
             if parts and m > 1:  # AMX tiles (_native_amx.c): exact bf16 rows; the tokens times the chunk's row of
                 rb = r0 // br  # block scales (the chunk lies in one row block) as `parts` bf16 planes
-                fp8_decode_rows_bf16(g.ctypes.data, K, r0, r1 - r0, K, I, bg16.ctypes.data, K)
-                fp8_decode_rows_bf16(u.ctypes.data, K, r0, r1 - r0, K, I, bu16.ctypes.data, K)
+                fp8_decode_rows_bf16(g.ctypes.data, K, r0, r1 - r0, K, I, bg16.ctypes.data, K + PAD)
+                fp8_decode_rows_bf16(u.ctypes.data, K, r0, r1 - r0, K, I, bu16.ctypes.data, K + PAD)
                 if paired != j:  # a worker's tasks are consecutive chunks: the tokens laid out once an expert,
                     f32_pairs(x.ctypes.data, K, toks[offs[j]:].ctypes.data, m, K, pf.ctypes.data)
                     paired = j
@@ -196,11 +205,11 @@ def _gate_up_scaled(G, U, SG, SU, br, bc, kind, x, experts, offs, toks, h, act, 
                     bf16_from_pairs(pf.ctypes.data, m, K, sg[rb].ctypes.data, bc, parts, pg.ctypes.data)
                     bf16_from_pairs(pf.ctypes.data, m, K, su[rb].ctypes.data, bc, parts, pu.ctypes.data)
                     packed = j * nch + rb
-                amx_dots(bg16.ctypes.data, r1 - r0, K, pg.ctypes.data, m, parts, cg.ctypes.data, most, F32(1))
-                amx_dots(bu16.ctypes.data, r1 - r0, K, pu.ctypes.data, m, parts, cu.ctypes.data, most, F32(1))
-                for r in range(r0, r1):
-                    for i in range(m):
-                        h[offs[j] + i, r] = _act(cg[r - r0, i], act) * cu[r - r0, i]
+                amx_dots(bg16.ctypes.data, K + PAD, r1 - r0, K, pg.ctypes.data, m, parts, tg.ctypes.data, CHUNK, 1,
+                         F32(1))
+                amx_dots(bu16.ctypes.data, K + PAD, r1 - r0, K, pu.ctypes.data, m, parts, tu.ctypes.data, CHUNK, 1,
+                         F32(1))
+                _h_rows(tg, tu, r0, r1, h, offs[j], m, act)
                 continue
             if offs[j + 1] - offs[j] == 1:  # one token: decode and dot in one pass, the gate rows then the up
                 xt = x[toks[offs[j]]]       # rows (one sequential stream at a time: ~1.6x faster than both)
@@ -248,17 +257,15 @@ def _down_scaled(D, SD, br, bc, kind, h, experts, offs, ys, threads, most, parts
             m = offs[j + 1] - offs[j]
             if parts and m > 1:  # as _gate_up_scaled's
                 r1, rb = min(r0 + CHUNK, H), r0 // br
-                fp8_decode_rows_bf16(d.ctypes.data, I, r0, r1 - r0, I, H, bd16.ctypes.data, I)
+                fp8_decode_rows_bf16(d.ctypes.data, I, r0, r1 - r0, I, H, bd16.ctypes.data, I + PAD)
                 if paired != j:
                     f32_pairs(h.ctypes.data, I, slots[offs[j]:].ctypes.data, m, I, pf.ctypes.data)
                     paired = j
                 if packed != j * nch + rb:
                     bf16_from_pairs(pf.ctypes.data, m, I, sd[rb].ctypes.data, bc, parts, pb.ctypes.data)
                     packed = j * nch + rb
-                amx_dots(bd16.ctypes.data, r1 - r0, I, pb.ctypes.data, m, parts, cd.ctypes.data, most, F32(1))
-                for r in range(r0, r1):
-                    for i in range(m):
-                        ys[offs[j] + i, r] = cd[r - r0, i]
+                amx_dots(bd16.ctypes.data, I + PAD, r1 - r0, I, pb.ctypes.data, m, parts,
+                         ys.ctypes.data + (offs[j] * H + r0) * 4, H, 1, F32(1))  # into ys: token-major
                 continue
             single, last = offs[j + 1] - offs[j] == 1, -1
             for r in range(r0, min(r0 + CHUNK, H)):
@@ -286,7 +293,7 @@ def _dot_bits_scratch(K):  # dot_bits' scratch for rows of K values: x's even an
 def _amx_scratch(parts, K, most):  # the AMX path's buffers: two chunks of bf16 rows, the tokens' bf16 planes
     if not parts:
         return np.zeros((1, 1), np.uint16), np.zeros((1, 1), np.uint16), np.empty(1, np.uint16)
-    return (np.zeros((CHUNK, K), np.uint16), np.zeros((CHUNK, K), np.uint16),
+    return (np.zeros((CHUNK, K + PAD), np.uint16), np.zeros((CHUNK, K + PAD), np.uint16),
             np.empty(parts * ((most + 15) // 16) * (K // 2) * 32, np.uint16))
 
 
@@ -302,7 +309,7 @@ def _gate_up_nvfp4(G, U, BG, BU, gsg, gsu, e4m3, x, experts, offs, toks, h, act,
         cg, cu = np.empty((CHUNK, most), F32), np.empty((CHUNK, most), F32)
         xe, xo, sb = _dot_bits_scratch(K)
         bg16, bu16, pb = _amx_scratch(parts, K, most)
-        pf = _pairs_scratch(parts, K, most)
+        pf, tg, tu = _pairs_scratch(parts, K, most), cg.reshape(most, CHUNK), cu.reshape(most, CHUNK)
         packed = -1  # the slot group whose tokens pb holds
         t0, t1 = _share(ntask, w, nw)
         for task in range(t0, t1):
@@ -319,19 +326,19 @@ def _gate_up_nvfp4(G, U, BG, BU, gsg, gsu, e4m3, x, experts, offs, toks, h, act,
                 continue
             r1, m = min(r0 + CHUNK, I), offs[j + 1] - offs[j]
             if parts:  # AMX tiles (_native_amx.c): exact bf16 rows, the tokens as `parts` bf16 planes
-                nvfp4_decode_rows_bf16(g.ctypes.data, K // 2, bgs.ctypes.data, K // 16, r0, r1 - r0, K,
-                                       bg16.ctypes.data, K)
-                nvfp4_decode_rows_bf16(u.ctypes.data, K // 2, bus.ctypes.data, K // 16, r0, r1 - r0, K,
-                                       bu16.ctypes.data, K)
+                nvfp4_decode_rows_bf16(g.ctypes.data, K // 2, bgs.ctypes.data, K // 16, r0, r1 - r0, K, I,
+                                       bg16.ctypes.data, K + PAD)
+                nvfp4_decode_rows_bf16(u.ctypes.data, K // 2, bus.ctypes.data, K // 16, r0, r1 - r0, K, I,
+                                       bu16.ctypes.data, K + PAD)
                 if packed != j:  # a worker's tasks are consecutive chunks: an expert's tokens are packed once
                     f32_pairs(x.ctypes.data, K, toks[offs[j]:].ctypes.data, m, K, pf.ctypes.data)
                     bf16_from_pairs(pf.ctypes.data, m, K, 0, 2, parts, pb.ctypes.data)
                     packed = j
-                amx_dots(bg16.ctypes.data, r1 - r0, K, pb.ctypes.data, m, parts, cg.ctypes.data, most, gsg[e])
-                amx_dots(bu16.ctypes.data, r1 - r0, K, pb.ctypes.data, m, parts, cu.ctypes.data, most, gsu[e])
-                for r in range(r0, r1):
-                    for i in range(m):
-                        h[offs[j] + i, r] = _act(cg[r - r0, i], act) * cu[r - r0, i]
+                amx_dots(bg16.ctypes.data, K + PAD, r1 - r0, K, pb.ctypes.data, m, parts, tg.ctypes.data, CHUNK, 1,
+                         gsg[e])
+                amx_dots(bu16.ctypes.data, K + PAD, r1 - r0, K, pb.ctypes.data, m, parts, tu.ctypes.data, CHUNK, 1,
+                         gsu[e])
+                _h_rows(tg, tu, r0, r1, h, offs[j], m, act)
                 continue
             if compiled:  # the C decoder (lumen_cpu.native; same values): ~4x faster than _row_nvfp4
                 nvfp4_decode_rows(g.ctypes.data, K // 2, bgs.ctypes.data, K // 16, r0, r1 - r0, K, gsg[e],
@@ -372,16 +379,14 @@ def _down_nvfp4(D, BD, gsd, e4m3, h, experts, offs, ys, threads, most, compiled,
                 continue
             r1, m = min(r0 + CHUNK, H), offs[j + 1] - offs[j]
             if parts:
-                nvfp4_decode_rows_bf16(d.ctypes.data, I // 2, bd.ctypes.data, I // 16, r0, r1 - r0, I,
-                                       bd16.ctypes.data, I)
+                nvfp4_decode_rows_bf16(d.ctypes.data, I // 2, bd.ctypes.data, I // 16, r0, r1 - r0, I, H,
+                                       bd16.ctypes.data, I + PAD)
                 if packed != j:
                     f32_pairs(h.ctypes.data, I, slots[offs[j]:].ctypes.data, m, I, pf.ctypes.data)
                     bf16_from_pairs(pf.ctypes.data, m, I, 0, 2, parts, pb.ctypes.data)
                     packed = j
-                amx_dots(bd16.ctypes.data, r1 - r0, I, pb.ctypes.data, m, parts, cd.ctypes.data, most, gsd[e])
-                for r in range(r0, r1):
-                    for i in range(m):
-                        ys[offs[j] + i, r] = cd[r - r0, i]
+                amx_dots(bd16.ctypes.data, I + PAD, r1 - r0, I, pb.ctypes.data, m, parts,
+                         ys.ctypes.data + (offs[j] * H + r0) * 4, H, 1, gsd[e])
                 continue
             if compiled:
                 nvfp4_decode_rows(d.ctypes.data, I // 2, bd.ctypes.data, I // 16, r0, r1 - r0, I, gsd[e],
@@ -538,14 +543,15 @@ def _sort_slots(flat, E, k, t0):
     return order, experts, offs, toks
 
 
-@njit(cache=True, fastmath=False)
+@njit(cache=True, fastmath=False, parallel=True)
 def _combine(ys, order, weights, k, out):
-    """out[t] += sum over j = 0 .. k-1 (in that order) of weights[t, j] * the output row of slot t k + j."""
+    """out[t] += sum over j = 0 .. k-1 (in that order) of weights[t, j] * the output row of slot t k + j; the tokens in
+    parallel (serial, it was ~6% of a 512-token call's time at 16 threads)."""
     row = np.full(weights.size, -1, np.int64)
     for i in range(order.shape[0]):
         row[order[i]] = i
     T, H = out.shape
-    for t in range(T):
+    for t in prange(T):
         acc = np.zeros(H, np.float32)
         for j in range(k):
             i = row[t * k + j]
@@ -595,12 +601,23 @@ def _parts(L: _Layer) -> int:
     return 1 if L.bf16 else EXACT_PARTS
 
 
+_local = threading.local()
+
+
+def _scratch(S: int, I: int, H: int):
+    """h (S, I) and ys (S, H), kept per thread and shape between calls: fresh ones (tens of MB at 512 tokens) were
+    paged in by the kernels' first writes at every call."""
+    cache = _local.__dict__.setdefault("scratch", {})
+    h, ys = cache.get((I, H), (None, None))
+    if h is None or h.shape[0] < S:
+        h, ys = cache[(I, H)] = np.empty((S, I), F32), np.empty((S, H), F32)
+    return h[:S], ys[:S]
+
+
 def _run(L: _Layer, x, ids, weights, out, t0: int, act: int) -> None:
     T, k = ids.shape
     order, experts, offs, toks = _sort_slots(np.ascontiguousarray(ids).reshape(-1), len(L.data[0]), k, t0)
-    S = len(order)
-    h = np.empty((S, L.I), F32)
-    ys = np.empty((S, L.H), F32)
+    h, ys = _scratch(len(order), L.I, L.H)
     threads = get_num_threads()
     most = max(1, int(np.diff(offs).max())) if len(offs) > 1 else 1  # tokens of the busiest expert
     if L.fmt in KIND:
