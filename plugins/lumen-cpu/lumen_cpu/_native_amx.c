@@ -53,70 +53,94 @@ typedef struct {
     uint8_t rows[16];
 } tilecfg;
 
-TA static void amx_dots(const uint16_t *W, i64 ldW, i64 R, i64 K, const uint16_t *P, i64 m, i64 parts, float *C,
-                        i64 ldc, i64 tm, float gs) {
+/* the four row tiles' products over columns k0 .. k1 (step 32) into accumulators 0-3: A (16 weight rows, ldw bytes
+ * apart) in tile 4, the token planes in 5-7 (one weight tile load for all three: hi, mid, lo) */
+TA static inline void tile_products(const uint8_t *w, i64 ldw, const uint8_t *p, i64 plane, i64 parts, i64 k0, i64 k1) {
+    if (parts == 1) {
+        for (i64 k = k0; k < k1; k += 32) {
+            _tile_loadd(5, p + (k / 2) * 64, 64);
+            _tile_loadd(4, w + k * 2, ldw); /* the tile macros are statements (asm): one a line */
+            _tile_dpbf16ps(0, 4, 5);
+            _tile_loadd(4, w + 16 * ldw + k * 2, ldw);
+            _tile_dpbf16ps(1, 4, 5);
+            _tile_loadd(4, w + 32 * ldw + k * 2, ldw);
+            _tile_dpbf16ps(2, 4, 5);
+            _tile_loadd(4, w + 48 * ldw + k * 2, ldw);
+            _tile_dpbf16ps(3, 4, 5);
+        }
+        return;
+    }
+    for (i64 k = k0; k < k1; k += 32) {
+        _tile_loadd(5, p + (k / 2) * 64, 64);
+        _tile_loadd(6, p + plane + (k / 2) * 64, 64);
+        _tile_loadd(7, p + 2 * plane + (k / 2) * 64, 64);
+        _tile_loadd(4, w + k * 2, ldw);
+        _tile_dpbf16ps(0, 4, 5);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(0, 4, 7);
+        _tile_loadd(4, w + 16 * ldw + k * 2, ldw);
+        _tile_dpbf16ps(1, 4, 5);
+        _tile_dpbf16ps(1, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_loadd(4, w + 32 * ldw + k * 2, ldw);
+        _tile_dpbf16ps(2, 4, 5);
+        _tile_dpbf16ps(2, 4, 6);
+        _tile_dpbf16ps(2, 4, 7);
+        _tile_loadd(4, w + 48 * ldw + k * 2, ldw);
+        _tile_dpbf16ps(3, 4, 5);
+        _tile_dpbf16ps(3, 4, 6);
+        _tile_dpbf16ps(3, 4, 7);
+    }
+}
+
+TA static inline void store_tiles(float *o) { /* accumulators 0-3 to o, 256 floats each */
+    _tile_stored(0, o, 64);
+    _tile_stored(1, o + 256, 64);
+    _tile_stored(2, o + 512, 64);
+    _tile_stored(3, o + 768, 64);
+}
+
+TA static void amx_dots(const uint16_t *W, i64 ldW, i64 R, i64 K, const uint16_t *P, i64 m, i64 parts,
+                        const float *srow, i64 bc, float *C, i64 ldc, i64 tm, float gs) {
     tilecfg cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
     for (int t = 0; t < 8; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64; /* 0-3: 16 x 16 f32; 4: A; 5-7: B's parts */
     _tile_loadconfig(&cfg);
-    float o[16 * 16];
+    float o[4 * 256], acc[4 * 256];
     i64 ldw = ldW * 2, nt = (m + 15) / 16, plane = nt * (K / 2) * 64; /* bytes a part of P */
+    i64 kb = srow ? bc : K;                                             /* columns a scale (srow) */
     for (i64 r = 0; r < R; r += 64) { /* rows past R within the 64 (the caller's buffer has them): not stored */
         const uint8_t *w = (const uint8_t *)(W + r * ldW);
         for (i64 n = 0; n < nt; n++) {
             const uint8_t *p = (const uint8_t *)(P + n * (K / 2) * 32);
-            _tile_zero(0);
-            _tile_zero(1);
-            _tile_zero(2);
-            _tile_zero(3);
-            if (parts == 1) {
-                for (i64 k = 0; k < K; k += 32) {
-                    _tile_loadd(5, p + (k / 2) * 64, 64);
-                    _tile_loadd(4, w + k * 2, ldw); /* the tile macros are statements (asm): one a line */
-                    _tile_dpbf16ps(0, 4, 5);
-                    _tile_loadd(4, w + 16 * ldw + k * 2, ldw);
-                    _tile_dpbf16ps(1, 4, 5);
-                    _tile_loadd(4, w + 32 * ldw + k * 2, ldw);
-                    _tile_dpbf16ps(2, 4, 5);
-                    _tile_loadd(4, w + 48 * ldw + k * 2, ldw);
-                    _tile_dpbf16ps(3, 4, 5);
-                }
-            } else { /* three parts (hi, mid, lo: the tokens' f32 values exactly), one weight tile load for all */
-                for (i64 k = 0; k < K; k += 32) {
-                    _tile_loadd(5, p + (k / 2) * 64, 64);
-                    _tile_loadd(6, p + plane + (k / 2) * 64, 64);
-                    _tile_loadd(7, p + 2 * plane + (k / 2) * 64, 64);
-                    _tile_loadd(4, w + k * 2, ldw);
-                    _tile_dpbf16ps(0, 4, 5);
-                    _tile_dpbf16ps(0, 4, 6);
-                    _tile_dpbf16ps(0, 4, 7);
-                    _tile_loadd(4, w + 16 * ldw + k * 2, ldw);
-                    _tile_dpbf16ps(1, 4, 5);
-                    _tile_dpbf16ps(1, 4, 6);
-                    _tile_dpbf16ps(1, 4, 7);
-                    _tile_loadd(4, w + 32 * ldw + k * 2, ldw);
-                    _tile_dpbf16ps(2, 4, 5);
-                    _tile_dpbf16ps(2, 4, 6);
-                    _tile_dpbf16ps(2, 4, 7);
-                    _tile_loadd(4, w + 48 * ldw + k * 2, ldw);
-                    _tile_dpbf16ps(3, 4, 5);
-                    _tile_dpbf16ps(3, 4, 6);
-                    _tile_dpbf16ps(3, 4, 7);
+            if (srow) memset(acc, 0, sizeof acc);
+            for (i64 k0 = 0; k0 < K; k0 += kb) { /* a column block: its products, then times its scale */
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_zero(2);
+                _tile_zero(3);
+                tile_products(w, ldw, p, plane, parts, k0, k0 + kb < K ? k0 + kb : K);
+                if (srow) {
+                    store_tiles(o);
+                    __m512 sc = _mm512_set1_ps(srow[k0 / bc]);
+                    for (int q = 0; q < 4 * 256; q += 16) {
+                        __m512 v = _mm512_fmadd_ps(_mm512_loadu_ps(o + q), sc, _mm512_loadu_ps(acc + q));
+                        _mm512_storeu_ps(acc + q, v);
+                    }
                 }
             }
+            const float *res = acc;
+            if (!srow) store_tiles(o), res = o;
             for (int b = 0; b < 4; b++) {
-                if (b == 0) _tile_stored(0, o, 64);
-                if (b == 1) _tile_stored(1, o, 64);
-                if (b == 2) _tile_stored(2, o, 64);
-                if (b == 3) _tile_stored(3, o, 64);
+                const float *ob = res + 256 * b;
                 i64 ni = R - r - 16 * b < 16 ? R - r - 16 * b : 16, nj = m - 16 * n < 16 ? m - 16 * n : 16;
                 if (tm) /* token-major: a token's 16 rows side by side */
                     for (i64 j = 0; j < nj; j++)
-                        for (i64 i = 0; i < ni; i++) C[(16 * n + j) * ldc + r + 16 * b + i] = o[16 * i + j] * gs;
+                        for (i64 i = 0; i < ni; i++) C[(16 * n + j) * ldc + r + 16 * b + i] = ob[16 * i + j] * gs;
                 else
                     for (i64 i = 0; i < ni; i++)
-                        for (i64 j = 0; j < nj; j++) C[(r + 16 * b + i) * ldc + 16 * n + j] = o[16 * i + j] * gs;
+                        for (i64 j = 0; j < nj; j++) C[(r + 16 * b + i) * ldc + 16 * n + j] = ob[16 * i + j] * gs;
             }
         }
     }
@@ -127,19 +151,22 @@ int lumen_amx_usable(void) { return 0; }
 #endif
 
 /* C[r * ldc + t] (tm 0) or C[t * ldc + r] (tm 1: token-major) = gs * (row r of W, bf16, ldW apart) . (token t of P,
- * lumen_bf16_from_pairs' layout, summed over its `parts` (1 or 3) planes), r < R, t < m. W must hold rows up to R
- * rounded up to 64 (the extra rows are read, not stored); K a multiple of 32. A tile's 16 rows ldW * 2 bytes apart
- * fall in one L1 set when that is a multiple of 4 KB (K = 2048, unpadded): the callers pad ldW by 32 values. Returns 0
- * where this CPU or process cannot run AMX (the caller keeps its f32 path). */
-i64 lumen_amx_dots(const uint16_t *W, i64 ldW, i64 R, i64 K, const uint16_t *P, i64 m, i64 parts, float *C, i64 ldc,
-                   i64 tm, float gs) {
+ * lumen_bf16_from_pairs' layout, summed over its `parts` (1 or 3) planes), r < R, t < m; with srow, the products of
+ * each block of bc columns (a multiple of 32) summed apart and times srow[block] (an fp8 row block's scales: the
+ * tokens' planes are then made once an expert, not once a row block). W must hold rows up to R rounded up to 64 (the
+ * extra rows are read, not stored); K a multiple of 32. A tile's 16 rows ldW * 2 bytes apart fall in one L1 set when
+ * that is a multiple of 4 KB (K = 2048, unpadded): the callers pad ldW by 32 values. Returns 0 where this CPU or
+ * process cannot run AMX, or bc does not suit (the caller keeps its f32 path). */
+i64 lumen_amx_dots(const uint16_t *W, i64 ldW, i64 R, i64 K, const uint16_t *P, i64 m, i64 parts, const float *srow,
+                   i64 bc, float *C, i64 ldc, i64 tm, float gs) {
 #ifdef LUMEN_AMX
-    if (lumen_level >= 4 && K % 32 == 0 && (parts == 1 || parts == 3)) {
-        if (R > 0 && m > 0) amx_dots(W, ldW, R, K, P, m, parts, C, ldc, tm, gs);
+    if (lumen_level >= 4 && K % 32 == 0 && (parts == 1 || parts == 3) && (!srow || (bc > 0 && bc % 32 == 0))) {
+        if (R > 0 && m > 0) amx_dots(W, ldW, R, K, P, m, parts, srow, bc, C, ldc, tm, gs);
         return 1;
     }
 #endif
-    (void)W, (void)ldW, (void)R, (void)K, (void)P, (void)m, (void)parts, (void)C, (void)ldc, (void)tm, (void)gs;
+    (void)W, (void)ldW, (void)R, (void)K, (void)P, (void)m, (void)parts, (void)srow, (void)bc, (void)C, (void)ldc;
+    (void)tm, (void)gs;
     return 0;
 }
 

@@ -185,8 +185,8 @@ def _gate_up_scaled(G, U, SG, SU, br, bc, kind, x, experts, offs, toks, h, act, 
         bg, bu, eg, eu = np.empty((CHUNK, K), F32), np.empty((CHUNK, K), F32), np.empty(K, F32), np.empty(K, F32)
         gate, cg, cu = np.empty(CHUNK, F32), np.empty((CHUNK, most), F32), np.empty((CHUNK, most), F32)
         bg16, bu16, pg = _amx_scratch(parts, K, most)
-        pu, pf, tg, tu = pg.copy(), _pairs_scratch(parts, K, most), cg.reshape(most, CHUNK), cu.reshape(most, CHUNK)
-        paired = packed = -1  # the slot group whose tokens pf holds; the (group, row block) pg / pu are made for
+        pf, tg, tu = _pairs_scratch(parts, K, most), cg.reshape(most, CHUNK), cu.reshape(most, CHUNK)
+        paired = -1  # the slot group whose tokens pg holds
         t0, t1 = _share(ntask, w, nw)
         for task in range(t0, t1):
             j, r0 = task // nch, (task % nch) * CHUNK
@@ -194,21 +194,18 @@ def _gate_up_scaled(G, U, SG, SU, br, bc, kind, x, experts, offs, toks, h, act, 
             e = experts[j]
             g, u, sg, su = G[e], U[e], SG[e], SU[e]
             m = offs[j + 1] - offs[j]
-            if parts and m > 1:  # AMX tiles (_native_amx.c): exact bf16 rows; the tokens times the chunk's row of
-                rb = r0 // br  # block scales (the chunk lies in one row block) as `parts` bf16 planes
+            if parts and m > 1:  # AMX tiles (_native_amx.c): exact bf16 rows, the tokens as `parts` bf16 planes, each
+                rb = r0 // br  # column block's sums times the chunk's row of block scales (it lies in one row block)
                 fp8_decode_rows_bf16(g.ctypes.data, K, r0, r1 - r0, K, I, bg16.ctypes.data, K + PAD)
                 fp8_decode_rows_bf16(u.ctypes.data, K, r0, r1 - r0, K, I, bu16.ctypes.data, K + PAD)
-                if paired != j:  # a worker's tasks are consecutive chunks: the tokens laid out once an expert,
+                if paired != j:  # a worker's tasks are consecutive chunks: the tokens' planes made once an expert
                     f32_pairs(x.ctypes.data, K, toks[offs[j]:].ctypes.data, m, K, pf.ctypes.data)
+                    bf16_from_pairs(pf.ctypes.data, m, K, 0, 2, parts, pg.ctypes.data)
                     paired = j
-                if packed != j * nch + rb:  # and scaled once a row block
-                    bf16_from_pairs(pf.ctypes.data, m, K, sg[rb].ctypes.data, bc, parts, pg.ctypes.data)
-                    bf16_from_pairs(pf.ctypes.data, m, K, su[rb].ctypes.data, bc, parts, pu.ctypes.data)
-                    packed = j * nch + rb
-                amx_dots(bg16.ctypes.data, K + PAD, r1 - r0, K, pg.ctypes.data, m, parts, tg.ctypes.data, CHUNK, 1,
-                         F32(1))
-                amx_dots(bu16.ctypes.data, K + PAD, r1 - r0, K, pu.ctypes.data, m, parts, tu.ctypes.data, CHUNK, 1,
-                         F32(1))
+                amx_dots(bg16.ctypes.data, K + PAD, r1 - r0, K, pg.ctypes.data, m, parts, sg[rb].ctypes.data, bc,
+                         tg.ctypes.data, CHUNK, 1, F32(1))
+                amx_dots(bu16.ctypes.data, K + PAD, r1 - r0, K, pg.ctypes.data, m, parts, su[rb].ctypes.data, bc,
+                         tu.ctypes.data, CHUNK, 1, F32(1))
                 _h_rows(tg, tu, r0, r1, h, offs[j], m, act)
                 continue
             if offs[j + 1] - offs[j] == 1:  # one token: decode and dot in one pass, the gate rows then the up
@@ -248,7 +245,7 @@ def _down_scaled(D, SD, br, bc, kind, h, experts, offs, ys, threads, most, parts
         buf, ed, cd = np.empty((CHUNK, I), F32), np.empty(I, F32), np.empty((CHUNK, most), F32)
         bd16, _, pb = _amx_scratch(parts, I, most)
         pf = _pairs_scratch(parts, I, most)
-        paired = packed = -1
+        paired = -1
         t0, t1 = _share(ntask, w, nw)
         for task in range(t0, t1):
             j, r0 = task // nch, (task % nch) * CHUNK
@@ -260,11 +257,9 @@ def _down_scaled(D, SD, br, bc, kind, h, experts, offs, ys, threads, most, parts
                 fp8_decode_rows_bf16(d.ctypes.data, I, r0, r1 - r0, I, H, bd16.ctypes.data, I + PAD)
                 if paired != j:
                     f32_pairs(h.ctypes.data, I, slots[offs[j]:].ctypes.data, m, I, pf.ctypes.data)
+                    bf16_from_pairs(pf.ctypes.data, m, I, 0, 2, parts, pb.ctypes.data)
                     paired = j
-                if packed != j * nch + rb:
-                    bf16_from_pairs(pf.ctypes.data, m, I, sd[rb].ctypes.data, bc, parts, pb.ctypes.data)
-                    packed = j * nch + rb
-                amx_dots(bd16.ctypes.data, I + PAD, r1 - r0, I, pb.ctypes.data, m, parts,
+                amx_dots(bd16.ctypes.data, I + PAD, r1 - r0, I, pb.ctypes.data, m, parts, sd[rb].ctypes.data, bc,
                          ys.ctypes.data + (offs[j] * H + r0) * 4, H, 1, F32(1))  # into ys: token-major
                 continue
             single, last = offs[j + 1] - offs[j] == 1, -1
@@ -334,10 +329,10 @@ def _gate_up_nvfp4(G, U, BG, BU, gsg, gsu, e4m3, x, experts, offs, toks, h, act,
                     f32_pairs(x.ctypes.data, K, toks[offs[j]:].ctypes.data, m, K, pf.ctypes.data)
                     bf16_from_pairs(pf.ctypes.data, m, K, 0, 2, parts, pb.ctypes.data)
                     packed = j
-                amx_dots(bg16.ctypes.data, K + PAD, r1 - r0, K, pb.ctypes.data, m, parts, tg.ctypes.data, CHUNK, 1,
-                         gsg[e])
-                amx_dots(bu16.ctypes.data, K + PAD, r1 - r0, K, pb.ctypes.data, m, parts, tu.ctypes.data, CHUNK, 1,
-                         gsu[e])
+                amx_dots(bg16.ctypes.data, K + PAD, r1 - r0, K, pb.ctypes.data, m, parts, 0, 0, tg.ctypes.data,
+                         CHUNK, 1, gsg[e])
+                amx_dots(bu16.ctypes.data, K + PAD, r1 - r0, K, pb.ctypes.data, m, parts, 0, 0, tu.ctypes.data,
+                         CHUNK, 1, gsu[e])
                 _h_rows(tg, tu, r0, r1, h, offs[j], m, act)
                 continue
             if compiled:  # the C decoder (lumen_cpu.native; same values): ~4x faster than _row_nvfp4
@@ -385,7 +380,7 @@ def _down_nvfp4(D, BD, gsd, e4m3, h, experts, offs, ys, threads, most, compiled,
                     f32_pairs(h.ctypes.data, I, slots[offs[j]:].ctypes.data, m, I, pf.ctypes.data)
                     bf16_from_pairs(pf.ctypes.data, m, I, 0, 2, parts, pb.ctypes.data)
                     packed = j
-                amx_dots(bd16.ctypes.data, I + PAD, r1 - r0, I, pb.ctypes.data, m, parts,
+                amx_dots(bd16.ctypes.data, I + PAD, r1 - r0, I, pb.ctypes.data, m, parts, 0, 0,
                          ys.ctypes.data + (offs[j] * H + r0) * 4, H, 1, gsd[e])
                 continue
             if compiled:
@@ -623,11 +618,11 @@ def _run(L: _Layer, x, ids, weights, out, t0: int, act: int) -> None:
     if L.fmt in KIND:
         (bg, cg), _, (bd, cd) = L.blocks
         kind = KIND[L.fmt]
-        # fp8 experts in AMX tiles where this CPU and process have them and a chunk of CHUNK rows lies in one row
-        # block of scales, a column pair under one scale (else the f32 path)
+        # fp8 experts in AMX tiles where this CPU and process have them, a chunk of CHUNK rows lies in one row
+        # block of scales and a column block is whole k steps of the tiles (32 columns) (else the f32 path)
         amx = (L.fmt == "fp8" and native.available and native.level == "amx" and L.dense and L.H % 32 == 0
                and L.I % 32 == 0 and (bg % CHUNK == 0 or bg >= L.I) and (bd % CHUNK == 0 or bd >= L.H)
-               and cg % 2 == 0 and cd % 2 == 0)
+               and cg % 32 == 0 and cd % 32 == 0)
         parts = _parts(L) if amx else 0
         _gate_up_scaled(L.data[0], L.data[1], L.scales[0], L.scales[1], bg, cg, kind, x, experts, offs, toks, h,
                         act, threads, most, parts)

@@ -252,8 +252,8 @@ def _register_fallbacks() -> None:
     def dots(B, R, K, X, ldx, idx, m, C, ldc):
         return 0  # not done here: moe_fused._dots runs its numba kernel
 
-    @cfunc(types.int64(*[_i] * 10, types.float32), cache=True)
-    def amx(W, ldW, R, K, P, m, parts, C, ldc, tm, gs):
+    @cfunc(types.int64(*[_i] * 12, types.float32), cache=True)
+    def amx(W, ldW, R, K, P, m, parts, srow, bc, C, ldc, tm, gs):
         return 0  # no AMX without the library: the AMX prefill's callers keep the f32 path (and never pack)
 
     @cfunc(types.void(*[_i] * 10), cache=True)
@@ -341,13 +341,14 @@ f32_dots = types.ExternalFunction("lumen_f32_dots", types.int64(*[_i] * 9))
 # laid out for the tiles in f32: (X, ldx, idx, m, K, F); from that, `parts` bf16 planes of the tokens times a row of fp8
 # block scales (srow, one per bc columns; 0: none): 3 = hi + mid + lo, exact (the default), 1 = rounded to bf16
 # (cpu.compute-quantization bf16): (F, m, K, srow, bc, parts, P); and C[r * ldc + t] (tm 0) or C[t * ldc + r] (tm 1) =
-# gs * W[r] . token t summed over the parts, W's rows ldW apart: (W, ldW, R, K, P, m, parts, C, ldc, tm, gs), returning
-# 0 below the amx level (nothing computed).
+# gs * W[r] . token t summed over the parts, W's rows ldW apart, each block of bc columns times srow[block] (an fp8
+# row block's scales; srow 0: none): (W, ldW, R, K, P, m, parts, srow, bc, C, ldc, tm, gs), returning 0 below the amx
+# level (nothing computed).
 nvfp4_decode_rows_bf16 = types.ExternalFunction("lumen_nvfp4_decode_rows_bf16", types.void(*[_i] * 10))
 fp8_decode_rows_bf16 = types.ExternalFunction("lumen_fp8_decode_rows_bf16", types.void(*[_i] * 8))
 f32_pairs = types.ExternalFunction("lumen_f32_pairs", types.void(*[_i] * 6))
 bf16_from_pairs = types.ExternalFunction("lumen_bf16_from_pairs", types.void(*[_i] * 7))
-amx_dots = types.ExternalFunction("lumen_amx_dots", types.int64(*[_i] * 10, types.float32))
+amx_dots = types.ExternalFunction("lumen_amx_dots", types.int64(*[_i] * 12, types.float32))
 # (x, K, xq, xs): x (K,) f32 -> xq (K,) int8 and xs (K / 16,) f32, a scale per 16 values
 quant16 = types.ExternalFunction("lumen_quant16", types.void(_i, _i, _i, _i))
 FP8, NVFP4, NVFP4_Q8 = 0, 1, 2  # lumen_moe_worker's formats
