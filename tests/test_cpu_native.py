@@ -726,3 +726,25 @@ def test_amx_dots_token_major_padded_rows_and_column_block_scales(R, K, m, parts
         wf = wf * np.repeat(srow.astype(np.float64), bc)[:K]
     want = 0.5 * wf @ xs.T
     assert np.abs(rows[:, :m] - want).max() <= 3e-6 * np.abs(want).max()
+
+
+def test_moe_workers_share_tasks_by_estimated_cost():
+    """moe_fused._bounds: contiguous task ranges covering every task once, in order, whose estimated costs are
+    closer to equal than equal task counts give when one expert holds many tokens (AMX path, 3 planes)."""
+    from lumen_cpu import moe_fused
+
+    counts = np.array([100, 1, 2, 17, 16, 3, 40, 5, 9, 12, 30, 2])  # tokens of each used expert
+    offs = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    nch, parts, nw = 8, 3, 6
+    bounds = moe_fused._bounds.py_func(offs, nch, parts, nw)
+    assert bounds[0] == 0 and bounds[-1] == len(counts) * nch and (np.diff(bounds) >= 0).all()
+
+    def cost(c):  # the estimate _bounds documents
+        return 3.0 + (parts * ((c + 15) // 16) if c > 1 else 3.0 * c / 16)
+
+    task = np.repeat([cost(c) for c in counts], nch)
+    by_cost = [task[bounds[w]:bounds[w + 1]].sum() for w in range(nw)]
+    n = len(task)
+    by_count = [task[w * n // nw:(w + 1) * n // nw].sum() for w in range(nw)]
+    assert max(by_cost) / np.mean(by_cost) < max(by_count) / np.mean(by_count)
+    assert max(by_cost) / np.mean(by_cost) < 1.1
