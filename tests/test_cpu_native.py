@@ -698,7 +698,7 @@ def test_amx_dots_token_major_padded_rows_and_column_block_scales(R, K, m, parts
     lib.lumen_amx_dots.argtypes = [p, i, i, i, p, i, i, p, i, p, i, i, ctypes.c_float]
     lib.lumen_amx_dots.restype = i
     lib.lumen_f32_pairs.argtypes = [p, i, p, i, i, p]
-    lib.lumen_bf16_from_pairs.argtypes = [p, i, i, p, i, i, p]
+    lib.lumen_bf16_from_pairs.argtypes = [p, i, i, i, p]
     rng = np.random.default_rng(R + K + m)
     W = rng.integers(0, 0x3F00, size=((R + 63) // 64 * 64, K + pad)).astype(np.uint16)  # positive normal bf16
     x = rng.normal(size=(m, K)).astype(F32)
@@ -708,7 +708,7 @@ def test_amx_dots_token_major_padded_rows_and_column_block_scales(R, K, m, parts
     idx = np.arange(m, dtype=np.int64)
     lib.lumen_f32_pairs(x.ctypes.data, K, idx.ctypes.data, m, K, F.ctypes.data)
     P = np.empty(parts * nt * (K // 2) * 32, np.uint16)
-    lib.lumen_bf16_from_pairs(F.ctypes.data, m, K, None, 2, parts, P.ctypes.data)
+    lib.lumen_bf16_from_pairs(F.ctypes.data, m, K, parts, P.ctypes.data)
     rows, toks = np.full((R, m + 3), np.nan, F32), np.full((m, R + 5), np.nan, F32)
     s = None if srow is None else srow.ctypes.data
     assert lib.lumen_amx_dots(W.ctypes.data, K + pad, R, K, P.ctypes.data, m, parts, s, bc, rows.ctypes.data, m + 3,

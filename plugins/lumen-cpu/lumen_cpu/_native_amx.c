@@ -2,8 +2,8 @@
  *
  * The weights are exact in bf16: a value of an NVFP4 row without its global scale, e2m1(code) x e4m3(block scale),
  * has at most 6 significant bits (lumen_nvfp4_decode_rows_bf16), an e4m3 value 4 (lumen_fp8_decode_rows_bf16; the fp8
- * block scales are multiplied into the tokens instead, a 64-row chunk lying in one row block). The tokens are laid
- * out once an expert the way TDPBF16PS reads its second operand (lumen_f32_pairs: per pair of columns, each token's
+ * block scales multiply each column block's f32 sums in lumen_amx_dots, a 64-row chunk lying in one row block). The
+ * tokens are laid out once an expert the way TDPBF16PS reads its second operand (lumen_f32_pairs: per pair of columns, each token's
  * two values side by side, in f32), then converted to bf16 planes (lumen_bf16_from_pairs):
  *  - 3 planes (the default, "exact"): hi + mid + lo = the f32 token exactly, so every product is exact in f32 and the
  *    sums differ from the f32 path's only in their order;
@@ -249,7 +249,7 @@ TB static void fp8_bf16_avx512(const uint8_t *w, i64 ldw, i64 r0, i64 n, i64 K, 
 #endif
 
 /* out[i * ldo + k] = bf16 of the e4m3 byte w[(r0 + i) * ldw + k], i < n, k < K: exact (an e4m3 value has at most 4
- * significant bits and an exponent within bf16's), the block scales left to the tokens (lumen_bf16_from_pairs). Rows
+ * significant bits and an exponent within bf16's), the block scales left to lumen_amx_dots (srow). Rows
  * are read lumen_prefetch bytes ahead, up to the matrix's N rows: without, the rows arrive at a third of the host's
  * bandwidth between the tiles' bursts (2-core Xeon VM, 512 tokens of a 35B-A3B layer: 354 -> 230-260 ms). */
 void lumen_fp8_decode_rows_bf16(const uint8_t *w, i64 ldw, i64 r0, i64 n, i64 K, i64 N, uint16_t *out, i64 ldo) {
@@ -268,10 +268,9 @@ void lumen_fp8_decode_rows_bf16(const uint8_t *w, i64 ldw, i64 r0, i64 n, i64 K,
         }
 }
 
-/* The tokens in two steps (fp8 rows come in row blocks, each with its own row of column-block scales, so their tokens
- * are scaled anew for each): lumen_f32_pairs lays an expert's tokens out once, in f32 (F: per 16 tokens K / 2 rows of
- * 16 (even, odd) f32 pairs; tokens past m zero); lumen_bf16_from_pairs then makes the bf16 planes from F in contiguous
- * vectors, where packing the tokens anew for each row block would scatter every value. */
+/* The tokens in two steps, once an expert: lumen_f32_pairs lays its tokens out in f32 (F: per 16 tokens K / 2 rows of
+ * 16 (even, odd) f32 pairs; tokens past m zero), gathering each token's row once; lumen_bf16_from_pairs then makes the
+ * bf16 planes from F in contiguous vectors. */
 void lumen_f32_pairs(const float *X, i64 ldx, const i64 *idx, i64 m, i64 K, float *F) {
     i64 nt = (m + 15) / 16;
     memset(F, 0, (size_t)(nt * (K / 2) * 32) * 4);
@@ -291,14 +290,9 @@ TB static inline void put32(uint16_t *P, __m256bh a, __m256bh b) { /* 16 + 16 bf
     _mm512_storeu_si512((void *)P, _mm512_inserti64x4(_mm512_castsi256_si512((__m256i)a), (__m256i)b, 1));
 }
 
-TB static void from_pairs_avx512(const float *F, i64 rows, const float *srow, i64 bc, i64 parts, i64 plane,
-                                 uint16_t *P) {
+TB static void from_pairs_avx512(const float *F, i64 rows, i64 parts, i64 plane, uint16_t *P) {
     for (i64 r = 0; r < rows; r++) { /* a row: one column pair k = 2 (r % (K / 2)) of 16 tokens */
         __m512 a = _mm512_loadu_ps(F + 32 * r), b = _mm512_loadu_ps(F + 32 * r + 16);
-        if (srow) {
-            __m512 sc = _mm512_set1_ps(srow[r * 2 / bc]);
-            a = _mm512_mul_ps(a, sc), b = _mm512_mul_ps(b, sc);
-        }
         __m256bh ha = _mm512_cvtneps_pbh(a), hb = _mm512_cvtneps_pbh(b);
         put32(P + 32 * r, ha, hb);
         if (parts == 3) { /* a = hi + mid + lo exactly: each rest has 8 fewer significant bits */
@@ -320,26 +314,24 @@ static inline float bf16_back(uint16_t h) {
 }
 
 /* P = `parts` (1 or 3) planes of lumen_f32_pairs' layout in bf16 (each nt * (K / 2) * 32 values, nt = tokens / 16
- * rounded up): 1: bf16 (rounded to nearest even) of F times srow[k / bc] (srow NULL: none; bc even, so a pair shares
- * its scale), what cpu.compute-quantization bf16 multiplies; 3: hi, mid, lo with hi + mid + lo = that f32 value
- * exactly (hi = bf16(v), mid = bf16(v - hi), lo = v - hi - mid: 24 significant bits in three 8s), so the AMX sums
+ * rounded up): 1: bf16 (rounded to nearest even) of F, what cpu.compute-quantization bf16 multiplies; 3: hi, mid, lo
+ * with hi + mid + lo = F's f32 value exactly (hi = bf16(v), mid = bf16(v - hi), lo = v - hi - mid: 24 significant bits in three 8s), so the AMX sums
  * equal an f32 product's up to the order of the additions (and bf16's flush of values below 2^-126): the exact
  * prefill. */
-void lumen_bf16_from_pairs(const float *F, i64 m, i64 K, const float *srow, i64 bc, i64 parts, uint16_t *P) {
+void lumen_bf16_from_pairs(const float *F, i64 m, i64 K, i64 parts, uint16_t *P) {
     i64 nt = (m + 15) / 16, plane = nt * (K / 2) * 32;
 #ifdef LUMEN_AMX
     if (lumen_level >= 4) {
         for (i64 n = 0; n < nt; n++)
-            from_pairs_avx512(F + n * (K / 2) * 32, K / 2, srow, bc, parts, plane, P + n * (K / 2) * 32);
+            from_pairs_avx512(F + n * (K / 2) * 32, K / 2, parts, plane, P + n * (K / 2) * 32);
         return;
     }
 #endif
     for (i64 n = 0; n < nt; n++)
         for (i64 r = 0; r < K / 2; r++) {
-            float sc = srow ? srow[r * 2 / bc] : 1.f;
             for (int q = 0; q < 32; q++) {
                 i64 at = (n * (K / 2) + r) * 32 + q;
-                float v = srow ? F[at] * sc : F[at];
+                float v = F[at];
                 uint16_t h = bf16_rne(v);
                 P[at] = h;
                 if (parts == 3) {

@@ -217,7 +217,7 @@ def _gate_up_scaled(G, U, SG, SU, br, bc, kind, x, experts, offs, toks, h, act, 
                 fp8_decode_rows_bf16(u.ctypes.data, K, r0, r1 - r0, K, I, bu16.ctypes.data, K + PAD)
                 if paired != j:  # a worker's tasks are consecutive chunks: the tokens' planes made once an expert
                     f32_pairs(x.ctypes.data, K, toks[offs[j]:].ctypes.data, m, K, pf.ctypes.data)
-                    bf16_from_pairs(pf.ctypes.data, m, K, 0, 2, parts, pg.ctypes.data)
+                    bf16_from_pairs(pf.ctypes.data, m, K, parts, pg.ctypes.data)
                     paired = j
                 amx_dots(bg16.ctypes.data, K + PAD, r1 - r0, K, pg.ctypes.data, m, parts, sg[rb].ctypes.data, bc,
                          tg.ctypes.data, CHUNK, 1, F32(1))
@@ -275,7 +275,7 @@ def _down_scaled(D, SD, br, bc, kind, h, experts, offs, ys, threads, most, parts
                 fp8_decode_rows_bf16(d.ctypes.data, I, r0, r1 - r0, I, H, bd16.ctypes.data, I + PAD)
                 if paired != j:
                     f32_pairs(h.ctypes.data, I, slots[offs[j]:].ctypes.data, m, I, pf.ctypes.data)
-                    bf16_from_pairs(pf.ctypes.data, m, I, 0, 2, parts, pb.ctypes.data)
+                    bf16_from_pairs(pf.ctypes.data, m, I, parts, pb.ctypes.data)
                     paired = j
                 amx_dots(bd16.ctypes.data, I + PAD, r1 - r0, I, pb.ctypes.data, m, parts, sd[rb].ctypes.data, bc,
                          ys.ctypes.data + (offs[j] * H + r0) * 4, H, 1, F32(1))  # into ys: token-major
@@ -346,7 +346,7 @@ def _gate_up_nvfp4(G, U, BG, BU, gsg, gsu, e4m3, x, experts, offs, toks, h, act,
                                        bu16.ctypes.data, K + PAD)
                 if packed != j:  # a worker's tasks are consecutive chunks: an expert's tokens are packed once
                     f32_pairs(x.ctypes.data, K, toks[offs[j]:].ctypes.data, m, K, pf.ctypes.data)
-                    bf16_from_pairs(pf.ctypes.data, m, K, 0, 2, parts, pb.ctypes.data)
+                    bf16_from_pairs(pf.ctypes.data, m, K, parts, pb.ctypes.data)
                     packed = j
                 amx_dots(bg16.ctypes.data, K + PAD, r1 - r0, K, pb.ctypes.data, m, parts, 0, 0, tg.ctypes.data,
                          CHUNK, 1, gsg[e])
@@ -398,7 +398,7 @@ def _down_nvfp4(D, BD, gsd, e4m3, h, experts, offs, ys, threads, most, compiled,
                                        bd16.ctypes.data, I + PAD)
                 if packed != j:
                     f32_pairs(h.ctypes.data, I, slots[offs[j]:].ctypes.data, m, I, pf.ctypes.data)
-                    bf16_from_pairs(pf.ctypes.data, m, I, 0, 2, parts, pb.ctypes.data)
+                    bf16_from_pairs(pf.ctypes.data, m, I, parts, pb.ctypes.data)
                     packed = j
                 amx_dots(bd16.ctypes.data, I + PAD, r1 - r0, I, pb.ctypes.data, m, parts, 0, 0,
                          ys.ctypes.data + (offs[j] * H + r0) * 4, H, 1, gsd[e])

@@ -268,8 +268,8 @@ def _register_fallbacks() -> None:
     def pairs(X, ldx, idx, m, K, F):
         pass  # link-only, as decode16
 
-    @cfunc(types.void(*[_i] * 7), cache=True)
-    def from_pairs(F, m, K, srow, bc, parts, P):
+    @cfunc(types.void(*[_i] * 5), cache=True)
+    def from_pairs(F, m, K, parts, P):
         pass  # link-only, as decode16
 
     for name, f in (("lumen_nvfp4_decode_rows", decode), ("lumen_i8_rows", i8), ("lumen_i8_rows_q8", i8q),
@@ -338,16 +338,15 @@ f32_dots = types.ExternalFunction("lumen_f32_dots", types.int64(*[_i] * 9))
 # Several tokens' NVFP4 / fp8 expert products in AMX tiles (_native_amx.c): NVFP4 rows without the global scale, exact
 # in bf16: (w, ldw, s, lds, r0, n, K, N, out, ldo) with out uint16; fp8 rows without their block scales, exact in bf16:
 # (w, ldw, r0, n, K, N, out, ldo), both read LUMEN_CPU_PREFETCH bytes ahead within the matrix's N rows; tokens X[idx[t]]
-# laid out for the tiles in f32: (X, ldx, idx, m, K, F); from that, `parts` bf16 planes of the tokens times a row of fp8
-# block scales (srow, one per bc columns; 0: none): 3 = hi + mid + lo, exact (the default), 1 = rounded to bf16
-# (cpu.compute-quantization bf16): (F, m, K, srow, bc, parts, P); and C[r * ldc + t] (tm 0) or C[t * ldc + r] (tm 1) =
-# gs * W[r] . token t summed over the parts, W's rows ldW apart, each block of bc columns times srow[block] (an fp8
-# row block's scales; srow 0: none): (W, ldW, R, K, P, m, parts, srow, bc, C, ldc, tm, gs), returning 0 below the amx
-# level (nothing computed).
+# laid out for the tiles in f32: (X, ldx, idx, m, K, F); from that, `parts` bf16 planes of the tokens: 3 = hi + mid +
+# lo, exact (the default), 1 = rounded to bf16 (cpu.compute-quantization bf16): (F, m, K, parts, P); and C[r * ldc + t]
+# (tm 0) or C[t * ldc + r] (tm 1) = gs * W[r] . token t summed over the parts, W's rows ldW apart, each block of bc
+# columns times srow[block] (an fp8 row block's scales; srow 0: none): (W, ldW, R, K, P, m, parts, srow, bc, C, ldc,
+# tm, gs), returning 0 below the amx level (nothing computed).
 nvfp4_decode_rows_bf16 = types.ExternalFunction("lumen_nvfp4_decode_rows_bf16", types.void(*[_i] * 10))
 fp8_decode_rows_bf16 = types.ExternalFunction("lumen_fp8_decode_rows_bf16", types.void(*[_i] * 8))
 f32_pairs = types.ExternalFunction("lumen_f32_pairs", types.void(*[_i] * 6))
-bf16_from_pairs = types.ExternalFunction("lumen_bf16_from_pairs", types.void(*[_i] * 7))
+bf16_from_pairs = types.ExternalFunction("lumen_bf16_from_pairs", types.void(*[_i] * 5))
 amx_dots = types.ExternalFunction("lumen_amx_dots", types.int64(*[_i] * 12, types.float32))
 # (x, K, xq, xs): x (K,) f32 -> xq (K,) int8 and xs (K / 16,) f32, a scale per 16 values
 quant16 = types.ExternalFunction("lumen_quant16", types.void(_i, _i, _i, _i))
