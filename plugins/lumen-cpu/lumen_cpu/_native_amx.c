@@ -259,6 +259,7 @@ void lumen_fp8_decode_rows_bf16(const uint8_t *w, i64 ldw, i64 r0, i64 n, i64 K,
         return;
     }
 #endif
+    (void)N;
     for (i64 i = 0; i < n; i++)
         for (i64 k = 0; k < K; k++) {
             float v = e4m3(w[(r0 + i) * ldw + k]);
