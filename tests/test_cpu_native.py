@@ -33,7 +33,7 @@ def levels() -> list[str]:
     return got
 
 
-@pytest.fixture(params=["avx512vnni", "avx512", "avx2", "scalar"])
+@pytest.fixture(params=["amx", "avx512vnni", "avx512", "avx2", "scalar"])
 def isa(request):
     assert native.available, ("lumen_cpu's C kernels were not built: `pip install -e plugins/lumen-cpu` compiles "
                               "lumen_cpu/_native.c and needs a C compiler (gcc / clang)")
