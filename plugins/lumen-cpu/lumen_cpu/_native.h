@@ -27,7 +27,7 @@ extern int lumen_level;
  * benchmarks/cpu_moe.py-style cold calls (2026-12-02): one layer's experts, 64 / 128-row tasks, no prefetch -> 4 KB:
  * H200 host 16 threads NVFP4 0.297 -> 0.253 ms, fp8 0.549 -> 0.448 ms; 2-core Xeon NVFP4 2.05 -> 1.21, fp8 3.86 ->
  * 2.22 ms. (The previous row kernels' 16 KB with 64-row tasks had measured no gain on the H200 host.) The AMX prefill's
- * fp8 row decoder (_native_amx.c) reads lumen_prefetch ahead too. */
+ * fp8 and NVFP4 row decoders (_native_amx.c) read lumen_prefetch ahead too. */
 extern i64 lumen_prefetch;
 
 /* rows ahead of row i (of rows of `bytes`), and the prefetch of the row that many ahead when there is one */

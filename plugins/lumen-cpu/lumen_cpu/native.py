@@ -15,8 +15,8 @@ Environment (read once, at import):
 - ``LUMEN_CPU_ISA=amx|avx512vnni|avx512|avx2|scalar``: the highest instruction set the kernels may use (default: the
   highest); the CPU's own support caps it (amx: AMX-BF16 tiles, granted by the OS, used by the experts' prefill
   products, _native_amx.c). ``level`` is the one in use.
-- ``LUMEN_CPU_PREFETCH=BYTES``: how far ahead of use the int8 layout's row kernels (and the AMX prefill's fp8 row
-  decoder) prefetch their rows (default 16384; 0: not at all; see _native.h). For tuning and comparisons.
+- ``LUMEN_CPU_PREFETCH=BYTES``: how far ahead of use the int8 layout's row kernels (and the AMX prefill's fp8 and
+  NVFP4 row decoders) prefetch their rows (default 16384; 0: not at all; see _native.h). For tuning and comparisons.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ PREFETCH = 16384
 
 
 def prefetch(nbytes: int) -> None:
-    """Let the int8 row kernels (and the AMX prefill's fp8 row decoder) prefetch ``nbytes`` ahead from now on (0:
+    """Let the int8 row kernels (and the AMX prefill's fp8 and NVFP4 row decoders) prefetch ``nbytes`` ahead (0:
     none); LUMEN_CPU_PREFETCH sets it at import."""
     if not _lib:
         raise RuntimeError("lumen_cpu's C kernels are not loaded (native.available is False)")
