@@ -99,9 +99,11 @@ def test_nvfp4_rows_equal_float64(isa, K):
 
 
 def expert_matrix(rng, fmt, N, K, block=128):
-    """An expert matrix (N, K): fp8 (e4m3 values ~ N(0, 40), f32 scales per block x block) or NVFP4."""
+    """An expert matrix (N, K): fp8 (e4m3 values ~ N(0, 40), f32 scales per block x block), bf16 or NVFP4."""
     from lumen_cpu import nvfp4
 
+    if fmt == "bf16":
+        return Weight((rng.normal(size=(N, K)) * 0.1).astype(ml_dtypes.bfloat16), "bf16", (N, K))
     if fmt == "fp8":
         data = (rng.normal(size=(N, K)) * 40).astype(ml_dtypes.float8_e4m3fn)
         s = rng.uniform(0.5, 2, size=(-(-N // block), -(-K // block))).astype(F32) * 0.01
@@ -603,10 +605,11 @@ def test_several_token_fp8_experts_in_amx_tiles_equal_their_model(H, I, T, block
     assert 1e-5 < rel(got, exact.astype(np.float64)) < 0.02
 
 
-@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4", "bf16"])
 @pytest.mark.parametrize("H,I,T", [(2048, 512, 40), (64, 96, 5)])
 def test_several_token_experts_default_amx_path_is_exact(fmt, H, I, T, monkeypatch):
-    """The default prefill of fp8 / NVFP4 experts on a CPU with AMX: the tokens as three bf16 planes (hi + mid + lo =
+    """The default prefill of fp8 / NVFP4 / bf16 experts on a CPU with AMX (bf16 rows read in place, or copied where
+    a chunk is short of 64 rows: I = 96): the tokens as three bf16 planes (hi + mid + lo =
     the f32 value), so each product is exact in f32: against float64 within f32 summation error, and against the f32
     path (the ISA capped below amx) within the same bound, both far below the bf16 mode's ~1e-3."""
     from lumen_cpu import moe_fused, nvfp4
@@ -627,6 +630,8 @@ def test_several_token_experts_default_amx_path_is_exact(fmt, H, I, T, monkeypat
             s, (n, kk) = np.asarray(wt.scale, np.float64), wt.shape
             br, bc = wt.block or (n, kk)  # None: one scale for the matrix
             return np.asarray(wt.data).astype(np.float64) * np.repeat(np.repeat(s, br, 0), bc, 1)[:n, :kk]
+        if fmt == "bf16":
+            return np.asarray(wt.data).astype(np.float64)
         return nvfp4.dequantize(wt).astype(np.float64)
 
     ref = np.zeros((T, H))
@@ -635,7 +640,7 @@ def test_several_token_experts_default_amx_path_is_exact(fmt, H, I, T, monkeypat
             g, u = dense(gate_up[e][0]) @ x[t], dense(gate_up[e][1]) @ x[t]
             ref[t] += w[t, j] * (dense(down[e]) @ (g / (1 + np.exp(-g)) * u))
     parts = []
-    kernel = "_gate_up_scaled" if fmt == "fp8" else "_gate_up_nvfp4"
+    kernel = "_gate_up_nvfp4" if fmt == "nvfp4" else "_gate_up_scaled"
     real = getattr(moe_fused, kernel)
 
     def spy(*args):

@@ -179,6 +179,27 @@ def _down_tokens(buf, r0, r1, h, slots, i0, m, cd, ys):
             ys[i0 + i, r] = cd[r - r0, i]
 
 
+@njit(inline="always")
+def _rows16(w, kind, r0, r1, buf):
+    """Rows r0 .. r1 of an fp8 (kind 0) or bf16 (kind 1) matrix as bf16 rows for lumen_amx_dots: (address, values
+    apart). fp8 rows decoded into buf (exact; the block scales are applied to the tile sums); bf16 rows read in place
+    where a whole CHUNK of them exists (the tiles read 64 rows: never past the matrix), else copied into buf."""
+    N, K = w.shape
+    if kind == 0:
+        fp8_decode_rows_bf16(w.ctypes.data, K, r0, r1 - r0, K, N, buf.ctypes.data, K + PAD)
+        return np.int64(buf.ctypes.data), K + PAD  # (int64 throughout: uint64 and int64 would unify to a float)
+    if r1 - r0 == CHUNK:
+        return np.int64(w.ctypes.data) + r0 * K * 2, K
+    for i in range(r1 - r0):
+        buf[i, :K] = w[r0 + i]
+    return np.int64(buf.ctypes.data), K + PAD
+
+
+@njit(inline="always")
+def _srow(S, rb, kind):  # lumen_amx_dots' row of column-block scales: fp8's row block rb; none for bf16 (0)
+    return np.int64(S[rb].ctypes.data) if kind == 0 else np.int64(0)
+
+
 @njit(cache=True, fastmath=False)  # not inlined into the fastmath kernels: vectorized there, silu(-5000) gave NaN
 def _h_rows(tg, tu, r0, r1, h, s0, m, act):  # h of slots s0 .. s0 + m, rows r0 .. r1, from token-major gate and up
     for i in range(m):
@@ -213,15 +234,15 @@ def _gate_up_scaled(G, U, SG, SU, br, bc, kind, x, experts, offs, toks, h, act, 
             m = offs[j + 1] - offs[j]
             if parts and m > 1:  # AMX tiles (_native_amx.c): exact bf16 rows, the tokens as `parts` bf16 planes, each
                 rb = r0 // br  # column block's sums times the chunk's row of block scales (it lies in one row block)
-                fp8_decode_rows_bf16(g.ctypes.data, K, r0, r1 - r0, K, I, bg16.ctypes.data, K + PAD)
-                fp8_decode_rows_bf16(u.ctypes.data, K, r0, r1 - r0, K, I, bu16.ctypes.data, K + PAD)
+                ag, ldw = _rows16(g, kind, r0, r1, bg16)
+                au, _ = _rows16(u, kind, r0, r1, bu16)
                 if paired != j:  # a worker's tasks are consecutive chunks: the tokens' planes made once an expert
                     f32_pairs(x.ctypes.data, K, toks[offs[j]:].ctypes.data, m, K, pf.ctypes.data)
                     bf16_from_pairs(pf.ctypes.data, m, K, parts, pg.ctypes.data)
                     paired = j
-                amx_dots(bg16.ctypes.data, K + PAD, r1 - r0, K, pg.ctypes.data, m, parts, sg[rb].ctypes.data, bc,
+                amx_dots(ag, ldw, r1 - r0, K, pg.ctypes.data, m, parts, _srow(sg, rb, kind), bc,
                          tg.ctypes.data, CHUNK, 1, F32(1))
-                amx_dots(bu16.ctypes.data, K + PAD, r1 - r0, K, pg.ctypes.data, m, parts, su[rb].ctypes.data, bc,
+                amx_dots(au, ldw, r1 - r0, K, pg.ctypes.data, m, parts, _srow(su, rb, kind), bc,
                          tu.ctypes.data, CHUNK, 1, F32(1))
                 _h_rows(tg, tu, r0, r1, h, offs[j], m, act)
                 continue
@@ -272,12 +293,12 @@ def _down_scaled(D, SD, br, bc, kind, h, experts, offs, ys, threads, most, parts
             m = offs[j + 1] - offs[j]
             if parts and m > 1:  # as _gate_up_scaled's
                 r1, rb = min(r0 + CHUNK, H), r0 // br
-                fp8_decode_rows_bf16(d.ctypes.data, I, r0, r1 - r0, I, H, bd16.ctypes.data, I + PAD)
+                ad, ldw = _rows16(d, kind, r0, r1, bd16)
                 if paired != j:
                     f32_pairs(h.ctypes.data, I, slots[offs[j]:].ctypes.data, m, I, pf.ctypes.data)
                     bf16_from_pairs(pf.ctypes.data, m, I, parts, pb.ctypes.data)
                     paired = j
-                amx_dots(bd16.ctypes.data, I + PAD, r1 - r0, I, pb.ctypes.data, m, parts, sd[rb].ctypes.data, bc,
+                amx_dots(ad, ldw, r1 - r0, I, pb.ctypes.data, m, parts, _srow(sd, rb, kind), bc,
                          ys.ctypes.data + (offs[j] * H + r0) * 4, H, 1, F32(1))  # into ys: token-major
                 continue
             single, last = offs[j + 1] - offs[j] == 1, -1
@@ -638,9 +659,9 @@ def _run(L: _Layer, x, ids, weights, out, t0: int, act: int) -> None:
     if L.fmt in KIND:
         (bg, cg), _, (bd, cd) = L.blocks
         kind = KIND[L.fmt]
-        # fp8 experts in AMX tiles where this CPU and process have them, a chunk of CHUNK rows lies in one row
-        # block of scales and a column block is whole k steps of the tiles (32 columns) (else the f32 path)
-        amx = (L.fmt == "fp8" and native.available and native.level == "amx" and L.dense and L.H % 32 == 0
+        # fp8 / bf16 experts in AMX tiles where this CPU and process have them, a chunk of CHUNK rows lies in one
+        # row block of scales and a column block is whole k steps of the tiles (32 columns) (else the f32 path)
+        amx = (native.available and native.level == "amx" and L.dense and L.H % 32 == 0
                and L.I % 32 == 0 and (bg % CHUNK == 0 or bg >= L.I) and (bd % CHUNK == 0 or bd >= L.H)
                and cg % 32 == 0 and cd % 32 == 0)
         parts = _parts(L) if amx else 0
