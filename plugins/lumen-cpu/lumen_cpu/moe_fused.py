@@ -299,7 +299,7 @@ def _down_scaled(D, SD, br, bc, kind, h, experts, offs, ys, threads, most, parts
                     bf16_from_pairs(pf.ctypes.data, m, I, parts, pb.ctypes.data)
                     paired = j
                 amx_dots(ad, ldw, r1 - r0, I, pb.ctypes.data, m, parts, _srow(sd, rb, kind), bc,
-                         ys.ctypes.data + (offs[j] * H + r0) * 4, H, 1, F32(1))  # into ys: token-major
+                         np.int64(ys.ctypes.data) + (offs[j] * H + r0) * 4, H, 1, F32(1))  # into ys: token-major
                 continue
             single, last = offs[j + 1] - offs[j] == 1, -1
             for r in range(r0, min(r0 + CHUNK, H)):
@@ -422,7 +422,7 @@ def _down_nvfp4(D, BD, gsd, e4m3, h, experts, offs, ys, threads, most, compiled,
                     bf16_from_pairs(pf.ctypes.data, m, I, parts, pb.ctypes.data)
                     packed = j
                 amx_dots(bd16.ctypes.data, I + PAD, r1 - r0, I, pb.ctypes.data, m, parts, 0, 0,
-                         ys.ctypes.data + (offs[j] * H + r0) * 4, H, 1, gsd[e])
+                         np.int64(ys.ctypes.data) + (offs[j] * H + r0) * 4, H, 1, gsd[e])
                 continue
             if compiled:
                 nvfp4_decode_rows(d.ctypes.data, I // 2, bd.ctypes.data, I // 16, r0, r1 - r0, I, gsd[e],
@@ -582,7 +582,7 @@ def _sort_slots(flat, E, k, t0):
 @njit(cache=True, fastmath=False, parallel=True)
 def _combine(ys, order, weights, k, out):
     """out[t] += sum over j = 0 .. k-1 (in that order) of weights[t, j] * the output row of slot t k + j; the tokens in
-    parallel (serial, it was ~6% of a 512-token call's time at 16 threads)."""
+    parallel (serial, it took 3.4 ms of a 157 ms call of 512 tokens on 2 threads: a larger share on 16)."""
     row = np.full(weights.size, -1, np.int64)
     for i in range(order.shape[0]):
         row[order[i]] = i
