@@ -1,10 +1,11 @@
-/* Several tokens' NVFP4 and fp8 expert products (prefill) in AMX bf16 tiles, on CPUs with AMX-BF16.
+/* Several tokens' NVFP4, fp8 and bf16 expert products (prefill) in AMX bf16 tiles, on CPUs with AMX-BF16.
  *
  * The weights are exact in bf16: a value of an NVFP4 row without its global scale, e2m1(code) x e4m3(block scale),
  * has at most 6 significant bits (lumen_nvfp4_decode_rows_bf16), an e4m3 value 4 (lumen_fp8_decode_rows_bf16; the fp8
- * block scales multiply each column block's f32 sums in lumen_amx_dots, a 64-row chunk lying in one row block). The
- * tokens are laid out once an expert the way TDPBF16PS reads its second operand (lumen_f32_pairs: per pair of columns, each token's
- * two values side by side, in f32), then converted to bf16 planes (lumen_bf16_from_pairs):
+ * block scales multiply each column block's f32 sums in lumen_amx_dots, a 64-row chunk lying in one row block), and
+ * bf16 experts' rows are read as they are. The tokens are laid out once an expert the way TDPBF16PS reads its second
+ * operand (lumen_f32_pairs: per pair of columns, each token's two values side by side, in f32), then converted to bf16
+ * planes (lumen_bf16_from_pairs):
  *  - 3 planes (the default, "exact"): hi + mid + lo = the f32 token exactly, so every product is exact in f32 and the
  *    sums differ from the f32 path's only in their order;
  *  - 1 plane (cpu.compute-quantization "bf16"): the token rounded to bf16 (a relative 2^-9 a value), a third of the
@@ -316,9 +317,9 @@ static inline float bf16_back(uint16_t h) {
 
 /* P = `parts` (1 or 3) planes of lumen_f32_pairs' layout in bf16 (each nt * (K / 2) * 32 values, nt = tokens / 16
  * rounded up): 1: bf16 (rounded to nearest even) of F, what cpu.compute-quantization bf16 multiplies; 3: hi, mid, lo
- * with hi + mid + lo = F's f32 value exactly (hi = bf16(v), mid = bf16(v - hi), lo = v - hi - mid: 24 significant bits in three 8s), so the AMX sums
- * equal an f32 product's up to the order of the additions (and bf16's flush of values below 2^-126): the exact
- * prefill. */
+ * with hi + mid + lo = F's f32 value exactly (hi = bf16(v), mid = bf16(v - hi), lo = v - hi - mid: 24 significant
+ * bits in three 8s), so the AMX sums equal an f32 product's up to the order of the additions (and bf16's flush of
+ * values below 2^-126): the exact prefill. */
 void lumen_bf16_from_pairs(const float *F, i64 m, i64 K, i64 parts, uint16_t *P) {
     i64 nt = (m + 15) / 16, plane = nt * (K / 2) * 32;
 #ifdef LUMEN_AMX
