@@ -753,3 +753,36 @@ def test_moe_workers_share_tasks_by_estimated_cost():
     by_count = [task[w * n // nw:(w + 1) * n // nw].sum() for w in range(nw)]
     assert max(by_cost) / np.mean(by_cost) < max(by_count) / np.mean(by_count)
     assert max(by_cost) / np.mean(by_cost) < 1.1
+
+
+def test_nvfp4_rows_to_bf16_equal_the_scalar_decoder():
+    """lumen_nvfp4_decode_rows_bf16 at the amx level (AVX-512) against its scalar loop (below amx) and float64, bit
+    for bit: every code in every column position, every finite e4m3 block scale (0x00 .. 0x7E), rows at an offset,
+    nothing written past K."""
+    import ctypes
+
+    if "amx" not in levels():
+        pytest.skip("this CPU (or its OS) does not offer AMX-BF16")
+    from lumen_cpu import nvfp4
+
+    lib, i, p = native.lib(), ctypes.c_int64, ctypes.c_void_p
+    lib.lumen_nvfp4_decode_rows_bf16.argtypes = [p, i, p, i, i, i, i, i, p, i]
+    rng = np.random.default_rng(5)
+    N, K = 127, 256  # 127 x 16 blocks: every scale byte 0x00 .. 0x7E at least once
+    packed = rng.integers(0, 256, size=(N, K // 2), dtype=np.uint8)
+    scales = (np.arange(N * K // 16) % 127).astype(np.uint8).reshape(N, K // 16)
+    got = {}
+    for isa in ("amx", "avx512vnni"):
+        native.use(isa)
+        out = np.full((N - 3, K + 16), 0xABCD, np.uint16)
+        lib.lumen_nvfp4_decode_rows_bf16(packed.ctypes.data, K // 2, scales.ctypes.data, K // 16, 3, N - 3, K, N,
+                                         out.ctypes.data, K + 16)
+        assert (out[:, K:] == 0xABCD).all(), isa  # nothing past K
+        got[isa] = out[:, :K].copy()
+    native.use(native.HIGHEST)
+    np.testing.assert_array_equal(got["amx"], got["avx512vnni"])
+    codes = np.stack([packed & 15, packed >> 4], axis=-1).reshape(N, K)[3:]
+    sc = E4M3[np.repeat(scales, 16, axis=1)[3:]]
+    want = nvfp4.E2M1[codes].astype(np.float64) * sc
+    values = (got["amx"].astype(np.uint32) << 16).view(F32)
+    np.testing.assert_array_equal(values.astype(np.float64), want)
