@@ -1,20 +1,22 @@
-"""Routed experts with fp8 or NVFP4 weights on the CPU (numba): a layer's routed experts in two parallel kernels,
+"""Routed experts with fp8, NVFP4 or bf16 weights on the CPU (numba): a layer's routed experts in two parallel kernels,
 for any number of tokens, with no dequantized copy of any matrix.
 
 The (token, slot) pairs are sorted by expert. Kernel 1 runs tasks of (expert, CHUNK rows of gate/up) in parallel,
-each thread a contiguous range of tasks with its scratch allocated once (long sequential reads; per-task scratch
-and interleaved gate/up rows cost ~1/3 of the time): each row of gate and up is decoded once into an f32
-buffer (the values ``fp8.dequantize_rows`` / ``nvfp4_fused.dequantize_rows`` give) and dotted with every token
-routed to that expert, giving h = act(gate . x) * (up . x) per slot (a single token's rows are decoded and dotted
-in one pass). Kernel 2 does the same for (expert, CHUNK rows of down) into one output row per slot. The weighted
-sum over a token's slots is then taken in slot order (j = 0 .. k-1) by numba.
+each thread a contiguous range of tasks of about equal estimated cost (``_bounds``) with its scratch allocated once
+(long sequential reads; per-task scratch and interleaved gate/up rows cost ~1/3 of the time): each row of gate and
+up is decoded once into an f32 buffer (the values ``fp8.dequantize_rows`` / ``nvfp4_fused.dequantize_rows`` give)
+and dotted with every token routed to that expert, giving h = act(gate . x) * (up . x) per slot (a single token's
+rows are decoded and dotted in one pass). Kernel 2 does the same for (expert, CHUNK rows of down) into one output
+row per slot. The weighted sum over a token's slots is then taken in slot order (j = 0 .. k-1) by numba.
 
 One token (decode) reads each routed expert's bytes once, spread over every core: what ``experts: {compute: cpu}``
 placements spend most of their time on. With the C kernels built, one token's fp8 / NVFP4 experts skip the two
 kernels: ``_one_token`` runs them in one parallel region (``native.moe_token``: C workers claiming tasks, rows read
 ``PREFETCH`` bytes ahead; NVFP4 with 8-bit activations under cpu.compute-quantization int8). Where the CPU has AMX,
-NVFP4 and fp8 rows shared by several tokens are multiplied in AMX bf16 tiles (lumen_cpu/_native_amx.c): exact bf16
-rows, the tokens as three bf16 planes summing to their f32 values (exact), or one rounded under bf16.
+NVFP4, fp8 and bf16 rows shared by several tokens are multiplied in AMX bf16 tiles (lumen_cpu/_native_amx.c): exact
+bf16 rows (bf16 ones read in place), the tokens as three bf16 planes summing to their f32 values (exact), or one
+rounded under bf16; fp8's block scales multiply each column block's tile sums, and the products go token-major
+straight into the output rows.
 The per-expert path it replaces (``ops.moe_experts``: a parallel GEMV
 launch per matrix, ~24 launches a layer, or a serial tile dequantization per expert in prefill) stays the
 reference and the fallback (mixed formats or shapes, other formats).
