@@ -3,7 +3,7 @@ default, ``lumen_cuda.fp8_mma``: bf16 MMA, activations as three bf16 planes, f32
 CUDA-core grouped kernels they replaced (``LUMEN_CUDA_MMA_PREFILL=0``, the named baseline), for every expert
 format, in one run.
 
-    python benchmarks/cuda_moe_prefill.py [--tokens 512,4096] [--reps 10] [--json PATH]
+    python benchmarks/cuda_moe_prefill.py [--tokens 512,4096] [--reps 10] [--slots 16,32,64] [--json PATH]
 
 Rows: the Qwen3.5-35B-A3B experts (256 of 2048 x 512, top 8) in fp8 (128 x 128 block scales), NVFP4 and bf16
 (per-expert lists, as Qwen's checkpoints load), and the Gemma-4-26B-A4B experts (128 of 2816 x 704, top 8) packed
@@ -13,7 +13,9 @@ after a warm-up. "bound" is the larger of the expert bytes the call must read on
 all of them at these T) over the read bandwidth measured in the same run, and its useful FLOPs (2 x 3 x I x H per
 slot) over the dense bf16 tensor-core rate (990 TFLOP/s, the H100 / H200 SXM datasheet: a lead, not a
 measurement). "max diff": the two paths' largest output difference over the largest output (f32 rounding order).
-Dev tool: needs cupy.
+The default picks the tensor-core block's width in slots by the mean bucket (``fp8_mma_model.slot_block``; its
+choice is printed); ``--slots`` also times each width forced (``LUMEN_CUDA_X3_SLOTS``), the data its thresholds
+come from. Dev tool: needs cupy.
 """
 
 from __future__ import annotations
@@ -63,25 +65,32 @@ def layer(gpu, rng, E: int, H: int, I: int, kind: str):
     return lambda x, ids, w: moe.experts(x, ids, w, gate_up, down, "silu")
 
 
-def both(run, inputs, reps: int) -> tuple[dict, float]:
-    """The call's median time with LUMEN_CUDA_MMA_PREFILL=0 and unset, and the two outputs' largest difference over
-    the largest output."""
+def both(run, inputs, reps: int, slots=()) -> tuple[dict, float]:
+    """The call's median time with LUMEN_CUDA_MMA_PREFILL=0, unset, and unset with each forced block width in
+    ``slots`` (keys "0", "", "s16" ...), and the largest difference of any of them from "0" over its largest output."""
     got, out = {}, {}
-    for mode in ("0", ""):
+    for mode, width in [("0", ""), ("", "")] + [("", str(n)) for n in slots]:
         os.environ["LUMEN_CUDA_MMA_PREFILL"] = mode
-        got[mode] = timed(lambda: run(*inputs), reps)
-        out[mode] = cp.asnumpy(run(*inputs)).astype(np.float64)
+        os.environ["LUMEN_CUDA_X3_SLOTS"] = width
+        key = f"s{width}" if width else mode
+        got[key] = timed(lambda: run(*inputs), reps)
+        out[key] = cp.asnumpy(run(*inputs)).astype(np.float64)
     os.environ.pop("LUMEN_CUDA_MMA_PREFILL")
-    return got, float(np.abs(out[""] - out["0"]).max() / np.abs(out["0"]).max())
+    os.environ.pop("LUMEN_CUDA_X3_SLOTS")
+    return got, max(float(np.abs(o - out["0"]).max() / np.abs(out["0"]).max()) for o in out.values())
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", default="512,4096")
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--slots", default="16,32,64",
+                    help="block widths to time forced besides the default's choice (empty: none)")
     ap.add_argument("--rows", default=",".join(r[0] for r in ROWS), help="row names, comma-separated")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
+    from lumen_cuda.fp8_mma_model import slot_block
+
     from lumen_core.plugins import get_registry
 
     reg = get_registry()
@@ -89,10 +98,11 @@ def main(argv=None) -> None:
     bw = read_bandwidth()
     print(f"device: {cp.cuda.runtime.getDeviceProperties(0)['name'].decode()}; read bandwidth {bw / 1e9:.0f} GB/s")
     wanted = set(args.rows.split(","))
+    widths = [int(n) for n in args.slots.split(",") if n]
     results = []
-    print("| experts | T | CUDA-core grouped (=0) | tensor cores (default) | speed-up | bound | bound / default | "
-          "max diff |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("| experts | T | CUDA-core grouped (=0) | tensor cores (default) | default's slots | "
+          + "".join(f"{n} slots | " for n in widths) + "speed-up | bound | bound / default | max diff |")
+    print("|---|---:|---:|---:|---:|" + "---:|" * len(widths) + "---:|---:|---:|---:|")
     for name, E, k, H, I, kind in ROWS:
         if name not in wanted:
             continue
@@ -102,17 +112,19 @@ def main(argv=None) -> None:
             x = cp.asarray(rng.normal(size=(T, H)).astype(np.float32))
             ids = cp.asarray(np.argsort(rng.random((T, E)), axis=1)[:, :k].astype(np.int64))
             w = cp.asarray(np.full((T, k), 1.0 / k, np.float32))
-            got, diff = both(run, (x, ids, w), args.reps)
+            got, diff = both(run, (x, ids, w), args.reps, widths)
             picked = len(np.unique(cp.asnumpy(ids)))
             nbytes = picked * 3 * H * I * BYTES[kind]
             flops = 2 * T * k * 3 * H * I
             bound = max(nbytes / bw, flops / PEAK_BF16)
             row = {"experts": name, "T": T, "cuda_core_ms": got["0"] * 1e3, "tensor_core_ms": got[""] * 1e3,
                    "speedup": got["0"] / got[""], "bound_ms": bound * 1e3, "fraction": bound / got[""],
-                   "max_diff": diff}
+                   "max_diff": diff, "default_slots": slot_block({}, T * k, E),
+                   "forced_ms": {n: got[f"s{n}"] * 1e3 for n in widths}}
             results.append(row)
             print(f"| {name} | {T} | {row['cuda_core_ms']:.3f} ms | {row['tensor_core_ms']:.3f} ms | "
-                  f"{row['speedup']:.2f}x | {row['bound_ms']:.3f} ms | {row['fraction']:.1%} | {diff:.1e} |",
+                  f"{row['default_slots']} | " + "".join(f"{got[f's{n}'] * 1e3:.3f} ms | " for n in widths)
+                  + f"{row['speedup']:.2f}x | {row['bound_ms']:.3f} ms | {row['fraction']:.1%} | {diff:.1e} |",
                   flush=True)
         run = None
         cp.get_default_memory_pool().free_all_blocks()

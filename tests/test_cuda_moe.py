@@ -303,6 +303,39 @@ def test_experts_both_paths_skewed_and_chunked(cp, gpu, moe, ops, monkeypatch, k
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("slots", ["16", "32", "64"])
+@pytest.mark.parametrize("kind", ["bf16", "fp8-block128", "nvfp4", "packed"])
+def test_experts_slot_blocks(cp, gpu, moe, ops, monkeypatch, kind, slots):
+    """Each tensor-core block width (LUMEN_CUDA_X3_SLOTS: 16 / 32 slots x 256 weight rows, 64 x 128) against the
+    reference: buckets smaller than a block, several blocks a bucket (skewed routing: 100-slot buckets), and weight
+    rows past a block's end (H 384, I 128: a 256-row block's last warps hold no row; fp8's scale rows clamped)."""
+    from lumen_cuda import fp8_mma
+
+    monkeypatch.setenv("LUMEN_CUDA_MMA_PREFILL", "")
+    monkeypatch.setenv("LUMEN_CUDA_X3_SLOTS", slots)
+    suffix = {"16": "_s16", "32": "_s32", "64": ""}[slots]
+    fn, grid = fp8_mma.moe_grid("moe_fp8_x3", 384, 100, 200, 8)
+    assert fn is fp8_mma.kernels.function(fp8_mma.FILE, "moe_fp8_x3" + suffix)
+    assert grid == (-(-100 // int(slots)), 3 if slots == "64" else 2, 8)
+    rng = np.random.default_rng(int(slots) + len(kind))
+    E, k, H, I = 8, 2, 384, 128
+    if kind == "packed":
+        gate_up = gpu.weight((rng.normal(size=(E, 2 * I, H)) * 0.05).astype(ml_dtypes.bfloat16), "bf16", "vram")
+        down = gpu.weight((rng.normal(size=(E, H, I)) * 0.05).astype(ml_dtypes.bfloat16), "bf16", "vram")
+        run, ref = moe.experts_packed, ops.moe_experts_packed_grouped
+    else:
+        gate_up, down = experts(gpu, rng, E, H, I, kind)
+        run, ref = moe.experts, ops.moe_experts_grouped
+    for T in (9, 100):
+        x = cp.asarray(rng.normal(size=(T, H)).astype(np.float32))
+        ids, w = routing(cp, rng, E, k, np.int64, T)
+        close(run(x, ids, w, gate_up, down, "silu", out=cp.full((T, H), np.nan, dtype=cp.float32)),
+              ref(x, ids, w, gate_up, down, "silu"))
+        skew = cp.asarray(np.tile(np.array([[5, 2]], np.int64), (T, 1)))
+        close(run(x, skew, w, gate_up, down, "gelu_tanh"), ref(x, skew, w, gate_up, down, "gelu_tanh"))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("act", ["gelu_tanh", "silu"])
 @pytest.mark.parametrize("T,mma", with_mma([5, 64]))
 def test_experts_packed_tokens_match_grouped(cp, gpu, moe, ops, T, act, mma, monkeypatch):

@@ -22,10 +22,19 @@ import numpy as np
 from lumen_core.backend import Weight
 
 from . import kernels
-from .fp8_mma_model import BLOCK, applies, capable, experts_requested, requested
+from .fp8_mma_model import BLOCK, applies, capable, experts_requested, requested, slot_block
 
 FILE = "gemm_fp8"
 BM, BN = 128, 64  # the GEMM block's weight rows and tokens (FP8_BM, FP8_BN in the .cu file)
+MOE_BLOCKS = {64: ("", 128), 32: ("_s32", 256), 16: ("_s16", 256)}  # slots a block -> kernel suffix, weight rows
+
+
+def moe_grid(kernel: str, N: int, T: int, S: int, E: int):
+    """The routed experts' kernel for S slots over E experts (``slot_block``: its name's suffix) and its grid
+    (ceil(T / slots), ceil(N / rows), E): T bounds a bucket."""
+    slots = slot_block(os.environ, S, E)
+    suffix, rows = MOE_BLOCKS[slots]
+    return kernels.function(FILE, kernel + suffix), (-(-T // slots), -(-N // rows), E)
 
 
 def _native() -> bool:
@@ -132,8 +141,8 @@ def gemm_x3(xp, data, scale):
 def moe_role(tab, data_row: int, scale_row: int, E: int, off, order, div: int, planes, y, N: int, K: int, T: int):
     """One matrix role of fp8 routed experts over their buckets (``moe_fp8_x3``): y (S, N) f32 rows of the bucketed
     slots; planes (3, rows, K) bf16 bits, a slot's row slot // div; T bounds a bucket's size."""
-    grid = (-(-T // BN), -(-N // BM), E)
-    kernels.function(FILE, "moe_fp8_x3")(grid, (256,), (
+    fn, grid = moe_grid("moe_fp8_x3", N, T, y.shape[0], E)
+    fn(grid, (256,), (
         tab, np.int32(data_row), np.int32(scale_row), np.int32(E), off, order, np.int32(div), planes,
         np.int64(planes.shape[1] * planes.shape[2]), y, np.int32(N), np.int32(K)))
 
@@ -142,9 +151,9 @@ def moe_role_bf16(tab, data_row: int, base, stride: int, row_off: int, E: int, o
                   N: int, K: int, T: int):
     """``moe_role`` for bf16 experts (``moe_bf16_x3``): the matrices from the table's row ``data_row`` (``tab`` not
     None) or at ``base`` + (e * stride + row_off * K) values (packed experts)."""
-    grid = (-(-T // BN), -(-N // BM), E)
+    fn, grid = moe_grid("moe_bf16_x3", N, T, y.shape[0], E)
     null = np.uint64(0)
-    kernels.function(FILE, "moe_bf16_x3")(grid, (256,), (
+    fn(grid, (256,), (
         null if tab is None else tab, np.int32(data_row), null if base is None else base, np.int64(stride),
         np.int32(row_off), np.int32(E), off, order, np.int32(div), planes,
         np.int64(planes.shape[1] * planes.shape[2]), y, np.int32(N), np.int32(K)))
@@ -154,8 +163,8 @@ def moe_role_nvfp4(tab, data_row: int, scale_row: int, gs_row: int, E: int, off,
                    N: int, K: int, T: int):
     """``moe_role`` for NVFP4 experts (``moe_nvfp4_x3``): codes, block scales and global scales from the table's rows
     ``data_row``, ``scale_row``, ``gs_row``."""
-    grid = (-(-T // BN), -(-N // BM), E)
-    kernels.function(FILE, "moe_nvfp4_x3")(grid, (256,), (
+    fn, grid = moe_grid("moe_nvfp4_x3", N, T, y.shape[0], E)
+    fn(grid, (256,), (
         tab, np.int32(data_row), np.int32(scale_row), np.int32(gs_row), np.int32(E), off, order, np.int32(div),
         planes, np.int64(planes.shape[1] * planes.shape[2]), y, np.int32(N), np.int32(K)))
 

@@ -123,13 +123,14 @@ __device__ __forceinline__ void fp8_mma(float* c, const unsigned int* a, const u
 #endif
 }
 
-// A warp's 32 x 32 accumulators into y (rows of N): weight row r = row0 + wm * 32 + 16 i + g (+ 8), the block's token
-// c = wn * 32 + 8 j + 2 t (+ 1) to output row dst[c] (-1: none).
-__device__ __forceinline__ void frag_store(const float (&acc)[2][4][4], float* __restrict__ y, int N, int row0,
+// A warp's 32 x 8 JN accumulators into y (rows of N): weight row r = row0 + wm * 32 + 16 i + g (+ 8), the block's
+// token c = wn * 8 JN + 8 j + 2 t (+ 1) to output row dst[c] (-1: none).
+template <int JN = 4>
+__device__ __forceinline__ void frag_store(const float (&acc)[2][JN][4], float* __restrict__ y, int N, int row0,
                                            int wm, int wn, int g, int t, const int* dst) {
   for (int i = 0; i < 2; i++)
-    for (int j = 0; j < 4; j++) {
-      const int r = row0 + wm * 32 + 16 * i + g, c = wn * 32 + 8 * j + 2 * t;
+    for (int j = 0; j < JN; j++) {
+      const int r = row0 + wm * 32 + 16 * i + g, c = wn * 8 * JN + 8 * j + 2 * t;
       const int d0 = dst[c], d1 = dst[c + 1];
       if (r < N && d0 >= 0) y[(size_t)d0 * N + r] = acc[i][j][0];
       if (r < N && d1 >= 0) y[(size_t)d1 * N + r] = acc[i][j][1];
@@ -224,7 +225,9 @@ extern "C" __global__ void __launch_bounds__(256) gemm_fp8_mma(const unsigned ch
 // g, k 2t+8, 2t+9; a3 = row g+8, k 2t+8..; b0 = token g, k 2t, 2t+1; b1 = token g, k 2t+8, 2t+9; c as above; the
 // lower k in the lower half of a register. Block: 128 weight rows x 64 tokens, 8 warps of 32 x 32, 32-column
 // stages (weights 128 x 32 bytes padded to 48, planes 3 x 64 tokens x 64 bytes padded to 80: conflict-free fragment
-// reads), two stages by cp.async.
+// reads), two stages by cp.async. Narrow blocks for routed experts' small buckets (X3's WN = 1): 256 weight rows x
+// 32 tokens (warps 32 x 32, one column of 8) or x 16 tokens (TN = 16: warps 32 x 16), so a bucket of ~16 slots
+// (35B-A3B at 512 tokens) does not pay 64 slots' MMAs.
 
 // Stage geometry per weight format (X3_FP8: e4m3 bytes, X3_BF16: bf16, X3_NVFP4: packed e2m1 codes, low nibble
 // first, with e4m3 scales per 16 values and a global scale): BK columns a stage, WB weight bytes a row (padded to 48
@@ -232,13 +235,16 @@ extern "C" __global__ void __launch_bounds__(256) gemm_fp8_mma(const unsigned ch
 #define X3_FP8 0
 #define X3_BF16 1
 #define X3_NVFP4 2
-template <int FMT>
+// Block geometry: WN warps across the tokens (2 or 1), TN tokens a warp (32 or 16: JN = TN / 8 fragments); the
+// block is BM = 256 / WN weight rows x BN = WN TN tokens.
+template <int FMT, int WN = 2, int TN = 32>
 struct X3 {
   static constexpr int BK = FMT == X3_BF16 ? 16 : 32;
   static constexpr int WB = FMT == X3_NVFP4 ? 16 : 32;  // weight bytes a row a stage
   static constexpr int LDW = 48;                         // bytes a shared weight row
   static constexpr int LDX = BK * 2 + 16;                // bytes a shared plane row
   static constexpr int XP = BK / 8;                      // 16-byte pieces a plane row
+  static constexpr int BM = 256 / WN, BN = WN * TN, JN = TN / 8;
 };
 
 // byte offset of value k of row `row` in a weight of K columns
@@ -290,24 +296,24 @@ __device__ __forceinline__ void x3_mma(float* c, const unsigned int* a, const un
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
-// One stage: columns k0 .. k0 + BK - 1 of 128 weight rows (128 x WB / 16 pieces of 16 bytes) and of the three
-// planes' 64 tokens. src[r]: the plane row of the block's token r (-1: none, zero-filled).
-template <int FMT>
+// One stage: columns k0 .. k0 + BK - 1 of the block's BM weight rows (BM x WB / 16 pieces of 16 bytes) and of the
+// three planes' BN tokens. src[r]: the plane row of the block's token r (-1: none, zero-filled).
+template <int FMT, int WN, int TN>
 __device__ __forceinline__ void x3_load_stage(unsigned char* sw, unsigned char* sx, const unsigned char* W,
                                               const unsigned short* XP, int N, int K, long long plane,
                                               const int* src, int row0, int k0) {
-  using G = X3<FMT>;
+  using G = X3<FMT, WN, TN>;
   const int tid = threadIdx.x;
-  if (tid < FP8_BM * (G::WB / 16)) {
-    const int r = tid / (G::WB / 16), c = (tid % (G::WB / 16)) * 16, row = row0 + r;
+  for (int p = tid; p < G::BM * (G::WB / 16); p += 256) {
+    const int r = p / (G::WB / 16), c = (p % (G::WB / 16)) * 16, row = row0 + r;
     const bool ok = row < N;
     fp8_cp16(sw + r * G::LDW + c, W + x3_offset<FMT>(ok ? row : 0, K, k0) + c, ok);
   }
-  for (int p = tid; p < 3 * FP8_BN * G::XP; p += 256) {
-    const int pl = p / (FP8_BN * G::XP), q = p % (FP8_BN * G::XP), r = q / G::XP, c = (q % G::XP) * 8;
+  for (int p = tid; p < 3 * G::BN * G::XP; p += 256) {
+    const int pl = p / (G::BN * G::XP), q = p % (G::BN * G::XP), r = q / G::XP, c = (q % G::XP) * 8;
     const int tok = src[r];
     const bool ok = tok >= 0;
-    fp8_cp16(sx + (pl * FP8_BN + r) * G::LDX + c * 2, XP + pl * plane + (size_t)(ok ? tok : 0) * K + k0 + c, ok);
+    fp8_cp16(sx + (pl * G::BN + r) * G::LDX + c * 2, XP + pl * plane + (size_t)(ok ? tok : 0) * K + k0 + c, ok);
   }
 }
 
@@ -332,31 +338,34 @@ __device__ __forceinline__ float x3_e4m3(unsigned int b) {  // e4m3fn byte -> f3
   return (b & 0x80u) ? -v : v;
 }
 
-// The block's 128 weight rows from row0 x its 64 tokens: y[dst[r] * N + row] for token r with dst[r] >= 0. fp8:
-// sw the weight's block scales (row block rb = row0 / 128), K % 128 == 0; bf16: K % 16 == 0; NVFP4: bs its e4m3
-// block scales (N, K / 16), gs its global scale (times the result), K % 32 == 0.
-template <int FMT>
+// The block's BM weight rows from row0 x its BN tokens: y[dst[r] * N + row] for token r with dst[r] >= 0. fp8: sw
+// the weight's block scales (a warp's row block: its 32 rows' / 128), K % 128 == 0; bf16: K % 16 == 0; NVFP4: bs its
+// e4m3 block scales (N, K / 16), gs its global scale (times the result), K % 32 == 0.
+template <int FMT, int WN = 2, int TN = 32>
 __device__ __forceinline__ void x3_block(const unsigned char* __restrict__ W, const float* __restrict__ sw,
                                          const unsigned char* __restrict__ bs, float gs,
                                          const unsigned short* __restrict__ XP, long long plane,
                                          float* __restrict__ y, int N, int K, int row0, const int* src,
                                          const int* dst) {
-  using G = X3<FMT>;
-  __shared__ __align__(16) unsigned char s_w[2][FP8_BM * G::LDW];
-  __shared__ __align__(16) unsigned char s_x[2][3 * FP8_BN * G::LDX];
+  using G = X3<FMT, WN, TN>;
+  constexpr int JN = G::JN;
+  __shared__ __align__(16) unsigned char s_w[2][G::BM * G::LDW];
+  __shared__ __align__(16) unsigned char s_x[2][3 * G::BN * G::LDX];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const int wm = warp >> 1, wn = warp & 1;
-  const int KB = K / 128, steps = K / G::BK, rb = row0 / FP8_BM, per_block = 128 / G::BK;
-  float acc[2][4][4], blk[2][4][4];
+  const int wm = WN == 2 ? warp >> 1 : warp, wn = WN == 2 ? warp & 1 : 0;
+  // the warp's fp8 scale row block (clamped: a warp wholly past N reads a real one and stores nothing)
+  const int KB = K / 128, steps = K / G::BK, rb = min(row0 + wm * 32, N - 1) / 128, per_block = 128 / G::BK;
+  float acc[2][JN][4], blk[2][JN][4];
   for (int i = 0; i < 2; i++)
-    for (int j = 0; j < 4; j++)
+    for (int j = 0; j < JN; j++)
       for (int q = 0; q < 4; q++) acc[i][j][q] = 0.0f, blk[i][j][q] = 0.0f;
 
-  x3_load_stage<FMT>(s_w[0], s_x[0], W, XP, N, K, plane, src, row0, 0);
+  x3_load_stage<FMT, WN, TN>(s_w[0], s_x[0], W, XP, N, K, plane, src, row0, 0);
   fp8_cp_commit();
   for (int s = 0; s < steps; s++) {
     if (s + 1 < steps) {
-      x3_load_stage<FMT>(s_w[(s + 1) & 1], s_x[(s + 1) & 1], W, XP, N, K, plane, src, row0, (s + 1) * G::BK);
+      x3_load_stage<FMT, WN, TN>(s_w[(s + 1) & 1], s_x[(s + 1) & 1], W, XP, N, K, plane, src, row0,
+                                 (s + 1) * G::BK);
       fp8_cp_commit();
       fp8_cp_wait1();
     } else {
@@ -366,7 +375,7 @@ __device__ __forceinline__ void x3_block(const unsigned char* __restrict__ W, co
     const unsigned char* cw = s_w[s & 1];
     const unsigned char* cx = s_x[s & 1];
     for (int kk = 0; kk < G::BK; kk += 16) {
-      unsigned int a[2][4], b[3][4][2];
+      unsigned int a[2][4], b[3][JN][2];
       for (int i = 0; i < 2; i++) {
         const int rl = wm * 32 + 16 * i + g;  // the fragment's rows rl, rl + 8 of the block
         if (FMT == X3_NVFP4) {  // codes a byte a pair; the pair's block scale (16 columns: kk .. kk + 15)
@@ -394,13 +403,13 @@ __device__ __forceinline__ void x3_block(const unsigned char* __restrict__ W, co
         }
       }
       for (int pl = 0; pl < 3; pl++)
-        for (int j = 0; j < 4; j++) {
-          const unsigned char* r = cx + (pl * FP8_BN + wn * 32 + 8 * j + g) * G::LDX + (kk + 2 * t) * 2;
+        for (int j = 0; j < JN; j++) {
+          const unsigned char* r = cx + (pl * G::BN + wn * TN + 8 * j + g) * G::LDX + (kk + 2 * t) * 2;
           b[pl][j][0] = *reinterpret_cast<const unsigned int*>(r);
           b[pl][j][1] = *reinterpret_cast<const unsigned int*>(r + 16);
         }
       for (int i = 0; i < 2; i++)
-        for (int j = 0; j < 4; j++) {
+        for (int j = 0; j < JN; j++) {
           x3_mma(blk[i][j], a[i], b[0][j]);
           x3_mma(blk[i][j], a[i], b[1][j]);
           x3_mma(blk[i][j], a[i], b[2][j]);
@@ -410,7 +419,7 @@ __device__ __forceinline__ void x3_block(const unsigned char* __restrict__ W, co
     if ((s + 1) % per_block == 0 || s + 1 == steps) {  // 128 columns done (or the last): into the accumulators,
       const float w_s = FMT == X3_FP8 ? sw[(size_t)rb * KB + s / per_block] : 1.0f;  // times fp8's block scale
       for (int i = 0; i < 2; i++)
-        for (int j = 0; j < 4; j++)
+        for (int j = 0; j < JN; j++)
           for (int q = 0; q < 4; q++) {
             acc[i][j][q] = fmaf(blk[i][j][q], w_s, acc[i][j][q]);
             blk[i][j][q] = 0.0f;
@@ -419,14 +428,14 @@ __device__ __forceinline__ void x3_block(const unsigned char* __restrict__ W, co
   }
   if (FMT == X3_NVFP4)
     for (int i = 0; i < 2; i++)
-      for (int j = 0; j < 4; j++)
+      for (int j = 0; j < JN; j++)
         for (int q = 0; q < 4; q++) acc[i][j][q] *= gs;
-  frag_store(acc, y, N, row0, wm, wn, g, t, dst);
+  frag_store<JN>(acc, y, N, row0, wm, wn, g, t, dst);
 }
 
 // y (T, N) f32 = planes (3, T, K) . dequant(W, sw)^T, W (N, K) e4m3 bytes, sw (ceil(N/128), K/128) f32. Grid
 // (ceil(T/64), ceil(N/128)), 256 threads. K % 128 == 0.
-extern "C" __global__ void __launch_bounds__(256) gemm_fp8_x3(const unsigned char* __restrict__ W,
+extern "C" __global__ void __launch_bounds__(256, 2) gemm_fp8_x3(const unsigned char* __restrict__ W,
                                                               const float* __restrict__ sw,
                                                               const unsigned short* __restrict__ XP,
                                                               float* __restrict__ y, int N, int K, int T) {
@@ -438,15 +447,17 @@ extern "C" __global__ void __launch_bounds__(256) gemm_fp8_x3(const unsigned cha
 }
 
 // Routed experts (moe.py's grouped path, LUMEN_CUDA_MMA_PREFILL=exact): one matrix role of every expert, the slots
-// bucketed by moe_bucket (order[off[e] .. off[e + 1]) = expert e's slots). Block (x, y, z) = (64 of expert z's
-// slots, 128 rows of its matrix). A slot's plane row is slot / div (div = k for x's planes (3, T, K): the token; 1
-// for h's (3, S, K)), its output row the slot: y (S, N). Grid (ceil(T / 64), ceil(N / 128), E): T bounds a bucket.
-// The block's slot rows, or false where the block is past its expert's bucket.
+// bucketed by moe_bucket (order[off[e] .. off[e + 1]) = expert e's slots). Block (x, y, z) = (BN of expert z's
+// slots, BM rows of its matrix): 64 x 128 (moe_*_x3), 32 x 256 (*_x3_s32) or 16 x 256 (*_x3_s16), the launch's
+// choice (fp8_mma.slot_block). A slot's plane row is slot / div (div = k for x's planes (3, T, K): the token; 1 for
+// h's (3, S, K)), its output row the slot: y (S, N). Grid (ceil(T / BN), ceil(N / BM), E): T bounds a bucket.
+// The block's BN slot rows, or false where the block is past its expert's bucket.
+template <int BN>
 __device__ __forceinline__ bool x3_slots(const int* __restrict__ off, const int* __restrict__ order, int div, int* src,
                                          int* dst) {
-  const int e = blockIdx.z, beg = off[e], n = off[e + 1] - beg, c0 = blockIdx.x * FP8_BN;
+  const int e = blockIdx.z, beg = off[e], n = off[e + 1] - beg, c0 = blockIdx.x * BN;
   if (c0 >= n) return false;  // block-uniform
-  if (threadIdx.x < FP8_BN) {
+  if (threadIdx.x < BN) {
     const int c = c0 + (int)threadIdx.x, slot = c < n ? order[beg + c] : -1;
     dst[threadIdx.x] = slot;
     src[threadIdx.x] = slot >= 0 ? slot / div : -1;
@@ -457,40 +468,62 @@ __device__ __forceinline__ bool x3_slots(const int* __restrict__ off, const int*
 
 // fp8 experts: the matrix and its scales are the table's rows data_row / scale_row (uint64 (rows, E) pointers,
 // moe.py's table). K % 128 == 0.
-extern "C" __global__ void __launch_bounds__(256) moe_fp8_x3(const unsigned long long* __restrict__ tab, int data_row,
-                                                             int scale_row, int E, const int* __restrict__ off,
-                                                             const int* __restrict__ order, int div,
-                                                             const unsigned short* __restrict__ XP, long long plane,
-                                                             float* __restrict__ y, int N, int K) {
-  __shared__ int src[FP8_BN], dst[FP8_BN];
-  if (!x3_slots(off, order, div, src, dst)) return;
+#define MOE_FP8_X3_PARAMS                                                                                      \
+  const unsigned long long *__restrict__ tab, int data_row, int scale_row, int E, const int *__restrict__ off, \
+      const int *__restrict__ order, int div, const unsigned short *__restrict__ XP, long long plane,          \
+      float *__restrict__ y, int N, int K
+template <int WN, int TN>
+__device__ __forceinline__ void moe_fp8_x3_body(MOE_FP8_X3_PARAMS) {
+  using G = X3<X3_FP8, WN, TN>;
+  __shared__ int src[G::BN], dst[G::BN];
+  if (!x3_slots<G::BN>(off, order, div, src, dst)) return;
   const int e = blockIdx.z;
   const unsigned char* W = reinterpret_cast<const unsigned char*>(tab[(size_t)data_row * E + e]);
   const float* sw = reinterpret_cast<const float*>(tab[(size_t)scale_row * E + e]);
-  x3_block<X3_FP8>(W, sw, nullptr, 1.0f, XP, plane, y, N, K, blockIdx.y * FP8_BM, src, dst);
+  x3_block<X3_FP8, WN, TN>(W, sw, nullptr, 1.0f, XP, plane, y, N, K, blockIdx.y * G::BM, src, dst);
+}
+#define MOE_FP8_X3_ARGS tab, data_row, scale_row, E, off, order, div, XP, plane, y, N, K
+extern "C" __global__ void __launch_bounds__(256, 2) moe_fp8_x3(MOE_FP8_X3_PARAMS) {
+  moe_fp8_x3_body<2, 32>(MOE_FP8_X3_ARGS);
+}
+extern "C" __global__ void __launch_bounds__(256, 2) moe_fp8_x3_s32(MOE_FP8_X3_PARAMS) {
+  moe_fp8_x3_body<1, 32>(MOE_FP8_X3_ARGS);
+}
+extern "C" __global__ void __launch_bounds__(256, 2) moe_fp8_x3_s16(MOE_FP8_X3_PARAMS) {
+  moe_fp8_x3_body<1, 16>(MOE_FP8_X3_ARGS);
 }
 
 // bf16 experts: the matrix is the table's row data_row (tab non-null), or base + (e * stride + row_off * K) values
 // (packed experts: (E, 2I, H) with the up rows at row_off I, (E, H, I)). K % 16 == 0.
-extern "C" __global__ void __launch_bounds__(256) moe_bf16_x3(const unsigned long long* __restrict__ tab, int data_row,
-                                                              const unsigned short* __restrict__ base,
-                                                              long long stride, int row_off, int E,
-                                                              const int* __restrict__ off,
-                                                              const int* __restrict__ order, int div,
-                                                              const unsigned short* __restrict__ XP, long long plane,
-                                                              float* __restrict__ y, int N, int K) {
-  __shared__ int src[FP8_BN], dst[FP8_BN];
-  if (!x3_slots(off, order, div, src, dst)) return;
+#define MOE_BF16_X3_PARAMS                                                                                            \
+  const unsigned long long *__restrict__ tab, int data_row, const unsigned short *__restrict__ base, long long stride, \
+      int row_off, int E, const int *__restrict__ off, const int *__restrict__ order, int div,                        \
+      const unsigned short *__restrict__ XP, long long plane, float *__restrict__ y, int N, int K
+template <int WN, int TN>
+__device__ __forceinline__ void moe_bf16_x3_body(MOE_BF16_X3_PARAMS) {
+  using G = X3<X3_BF16, WN, TN>;
+  __shared__ int src[G::BN], dst[G::BN];
+  if (!x3_slots<G::BN>(off, order, div, src, dst)) return;
   const int e = blockIdx.z;
   const unsigned short* W = tab ? reinterpret_cast<const unsigned short*>(tab[(size_t)data_row * E + e])
                                 : base + (size_t)e * stride + (size_t)row_off * K;
-  x3_block<X3_BF16>(reinterpret_cast<const unsigned char*>(W), nullptr, nullptr, 1.0f, XP, plane, y, N, K,
-                    blockIdx.y * FP8_BM, src, dst);
+  x3_block<X3_BF16, WN, TN>(reinterpret_cast<const unsigned char*>(W), nullptr, nullptr, 1.0f, XP, plane, y, N, K,
+                            blockIdx.y * G::BM, src, dst);
+}
+#define MOE_BF16_X3_ARGS tab, data_row, base, stride, row_off, E, off, order, div, XP, plane, y, N, K
+extern "C" __global__ void __launch_bounds__(256, 2) moe_bf16_x3(MOE_BF16_X3_PARAMS) {
+  moe_bf16_x3_body<2, 32>(MOE_BF16_X3_ARGS);
+}
+extern "C" __global__ void __launch_bounds__(256, 2) moe_bf16_x3_s32(MOE_BF16_X3_PARAMS) {
+  moe_bf16_x3_body<1, 32>(MOE_BF16_X3_ARGS);
+}
+extern "C" __global__ void __launch_bounds__(256, 2) moe_bf16_x3_s16(MOE_BF16_X3_PARAMS) {
+  moe_bf16_x3_body<1, 16>(MOE_BF16_X3_ARGS);
 }
 
 // y (T, N) f32 = planes (3, T, K) . W^T for an NVFP4 weight: codes (N, K/2), e4m3 block scales bs (N, K/16), global
 // scale gs. Grid (ceil(T/64), ceil(N/128)), 256 threads. K % 32 == 0.
-extern "C" __global__ void __launch_bounds__(256) gemm_nvfp4_x3(const unsigned char* __restrict__ W,
+extern "C" __global__ void __launch_bounds__(256, 2) gemm_nvfp4_x3(const unsigned char* __restrict__ W,
                                                                 const unsigned char* __restrict__ bs, float gs,
                                                                 const unsigned short* __restrict__ XP,
                                                                 float* __restrict__ y, int N, int K, int T) {
@@ -504,19 +537,30 @@ extern "C" __global__ void __launch_bounds__(256) gemm_nvfp4_x3(const unsigned c
 // NVFP4 experts (moe.py's nvfp4 table: data rows, then block-scale rows, then global scales as f32 bits in the low
 // 32 bits of a uint64): the matrix, its block scales and global scale are the table's rows data_row, scale_row,
 // gs_row. K % 32 == 0.
-extern "C" __global__ void __launch_bounds__(256) moe_nvfp4_x3(const unsigned long long* __restrict__ tab,
-                                                               int data_row, int scale_row, int gs_row, int E,
-                                                               const int* __restrict__ off,
-                                                               const int* __restrict__ order, int div,
-                                                               const unsigned short* __restrict__ XP, long long plane,
-                                                               float* __restrict__ y, int N, int K) {
-  __shared__ int src[FP8_BN], dst[FP8_BN];
-  if (!x3_slots(off, order, div, src, dst)) return;
+#define MOE_NVFP4_X3_PARAMS                                                                                         \
+  const unsigned long long *__restrict__ tab, int data_row, int scale_row, int gs_row, int E,                      \
+      const int *__restrict__ off, const int *__restrict__ order, int div, const unsigned short *__restrict__ XP, \
+      long long plane, float *__restrict__ y, int N, int K
+template <int WN, int TN>
+__device__ __forceinline__ void moe_nvfp4_x3_body(MOE_NVFP4_X3_PARAMS) {
+  using G = X3<X3_NVFP4, WN, TN>;
+  __shared__ int src[G::BN], dst[G::BN];
+  if (!x3_slots<G::BN>(off, order, div, src, dst)) return;
   const int e = blockIdx.z;
   const unsigned char* W = reinterpret_cast<const unsigned char*>(tab[(size_t)data_row * E + e]);
   const unsigned char* bs = reinterpret_cast<const unsigned char*>(tab[(size_t)scale_row * E + e]);
   const float gs = __uint_as_float((unsigned int)(tab[(size_t)gs_row * E + e] & 0xffffffffull));
-  x3_block<X3_NVFP4>(W, nullptr, bs, gs, XP, plane, y, N, K, blockIdx.y * FP8_BM, src, dst);
+  x3_block<X3_NVFP4, WN, TN>(W, nullptr, bs, gs, XP, plane, y, N, K, blockIdx.y * G::BM, src, dst);
+}
+#define MOE_NVFP4_X3_ARGS tab, data_row, scale_row, gs_row, E, off, order, div, XP, plane, y, N, K
+extern "C" __global__ void __launch_bounds__(256, 2) moe_nvfp4_x3(MOE_NVFP4_X3_PARAMS) {
+  moe_nvfp4_x3_body<2, 32>(MOE_NVFP4_X3_ARGS);
+}
+extern "C" __global__ void __launch_bounds__(256, 2) moe_nvfp4_x3_s32(MOE_NVFP4_X3_PARAMS) {
+  moe_nvfp4_x3_body<1, 32>(MOE_NVFP4_X3_ARGS);
+}
+extern "C" __global__ void __launch_bounds__(256, 2) moe_nvfp4_x3_s16(MOE_NVFP4_X3_PARAMS) {
+  moe_nvfp4_x3_body<1, 16>(MOE_NVFP4_X3_ARGS);
 }
 
 // h (S, I) = act(g) * u elementwise (act 0: silu, 1: gelu_tanh, as moe.cu's act_mul).
