@@ -317,18 +317,28 @@ __device__ __forceinline__ void x3_load_stage(unsigned char* sw, unsigned char* 
   }
 }
 
-// NVFP4: two e2m1 codes (a byte, the lower k in the low nibble) times their e4m3 block scale -> two bf16, exactly (a
-// code's value has 2 significant bits, the scale 4).
-__device__ __forceinline__ float x3_e2m1(unsigned int c) {  // sign << 3 | index of 0, .5, 1, 1.5, 2, 3, 4, 6
-  const unsigned int m = c & 7u, e = m >> 1;
-  const float v = e ? __uint_as_float(((e + 126u) << 23) | ((m & 1u) << 22)) : 0.5f * (float)(m & 1u);
-  return (c & 8u) ? -v : v;
+// NVFP4: four e2m1 codes (w's low 16 bits, code q in bits 4q .. 4q + 3: sign << 3 | index of 0, .5, 1, 1.5, 2, 3,
+// 4, 6) times their e4m3 block scale s2 (a bf16 pair, exact: 4 significant bits) -> bf16 pairs lo (codes 0, 1) and
+// hi (codes 2, 3), the lower code in the lower half, exactly (a code's value has 2 significant bits). The magnitudes'
+// bf16 bytes come from two 8-byte tables by byte permutes (the index nibbles as the selector), the sign bits are
+// moved in, and one bf16x2 FMA (+ -0, so a -0 product stays -0) scales a pair.
+__device__ __forceinline__ void x3_nvfp4_quad(unsigned int w, unsigned int s2, unsigned int& lo, unsigned int& hi) {
+  const unsigned int sel = w & 0x7777u;
+  unsigned int pl, ph, v01, v23;
+  // low bytes of 0, .5, 1, 1.5 | 2, 3, 4, 6 in bf16: 00 00 80 c0 | 00 40 80 c0; high bytes: 00 3f 3f 3f | 40 40 40 40
+  asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(pl) : "r"(0xc0800000u), "r"(0xc0804000u), "r"(sel));
+  asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(ph) : "r"(0x3f3f3f00u), "r"(0x40404040u), "r"(sel));
+  asm("prmt.b32 %0, %1, %2, 0x5140;\n" : "=r"(v01) : "r"(pl), "r"(ph));  // codes 0, 1: low, high byte each
+  asm("prmt.b32 %0, %1, %2, 0x7362;\n" : "=r"(v23) : "r"(pl), "r"(ph));  // codes 2, 3
+  v01 |= ((w & 0x8u) << 12) | ((w & 0x80u) << 24);
+  v23 |= ((w & 0x800u) << 4) | ((w & 0x8000u) << 16);
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(lo) : "r"(v01), "r"(s2), "r"(0x80008000u));
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(hi) : "r"(v23), "r"(s2), "r"(0x80008000u));
 }
 
-__device__ __forceinline__ unsigned int x3_nvfp4_pair(unsigned int byte, float scale) {
-  const float lo = x3_e2m1(byte & 15u) * scale, hi = x3_e2m1(byte >> 4) * scale;
+__device__ __forceinline__ unsigned int x3_bf16_pair(float v) {  // v in both halves of a bf16 pair
   unsigned int out;
-  asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(out) : "f"(hi), "f"(lo));  // first operand -> upper half
+  asm("cvt.rn.bf16x2.f32 %0, %1, %1;\n" : "=r"(out) : "f"(v));
   return out;
 }
 
@@ -382,11 +392,10 @@ __device__ __forceinline__ void x3_block(const unsigned char* __restrict__ W, co
           const unsigned char* r = cw + rl * G::LDW + kk / 2 + t;
           const int kb = (s * G::BK + kk) / 16;
           const int r0 = min(row0 + rl, N - 1), r8 = min(row0 + rl + 8, N - 1);
-          const float s0 = x3_e4m3(bs[(size_t)r0 * (K / 16) + kb]), s8 = x3_e4m3(bs[(size_t)r8 * (K / 16) + kb]);
-          a[i][0] = x3_nvfp4_pair(r[0], s0);
-          a[i][1] = x3_nvfp4_pair(r[8 * G::LDW], s8);
-          a[i][2] = x3_nvfp4_pair(r[4], s0);
-          a[i][3] = x3_nvfp4_pair(r[8 * G::LDW + 4], s8);
+          const unsigned int s0 = x3_bf16_pair(x3_e4m3(bs[(size_t)r0 * (K / 16) + kb]));
+          const unsigned int s8 = x3_bf16_pair(x3_e4m3(bs[(size_t)r8 * (K / 16) + kb]));
+          x3_nvfp4_quad(r[0] | (unsigned int)r[4] << 8, s0, a[i][0], a[i][2]);  // row g: k 2t, 2t + 1 | 2t + 8, 2t + 9
+          x3_nvfp4_quad(r[8 * G::LDW] | (unsigned int)r[8 * G::LDW + 4] << 8, s8, a[i][1], a[i][3]);  // row g + 8
           continue;
         }
         const unsigned char* r = cw + rl * G::LDW + (kk + 2 * t) * (FMT == X3_BF16 ? 2 : 1);
