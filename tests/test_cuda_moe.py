@@ -306,17 +306,24 @@ def test_experts_both_paths_skewed_and_chunked(cp, gpu, moe, ops, monkeypatch, k
 @pytest.mark.parametrize("slots", ["16", "32", "64"])
 @pytest.mark.parametrize("kind", ["bf16", "fp8-block128", "nvfp4", "packed"])
 def test_experts_slot_blocks(cp, gpu, moe, ops, monkeypatch, kind, slots):
-    """Each tensor-core block width (LUMEN_CUDA_X3_SLOTS: 16 / 32 slots x 256 weight rows, 64 x 128) against the
-    reference: buckets smaller than a block, several blocks a bucket (skewed routing: 100-slot buckets), and weight
-    rows past a block's end (H 384, I 128: a 256-row block's last warps hold no row; fp8's scale rows clamped)."""
+    """Each tensor-core block width (LUMEN_CUDA_X3_SLOTS: 16 / 32 slots x 256 weight rows, 64 x 128): its work list
+    (moe_slot_blocks: every run of a bucket once, experts in order, then -1) and its results against the reference:
+    buckets smaller than a block, several blocks a bucket (skewed routing: 100-slot buckets), and weight rows past a
+    block's end (H 384, I 128: a 256-row block's last warps hold no row; fp8's scale rows clamped)."""
     from lumen_cuda import fp8_mma
 
     monkeypatch.setenv("LUMEN_CUDA_MMA_PREFILL", "")
     monkeypatch.setenv("LUMEN_CUDA_X3_SLOTS", slots)
-    suffix = {"16": "_s16", "32": "_s32", "64": ""}[slots]
-    fn, grid = fp8_mma.moe_grid("moe_fp8_x3", 384, 100, 200, 8)
-    assert fn is fp8_mma.kernels.function(fp8_mma.FILE, "moe_fp8_x3" + suffix)
-    assert grid == (-(-100 // int(slots)), 3 if slots == "64" else 2, 8)
+    n = int(slots)
+    sizes = np.array([0, 1, n, n + 1, 3 * n, 0, 5, 70])  # an expert's bucket: empty, under, at and over a block
+    off = cp.asarray(np.concatenate([[0], np.cumsum(sizes)]).astype(np.int32))
+    work = fp8_mma.SlotBlocks(off, int(sizes.sum()), len(sizes), moe._fn("moe_slot_blocks"), moe.BUCKET_THREADS)
+    want = [c << 16 | e for e, m in enumerate(sizes) for c in range(-(-m // n))]
+    assert work.slots == n and work.blocks.size == -(-sizes.sum() // n) + len(sizes)
+    assert cp.asnumpy(work.blocks).tolist() == want + [-1] * (work.blocks.size - len(want))
+    fn, grid = work.launch("moe_fp8_x3", 384)
+    assert fn is fp8_mma.kernels.function(fp8_mma.FILE, "moe_fp8_x3" + {"16": "_s16", "32": "_s32", "64": ""}[slots])
+    assert grid == (work.blocks.size, 3 if slots == "64" else 2)
     rng = np.random.default_rng(int(slots) + len(kind))
     E, k, H, I = 8, 2, 384, 128
     if kind == "packed":

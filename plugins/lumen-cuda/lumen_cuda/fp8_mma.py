@@ -29,12 +29,22 @@ BM, BN = 128, 64  # the GEMM block's weight rows and tokens (FP8_BM, FP8_BN in t
 MOE_BLOCKS = {64: ("", 128), 32: ("_s32", 256), 16: ("_s16", 256)}  # slots a block -> kernel suffix, weight rows
 
 
-def moe_grid(kernel: str, N: int, T: int, S: int, E: int):
-    """The routed experts' kernel for S slots over E experts (``slot_block``: its name's suffix) and its grid
-    (ceil(T / slots), ceil(N / rows), E): T bounds a bucket."""
-    slots = slot_block(os.environ, S, E)
-    suffix, rows = MOE_BLOCKS[slots]
-    return kernels.function(FILE, kernel + suffix), (-(-T // slots), -(-N // rows), E)
+class SlotBlocks:
+    """One grouped call's work list for the routed experts' kernels: the block width in ``slots`` (``slot_block``
+    for S slots over E experts) and ``blocks`` (ceil(S / slots) + E,) int32 on the device, each (expert, run of
+    ``slots`` of its bucket) as c << 16 | e, then -1 (moe.cu's ``moe_slot_blocks``, from the buckets' offsets
+    ``off``): a launch's grid is the list, so no block looks for slots an expert does not have."""
+
+    def __init__(self, off, S: int, E: int, slot_fn, threads: int):
+        """slot_fn: moe.cu's ``moe_slot_blocks``, launched as one block of ``threads`` (its BUCKET_THREADS)."""
+        self.slots = slot_block(os.environ, S, E)
+        self.blocks = cp.empty(-(-S // self.slots) + E, dtype=cp.int32)
+        slot_fn((1,), (threads,), (off, np.int32(E), np.int32(self.slots), self.blocks, np.int32(self.blocks.size)))
+
+    def launch(self, kernel: str, N: int):
+        """The width's variant of ``kernel`` and its grid (the list's length, ceil(N / rows))."""
+        suffix, rows = MOE_BLOCKS[self.slots]
+        return kernels.function(FILE, kernel + suffix), (self.blocks.size, -(-N // rows))
 
 
 def _native() -> bool:
@@ -138,34 +148,36 @@ def gemm_x3(xp, data, scale):
     return y
 
 
-def moe_role(tab, data_row: int, scale_row: int, E: int, off, order, div: int, planes, y, N: int, K: int, T: int):
+def moe_role(tab, data_row: int, scale_row: int, E: int, work: SlotBlocks, off, order, div: int, planes, y, N: int,
+             K: int):
     """One matrix role of fp8 routed experts over their buckets (``moe_fp8_x3``): y (S, N) f32 rows of the bucketed
-    slots; planes (3, rows, K) bf16 bits, a slot's row slot // div; T bounds a bucket's size."""
-    fn, grid = moe_grid("moe_fp8_x3", N, T, y.shape[0], E)
+    slots; planes (3, rows, K) bf16 bits, a slot's row slot // div; ``work`` the call's blocks."""
+    fn, grid = work.launch("moe_fp8_x3", N)
     fn(grid, (256,), (
-        tab, np.int32(data_row), np.int32(scale_row), np.int32(E), off, order, np.int32(div), planes,
+        tab, np.int32(data_row), np.int32(scale_row), np.int32(E), work.blocks, off, order, np.int32(div), planes,
         np.int64(planes.shape[1] * planes.shape[2]), y, np.int32(N), np.int32(K)))
 
 
-def moe_role_bf16(tab, data_row: int, base, stride: int, row_off: int, E: int, off, order, div: int, planes, y,
-                  N: int, K: int, T: int):
+def moe_role_bf16(tab, data_row: int, base, stride: int, row_off: int, E: int, work: SlotBlocks, off, order,
+                  div: int, planes, y, N: int, K: int):
     """``moe_role`` for bf16 experts (``moe_bf16_x3``): the matrices from the table's row ``data_row`` (``tab`` not
     None) or at ``base`` + (e * stride + row_off * K) values (packed experts)."""
-    fn, grid = moe_grid("moe_bf16_x3", N, T, y.shape[0], E)
+    fn, grid = work.launch("moe_bf16_x3", N)
     null = np.uint64(0)
     fn(grid, (256,), (
         null if tab is None else tab, np.int32(data_row), null if base is None else base, np.int64(stride),
-        np.int32(row_off), np.int32(E), off, order, np.int32(div), planes,
+        np.int32(row_off), np.int32(E), work.blocks, off, order, np.int32(div), planes,
         np.int64(planes.shape[1] * planes.shape[2]), y, np.int32(N), np.int32(K)))
 
 
-def moe_role_nvfp4(tab, data_row: int, scale_row: int, gs_row: int, E: int, off, order, div: int, planes, y,
-                   N: int, K: int, T: int):
+def moe_role_nvfp4(tab, data_row: int, scale_row: int, gs_row: int, E: int, work: SlotBlocks, off, order,
+                   div: int, planes, y, N: int, K: int):
     """``moe_role`` for NVFP4 experts (``moe_nvfp4_x3``): codes, block scales and global scales from the table's rows
     ``data_row``, ``scale_row``, ``gs_row``."""
-    fn, grid = moe_grid("moe_nvfp4_x3", N, T, y.shape[0], E)
+    fn, grid = work.launch("moe_nvfp4_x3", N)
     fn(grid, (256,), (
-        tab, np.int32(data_row), np.int32(scale_row), np.int32(gs_row), np.int32(E), off, order, np.int32(div),
+        tab, np.int32(data_row), np.int32(scale_row), np.int32(gs_row), np.int32(E), work.blocks, off, order,
+        np.int32(div),
         planes, np.int64(planes.shape[1] * planes.shape[2]), y, np.int32(N), np.int32(K)))
 
 

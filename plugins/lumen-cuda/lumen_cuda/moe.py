@@ -287,12 +287,14 @@ def _grouped(gsrc, dsrc, gblock, dblock, x, ids, ids64, w, y, E, H, I, a):
 def _grouped_x3(gsrc, dsrc, x, ids, ids64, w, y, E, H, I, a):
     """Routed experts on the bf16 tensor cores with f32-exact products (the default where the device has them; off
     with LUMEN_CUDA_MMA_PREFILL=0; lumen_cuda.fp8_mma): the slots bucketed as in ``_grouped``; x and then h as three
-    bf16 planes; gate, up and down per (expert, 64 slots, 128 rows); then the same weighted sum. gsrc / dsrc as
+    bf16 planes; gate, up and down per (expert, run of 16 / 32 / 64 slots, 256 / 256 / 128 rows: the width by the
+    mean bucket, ``fp8_mma.SlotBlocks``, its work list built on the device); then the same weighted sum. gsrc / dsrc as
     ``_launch``'s: (table, "fp8" | "nvfp4" | "bf16") or (packed base, "packed_bf16")."""
     T, k = ids.shape
     S = T * k
     off, order = cp.empty(E + 1, dtype=cp.int32), cp.empty(S, dtype=cp.int32)
     _fn("moe_bucket")((1,), (BUCKET_THREADS,), (ids, np.int32(ids64), np.int32(S), np.int32(E), off, order))
+    work = fp8_mma.SlotBlocks(off, S, E, _fn("moe_slot_blocks"), BUCKET_THREADS)
     xp = fp8_mma.x_planes(x)
     g, u, ys = (cp.empty((S, I), dtype=cp.float32), cp.empty((S, I), dtype=cp.float32),
                 cp.empty((S, H), dtype=cp.float32))
@@ -302,15 +304,15 @@ def _grouped_x3(gsrc, dsrc, x, ids, ids64, w, y, E, H, I, a):
         whose data rows come first, then their scales (fp8: f32 blocks; NVFP4: e4m3 blocks, then global scales)."""
         tab, kind = src
         if kind == "fp8":
-            fp8_mma.moe_role(tab, index, index + roles, E, off, order, div, planes, out, N, K, T)
+            fp8_mma.moe_role(tab, index, index + roles, E, work, off, order, div, planes, out, N, K)
         elif kind == "nvfp4":
-            fp8_mma.moe_role_nvfp4(tab, index, index + roles, index + 2 * roles, E, off, order, div, planes, out, N,
-                                   K, T)
+            fp8_mma.moe_role_nvfp4(tab, index, index + roles, index + 2 * roles, E, work, off, order, div, planes,
+                                   out, N, K)
         elif kind == "bf16":
-            fp8_mma.moe_role_bf16(tab, index, None, 0, 0, E, off, order, div, planes, out, N, K, T)
+            fp8_mma.moe_role_bf16(tab, index, None, 0, 0, E, work, off, order, div, planes, out, N, K)
         else:  # packed: (E, 2I, H) with the up rows after the gate rows, (E, H, I)
             rows = tab.shape[1]
-            fp8_mma.moe_role_bf16(None, 0, tab, rows * K, index * I, E, off, order, div, planes, out, N, K, T)
+            fp8_mma.moe_role_bf16(None, 0, tab, rows * K, index * I, E, work, off, order, div, planes, out, N, K)
 
     role(gsrc, 0, 2, xp, g, I, H, k)
     role(gsrc, 1, 2, xp, u, I, H, k)

@@ -456,16 +456,20 @@ extern "C" __global__ void __launch_bounds__(256, 2) gemm_fp8_x3(const unsigned 
 }
 
 // Routed experts (moe.py's grouped path, LUMEN_CUDA_MMA_PREFILL=exact): one matrix role of every expert, the slots
-// bucketed by moe_bucket (order[off[e] .. off[e + 1]) = expert e's slots). Block (x, y, z) = (BN of expert z's
-// slots, BM rows of its matrix): 64 x 128 (moe_*_x3), 32 x 256 (*_x3_s32) or 16 x 256 (*_x3_s16), the launch's
-// choice (fp8_mma.slot_block). A slot's plane row is slot / div (div = k for x's planes (3, T, K): the token; 1 for
-// h's (3, S, K)), its output row the slot: y (S, N). Grid (ceil(T / BN), ceil(N / BM), E): T bounds a bucket.
-// The block's BN slot rows, or false where the block is past its expert's bucket.
+// bucketed by moe_bucket (order[off[e] .. off[e + 1]) = expert e's slots). Block (x, y) = (the run of BN slots
+// of one expert's bucket that the work list `blocks` names at x: c << 16 | e for slots c BN .. of expert e, -1 for
+// none; moe.cu's moe_slot_blocks), BM rows of its matrix): 64 x 128 (moe_*_x3), 32 x 256 (*_x3_s32) or 16 x 256
+// (*_x3_s16), the launch's choice (fp8_mma_model.slot_block). A slot's plane row is slot / div (div = k for x's
+// planes (3, T, K): the token; 1 for h's (3, S, K)), its output row the slot: y (S, N). Grid (the list's length,
+// ceil(N / BM)).
+// The block's BN slot rows and its expert, or false where the list has no run at x.
 template <int BN>
-__device__ __forceinline__ bool x3_slots(const int* __restrict__ off, const int* __restrict__ order, int div, int* src,
-                                         int* dst) {
-  const int e = blockIdx.z, beg = off[e], n = off[e + 1] - beg, c0 = blockIdx.x * BN;
-  if (c0 >= n) return false;  // block-uniform
+__device__ __forceinline__ bool x3_slots(const int* __restrict__ blocks, const int* __restrict__ off,
+                                         const int* __restrict__ order, int div, int* src, int* dst, int& e) {
+  const int b = blocks[blockIdx.x];
+  if (b < 0) return false;  // block-uniform
+  e = b & 0xffff;
+  const int beg = off[e], n = off[e + 1] - beg, c0 = (b >> 16) * BN;
   if (threadIdx.x < BN) {
     const int c = c0 + (int)threadIdx.x, slot = c < n ? order[beg + c] : -1;
     dst[threadIdx.x] = slot;
@@ -478,20 +482,20 @@ __device__ __forceinline__ bool x3_slots(const int* __restrict__ off, const int*
 // fp8 experts: the matrix and its scales are the table's rows data_row / scale_row (uint64 (rows, E) pointers,
 // moe.py's table). K % 128 == 0.
 #define MOE_FP8_X3_PARAMS                                                                                      \
-  const unsigned long long *__restrict__ tab, int data_row, int scale_row, int E, const int *__restrict__ off, \
-      const int *__restrict__ order, int div, const unsigned short *__restrict__ XP, long long plane,          \
-      float *__restrict__ y, int N, int K
+  const unsigned long long *__restrict__ tab, int data_row, int scale_row, int E,                  \
+      const int *__restrict__ blocks, const int *__restrict__ off, const int *__restrict__ order, int div, \
+      const unsigned short *__restrict__ XP, long long plane, float *__restrict__ y, int N, int K
 template <int WN, int TN>
 __device__ __forceinline__ void moe_fp8_x3_body(MOE_FP8_X3_PARAMS) {
   using G = X3<X3_FP8, WN, TN>;
   __shared__ int src[G::BN], dst[G::BN];
-  if (!x3_slots<G::BN>(off, order, div, src, dst)) return;
-  const int e = blockIdx.z;
+  int e;
+  if (!x3_slots<G::BN>(blocks, off, order, div, src, dst, e)) return;
   const unsigned char* W = reinterpret_cast<const unsigned char*>(tab[(size_t)data_row * E + e]);
   const float* sw = reinterpret_cast<const float*>(tab[(size_t)scale_row * E + e]);
   x3_block<X3_FP8, WN, TN>(W, sw, nullptr, 1.0f, XP, plane, y, N, K, blockIdx.y * G::BM, src, dst);
 }
-#define MOE_FP8_X3_ARGS tab, data_row, scale_row, E, off, order, div, XP, plane, y, N, K
+#define MOE_FP8_X3_ARGS tab, data_row, scale_row, E, blocks, off, order, div, XP, plane, y, N, K
 extern "C" __global__ void __launch_bounds__(256, 2) moe_fp8_x3(MOE_FP8_X3_PARAMS) {
   moe_fp8_x3_body<2, 32>(MOE_FP8_X3_ARGS);
 }
@@ -506,20 +510,20 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_fp8_x3_s16(MOE_FP8_X3_P
 // (packed experts: (E, 2I, H) with the up rows at row_off I, (E, H, I)). K % 16 == 0.
 #define MOE_BF16_X3_PARAMS                                                                                            \
   const unsigned long long *__restrict__ tab, int data_row, const unsigned short *__restrict__ base, long long stride, \
-      int row_off, int E, const int *__restrict__ off, const int *__restrict__ order, int div,                        \
-      const unsigned short *__restrict__ XP, long long plane, float *__restrict__ y, int N, int K
+      int row_off, int E, const int *__restrict__ blocks, const int *__restrict__ off, const int *__restrict__ order,  \
+      int div, const unsigned short *__restrict__ XP, long long plane, float *__restrict__ y, int N, int K
 template <int WN, int TN>
 __device__ __forceinline__ void moe_bf16_x3_body(MOE_BF16_X3_PARAMS) {
   using G = X3<X3_BF16, WN, TN>;
   __shared__ int src[G::BN], dst[G::BN];
-  if (!x3_slots<G::BN>(off, order, div, src, dst)) return;
-  const int e = blockIdx.z;
+  int e;
+  if (!x3_slots<G::BN>(blocks, off, order, div, src, dst, e)) return;
   const unsigned short* W = tab ? reinterpret_cast<const unsigned short*>(tab[(size_t)data_row * E + e])
                                 : base + (size_t)e * stride + (size_t)row_off * K;
   x3_block<X3_BF16, WN, TN>(reinterpret_cast<const unsigned char*>(W), nullptr, nullptr, 1.0f, XP, plane, y, N, K,
                             blockIdx.y * G::BM, src, dst);
 }
-#define MOE_BF16_X3_ARGS tab, data_row, base, stride, row_off, E, off, order, div, XP, plane, y, N, K
+#define MOE_BF16_X3_ARGS tab, data_row, base, stride, row_off, E, blocks, off, order, div, XP, plane, y, N, K
 extern "C" __global__ void __launch_bounds__(256, 2) moe_bf16_x3(MOE_BF16_X3_PARAMS) {
   moe_bf16_x3_body<2, 32>(MOE_BF16_X3_ARGS);
 }
@@ -547,21 +551,21 @@ extern "C" __global__ void __launch_bounds__(256, 2) gemm_nvfp4_x3(const unsigne
 // 32 bits of a uint64): the matrix, its block scales and global scale are the table's rows data_row, scale_row,
 // gs_row. K % 32 == 0.
 #define MOE_NVFP4_X3_PARAMS                                                                                         \
-  const unsigned long long *__restrict__ tab, int data_row, int scale_row, int gs_row, int E,                      \
-      const int *__restrict__ off, const int *__restrict__ order, int div, const unsigned short *__restrict__ XP, \
-      long long plane, float *__restrict__ y, int N, int K
+  const unsigned long long *__restrict__ tab, int data_row, int scale_row, int gs_row, int E,                    \
+      const int *__restrict__ blocks, const int *__restrict__ off, const int *__restrict__ order, int div,     \
+      const unsigned short *__restrict__ XP, long long plane, float *__restrict__ y, int N, int K
 template <int WN, int TN>
 __device__ __forceinline__ void moe_nvfp4_x3_body(MOE_NVFP4_X3_PARAMS) {
   using G = X3<X3_NVFP4, WN, TN>;
   __shared__ int src[G::BN], dst[G::BN];
-  if (!x3_slots<G::BN>(off, order, div, src, dst)) return;
-  const int e = blockIdx.z;
+  int e;
+  if (!x3_slots<G::BN>(blocks, off, order, div, src, dst, e)) return;
   const unsigned char* W = reinterpret_cast<const unsigned char*>(tab[(size_t)data_row * E + e]);
   const unsigned char* bs = reinterpret_cast<const unsigned char*>(tab[(size_t)scale_row * E + e]);
   const float gs = __uint_as_float((unsigned int)(tab[(size_t)gs_row * E + e] & 0xffffffffull));
   x3_block<X3_NVFP4, WN, TN>(W, nullptr, bs, gs, XP, plane, y, N, K, blockIdx.y * G::BM, src, dst);
 }
-#define MOE_NVFP4_X3_ARGS tab, data_row, scale_row, gs_row, E, off, order, div, XP, plane, y, N, K
+#define MOE_NVFP4_X3_ARGS tab, data_row, scale_row, gs_row, E, blocks, off, order, div, XP, plane, y, N, K
 extern "C" __global__ void __launch_bounds__(256, 2) moe_nvfp4_x3(MOE_NVFP4_X3_PARAMS) {
   moe_nvfp4_x3_body<2, 32>(MOE_NVFP4_X3_ARGS);
 }

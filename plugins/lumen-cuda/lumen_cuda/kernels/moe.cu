@@ -559,23 +559,9 @@ __device__ __forceinline__ void down(const void* __restrict__ wsrc, const void* 
 #define BUCKET_MAX_E 4096
 #define MOE_NT 4  // tokens sharing each weight load in the grouped kernels
 
-extern "C" __global__ void __launch_bounds__(BUCKET_THREADS)
-    moe_bucket(const void* __restrict__ ids, int ids64, int S, int E, int* __restrict__ off,
-               int* __restrict__ order) {
-  __shared__ int cnt[BUCKET_MAX_E];
-  __shared__ int wsum[BUCKET_THREADS / 32];
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  for (int i = tid; i < E; i += BUCKET_THREADS) cnt[i] = 0;
-  __syncthreads();
-  for (int s = tid; s < S; s += BUCKET_THREADS) {
-    const int e = load_id(ids, ids64, s);
-    if (e >= 0 && e < E) atomicAdd(&cnt[e], 1);
-  }
-  __syncthreads();
-  const int per = (E + BUCKET_THREADS - 1) / BUCKET_THREADS;  // each thread scans a contiguous run of experts
-  const int lo = min(tid * per, E), hi = min(lo + per, E);
-  int local = 0;
-  for (int i = lo; i < hi; ++i) local += cnt[i];
+// The exclusive prefix over a BUCKET_THREADS block of each thread's `local` (threads in order); *total: the sum.
+__device__ __forceinline__ int bucket_scan(int local, int* wsum /* (BUCKET_THREADS / 32,) shared */, int* total) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   int v = local;  // inclusive scan of local over the block
 #pragma unroll
   for (int o = 1; o < 32; o <<= 1) {
@@ -594,7 +580,28 @@ extern "C" __global__ void __launch_bounds__(BUCKET_THREADS)
     wsum[lane] = w;
   }
   __syncthreads();
-  int run = v - local + (warp ? wsum[warp - 1] : 0);  // exclusive prefix of this thread's run
+  *total = wsum[BUCKET_THREADS / 32 - 1];
+  return v - local + (warp ? wsum[warp - 1] : 0);
+}
+
+extern "C" __global__ void __launch_bounds__(BUCKET_THREADS)
+    moe_bucket(const void* __restrict__ ids, int ids64, int S, int E, int* __restrict__ off,
+               int* __restrict__ order) {
+  __shared__ int cnt[BUCKET_MAX_E];
+  __shared__ int wsum[BUCKET_THREADS / 32];
+  const int tid = threadIdx.x;
+  for (int i = tid; i < E; i += BUCKET_THREADS) cnt[i] = 0;
+  __syncthreads();
+  for (int s = tid; s < S; s += BUCKET_THREADS) {
+    const int e = load_id(ids, ids64, s);
+    if (e >= 0 && e < E) atomicAdd(&cnt[e], 1);
+  }
+  __syncthreads();
+  const int per = (E + BUCKET_THREADS - 1) / BUCKET_THREADS;  // each thread scans a contiguous run of experts
+  const int lo = min(tid * per, E), hi = min(lo + per, E);
+  int local = 0, total;
+  for (int i = lo; i < hi; ++i) local += cnt[i];
+  int run = bucket_scan(local, wsum, &total);  // exclusive prefix of this thread's run
   for (int i = lo; i < hi; ++i) {
     const int c = cnt[i];
     off[i] = run;
@@ -607,6 +614,27 @@ extern "C" __global__ void __launch_bounds__(BUCKET_THREADS)
     const int e = load_id(ids, ids64, s);
     if (e >= 0 && e < E) order[atomicAdd(&cnt[e], 1)] = s;
   }
+}
+
+// moe_slot_blocks(off (E + 1,), E, bn, blocks (n,) int32, n); grid 1, block BUCKET_THREADS: the tensor-core
+//   grouped kernels' work list (gemm_fp8.cu, moe_*_x3): every (expert e, c-th run of bn slots of its bucket) as
+//   c << 16 | e, experts in order, then -1 up to n (the launch's grid, ceil(S / bn) + E: at least the list's
+//   length), so a launch has no block per possible (expert, run) pair that mostly finds no slots. E < 65536 and
+//   a bucket under 65536 runs.
+extern "C" __global__ void __launch_bounds__(BUCKET_THREADS)
+    moe_slot_blocks(const int* __restrict__ off, int E, int bn, int* __restrict__ blocks, int n) {
+  __shared__ int wsum[BUCKET_THREADS / 32];
+  const int tid = threadIdx.x;
+  const int per = (E + BUCKET_THREADS - 1) / BUCKET_THREADS;
+  const int lo = min(tid * per, E), hi = min(lo + per, E);
+  int local = 0, total;
+  for (int e = lo; e < hi; ++e) local += (off[e + 1] - off[e] + bn - 1) / bn;
+  int at = bucket_scan(local, wsum, &total);
+  for (int e = lo; e < hi; ++e) {
+    const int runs = (off[e + 1] - off[e] + bn - 1) / bn;
+    for (int c = 0; c < runs && at < n; ++c) blocks[at++] = c << 16 | e;
+  }
+  for (int i = total + tid; i < n; i += BUCKET_THREADS) blocks[i] = -1;
 }
 
 // gate_up_g: grid (ceil(I / (ROWS * MOE_WARPS)), E); block y = expert e runs its bucket MOE_NT slots at a time,
