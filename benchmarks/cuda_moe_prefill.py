@@ -13,9 +13,8 @@ after a warm-up. "bound" is the larger of the expert bytes the call must read on
 all of them at these T) over the read bandwidth measured in the same run, and its useful FLOPs (2 x 3 x I x H per
 slot) over the dense bf16 tensor-core rate (990 TFLOP/s, the H100 / H200 SXM datasheet: a lead, not a
 measurement). "max diff": the two paths' largest output difference over the largest output (f32 rounding order).
-The default picks the tensor-core block's width in slots by the mean bucket (``fp8_mma_model.slot_block``; its
-choice is printed); ``--slots`` also times each width forced (``LUMEN_CUDA_X3_SLOTS``), the data its thresholds
-come from. Dev tool: needs cupy.
+The default block width in slots is ``fp8_mma_model.slot_block``'s (printed); ``--slots`` also times each width
+forced (``LUMEN_CUDA_X3_SLOTS``), the data the default was chosen from. Dev tool: needs cupy.
 """
 
 from __future__ import annotations
@@ -119,7 +118,7 @@ def main(argv=None) -> None:
             bound = max(nbytes / bw, flops / PEAK_BF16)
             row = {"experts": name, "T": T, "cuda_core_ms": got["0"] * 1e3, "tensor_core_ms": got[""] * 1e3,
                    "speedup": got["0"] / got[""], "bound_ms": bound * 1e3, "fraction": bound / got[""],
-                   "max_diff": diff, "default_slots": slot_block({}, T * k, E),
+                   "max_diff": diff, "default_slots": slot_block({}),
                    "forced_ms": {n: got[f"s{n}"] * 1e3 for n in widths}}
             results.append(row)
             print(f"| {name} | {T} | {row['cuda_core_ms']:.3f} ms | {row['tensor_core_ms']:.3f} ms | "

@@ -114,16 +114,11 @@ def test_option_and_capability():
     assert not M.applies((256, 256), (1, 256))
 
 
-def test_slot_block_option_and_choice():
-    """The routed experts' block width: the option where set, else by the mean bucket (slots / experts)."""
+def test_slot_block_option_and_default():
+    """The routed experts' block width: the option where set, else 32."""
     for v in ("16", "32", "64", " 32 "):
-        assert M.slot_block({M.SLOTS_OPTION: v}, 4096, 256) == int(v)
-    assert M.slot_block({M.SLOTS_OPTION: ""}, 512 * 8, 256) == M.slot_block({}, 512 * 8, 256)
+        assert M.slot_block({M.SLOTS_OPTION: v}) == int(v.strip())
+    assert M.slot_block({}) == M.slot_block({M.SLOTS_OPTION: ""}) == M.SLOT_DEFAULT == 32
     for bad in ("8", "128", "wide", "-16"):
         with pytest.raises(LumenError, match=rf"LUMEN_CUDA_X3_SLOTS='{bad}'.*16, 32 or 64"):
-            M.slot_block({M.SLOTS_OPTION: bad}, 4096, 256)
-    assert M.slot_block({}, M.SLOT_MEAN_16 * 256, 256) == 16
-    assert M.slot_block({}, (M.SLOT_MEAN_16 + 1) * 256, 256) == 32
-    assert M.slot_block({}, M.SLOT_MEAN_32 * 128, 128) == 32
-    assert M.slot_block({}, (M.SLOT_MEAN_32 + 1) * 128, 128) == 64
-    assert M.slot_block({}, 0, 0) == 16  # no slots: the narrowest (nothing runs)
+            M.slot_block({M.SLOTS_OPTION: bad})

@@ -30,14 +30,14 @@ MOE_BLOCKS = {64: ("", 128), 32: ("_s32", 256), 16: ("_s16", 256)}  # slots a bl
 
 
 class SlotBlocks:
-    """One grouped call's work list for the routed experts' kernels: the block width in ``slots`` (``slot_block``
-    for S slots over E experts) and ``blocks`` (ceil(S / slots) + E,) int32 on the device, each (expert, run of
+    """One grouped call's work list for the routed experts' kernels: the block width in ``slots`` (``slot_block``)
+    and, for S slots over E experts, ``blocks`` (ceil(S / slots) + E,) int32 on the device, each (expert, run of
     ``slots`` of its bucket) as c << 16 | e, then -1 (moe.cu's ``moe_slot_blocks``, from the buckets' offsets
     ``off``): a launch's grid is the list, so no block looks for slots an expert does not have."""
 
     def __init__(self, off, S: int, E: int, slot_fn, threads: int):
         """slot_fn: moe.cu's ``moe_slot_blocks``, launched as one block of ``threads`` (its BUCKET_THREADS)."""
-        self.slots = slot_block(os.environ, S, E)
+        self.slots = slot_block(os.environ)
         self.blocks = cp.empty(-(-S // self.slots) + E, dtype=cp.int32)
         slot_fn((1,), (threads,), (off, np.int32(E), np.int32(self.slots), self.blocks, np.int32(self.blocks.size)))
 

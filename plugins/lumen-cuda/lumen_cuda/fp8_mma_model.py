@@ -33,7 +33,7 @@ from .sm120_layout import E4M3, e4m3_rne
 OPTION = "LUMEN_CUDA_MMA_PREFILL"  # exact | e4m3: prefill on the tensor cores (fp8_mma); 0 / unset: the defaults
 MODES = ("exact", "e4m3")
 BLOCK = 128  # the weight's block scales (rows and columns) and the activations' scale group
-SLOT_MEAN_16, SLOT_MEAN_32 = 24, 48  # slot_block's thresholds on the mean bucket (measured: docs/cuda.md)
+SLOT_DEFAULT = 32  # slot_block's width: fastest of 16 / 32 / 64 at every measured shape and T (docs/cuda.md)
 MIN_CAPABILITY = 89  # mma.sync m16n8k32 .e4m3 and cvt .e4m3x2: Ada (8.9), Hopper (9.0), Blackwell (10.x, 12.x)
 F32 = np.float32
 
@@ -61,25 +61,25 @@ def experts_requested(environ) -> bool:
     return environ.get(OPTION, "").strip() != "0"
 
 
-SLOTS_OPTION = "LUMEN_CUDA_X3_SLOTS"  # 16 | 32 | 64: the routed experts' slots a tensor-core block; unset: by bucket
+SLOTS_OPTION = "LUMEN_CUDA_X3_SLOTS"  # 16 | 32 | 64: the routed experts' slots a tensor-core block; unset: 32
 SLOT_BLOCKS = (16, 32, 64)  # slots a block: 16 / 32 with 256 weight rows, 64 with 128 (kernels/gemm_fp8.cu, X3)
 
 
-def slot_block(environ, slots: int, experts: int) -> int:
-    """The routed experts' tensor-core block width in slots (``moe_*_x3``: 64; ``*_s32``: 32; ``*_s16``: 16) for
-    ``slots`` = T x k bucketed over ``experts``: ``LUMEN_CUDA_X3_SLOTS`` where set, else by the mean bucket (a block
-    past a bucket's end multiplies zeros: 35B-A3B at 512 tokens has ~16 slots an expert, three quarters of a 64-slot
-    block). A bad value raises, naming the choices."""
+def slot_block(environ) -> int:
+    """The routed experts' tensor-core block width in slots (``moe_*_x3_s32``: 32 slots x 256 weight rows, the
+    default; ``moe_*_x3``: 64 x 128; ``*_s16``: 16 x 256): ``LUMEN_CUDA_X3_SLOTS`` where set. 32 was the fastest at
+    every shape and T measured (H100, 35B-A3B and Gemma-4-26B-A4B experts, 512-4096 tokens: 64 computes a small
+    bucket's padding, 16's warps of 32 x 16 do less work a weight fragment). A bad value raises, naming the
+    choices."""
     raw = environ.get(SLOTS_OPTION, "").strip()
-    if raw:
-        if raw.isdigit() and int(raw) in SLOT_BLOCKS:
-            return int(raw)
-        from lumen_core.errors import LumenError
+    if not raw:
+        return SLOT_DEFAULT
+    if raw.isdigit() and int(raw) in SLOT_BLOCKS:
+        return int(raw)
+    from lumen_core.errors import LumenError
 
-        raise LumenError(f"{SLOTS_OPTION}={raw!r}: expected 16, 32 or 64 (the routed experts' slots a tensor-core "
-                         f"block), or unset to choose by the mean bucket; docs/cuda.md, tensor-core prefill")
-    mean = slots / max(experts, 1)
-    return 16 if mean <= SLOT_MEAN_16 else 32 if mean <= SLOT_MEAN_32 else 64
+    raise LumenError(f"{SLOTS_OPTION}={raw!r}: expected 16, 32 or 64 (the routed experts' slots a tensor-core "
+                     f"block; unset: {SLOT_DEFAULT}); docs/cuda.md, tensor-core prefill")
 
 
 def capable(cc) -> bool:

@@ -287,8 +287,8 @@ def _grouped(gsrc, dsrc, gblock, dblock, x, ids, ids64, w, y, E, H, I, a):
 def _grouped_x3(gsrc, dsrc, x, ids, ids64, w, y, E, H, I, a):
     """Routed experts on the bf16 tensor cores with f32-exact products (the default where the device has them; off
     with LUMEN_CUDA_MMA_PREFILL=0; lumen_cuda.fp8_mma): the slots bucketed as in ``_grouped``; x and then h as three
-    bf16 planes; gate, up and down per (expert, run of 16 / 32 / 64 slots, 256 / 256 / 128 rows: the width by the
-    mean bucket, ``fp8_mma.SlotBlocks``, its work list built on the device); then the same weighted sum. gsrc / dsrc as
+    bf16 planes; gate, up and down per (expert, run of 32 slots, 256 rows; ``fp8_mma.SlotBlocks``: the width, its
+    work list built on the device); then the same weighted sum. gsrc / dsrc as
     ``_launch``'s: (table, "fp8" | "nvfp4" | "bf16") or (packed base, "packed_bf16")."""
     T, k = ids.shape
     S = T * k
