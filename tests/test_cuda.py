@@ -463,9 +463,13 @@ def test_mixed_placement_equals_cpu(model_pair):
 def test_fp8_kv_cache_model_on_cuda_equals_cpu(model_pair):
     """An fp8 (E4M3) KV cache: the model on cuda:0 (its decode through the CUDA graph, the fused decode attention
     reading E4M3 bytes) against the CPU with the same fp8 cache. Keys and values are rounded to E4M3 on both from
-    f32 values that differ by the backends' rounding, so a value at a rounding boundary can land one E4M3 step apart:
-    the tolerance is 1e-2 x max(1, max |logit|), the greedy tokens equal."""
-    _, path, ids, _ = model_pair
+    f32 values that differ by the backends' rounding, so a value at a rounding boundary can land one E4M3 step apart,
+    and on these tiny random models one such step moves later logits by a good part of what the whole cache's
+    rounding does (gemma4-moe, H100, 2026-12-06: 0.25 where the fp8 cache moves the CPU's logits by 1.25 from its f32
+    cache; the same with the routed experts' tensor-core kernels off and with the CPU's AMX off). So the tolerance
+    is 1e-2 x max(1, max |logit|) plus a quarter of the fp8 cache's own effect on the CPU, and the greedy tokens
+    equal."""
+    _, path, ids, exact = model_pair
     kv = {"context-size": CONTEXT, "type-k": "fp8", "type-v": "fp8"}
 
     def load(compute, store):
@@ -474,7 +478,11 @@ def test_fp8_kv_cache_model_on_cuda_equals_cpu(model_pair):
 
     ref, on_gpu = load("cpu", "ram"), load("cuda:0", "vram")
     want, got = run(ref.model, ids), run(on_gpu.model, ids)
-    errs = close(got[0], want[0], 1e-2), close(got[2], want[2], 1e-2)
+    effect = float(np.abs(np.asarray(want[0], np.float64) - np.asarray(exact[0], np.float64)).max())
+    scale = max(1.0, float(np.abs(want[0]).max()))
+    tol = 1e-2 + 0.25 * effect / scale
+    errs = close(got[0], want[0], tol), close(got[2], want[2], tol)
     assert got[1] == want[1]
     assert list(on_gpu.generate_tokens(ids, DECODE_STEPS)) == list(ref.generate_tokens(ids, DECODE_STEPS))
-    print(f"fp8 KV: max |Δlogit| prefill {errs[0]:.2e}, decode {errs[1]:.2e}; graph {bool(on_gpu.decode_runner())}")
+    print(f"fp8 KV: max |Δlogit| prefill {errs[0]:.2e}, decode {errs[1]:.2e} (the cache's own effect {effect:.2e}); "
+          f"graph {bool(on_gpu.decode_runner())}")
