@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from gpu_util import close, host
 
+from lumen_core.errors import LumenError
 from lumen_core.plugins import get_registry
 
 pytest.importorskip("lumen_cuda")
@@ -340,6 +341,9 @@ def test_experts_slot_blocks(cp, gpu, moe, ops, monkeypatch, kind, slots):
               ref(x, ids, w, gate_up, down, "silu"))
         skew = cp.asarray(np.tile(np.array([[5, 2]], np.int64), (T, 1)))
         close(run(x, skew, w, gate_up, down, "gelu_tanh"), ref(x, skew, w, gate_up, down, "gelu_tanh"))
+    monkeypatch.setenv("LUMEN_CUDA_X3_SLOTS", "8")  # not a compiled width: named, never a silent default
+    with pytest.raises(LumenError, match="LUMEN_CUDA_X3_SLOTS='8'"):
+        run(x, ids, w, gate_up, down, "silu")
 
 
 @pytest.mark.gpu

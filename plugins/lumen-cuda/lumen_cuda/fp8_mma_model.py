@@ -11,6 +11,8 @@ arithmetic in numpy, so the CPU tests pin what the kernels must compute (lumen_c
 - ``exact``: the routed experts, and dense fp8 and NVFP4 GEMMs too, on the kernel below.
 - ``e4m3``: the routed experts as by default; dense fp8 GEMMs on the e4m3 kernel (lossy).
 
+``LUMEN_CUDA_X3_SLOTS`` (16, 32 or 64; unset: 32) sets the routed experts' block width in slots (``slot_block``).
+
 The two kernels:
 
 - ``exact``: the e4m3 weights are exact in bf16, and each activation goes in as three bf16 planes whose sum is its
