@@ -479,6 +479,12 @@ __device__ __forceinline__ bool x3_slots(const int* __restrict__ blocks, const i
   return true;
 }
 
+// A family's three kernels, one a block width: NAME (64 slots x 128 rows), NAME_s32 (32 x 256), NAME_s16 (16 x 256).
+#define X3_WIDTHS(NAME, PARAMS, ARGS)                                                                           \
+  extern "C" __global__ void __launch_bounds__(256, 2) NAME(PARAMS) { NAME##_body<2, 32>(ARGS); }       \
+  extern "C" __global__ void __launch_bounds__(256, 2) NAME##_s32(PARAMS) { NAME##_body<1, 32>(ARGS); } \
+  extern "C" __global__ void __launch_bounds__(256, 2) NAME##_s16(PARAMS) { NAME##_body<1, 16>(ARGS); }
+
 // fp8 experts: the matrix and its scales are the table's rows data_row / scale_row (uint64 (rows, E) pointers,
 // moe.py's table). K % 128 == 0.
 #define MOE_FP8_X3_PARAMS                                                                                      \
@@ -496,15 +502,7 @@ __device__ __forceinline__ void moe_fp8_x3_body(MOE_FP8_X3_PARAMS) {
   x3_block<X3_FP8, WN, TN>(W, sw, nullptr, 1.0f, XP, plane, y, N, K, blockIdx.y * G::BM, src, dst);
 }
 #define MOE_FP8_X3_ARGS tab, data_row, scale_row, E, blocks, off, order, div, XP, plane, y, N, K
-extern "C" __global__ void __launch_bounds__(256, 2) moe_fp8_x3(MOE_FP8_X3_PARAMS) {
-  moe_fp8_x3_body<2, 32>(MOE_FP8_X3_ARGS);
-}
-extern "C" __global__ void __launch_bounds__(256, 2) moe_fp8_x3_s32(MOE_FP8_X3_PARAMS) {
-  moe_fp8_x3_body<1, 32>(MOE_FP8_X3_ARGS);
-}
-extern "C" __global__ void __launch_bounds__(256, 2) moe_fp8_x3_s16(MOE_FP8_X3_PARAMS) {
-  moe_fp8_x3_body<1, 16>(MOE_FP8_X3_ARGS);
-}
+X3_WIDTHS(moe_fp8_x3, MOE_FP8_X3_PARAMS, MOE_FP8_X3_ARGS)
 
 // bf16 experts: the matrix is the table's row data_row (tab non-null), or base + (e * stride + row_off * K) values
 // (packed experts: (E, 2I, H) with the up rows at row_off I, (E, H, I)). K % 16 == 0.
@@ -524,15 +522,7 @@ __device__ __forceinline__ void moe_bf16_x3_body(MOE_BF16_X3_PARAMS) {
                             blockIdx.y * G::BM, src, dst);
 }
 #define MOE_BF16_X3_ARGS tab, data_row, base, stride, row_off, E, blocks, off, order, div, XP, plane, y, N, K
-extern "C" __global__ void __launch_bounds__(256, 2) moe_bf16_x3(MOE_BF16_X3_PARAMS) {
-  moe_bf16_x3_body<2, 32>(MOE_BF16_X3_ARGS);
-}
-extern "C" __global__ void __launch_bounds__(256, 2) moe_bf16_x3_s32(MOE_BF16_X3_PARAMS) {
-  moe_bf16_x3_body<1, 32>(MOE_BF16_X3_ARGS);
-}
-extern "C" __global__ void __launch_bounds__(256, 2) moe_bf16_x3_s16(MOE_BF16_X3_PARAMS) {
-  moe_bf16_x3_body<1, 16>(MOE_BF16_X3_ARGS);
-}
+X3_WIDTHS(moe_bf16_x3, MOE_BF16_X3_PARAMS, MOE_BF16_X3_ARGS)
 
 // y (T, N) f32 = planes (3, T, K) . W^T for an NVFP4 weight: codes (N, K/2), e4m3 block scales bs (N, K/16), global
 // scale gs. Grid (ceil(T/64), ceil(N/128)), 256 threads. K % 32 == 0.
@@ -566,15 +556,7 @@ __device__ __forceinline__ void moe_nvfp4_x3_body(MOE_NVFP4_X3_PARAMS) {
   x3_block<X3_NVFP4, WN, TN>(W, nullptr, bs, gs, XP, plane, y, N, K, blockIdx.y * G::BM, src, dst);
 }
 #define MOE_NVFP4_X3_ARGS tab, data_row, scale_row, gs_row, E, blocks, off, order, div, XP, plane, y, N, K
-extern "C" __global__ void __launch_bounds__(256, 2) moe_nvfp4_x3(MOE_NVFP4_X3_PARAMS) {
-  moe_nvfp4_x3_body<2, 32>(MOE_NVFP4_X3_ARGS);
-}
-extern "C" __global__ void __launch_bounds__(256, 2) moe_nvfp4_x3_s32(MOE_NVFP4_X3_PARAMS) {
-  moe_nvfp4_x3_body<1, 32>(MOE_NVFP4_X3_ARGS);
-}
-extern "C" __global__ void __launch_bounds__(256, 2) moe_nvfp4_x3_s16(MOE_NVFP4_X3_PARAMS) {
-  moe_nvfp4_x3_body<1, 16>(MOE_NVFP4_X3_ARGS);
-}
+X3_WIDTHS(moe_nvfp4_x3, MOE_NVFP4_X3_PARAMS, MOE_NVFP4_X3_ARGS)
 
 // h (S, I) = act(g) * u elementwise (act 0: silu, 1: gelu_tanh, as moe.cu's act_mul).
 extern "C" __global__ void moe_x3_act(const float* __restrict__ g, const float* __restrict__ u, float* __restrict__ h,
