@@ -177,8 +177,7 @@ def moe_role_nvfp4(tab, data_row: int, scale_row: int, gs_row: int, E: int, work
     fn, grid = work.launch("moe_nvfp4_x3", N)
     fn(grid, (256,), (
         tab, np.int32(data_row), np.int32(scale_row), np.int32(gs_row), np.int32(E), work.blocks, off, order,
-        np.int32(div),
-        planes, np.int64(planes.shape[1] * planes.shape[2]), y, np.int32(N), np.int32(K)))
+        np.int32(div), planes, np.int64(planes.shape[1] * planes.shape[2]), y, np.int32(N), np.int32(K)))
 
 
 def moe_act(g, u, act: int):
