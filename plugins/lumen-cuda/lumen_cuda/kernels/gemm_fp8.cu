@@ -455,11 +455,11 @@ extern "C" __global__ void __launch_bounds__(256, 2) gemm_fp8_x3(const unsigned 
   x3_block<X3_FP8>(W, sw, nullptr, 1.0f, XP, (long long)T * K, y, N, K, blockIdx.y * FP8_BM, src, src);
 }
 
-// Routed experts (moe.py's grouped path, LUMEN_CUDA_MMA_PREFILL=exact): one matrix role of every expert, the slots
-// bucketed by moe_bucket (order[off[e] .. off[e + 1]) = expert e's slots). Block (x, y) = (the run of BN slots
-// of one expert's bucket that the work list `blocks` names at x: c << 16 | e for slots c BN .. of expert e, -1 for
-// none; moe.cu's moe_slot_blocks), BM rows of its matrix): 64 x 128 (moe_*_x3), 32 x 256 (*_x3_s32) or 16 x 256
-// (*_x3_s16), the launch's choice (fp8_mma_model.slot_block). A slot's plane row is slot / div (div = k for x's
+// Routed experts (moe.py's grouped path; the default, off with LUMEN_CUDA_MMA_PREFILL=0): one matrix role of every
+// expert, the slots bucketed by moe_bucket (order[off[e] .. off[e + 1]) = expert e's slots). Block (x, y) = (the
+// run of BN slots of one expert's bucket that the work list `blocks` names at x: c << 16 | e for slots c BN .. of
+// expert e, -1 for none; moe.cu's moe_slot_blocks), BM rows of its matrix): 64 x 128 (moe_*_x3), 32 x 256
+// (*_x3_s32, the default) or 16 x 256 (*_x3_s16), the launch's choice (fp8_mma_model.slot_block). A slot's plane row is slot / div (div = k for x's
 // planes (3, T, K): the token; 1 for h's (3, S, K)), its output row the slot: y (S, N). Grid (the list's length,
 // ceil(N / BM)).
 // The block's BN slot rows and its expert, or false where the list has no run at x.
