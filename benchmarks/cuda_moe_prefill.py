@@ -3,7 +3,8 @@ default, ``lumen_cuda.fp8_mma``: bf16 MMA, activations as three bf16 planes, f32
 CUDA-core grouped kernels they replaced (``LUMEN_CUDA_MMA_PREFILL=0``, the named baseline), for every expert
 format, in one run.
 
-    python benchmarks/cuda_moe_prefill.py [--tokens 512,4096] [--reps 10] [--slots 16,32,64] [--json PATH]
+    python benchmarks/cuda_moe_prefill.py [--tokens 512,4096] [--reps 10] [--slots 16,32,64] [--pipes 2x1,3x2]
+                                          [--json PATH]
 
 Rows: the Qwen3.5-35B-A3B experts (256 of 2048 x 512, top 8) in fp8 (128 x 128 block scales), NVFP4 and bf16
 (per-expert lists, as Qwen's checkpoints load), and the Gemma-4-26B-A4B experts (128 of 2816 x 704, top 8) packed
@@ -14,7 +15,9 @@ all of them at these T) over the read bandwidth measured in the same run, and it
 slot) over the dense bf16 tensor-core rate (990 TFLOP/s, the H100 / H200 SXM datasheet: a lead, not a
 measurement). "max diff": the two paths' largest output difference over the largest output (f32 rounding order).
 The default block width in slots is ``fp8_mma_model.slot_block``'s (printed); ``--slots`` also times each width
-forced (``LUMEN_CUDA_X3_SLOTS``), the data the default was chosen from. Dev tool: needs cupy.
+forced (``LUMEN_CUDA_X3_SLOTS``), the data the default was chosen from; ``--pipes`` times the default width with
+each x3 pipeline forced (``fp8_mma.PIPE``: STAGESxKMUL, stages in flight x the stage's columns over the format's base;
+2x1 is the two-stage geometry before the deeper pipeline; the device's own choice is printed). Dev tool: needs cupy.
 """
 
 from __future__ import annotations
@@ -64,16 +67,22 @@ def layer(gpu, rng, E: int, H: int, I: int, kind: str):
     return lambda x, ids, w: moe.experts(x, ids, w, gate_up, down, "silu")
 
 
-def both(run, inputs, reps: int, slots=()) -> tuple[dict, float]:
-    """The call's median time with LUMEN_CUDA_MMA_PREFILL=0, unset, and unset with each forced block width in
-    ``slots`` (keys "0", "", "s16" ...), and the largest difference of any of them from "0" over its largest output."""
+def both(run, inputs, reps: int, slots=(), pipes=()) -> tuple[dict, float]:
+    """The call's median time with LUMEN_CUDA_MMA_PREFILL=0, unset, unset with each forced block width in ``slots``
+    and with each forced pipeline in ``pipes`` (keys "0", "", "s16" ..., "p3x2" ...), and the largest difference of
+    any of them from "0" over its largest output."""
+    from lumen_cuda import fp8_mma
+
     got, out = {}, {}
-    for mode, width in [("0", ""), ("", "")] + [("", str(n)) for n in slots]:
+    runs = [("0", "", None), ("", "", None)] + [("", str(n), None) for n in slots] + [("", "", p) for p in pipes]
+    for mode, width, pipe in runs:
         os.environ["LUMEN_CUDA_MMA_PREFILL"] = mode
         os.environ["LUMEN_CUDA_X3_SLOTS"] = width
-        key = f"s{width}" if width else mode
+        fp8_mma.PIPE = pipe
+        key = f"p{pipe[0]}x{pipe[1]}" if pipe else f"s{width}" if width else mode
         got[key] = timed(lambda: run(*inputs), reps)
         out[key] = cp.asnumpy(run(*inputs)).astype(np.float64)
+    fp8_mma.PIPE = None
     os.environ.pop("LUMEN_CUDA_MMA_PREFILL")
     os.environ.pop("LUMEN_CUDA_X3_SLOTS")
     return got, max(float(np.abs(o - out["0"]).max() / np.abs(out["0"]).max()) for o in out.values())
@@ -85,23 +94,35 @@ def main(argv=None) -> None:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--slots", default="16,32,64",
                     help="block widths to time forced besides the default's choice (empty: none)")
+    ap.add_argument("--pipes", default="",
+                    help="x3 pipelines to time forced at the default width, STAGESxKMUL comma-separated (e.g. 2x1,3x2)")
     ap.add_argument("--rows", default=",".join(r[0] for r in ROWS), help="row names, comma-separated")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
+    from lumen_cuda import fp8_mma
     from lumen_cuda.fp8_mma_model import slot_block
+
+    try:
+        pipes = [tuple(int(v) for v in p.split("x")) for p in args.pipes.split(",") if p]
+    except ValueError:
+        raise SystemExit(f"--pipes {args.pipes!r}: expected STAGESxKMUL entries, e.g. 2x1,3x2") from None
+    if any(len(p) != 2 or p[0] < 2 or p[1] < 1 for p in pipes):
+        raise SystemExit(f"--pipes {args.pipes!r}: each entry is STAGESxKMUL with STAGES >= 2, KMUL >= 1")
 
     from lumen_core.plugins import get_registry
 
     reg = get_registry()
     gpu = reg.backend_class("cuda")("cuda:0", reg)
     bw = read_bandwidth()
-    print(f"device: {cp.cuda.runtime.getDeviceProperties(0)['name'].decode()}; read bandwidth {bw / 1e9:.0f} GB/s")
+    print(f"device: {cp.cuda.runtime.getDeviceProperties(0)['name'].decode()}; read bandwidth {bw / 1e9:.0f} GB/s; "
+          f"x3 pipeline (stages x column multiple): {fp8_mma.x3_pipe()}")
     wanted = set(args.rows.split(","))
     widths = [int(n) for n in args.slots.split(",") if n]
     results = []
     print("| experts | T | CUDA-core grouped (=0) | tensor cores (default) | default's slots | "
-          + "".join(f"{n} slots | " for n in widths) + "speed-up | bound | bound / default | max diff |")
-    print("|---|---:|---:|---:|---:|" + "---:|" * len(widths) + "---:|---:|---:|---:|")
+          + "".join(f"{n} slots | " for n in widths) + "".join(f"pipe {p[0]}x{p[1]} | " for p in pipes)
+          + "speed-up | bound | bound / default | max diff |")
+    print("|---|---:|---:|---:|---:|" + "---:|" * (len(widths) + len(pipes)) + "---:|---:|---:|---:|")
     for name, E, k, H, I, kind in ROWS:
         if name not in wanted:
             continue
@@ -111,7 +132,7 @@ def main(argv=None) -> None:
             x = cp.asarray(rng.normal(size=(T, H)).astype(np.float32))
             ids = cp.asarray(np.argsort(rng.random((T, E)), axis=1)[:, :k].astype(np.int64))
             w = cp.asarray(np.full((T, k), 1.0 / k, np.float32))
-            got, diff = both(run, (x, ids, w), args.reps, widths)
+            got, diff = both(run, (x, ids, w), args.reps, widths, pipes)
             picked = len(np.unique(cp.asnumpy(ids)))
             nbytes = picked * 3 * H * I * BYTES[kind]
             flops = 2 * T * k * 3 * H * I
@@ -119,10 +140,12 @@ def main(argv=None) -> None:
             row = {"experts": name, "T": T, "cuda_core_ms": got["0"] * 1e3, "tensor_core_ms": got[""] * 1e3,
                    "speedup": got["0"] / got[""], "bound_ms": bound * 1e3, "fraction": bound / got[""],
                    "max_diff": diff, "default_slots": slot_block({}),
-                   "forced_ms": {n: got[f"s{n}"] * 1e3 for n in widths}}
+                   "forced_ms": {n: got[f"s{n}"] * 1e3 for n in widths}, "pipeline": list(fp8_mma.x3_pipe()),
+                   "pipes_ms": {f"{p[0]}x{p[1]}": got[f"p{p[0]}x{p[1]}"] * 1e3 for p in pipes}}
             results.append(row)
             print(f"| {name} | {T} | {row['cuda_core_ms']:.3f} ms | {row['tensor_core_ms']:.3f} ms | "
                   f"{row['default_slots']} | " + "".join(f"{got[f's{n}'] * 1e3:.3f} ms | " for n in widths)
+                  + "".join(f"{got[f'p{p[0]}x{p[1]}'] * 1e3:.3f} ms | " for p in pipes)
                   + f"{row['speedup']:.2f}x | {row['bound_ms']:.3f} ms | {row['fraction']:.1%} | {diff:.1e} |",
                   flush=True)
         run = None

@@ -322,8 +322,10 @@ def test_experts_slot_blocks(cp, gpu, moe, ops, monkeypatch, kind, slots):
     want = [c << 16 | e for e, m in enumerate(sizes) for c in range(-(-m // n))]
     assert work.slots == n and work.blocks.size == -(-sizes.sum() // n) + len(sizes)
     assert cp.asnumpy(work.blocks).tolist() == want + [-1] * (work.blocks.size - len(want))
-    fn, grid = work.launch("moe_fp8_x3", 384)
-    assert fn is fp8_mma.kernels.function(fp8_mma.FILE, "moe_fp8_x3" + {"16": "_s16", "32": "_s32", "64": ""}[slots])
+    fn, grid, smem = work.launch("moe_fp8_x3", "fp8", 384)
+    rows = 128 if slots == "64" else 256
+    assert (fn, smem) == fp8_mma._fn("moe_fp8_x3" + {"16": "_s16", "32": "_s32", "64": ""}[slots], "fp8", rows, n)
+    assert smem == fp8_mma.x3_smem("fp8", rows, n, fp8_mma.x3_pipe())
     assert grid == (work.blocks.size, 3 if slots == "64" else 2)
     rng = np.random.default_rng(int(slots) + len(kind))
     E, k, H, I = 8, 2, 384, 128

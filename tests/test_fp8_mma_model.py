@@ -122,3 +122,24 @@ def test_slot_block_option_and_default():
     for bad in ("8", "128", "wide", "-16"):
         with pytest.raises(LumenError, match=rf"LUMEN_CUDA_X3_SLOTS='{bad}'.*16, 32 or 64"):
             M.slot_block({M.SLOTS_OPTION: bad})
+
+
+def test_x3_pipeline_fits_each_device_twice_an_sm():
+    """The x3 kernels' dynamic shared memory (gemm_fp8.cu's X3 per stage: padded weight rows and three plane rows)
+    and the pipeline each device gets: the deep one where two of its largest blocks fit an SM (H100 / H200), the
+    two-stage geometry of before on a 100 KB-an-SM card (SM120, Ada), never more than a block may opt in to."""
+    assert M.x3_smem("fp8", 128, 64, (2, 1)) == 2 * (128 * 48 + 3 * 64 * 80)  # the old static arrays: 43008
+    assert M.x3_smem("bf16", 256, 32, (2, 1)) == 2 * (256 * 48 + 3 * 32 * 48)
+    assert M.x3_smem("nvfp4", 256, 32, (2, 1)) == 2 * (256 * 32 + 3 * 32 * 80)
+    assert M.x3_smem("fp8", 256, 32, (3, 2)) == 3 * (256 * 80 + 3 * 32 * 144)
+    assert M.x3_smem("nvfp4", 256, 16, (3, 2)) == 3 * (256 * 48 + 3 * 16 * 144)
+    hopper = (232448, 233472, 1024)  # cudaDevAttrMaxSharedMemoryPerBlockOptin, ...PerMultiprocessor, Reserved...
+    sm120 = (101376, 102400, 1024)
+    assert M.x3_pipe(*hopper) == (3, 2)
+    assert M.x3_pipe(*sm120) == (2, 1)
+    assert M.x3_pipe(48 * 1024, 64 * 1024, 1024) == (2, 1)  # nothing fits: the smallest, under the 48 KB default
+    for dev in (hopper, sm120):
+        pipe = M.x3_pipe(*dev)
+        worst = max(M.x3_smem(f, r, s, pipe) for f in ("fp8", "bf16", "nvfp4") for r, s in M.X3_GEOMETRIES)
+        assert worst <= dev[0] and 2 * (worst + M.X3_STATIC_SMEM + dev[2]) <= dev[1]
+    assert max(M.x3_smem(f, r, s, (2, 1)) for f in ("fp8", "bf16", "nvfp4") for r, s in M.X3_GEOMETRIES) <= 48 * 1024

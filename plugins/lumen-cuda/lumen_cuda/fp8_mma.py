@@ -22,11 +22,31 @@ import numpy as np
 from lumen_core.backend import Weight
 
 from . import kernels
-from .fp8_mma_model import BLOCK, applies, capable, experts_requested, requested, slot_block
+from .fp8_mma_model import BLOCK, applies, capable, experts_requested, requested, slot_block, x3_smem
+from .fp8_mma_model import x3_pipe as pipe_for
 
 FILE = "gemm_fp8"
 BM, BN = 128, 64  # the GEMM block's weight rows and tokens (FP8_BM, FP8_BN in the .cu file)
 MOE_BLOCKS = {64: ("", 128), 32: ("_s32", 256), 16: ("_s16", 256)}  # slots a block -> kernel suffix, weight rows
+PIPE: tuple[int, int] | None = None  # the x3 kernels' pipeline forced (a benchmark's sweep); None: x3_pipe's choice
+_ATTR_SMEM_OPTIN, _ATTR_SMEM_SM, _ATTR_SMEM_KEPT = 97, 81, 111  # cudaDevAttr*: per block (opt-in), per SM, kept
+
+
+def x3_pipe() -> tuple[int, int]:
+    """``PIPE``, or fp8_mma_model.x3_pipe's choice for this device's shared memory."""
+    if PIPE is not None:
+        return PIPE
+    return pipe_for(kernels.device_attribute(_ATTR_SMEM_OPTIN, kernels.DEFAULT_SMEM),
+                    kernels.device_attribute(_ATTR_SMEM_SM, 2 * kernels.DEFAULT_SMEM),
+                    kernels.device_attribute(_ATTR_SMEM_KEPT, 1024))
+
+
+def _fn(kernel: str, fmt: str = "", rows: int = 0, slots: int = 0):
+    """A kernel of the module compiled with this device's pipeline, and the dynamic shared memory an x3 block of
+    ``fmt`` (rows x slots) takes (0 for the other kernels)."""
+    pipe = x3_pipe()
+    smem = x3_smem(fmt, rows, slots, pipe) if fmt else 0
+    return kernels.function(FILE, kernel, (f"-DX3_STAGES={pipe[0]}", f"-DX3_KMUL={pipe[1]}"), smem), smem
 
 
 class SlotBlocks:
@@ -41,10 +61,12 @@ class SlotBlocks:
         self.blocks = cp.empty(-(-S // self.slots) + E, dtype=cp.int32)
         slot_fn((1,), (threads,), (off, np.int32(E), np.int32(self.slots), self.blocks, np.int32(self.blocks.size)))
 
-    def launch(self, kernel: str, N: int):
-        """The width's variant of ``kernel`` and its grid (the list's length, ceil(N / rows))."""
+    def launch(self, kernel: str, fmt: str, N: int):
+        """The width's variant of ``kernel`` (experts in ``fmt``), its grid (the list's length, ceil(N / rows)) and
+        its dynamic shared memory."""
         suffix, rows = MOE_BLOCKS[self.slots]
-        return kernels.function(FILE, kernel + suffix), (self.blocks.size, -(-N // rows))
+        fn, smem = _fn(kernel + suffix, fmt, rows, self.slots)
+        return fn, (self.blocks.size, -(-N // rows)), smem
 
 
 def _native() -> bool:
@@ -53,7 +75,7 @@ def _native() -> bool:
 
     def ask() -> int:
         flag = cp.zeros(1, dtype=cp.int32)
-        kernels.function(FILE, "fp8_mma_native")((1,), (32,), (flag,))
+        _fn("fp8_mma_native")[0]((1,), (32,), (flag,))
         return int(flag.get()[0])
 
     return kernels.device_fact("fp8_mma_native", ask) == 1
@@ -108,7 +130,7 @@ def quantize_x(x):
     xq = cp.empty((T, K), dtype=cp.uint8)
     sx = cp.empty((T, K // BLOCK), dtype=cp.float32)
     if T:
-        kernels.function(FILE, "fp8_quantize_x")((T, K // BLOCK), (32,), (x, xq, sx, np.int32(K)))
+        _fn("fp8_quantize_x")[0]((T, K // BLOCK), (32,), (x, xq, sx, np.int32(K)))
     return xq, sx
 
 
@@ -120,7 +142,7 @@ def gemm(xq, sx, data, scale):
     y = cp.empty((T, N), dtype=cp.float32)
     if T and N:
         grid = (-(-T // BN), -(-N // BM))
-        kernels.function(FILE, "gemm_fp8_mma")(grid, (256,), (
+        _fn("gemm_fp8_mma")[0](grid, (256,), (
             cp.ascontiguousarray(data), cp.ascontiguousarray(scale, dtype=cp.float32), xq, sx, y, np.int32(N),
             np.int32(K), np.int32(T)))
     return y
@@ -131,7 +153,7 @@ def x_planes(x):
     x = cp.ascontiguousarray(x, dtype=cp.float32)
     xp = cp.empty((3, *x.shape), dtype=cp.uint16)
     if x.size:
-        kernels.function(FILE, "fp8_x_planes")((min(-(-x.size // 256), 65535),), (256,), (x, xp, np.int64(x.size)))
+        _fn("fp8_x_planes")[0]((min(-(-x.size // 256), 65535),), (256,), (x, xp, np.int64(x.size)))
     return xp
 
 
@@ -142,9 +164,9 @@ def gemm_x3(xp, data, scale):
     y = cp.empty((T, N), dtype=cp.float32)
     if T and N:
         grid = (-(-T // BN), -(-N // BM))
-        kernels.function(FILE, "gemm_fp8_x3")(grid, (256,), (
-            cp.ascontiguousarray(data), cp.ascontiguousarray(scale, dtype=cp.float32), xp, y, np.int32(N),
-            np.int32(K), np.int32(T)))
+        fn, smem = _fn("gemm_fp8_x3", "fp8", BM, BN)
+        fn(grid, (256,), (cp.ascontiguousarray(data), cp.ascontiguousarray(scale, dtype=cp.float32), xp, y,
+                          np.int32(N), np.int32(K), np.int32(T)), shared_mem=smem)
     return y
 
 
@@ -152,39 +174,40 @@ def moe_role(tab, data_row: int, scale_row: int, E: int, work: SlotBlocks, off, 
              K: int):
     """One matrix role of fp8 routed experts over their buckets (``moe_fp8_x3``): y (S, N) f32 rows of the bucketed
     slots; planes (3, rows, K) bf16 bits, a slot's row slot // div; ``work`` the call's blocks."""
-    fn, grid = work.launch("moe_fp8_x3", N)
+    fn, grid, smem = work.launch("moe_fp8_x3", "fp8", N)
     fn(grid, (256,), (
         tab, np.int32(data_row), np.int32(scale_row), np.int32(E), work.blocks, off, order, np.int32(div), planes,
-        np.int64(planes.shape[1] * planes.shape[2]), y, np.int32(N), np.int32(K)))
+        np.int64(planes.shape[1] * planes.shape[2]), y, np.int32(N), np.int32(K)), shared_mem=smem)
 
 
 def moe_role_bf16(tab, data_row: int, base, stride: int, row_off: int, E: int, work: SlotBlocks, off, order,
                   div: int, planes, y, N: int, K: int):
     """``moe_role`` for bf16 experts (``moe_bf16_x3``): the matrices from the table's row ``data_row`` (``tab`` not
     None) or at ``base`` + (e * stride + row_off * K) values (packed experts)."""
-    fn, grid = work.launch("moe_bf16_x3", N)
+    fn, grid, smem = work.launch("moe_bf16_x3", "bf16", N)
     null = np.uint64(0)
     fn(grid, (256,), (
         null if tab is None else tab, np.int32(data_row), null if base is None else base, np.int64(stride),
         np.int32(row_off), np.int32(E), work.blocks, off, order, np.int32(div), planes,
-        np.int64(planes.shape[1] * planes.shape[2]), y, np.int32(N), np.int32(K)))
+        np.int64(planes.shape[1] * planes.shape[2]), y, np.int32(N), np.int32(K)), shared_mem=smem)
 
 
 def moe_role_nvfp4(tab, data_row: int, scale_row: int, gs_row: int, E: int, work: SlotBlocks, off, order,
                    div: int, planes, y, N: int, K: int):
     """``moe_role`` for NVFP4 experts (``moe_nvfp4_x3``): codes, block scales and global scales from the table's rows
     ``data_row``, ``scale_row``, ``gs_row``."""
-    fn, grid = work.launch("moe_nvfp4_x3", N)
+    fn, grid, smem = work.launch("moe_nvfp4_x3", "nvfp4", N)
     fn(grid, (256,), (
         tab, np.int32(data_row), np.int32(scale_row), np.int32(gs_row), np.int32(E), work.blocks, off, order,
-        np.int32(div), planes, np.int64(planes.shape[1] * planes.shape[2]), y, np.int32(N), np.int32(K)))
+        np.int32(div), planes, np.int64(planes.shape[1] * planes.shape[2]), y, np.int32(N), np.int32(K)),
+       shared_mem=smem)
 
 
 def moe_act(g, u, act: int):
     """h = act(g) * u elementwise (0: silu, 1: gelu_tanh; moe.cu's act_mul)."""
     h = cp.empty_like(g)
     if g.size:
-        kernels.function(FILE, "moe_x3_act")((min(-(-g.size // 256), 65535),), (256,), (
+        _fn("moe_x3_act")[0]((min(-(-g.size // 256), 65535),), (256,), (
             g, u, h, np.int64(g.size), np.int32(act)))
     return h
 
@@ -197,8 +220,9 @@ def gemm_nvfp4_x3(xp, data, block, global_scale):
     y = cp.empty((T, N), dtype=cp.float32)
     if T and N:
         grid = (-(-T // BN), -(-N // BM))
-        kernels.function(FILE, "gemm_nvfp4_x3")(grid, (256,), (
-            data, block, np.float32(global_scale), xp, y, np.int32(N), np.int32(K), np.int32(T)))
+        fn, smem = _fn("gemm_nvfp4_x3", "nvfp4", BM, BN)
+        fn(grid, (256,), (data, block, np.float32(global_scale), xp, y, np.int32(N), np.int32(K), np.int32(T)),
+           shared_mem=smem)
     return y
 
 

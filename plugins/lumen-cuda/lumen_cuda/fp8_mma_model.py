@@ -84,6 +84,35 @@ def slot_block(environ) -> int:
                      f"block; unset: {SLOT_DEFAULT}); docs/cuda.md, tensor-core prefill")
 
 
+# The x3 kernels' pipeline (kernels/gemm_fp8.cu's X3_STAGES, X3_KMUL): (stages in flight, columns a stage as a
+# multiple of the format's base of 16 bf16 / 32 fp8 or NVFP4 columns), preferred first (docs/cuda.md, "A deeper
+# pipeline"); the last is the geometry before it (two static stages, under 48 KB).
+PIPES = ((3, 2), (2, 2), (2, 1))
+X3_GEOMETRIES = ((128, 64), (256, 32), (256, 16))  # (weight rows, slots) of the x3 blocks (SLOT_BLOCKS, the GEMMs)
+X3_STATIC_SMEM = 2 * 64 * 4  # a block's static shared memory at most (its slot rows, src and dst)
+
+
+def x3_smem(fmt: str, rows: int, slots: int, pipe: tuple[int, int]) -> int:
+    """Dynamic shared memory bytes of an x3 block of ``rows`` weight rows x ``slots`` tokens: per stage, the rows'
+    weight bytes and three bf16 plane rows, each padded by 16 bytes (gemm_fp8.cu's X3: SW + SX)."""
+    stages, kmul = pipe
+    bk = (16 if fmt == "bf16" else 32) * kmul
+    wb = bk // 2 if fmt == "nvfp4" else 2 * bk if fmt == "bf16" else bk
+    return stages * (rows * (wb + 16) + 3 * slots * (2 * bk + 16))
+
+
+def x3_pipe(smem_block: int, smem_sm: int, smem_kept: int) -> tuple[int, int]:
+    """The first of ``PIPES`` whose largest block fits a device's shared memory (``smem_block`` bytes a block may
+    opt in to, ``smem_sm`` an SM, ``smem_kept`` the runtime keeps a block) twice an SM, the kernels'
+    ``__launch_bounds__(256, 2)``: H100 / H200 (227 KB a block, 228 KB an SM) take (3, 2), ~114 KB a block; an
+    SM120 or Ada card (99 / 100 KB) takes (2, 1), ~43 KB."""
+    for pipe in PIPES:
+        need = max(x3_smem(f, rows, slots, pipe) for f in ("fp8", "bf16", "nvfp4") for rows, slots in X3_GEOMETRIES)
+        if need <= smem_block and 2 * (need + X3_STATIC_SMEM + smem_kept) <= smem_sm:
+            return pipe
+    return PIPES[-1]
+
+
 def capable(cc) -> bool:
     """Whether a device of compute capability ``cc`` (CuPy's string, e.g. "90"; or a (major, minor) pair) has the
     e4m3 MMA: 8.9 and later."""

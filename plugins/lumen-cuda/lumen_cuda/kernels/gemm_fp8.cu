@@ -93,6 +93,8 @@ __device__ __forceinline__ void fp8_cp16(void* smem, const void* gmem, bool full
 __device__ __forceinline__ void fp8_cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 __device__ __forceinline__ void fp8_cp_wait1() { asm volatile("cp.async.wait_group 1;\n" ::); }
 __device__ __forceinline__ void fp8_cp_wait0() { asm volatile("cp.async.wait_group 0;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
 // One stage: columns k0 .. k0 + 63 of the block's 128 weight rows (512 16-byte pieces) and 64 tokens (256 pieces).
 __device__ __forceinline__ void fp8_load_stage(unsigned char* sw, unsigned char* sx, const unsigned char* W,
@@ -223,28 +225,38 @@ extern "C" __global__ void __launch_bounds__(256) gemm_fp8_mma(const unsigned ch
 //
 // m16n8k16 bf16 fragments (PTX ISA tables; lane = 4 g + t): a0 = row g, k 2t, 2t+1; a1 = row g+8, same k; a2 = row
 // g, k 2t+8, 2t+9; a3 = row g+8, k 2t+8..; b0 = token g, k 2t, 2t+1; b1 = token g, k 2t+8, 2t+9; c as above; the
-// lower k in the lower half of a register. Block: 128 weight rows x 64 tokens, 8 warps of 32 x 32, 32-column
-// stages (weights 128 x 32 bytes padded to 48, planes 3 x 64 tokens x 64 bytes padded to 80: conflict-free fragment
-// reads), two stages by cp.async. Narrow blocks for routed experts' small buckets (X3's WN = 1): 256 weight rows x
+// lower k in the lower half of a register. Block: 128 weight rows x 64 tokens, 8 warps of 32 x 32; stages of BK
+// columns (weight rows and plane rows padded by 16 bytes: conflict-free fragment reads) in dynamic shared memory,
+// X3_STAGES of them, cp.async keeping X3_STAGES - 1 in flight (X3 below; 2 x 32 columns before). Narrow blocks for routed experts' small buckets (X3's WN = 1): 256 weight rows x
 // 32 tokens (warps 32 x 32, one column of 8) or x 16 tokens (TN = 16: warps 32 x 16), so a bucket of ~16 slots
 // (35B-A3B at 512 tokens) does not pay 64 slots' MMAs.
 
 // Stage geometry per weight format (X3_FP8: e4m3 bytes, X3_BF16: bf16, X3_NVFP4: packed e2m1 codes, low nibble
-// first, with e4m3 scales per 16 values and a global scale): BK columns a stage, WB weight bytes a row (padded to 48
-// in shared memory: 12 words a row, conflict-free fragment reads), plane rows of BK bf16 padded by 16 bytes.
+// first, with e4m3 scales per 16 values and a global scale): BK columns a stage, WB weight bytes a row (padded by 16
+// in shared memory: 12 or 20 words a row, conflict-free fragment reads), plane rows of BK bf16 padded by 16 bytes.
 #define X3_FP8 0
 #define X3_BF16 1
 #define X3_NVFP4 2
 // Block geometry: WN warps across the tokens (2 or 1), TN tokens a warp (32 or 16: JN = TN / 8 fragments); the
-// block is BM = 256 / WN weight rows x BN = WN TN tokens.
+// block is BM = 256 / WN weight rows x BN = WN TN tokens. The pipeline: X3_STAGES stages of BK columns each (X3_KMUL
+// times the format's base of 16 bf16 / 32 fp8 or NVFP4 columns) in dynamic shared memory, filled by cp.async
+// X3_STAGES - 1 stages ahead; fp8_mma.py sizes the launches' shared memory by the same formula (x3_smem).
+#ifndef X3_STAGES
+#define X3_STAGES 3
+#endif
+#ifndef X3_KMUL
+#define X3_KMUL 2
+#endif
 template <int FMT, int WN = 2, int TN = 32>
 struct X3 {
-  static constexpr int BK = FMT == X3_BF16 ? 16 : 32;
-  static constexpr int WB = FMT == X3_NVFP4 ? 16 : 32;  // weight bytes a row a stage
-  static constexpr int LDW = 48;                         // bytes a shared weight row
+  static constexpr int BK = (FMT == X3_BF16 ? 16 : 32) * X3_KMUL;
+  static constexpr int WB = FMT == X3_NVFP4 ? BK / 2 : FMT == X3_BF16 ? BK * 2 : BK;  // weight bytes a row a stage
+  static constexpr int LDW = WB + 16;                    // bytes a shared weight row (padded: conflict-free reads)
   static constexpr int LDX = BK * 2 + 16;                // bytes a shared plane row
   static constexpr int XP = BK / 8;                      // 16-byte pieces a plane row
+  static constexpr int KP = FMT == X3_NVFP4 ? 32 : FMT == X3_BF16 ? 8 : 16;  // columns a 16-byte weight piece
   static constexpr int BM = 256 / WN, BN = WN * TN, JN = TN / 8;
+  static constexpr int SW = BM * LDW, SX = 3 * BN * LDX;  // bytes a stage: weights, planes
 };
 
 // byte offset of value k of row `row` in a weight of K columns
@@ -297,7 +309,8 @@ __device__ __forceinline__ void x3_mma(float* c, const unsigned int* a, const un
 }
 
 // One stage: columns k0 .. k0 + BK - 1 of the block's BM weight rows (BM x WB / 16 pieces of 16 bytes) and of the
-// three planes' BN tokens. src[r]: the plane row of the block's token r (-1: none, zero-filled).
+// three planes' BN tokens; columns from K on (the last stage where K % BK != 0) are zero-filled. src[r]: the plane
+// row of the block's token r (-1: none, zero-filled).
 template <int FMT, int WN, int TN>
 __device__ __forceinline__ void x3_load_stage(unsigned char* sw, unsigned char* sx, const unsigned char* W,
                                               const unsigned short* XP, int N, int K, long long plane,
@@ -306,14 +319,14 @@ __device__ __forceinline__ void x3_load_stage(unsigned char* sw, unsigned char* 
   const int tid = threadIdx.x;
   for (int p = tid; p < G::BM * (G::WB / 16); p += 256) {
     const int r = p / (G::WB / 16), c = (p % (G::WB / 16)) * 16, row = row0 + r;
-    const bool ok = row < N;
-    fp8_cp16(sw + r * G::LDW + c, W + x3_offset<FMT>(ok ? row : 0, K, k0) + c, ok);
+    const bool ok = row < N && k0 + (c / 16) * G::KP < K;
+    fp8_cp16(sw + r * G::LDW + c, W + (ok ? x3_offset<FMT>(row, K, k0) + c : 0), ok);
   }
   for (int p = tid; p < 3 * G::BN * G::XP; p += 256) {
     const int pl = p / (G::BN * G::XP), q = p % (G::BN * G::XP), r = q / G::XP, c = (q % G::XP) * 8;
     const int tok = src[r];
-    const bool ok = tok >= 0;
-    fp8_cp16(sx + (pl * G::BN + r) * G::LDX + c * 2, XP + pl * plane + (size_t)(ok ? tok : 0) * K + k0 + c, ok);
+    const bool ok = tok >= 0 && k0 + c < K;
+    fp8_cp16(sx + (pl * G::BN + r) * G::LDX + c * 2, XP + (ok ? pl * plane + (size_t)tok * K + k0 + c : 0), ok);
   }
 }
 
@@ -358,39 +371,43 @@ __device__ __forceinline__ void x3_block(const unsigned char* __restrict__ W, co
                                          float* __restrict__ y, int N, int K, int row0, const int* src,
                                          const int* dst) {
   using G = X3<FMT, WN, TN>;
-  constexpr int JN = G::JN;
-  __shared__ __align__(16) unsigned char s_w[2][G::BM * G::LDW];
-  __shared__ __align__(16) unsigned char s_x[2][3 * G::BN * G::LDX];
+  constexpr int JN = G::JN, NS = X3_STAGES;
+  extern __shared__ __align__(16) unsigned char x3_smem[];  // NS weight stages, then NS plane stages
+  unsigned char* const s_w = x3_smem;
+  unsigned char* const s_x = x3_smem + NS * G::SW;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int wm = WN == 2 ? warp >> 1 : warp, wn = WN == 2 ? warp & 1 : 0;
   // the warp's fp8 scale row block (clamped: a warp wholly past N reads a real one and stores nothing)
-  const int KB = K / 128, steps = K / G::BK, rb = min(row0 + wm * 32, N - 1) / 128, per_block = 128 / G::BK;
+  const int KB = K / 128, steps = (K + G::BK - 1) / G::BK, rb = min(row0 + wm * 32, N - 1) / 128;
+  constexpr int per_block = 128 / G::BK;
   float acc[2][JN][4], blk[2][JN][4];
   for (int i = 0; i < 2; i++)
     for (int j = 0; j < JN; j++)
       for (int q = 0; q < 4; q++) acc[i][j][q] = 0.0f, blk[i][j][q] = 0.0f;
 
-  x3_load_stage<FMT, WN, TN>(s_w[0], s_x[0], W, XP, N, K, plane, src, row0, 0);
-  fp8_cp_commit();
+  for (int st = 0; st < NS - 1; st++) {  // the first NS - 1 stages in flight (a group each, empty past the last)
+    if (st < steps) x3_load_stage<FMT, WN, TN>(s_w + st * G::SW, s_x + st * G::SX, W, XP, N, K, plane, src, row0,
+                                               st * G::BK);
+    fp8_cp_commit();
+  }
   for (int s = 0; s < steps; s++) {
-    if (s + 1 < steps) {
-      x3_load_stage<FMT, WN, TN>(s_w[(s + 1) & 1], s_x[(s + 1) & 1], W, XP, N, K, plane, src, row0,
-                                 (s + 1) * G::BK);
-      fp8_cp_commit();
-      fp8_cp_wait1();
-    } else {
-      fp8_cp_wait0();
+    cp_wait<NS - 2>();  // this thread's copies of stage s are in
+    __syncthreads();    // everyone's are, and every warp is done with stage s - 1, whose buffer is refilled next
+    if (s + NS - 1 < steps) {
+      const int n = (s + NS - 1) % NS;
+      x3_load_stage<FMT, WN, TN>(s_w + n * G::SW, s_x + n * G::SX, W, XP, N, K, plane, src, row0,
+                                 (s + NS - 1) * G::BK);
     }
-    __syncthreads();
-    const unsigned char* cw = s_w[s & 1];
-    const unsigned char* cx = s_x[s & 1];
+    fp8_cp_commit();
+    const unsigned char* cw = s_w + (s % NS) * G::SW;
+    const unsigned char* cx = s_x + (s % NS) * G::SX;
     for (int kk = 0; kk < G::BK; kk += 16) {
       unsigned int a[2][4], b[3][JN][2];
       for (int i = 0; i < 2; i++) {
         const int rl = wm * 32 + 16 * i + g;  // the fragment's rows rl, rl + 8 of the block
         if (FMT == X3_NVFP4) {  // codes a byte a pair; the pair's block scale (16 columns: kk .. kk + 15)
           const unsigned char* r = cw + rl * G::LDW + kk / 2 + t;
-          const int kb = (s * G::BK + kk) / 16;
+          const int kb = min((s * G::BK + kk) / 16, K / 16 - 1);  // (past K: zero codes)
           const int r0 = min(row0 + rl, N - 1), r8 = min(row0 + rl + 8, N - 1);
           const unsigned int s0 = x3_bf16_pair(x3_e4m3(bs[(size_t)r0 * (K / 16) + kb]));
           const unsigned int s8 = x3_bf16_pair(x3_e4m3(bs[(size_t)r8 * (K / 16) + kb]));
@@ -424,7 +441,6 @@ __device__ __forceinline__ void x3_block(const unsigned char* __restrict__ W, co
           x3_mma(blk[i][j], a[i], b[2][j]);
         }
     }
-    __syncthreads();
     if ((s + 1) % per_block == 0 || s + 1 == steps) {  // 128 columns done (or the last): into the accumulators,
       const float w_s = FMT == X3_FP8 ? sw[(size_t)rb * KB + s / per_block] : 1.0f;  // times fp8's block scale
       for (int i = 0; i < 2; i++)
