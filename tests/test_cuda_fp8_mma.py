@@ -131,17 +131,17 @@ def test_routed_fp8_experts_on_the_tensor_cores_equal_the_grouped_reference(cp, 
     gate_up, down = experts(gpu, rng, E, H, I, "fp8-block128")
     calls = []
     real = fp8_mma.moe_role
-    monkeypatch.setattr(fp8_mma, "moe_role", lambda *a: calls.append(a[1]) or real(*a))
+    monkeypatch.setattr(fp8_mma, "moe_role", lambda *a: calls.append((a[1], a[12])) or real(*a))
     monkeypatch.delenv("LUMEN_CUDA_MMA_PREFILL", raising=False)
     x = cp.asarray(rng.normal(size=(T, H)).astype(np.float32))
     ids, w = routing(cp, rng, E, k, np.int64, T)
     close(moe.experts(x, ids, w, gate_up, down, "silu"), ops.moe_experts_grouped(x, ids, w, gate_up, down, "silu"))
-    assert calls == [0, 1, 0]  # the default
+    assert calls == [(0, 2), (0, 1)]  # the default: gate and up in one launch (table rows 0, 1), down
     monkeypatch.setenv("LUMEN_CUDA_MMA_PREFILL", "exact")
     for act in ("silu", "gelu_tanh"):
         calls.clear()
         close(moe.experts(x, ids, w, gate_up, down, act), ops.moe_experts_grouped(x, ids, w, gate_up, down, act))
-        assert calls == [0, 1, 0]  # gate, up, down on the tensor cores
+        assert calls == [(0, 2), (0, 1)]  # gate and up, then down, on the tensor cores
     skew = cp.asarray(np.tile(np.array([[5, 2, 9, 0]], np.int64), (T, 1)))
     close(moe.experts(x, skew, w, gate_up, down, "silu"), ops.moe_experts_grouped(x, skew, w, gate_up, down))
     monkeypatch.setattr(moe, "CHUNK_FLOATS", 8 * k * max(H, I))  # 8 tokens a launch
@@ -172,7 +172,7 @@ def test_routed_bf16_experts_on_the_tensor_cores_equal_the_grouped_reference(cp,
     E, k, H, I = 8, 2, 272 if T == 8 else 256, 704
     calls = []
     real = fp8_mma.moe_role_bf16
-    monkeypatch.setattr(fp8_mma, "moe_role_bf16", lambda *a: calls.append(a[4]) or real(*a))
+    monkeypatch.setattr(fp8_mma, "moe_role_bf16", lambda *a: calls.append((a[4], a[14])) or real(*a))
     monkeypatch.delenv("LUMEN_CUDA_MMA_PREFILL", raising=False)  # the default
     x = cp.asarray(rng.normal(size=(T, H)).astype(np.float32))
     ids, w = routing(cp, rng, E, k, np.int64, T)
@@ -181,12 +181,12 @@ def test_routed_bf16_experts_on_the_tensor_cores_equal_the_grouped_reference(cp,
         down = gpu.weight((rng.normal(size=(E, H, I)) * 0.05).astype(ml_dtypes.bfloat16), "bf16", "vram")
         got = moe.experts_packed(x, ids, w, gate_up, down, "gelu_tanh")
         want = ops.moe_experts_packed_grouped(x, ids, w, gate_up, down, "gelu_tanh")
-        assert calls == [0, I, 0]  # gate rows, up rows (after the gate's), down
+        assert calls == [(0, 2), (0, 1)]  # gate and up rows (row offset r I for role r) in one launch, down
     else:
         gate_up, down = experts(gpu, rng, E, H, I, "bf16")
         got = moe.experts(x, ids, w, gate_up, down, "silu")
         want = ops.moe_experts_grouped(x, ids, w, gate_up, down, "silu")
-        assert calls == [0, 0, 0]  # row offsets: none (table pointers)
+        assert calls == [(0, 2), (0, 1)]  # row offsets: none (table pointers)
     close(got, want)
 
 
@@ -231,9 +231,9 @@ def test_routed_nvfp4_experts_on_the_tensor_cores_equal_the_grouped_reference(cp
     gate_up, down = experts(gpu, rng, E, H, I, "nvfp4")
     calls = []
     real = fp8_mma.moe_role_nvfp4
-    monkeypatch.setattr(fp8_mma, "moe_role_nvfp4", lambda *a: calls.append(a[1:4]) or real(*a))
+    monkeypatch.setattr(fp8_mma, "moe_role_nvfp4", lambda *a: calls.append((*a[1:4], a[13])) or real(*a))
     monkeypatch.delenv("LUMEN_CUDA_MMA_PREFILL", raising=False)  # the default
     x = cp.asarray(rng.normal(size=(T, H)).astype(np.float32))
     ids, w = routing(cp, rng, E, k, np.int64, T)
     close(moe.experts(x, ids, w, gate_up, down, "silu"), ops.moe_experts_grouped(x, ids, w, gate_up, down, "silu"))
-    assert calls == [(0, 2, 4), (1, 3, 5), (0, 1, 2)]  # the table rows of codes, block scales, global scales
+    assert calls == [(0, 2, 4, 2), (0, 1, 2, 1)]  # codes, block scales, global scales (+ r for role r); roles

@@ -61,12 +61,12 @@ class SlotBlocks:
         self.blocks = cp.empty(-(-S // self.slots) + E, dtype=cp.int32)
         slot_fn((1,), (threads,), (off, np.int32(E), np.int32(self.slots), self.blocks, np.int32(self.blocks.size)))
 
-    def launch(self, kernel: str, fmt: str, N: int):
-        """The width's variant of ``kernel`` (experts in ``fmt``), its grid (the list's length, ceil(N / rows)) and
-        its dynamic shared memory."""
+    def launch(self, kernel: str, fmt: str, N: int, roles: int = 1):
+        """The width's variant of ``kernel`` (experts in ``fmt``), its grid (the list's length, roles x ceil(N /
+        rows)) and its dynamic shared memory."""
         suffix, rows = MOE_BLOCKS[self.slots]
         fn, smem = _fn(kernel + suffix, fmt, rows, self.slots)
-        return fn, (self.blocks.size, -(-N // rows)), smem
+        return fn, (self.blocks.size, roles * -(-N // rows)), smem
 
 
 def _native() -> bool:
@@ -171,36 +171,46 @@ def gemm_x3(xp, data, scale):
 
 
 def moe_role(tab, data_row: int, scale_row: int, E: int, work: SlotBlocks, off, order, div: int, planes, y, N: int,
-             K: int):
-    """One matrix role of fp8 routed experts over their buckets (``moe_fp8_x3``): y (S, N) f32 rows of the bucketed
-    slots; planes (3, rows, K) bf16 bits, a slot's row slot // div; ``work`` the call's blocks."""
-    fn, grid, smem = work.launch("moe_fp8_x3", "fp8", N)
+             K: int, roles: int = 1):
+    """``roles`` matrix roles of fp8 routed experts over their buckets (``moe_fp8_x3``; 2: gate and up in one
+    launch): y (roles, S, N) f32 rows of the bucketed slots, role r from the table's rows data_row + r and
+    scale_row + r; planes (3, rows, K) bf16 bits, a slot's row slot // div; ``work`` the call's blocks."""
+    fn, grid, smem = work.launch("moe_fp8_x3", "fp8", N, roles)
     fn(grid, (256,), (
         tab, np.int32(data_row), np.int32(scale_row), np.int32(E), work.blocks, off, order, np.int32(div), planes,
-        np.int64(planes.shape[1] * planes.shape[2]), y, np.int32(N), np.int32(K)), shared_mem=smem)
+        np.int64(planes.shape[1] * planes.shape[2]), y, np.int32(N), np.int32(K), *_roles(y, roles)),
+       shared_mem=smem)
 
 
 def moe_role_bf16(tab, data_row: int, base, stride: int, row_off: int, E: int, work: SlotBlocks, off, order,
-                  div: int, planes, y, N: int, K: int):
-    """``moe_role`` for bf16 experts (``moe_bf16_x3``): the matrices from the table's row ``data_row`` (``tab`` not
-    None) or at ``base`` + (e * stride + row_off * K) values (packed experts)."""
-    fn, grid, smem = work.launch("moe_bf16_x3", "bf16", N)
+                  div: int, planes, y, N: int, K: int, roles: int = 1):
+    """``moe_role`` for bf16 experts (``moe_bf16_x3``): role r's matrices from the table's row ``data_row`` + r
+    (``tab`` not None) or at ``base`` + (e * stride + (row_off + r N) * K) values (packed experts)."""
+    fn, grid, smem = work.launch("moe_bf16_x3", "bf16", N, roles)
     null = np.uint64(0)
     fn(grid, (256,), (
         null if tab is None else tab, np.int32(data_row), null if base is None else base, np.int64(stride),
         np.int32(row_off), np.int32(E), work.blocks, off, order, np.int32(div), planes,
-        np.int64(planes.shape[1] * planes.shape[2]), y, np.int32(N), np.int32(K)), shared_mem=smem)
+        np.int64(planes.shape[1] * planes.shape[2]), y, np.int32(N), np.int32(K), *_roles(y, roles)),
+       shared_mem=smem)
 
 
 def moe_role_nvfp4(tab, data_row: int, scale_row: int, gs_row: int, E: int, work: SlotBlocks, off, order,
-                   div: int, planes, y, N: int, K: int):
-    """``moe_role`` for NVFP4 experts (``moe_nvfp4_x3``): codes, block scales and global scales from the table's rows
-    ``data_row``, ``scale_row``, ``gs_row``."""
-    fn, grid, smem = work.launch("moe_nvfp4_x3", "nvfp4", N)
+                   div: int, planes, y, N: int, K: int, roles: int = 1):
+    """``moe_role`` for NVFP4 experts (``moe_nvfp4_x3``): role r's codes, block scales and global scales from the
+    table's rows ``data_row`` + r, ``scale_row`` + r, ``gs_row`` + r."""
+    fn, grid, smem = work.launch("moe_nvfp4_x3", "nvfp4", N, roles)
     fn(grid, (256,), (
         tab, np.int32(data_row), np.int32(scale_row), np.int32(gs_row), np.int32(E), work.blocks, off, order,
-        np.int32(div), planes, np.int64(planes.shape[1] * planes.shape[2]), y, np.int32(N), np.int32(K)),
-       shared_mem=smem)
+        np.int32(div), planes, np.int64(planes.shape[1] * planes.shape[2]), y, np.int32(N), np.int32(K),
+        *_roles(y, roles)), shared_mem=smem)
+
+
+def _roles(y, roles: int):
+    """The kernels' (roles, values between two roles' outputs) for y (roles, S, N) or (S, N)."""
+    if roles < 1 or (roles > 1 and (y.ndim != 3 or y.shape[0] != roles)):
+        raise ValueError(f"{roles} roles into an output of shape {y.shape}")
+    return np.int32(roles), np.int64(y[0].size if roles > 1 else 0)
 
 
 def moe_act(g, u, act: int):

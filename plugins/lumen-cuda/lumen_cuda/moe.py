@@ -287,8 +287,8 @@ def _grouped(gsrc, dsrc, gblock, dblock, x, ids, ids64, w, y, E, H, I, a):
 def _grouped_x3(gsrc, dsrc, x, ids, ids64, w, y, E, H, I, a):
     """Routed experts on the bf16 tensor cores with f32-exact products (the default where the device has them; off
     with LUMEN_CUDA_MMA_PREFILL=0; lumen_cuda.fp8_mma): the slots bucketed as in ``_grouped``; x and then h as three
-    bf16 planes; gate, up and down per (expert, run of 32 slots, 256 rows; ``fp8_mma.SlotBlocks``: the width, its
-    work list built on the device); then the same weighted sum. gsrc / dsrc as
+    bf16 planes; gate and up in one launch, then down, per (expert, run of 32 slots, 256 rows;
+    ``fp8_mma.SlotBlocks``: the width, its work list built on the device); then the same weighted sum. gsrc / dsrc as
     ``_launch``'s: (table, "fp8" | "nvfp4" | "bf16") or (packed base, "packed_bf16")."""
     T, k = ids.shape
     S = T * k
@@ -296,28 +296,24 @@ def _grouped_x3(gsrc, dsrc, x, ids, ids64, w, y, E, H, I, a):
     _fn("moe_bucket")((1,), (BUCKET_THREADS,), (ids, np.int32(ids64), np.int32(S), np.int32(E), off, order))
     work = fp8_mma.SlotBlocks(off, S, E, _fn("moe_slot_blocks"), BUCKET_THREADS)
     xp = fp8_mma.x_planes(x)
-    g, u, ys = (cp.empty((S, I), dtype=cp.float32), cp.empty((S, I), dtype=cp.float32),
-                cp.empty((S, H), dtype=cp.float32))
+    gu, ys = cp.empty((2, S, I), dtype=cp.float32), cp.empty((S, H), dtype=cp.float32)
 
-    def role(src, index: int, roles: int, planes, out, N: int, K: int, div: int):
-        """index: the role's table row (0 gate / down, 1 up); roles: the table's matrices (2: gate and up, 1: down),
-        whose data rows come first, then their scales (fp8: f32 blocks; NVFP4: e4m3 blocks, then global scales)."""
+    def roles(src, n: int, planes, out, N: int, K: int, div: int):
+        """The table's n matrices (2: gate and up, in one launch; 1: down), whose data rows come first, then their
+        scales (fp8: f32 blocks; NVFP4: e4m3 blocks, then global scales)."""
         tab, kind = src
         if kind == "fp8":
-            fp8_mma.moe_role(tab, index, index + roles, E, work, off, order, div, planes, out, N, K)
+            fp8_mma.moe_role(tab, 0, n, E, work, off, order, div, planes, out, N, K, n)
         elif kind == "nvfp4":
-            fp8_mma.moe_role_nvfp4(tab, index, index + roles, index + 2 * roles, E, work, off, order, div, planes,
-                                   out, N, K)
+            fp8_mma.moe_role_nvfp4(tab, 0, n, 2 * n, E, work, off, order, div, planes, out, N, K, n)
         elif kind == "bf16":
-            fp8_mma.moe_role_bf16(tab, index, None, 0, 0, E, work, off, order, div, planes, out, N, K)
+            fp8_mma.moe_role_bf16(tab, 0, None, 0, 0, E, work, off, order, div, planes, out, N, K, n)
         else:  # packed: (E, 2I, H) with the up rows after the gate rows, (E, H, I)
-            rows = tab.shape[1]
-            fp8_mma.moe_role_bf16(None, 0, tab, rows * K, index * I, E, work, off, order, div, planes, out, N, K)
+            fp8_mma.moe_role_bf16(None, 0, tab, tab.shape[1] * K, 0, E, work, off, order, div, planes, out, N, K, n)
 
-    role(gsrc, 0, 2, xp, g, I, H, k)
-    role(gsrc, 1, 2, xp, u, I, H, k)
-    hp = fp8_mma.x_planes(fp8_mma.moe_act(g, u, int(a)))
-    role(dsrc, 0, 1, hp, ys, H, I, 1)
+    roles(gsrc, 2, xp, gu, I, H, k)
+    hp = fp8_mma.x_planes(fp8_mma.moe_act(gu[0], gu[1], int(a)))
+    roles(dsrc, 1, hp, ys, H, I, 1)
     _fn("moe_combine")(((T * H + COMBINE_THREADS - 1) // COMBINE_THREADS,), (COMBINE_THREADS,),
                        (ids, np.int32(ids64), w, ys, y, np.int32(T), np.int32(k), np.int32(E), np.int32(H)))
 

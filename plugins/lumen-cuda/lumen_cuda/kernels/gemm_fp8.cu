@@ -471,13 +471,15 @@ extern "C" __global__ void __launch_bounds__(256, 2) gemm_fp8_x3(const unsigned 
   x3_block<X3_FP8>(W, sw, nullptr, 1.0f, XP, (long long)T * K, y, N, K, blockIdx.y * FP8_BM, src, src);
 }
 
-// Routed experts (moe.py's grouped path; the default, off with LUMEN_CUDA_MMA_PREFILL=0): one matrix role of every
-// expert, the slots bucketed by moe_bucket (order[off[e] .. off[e + 1]) = expert e's slots). Block (x, y) = (the
-// run of BN slots of one expert's bucket that the work list `blocks` names at x: c << 16 | e for slots c BN .. of
-// expert e, -1 for none; moe.cu's moe_slot_blocks), BM rows of its matrix): 64 x 128 (moe_*_x3), 32 x 256
-// (*_x3_s32, the default) or 16 x 256 (*_x3_s16), the launch's choice (fp8_mma_model.slot_block). A slot's plane row is slot / div (div = k for x's
-// planes (3, T, K): the token; 1 for h's (3, S, K)), its output row the slot: y (S, N). Grid (the list's length,
-// ceil(N / BM)).
+// Routed experts (moe.py's grouped path; the default, off with LUMEN_CUDA_MMA_PREFILL=0): `roles` matrix roles (1:
+// down; 2: gate and up, one launch) of every expert, the slots bucketed by moe_bucket (order[off[e] .. off[e + 1]) =
+// expert e's slots). Block (x, y) = (the run of BN slots of one expert's bucket that the work list `blocks` names at
+// x: c << 16 | e for slots c BN .. of expert e, -1 for none; moe.cu's moe_slot_blocks), BM rows of role y / ny's
+// matrix, ny = gridDim.y / roles): 64 x 128 (moe_*_x3), 32 x 256 (*_x3_s32, the default) or 16 x 256 (*_x3_s16),
+// the launch's choice (fp8_mma_model.slot_block). Role r's matrix is the table's rows data_row + r (scale_row + r,
+// gs_row + r; packed: rows row_off + r N), its output y + r y_role. A slot's plane row is slot / div (div = k for
+// x's planes (3, T, K): the token; 1 for h's (3, S, K)), its output row the slot: y (S, N). Grid (the list's
+// length, roles ceil(N / BM)).
 // The block's BN slot rows and its expert, or false where the list has no run at x.
 template <int BN>
 __device__ __forceinline__ bool x3_slots(const int* __restrict__ blocks, const int* __restrict__ off,
@@ -506,18 +508,21 @@ __device__ __forceinline__ bool x3_slots(const int* __restrict__ blocks, const i
 #define MOE_FP8_X3_PARAMS                                                                                      \
   const unsigned long long *__restrict__ tab, int data_row, int scale_row, int E,                  \
       const int *__restrict__ blocks, const int *__restrict__ off, const int *__restrict__ order, int div, \
-      const unsigned short *__restrict__ XP, long long plane, float *__restrict__ y, int N, int K
+      const unsigned short *__restrict__ XP, long long plane, float *__restrict__ y, int N, int K, int roles,     \
+      long long y_role
 template <int WN, int TN>
 __device__ __forceinline__ void moe_fp8_x3_body(MOE_FP8_X3_PARAMS) {
   using G = X3<X3_FP8, WN, TN>;
   __shared__ int src[G::BN], dst[G::BN];
   int e;
   if (!x3_slots<G::BN>(blocks, off, order, div, src, dst, e)) return;
-  const unsigned char* W = reinterpret_cast<const unsigned char*>(tab[(size_t)data_row * E + e]);
-  const float* sw = reinterpret_cast<const float*>(tab[(size_t)scale_row * E + e]);
-  x3_block<X3_FP8, WN, TN>(W, sw, nullptr, 1.0f, XP, plane, y, N, K, blockIdx.y * G::BM, src, dst);
+  const int ny = gridDim.y / roles, r = blockIdx.y / ny;
+  const unsigned char* W = reinterpret_cast<const unsigned char*>(tab[(size_t)(data_row + r) * E + e]);
+  const float* sw = reinterpret_cast<const float*>(tab[(size_t)(scale_row + r) * E + e]);
+  x3_block<X3_FP8, WN, TN>(W, sw, nullptr, 1.0f, XP, plane, y + r * y_role, N, K, (blockIdx.y - r * ny) * G::BM,
+                           src, dst);
 }
-#define MOE_FP8_X3_ARGS tab, data_row, scale_row, E, blocks, off, order, div, XP, plane, y, N, K
+#define MOE_FP8_X3_ARGS tab, data_row, scale_row, E, blocks, off, order, div, XP, plane, y, N, K, roles, y_role
 X3_WIDTHS(moe_fp8_x3, MOE_FP8_X3_PARAMS, MOE_FP8_X3_ARGS)
 
 // bf16 experts: the matrix is the table's row data_row (tab non-null), or base + (e * stride + row_off * K) values
@@ -525,19 +530,22 @@ X3_WIDTHS(moe_fp8_x3, MOE_FP8_X3_PARAMS, MOE_FP8_X3_ARGS)
 #define MOE_BF16_X3_PARAMS                                                                                            \
   const unsigned long long *__restrict__ tab, int data_row, const unsigned short *__restrict__ base, long long stride, \
       int row_off, int E, const int *__restrict__ blocks, const int *__restrict__ off, const int *__restrict__ order,  \
-      int div, const unsigned short *__restrict__ XP, long long plane, float *__restrict__ y, int N, int K
+      int div, const unsigned short *__restrict__ XP, long long plane, float *__restrict__ y, int N, int K,       \
+      int roles, long long y_role
 template <int WN, int TN>
 __device__ __forceinline__ void moe_bf16_x3_body(MOE_BF16_X3_PARAMS) {
   using G = X3<X3_BF16, WN, TN>;
   __shared__ int src[G::BN], dst[G::BN];
   int e;
   if (!x3_slots<G::BN>(blocks, off, order, div, src, dst, e)) return;
-  const unsigned short* W = tab ? reinterpret_cast<const unsigned short*>(tab[(size_t)data_row * E + e])
-                                : base + (size_t)e * stride + (size_t)row_off * K;
-  x3_block<X3_BF16, WN, TN>(reinterpret_cast<const unsigned char*>(W), nullptr, nullptr, 1.0f, XP, plane, y, N, K,
-                            blockIdx.y * G::BM, src, dst);
+  const int ny = gridDim.y / roles, r = blockIdx.y / ny;
+  const unsigned short* W = tab ? reinterpret_cast<const unsigned short*>(tab[(size_t)(data_row + r) * E + e])
+                                : base + (size_t)e * stride + (size_t)(row_off + r * N) * K;
+  x3_block<X3_BF16, WN, TN>(reinterpret_cast<const unsigned char*>(W), nullptr, nullptr, 1.0f, XP, plane,
+                            y + r * y_role, N, K, (blockIdx.y - r * ny) * G::BM, src, dst);
 }
-#define MOE_BF16_X3_ARGS tab, data_row, base, stride, row_off, E, blocks, off, order, div, XP, plane, y, N, K
+#define MOE_BF16_X3_ARGS \
+  tab, data_row, base, stride, row_off, E, blocks, off, order, div, XP, plane, y, N, K, roles, y_role
 X3_WIDTHS(moe_bf16_x3, MOE_BF16_X3_PARAMS, MOE_BF16_X3_ARGS)
 
 // y (T, N) f32 = planes (3, T, K) . W^T for an NVFP4 weight: codes (N, K/2), e4m3 block scales bs (N, K/16), global
@@ -559,19 +567,23 @@ extern "C" __global__ void __launch_bounds__(256, 2) gemm_nvfp4_x3(const unsigne
 #define MOE_NVFP4_X3_PARAMS                                                                                         \
   const unsigned long long *__restrict__ tab, int data_row, int scale_row, int gs_row, int E,                    \
       const int *__restrict__ blocks, const int *__restrict__ off, const int *__restrict__ order, int div,     \
-      const unsigned short *__restrict__ XP, long long plane, float *__restrict__ y, int N, int K
+      const unsigned short *__restrict__ XP, long long plane, float *__restrict__ y, int N, int K, int roles,     \
+      long long y_role
 template <int WN, int TN>
 __device__ __forceinline__ void moe_nvfp4_x3_body(MOE_NVFP4_X3_PARAMS) {
   using G = X3<X3_NVFP4, WN, TN>;
   __shared__ int src[G::BN], dst[G::BN];
   int e;
   if (!x3_slots<G::BN>(blocks, off, order, div, src, dst, e)) return;
-  const unsigned char* W = reinterpret_cast<const unsigned char*>(tab[(size_t)data_row * E + e]);
-  const unsigned char* bs = reinterpret_cast<const unsigned char*>(tab[(size_t)scale_row * E + e]);
-  const float gs = __uint_as_float((unsigned int)(tab[(size_t)gs_row * E + e] & 0xffffffffull));
-  x3_block<X3_NVFP4, WN, TN>(W, nullptr, bs, gs, XP, plane, y, N, K, blockIdx.y * G::BM, src, dst);
+  const int ny = gridDim.y / roles, r = blockIdx.y / ny;
+  const unsigned char* W = reinterpret_cast<const unsigned char*>(tab[(size_t)(data_row + r) * E + e]);
+  const unsigned char* bs = reinterpret_cast<const unsigned char*>(tab[(size_t)(scale_row + r) * E + e]);
+  const float gs = __uint_as_float((unsigned int)(tab[(size_t)(gs_row + r) * E + e] & 0xffffffffull));
+  x3_block<X3_NVFP4, WN, TN>(W, nullptr, bs, gs, XP, plane, y + r * y_role, N, K, (blockIdx.y - r * ny) * G::BM,
+                             src, dst);
 }
-#define MOE_NVFP4_X3_ARGS tab, data_row, scale_row, gs_row, E, blocks, off, order, div, XP, plane, y, N, K
+#define MOE_NVFP4_X3_ARGS \
+  tab, data_row, scale_row, gs_row, E, blocks, off, order, div, XP, plane, y, N, K, roles, y_role
 X3_WIDTHS(moe_nvfp4_x3, MOE_NVFP4_X3_PARAMS, MOE_NVFP4_X3_ARGS)
 
 // h (S, I) = act(g) * u elementwise (act 0: silu, 1: gelu_tanh, as moe.cu's act_mul).
