@@ -16,8 +16,9 @@ slot) over the dense bf16 tensor-core rate (990 TFLOP/s, the H100 / H200 SXM dat
 measurement). "max diff": the two paths' largest output difference over the largest output (f32 rounding order).
 The default block width in slots is ``fp8_mma_model.slot_block``'s (printed); ``--slots`` also times each width
 forced (``LUMEN_CUDA_X3_SLOTS``), the data the default was chosen from; ``--pipes`` times the default width with
-each x3 pipeline forced (``fp8_mma.PIPE``: STAGESxKMUL, stages in flight x the stage's columns over the format's base;
-2x1 is the two-stage geometry before the deeper pipeline; the device's own choice is printed). Dev tool: needs cupy.
+each x3 pipeline forced (``fp8_mma.x3_pipe`` replaced: STAGESxKMUL, stages in flight x the stage's columns over the
+format's base; 2x1 is the two-stage geometry before the deeper pipeline; the device's own choice is printed). Dev
+tool: needs cupy.
 """
 
 from __future__ import annotations
@@ -73,16 +74,16 @@ def both(run, inputs, reps: int, slots=(), pipes=()) -> tuple[dict, float]:
     any of them from "0" over its largest output."""
     from lumen_cuda import fp8_mma
 
-    got, out = {}, {}
+    got, out, chosen = {}, {}, fp8_mma.x3_pipe
     runs = [("0", "", None), ("", "", None)] + [("", str(n), None) for n in slots] + [("", "", p) for p in pipes]
     for mode, width, pipe in runs:
         os.environ["LUMEN_CUDA_MMA_PREFILL"] = mode
         os.environ["LUMEN_CUDA_X3_SLOTS"] = width
-        fp8_mma.PIPE = pipe
+        fp8_mma.x3_pipe = (lambda p=pipe: p) if pipe else chosen
         key = f"p{pipe[0]}x{pipe[1]}" if pipe else f"s{width}" if width else mode
         got[key] = timed(lambda: run(*inputs), reps)
         out[key] = cp.asnumpy(run(*inputs)).astype(np.float64)
-    fp8_mma.PIPE = None
+    fp8_mma.x3_pipe = chosen
     os.environ.pop("LUMEN_CUDA_MMA_PREFILL")
     os.environ.pop("LUMEN_CUDA_X3_SLOTS")
     return got, max(float(np.abs(o - out["0"]).max() / np.abs(out["0"]).max()) for o in out.values())

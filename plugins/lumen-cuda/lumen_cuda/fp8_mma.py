@@ -28,14 +28,12 @@ from .fp8_mma_model import x3_pipe as pipe_for
 FILE = "gemm_fp8"
 BM, BN = 128, 64  # the GEMM block's weight rows and tokens (FP8_BM, FP8_BN in the .cu file)
 MOE_BLOCKS = {64: ("", 128), 32: ("_s32", 256), 16: ("_s16", 256)}  # slots a block -> kernel suffix, weight rows
-PIPE: tuple[int, int] | None = None  # the x3 kernels' pipeline forced (a benchmark's sweep); None: x3_pipe's choice
 _ATTR_SMEM_OPTIN, _ATTR_SMEM_SM, _ATTR_SMEM_KEPT = 97, 81, 111  # cudaDevAttr*: per block (opt-in), per SM, kept
 
 
 def x3_pipe() -> tuple[int, int]:
-    """``PIPE``, or fp8_mma_model.x3_pipe's choice for this device's shared memory."""
-    if PIPE is not None:
-        return PIPE
+    """The x3 kernels' pipeline (stages, column multiple) for this device's shared memory: fp8_mma_model.x3_pipe's
+    choice (``benchmarks/cuda_moe_prefill.py --pipes`` replaces this function to time others)."""
     return pipe_for(kernels.device_attribute(_ATTR_SMEM_OPTIN, kernels.DEFAULT_SMEM),
                     kernels.device_attribute(_ATTR_SMEM_SM, 2 * kernels.DEFAULT_SMEM),
                     kernels.device_attribute(_ATTR_SMEM_KEPT, 1024))
