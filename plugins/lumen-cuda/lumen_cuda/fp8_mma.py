@@ -10,6 +10,9 @@ reports the e4m3 instructions, an fp8 Weight with 128 x 128 block scales and K a
 takes a kernel from ``gemv.GEMM_MIN_T`` tokens instead of ``gemm_split``. Nothing is kept per weight: the kernels
 read the stored codes and scales as they are. Dense NVFP4 weights (``exact`` only): ``nvfp4_exact``,
 ``linear_nvfp4`` for ``gemv.linear_nvfp4``.
+
+The x3 kernels' pipeline depth is compiled in (``x3_pipe``: fp8_mma_model.x3_pipe's choice for the device's shared
+memory; ``_fn`` passes it to NVRTC and returns the block's dynamic shared memory with the kernel).
 """
 
 from __future__ import annotations
