@@ -227,9 +227,9 @@ extern "C" __global__ void __launch_bounds__(256) gemm_fp8_mma(const unsigned ch
 // g, k 2t+8, 2t+9; a3 = row g+8, k 2t+8..; b0 = token g, k 2t, 2t+1; b1 = token g, k 2t+8, 2t+9; c as above; the
 // lower k in the lower half of a register. Block: 128 weight rows x 64 tokens, 8 warps of 32 x 32; stages of BK
 // columns (weight rows and plane rows padded by 16 bytes: conflict-free fragment reads) in dynamic shared memory,
-// X3_STAGES of them, cp.async keeping X3_STAGES - 1 in flight (X3 below; 2 x 32 columns before). Narrow blocks for routed experts' small buckets (X3's WN = 1): 256 weight rows x
-// 32 tokens (warps 32 x 32, one column of 8) or x 16 tokens (TN = 16: warps 32 x 16), so a bucket of ~16 slots
-// (35B-A3B at 512 tokens) does not pay 64 slots' MMAs.
+// X3_STAGES of them, cp.async keeping X3_STAGES - 1 in flight (X3 below; 2 x 32 columns before). Narrow blocks for
+// routed experts' small buckets (X3's WN = 1): 256 weight rows x 32 tokens (warps 32 x 32, one column of 8) or x 16
+// tokens (TN = 16: warps 32 x 16), so a bucket of ~16 slots (35B-A3B at 512 tokens) does not pay 64 slots' MMAs.
 
 // Stage geometry per weight format (X3_FP8: e4m3 bytes, X3_BF16: bf16, X3_NVFP4: packed e2m1 codes, low nibble
 // first, with e4m3 scales per 16 values and a global scale): BK columns a stage, WB weight bytes a row (padded by 16
