@@ -4,7 +4,9 @@
                                       --moe-layers 8 --prompts 512,4096 --decode 64 --workdir /tmp/lumen-bench
                                       --placements vram,stream,stream-cache64,cpu-experts --json out.json]
     python benchmarks/cuda_models.py --full-depth --no-hf [--models 9b-bf16,9b-fp8,35b-a3b-fp8,g4-26b-a4b-bf16]
-        # issue 21's table: every row at its real depth, per-layer and outside-the-layers time, llama.cpp beside
+        # issue 21's table: every row at its real depth, per-layer and outside-the-layers time, llama.cpp beside,
+        # then each row against its goals
+    python benchmarks/cuda_models.py --table a.json,b.json   # that table from earlier runs' --json files
 
 Rows (random checkpoints built by transformers in bf16 and saved; fp8 copies written by ``lumen quantize``):
 
@@ -84,6 +86,9 @@ def parse_args(argv=None):
                    "are deleted after it, so that the next fits the disk)")
     p.add_argument("--repeat", type=int, default=1,
                    help="decode timed this many times per row, the median reported (every run in --json)")
+    p.add_argument("--table", default="",
+                   help="print the --full-depth table from these --json files of earlier runs (comma-separated: "
+                        "rows run in separate calls, one placement) and their goals, and measure nothing")
     p.add_argument("--depths", default="",
                    help="--full-depth: SHORT,DEEP layer counts instead of each shape's period and real depth (the "
                         "row then also gives the real depth's decode and prefill from the per-layer and outside "
@@ -99,6 +104,14 @@ FULL_DEPTH = {"9b": (32, 4), "35b-a3b": (40, 4), "g4-26b-a4b": (30, 6)}  # (real
 # issue 22's llama.cpp figures with the routed experts on the CPU (`-ot exps=CPU`, the H200 host's 16 cores): decode
 # tok/s and prefill tok/s at 512, for the --full-depth --placements cpu-experts rows
 LLAMA_CPP_CPU_EXPERTS = {"35b-a3b-fp8": (37.1, {512: 116}), "35b-a3b-nvfp4": (37.1, {512: 116})}
+# issue 21's goals, all in VRAM: decode as a fraction of its bytes' bound (MoE: the active weights'), prefill tok/s
+# (1.3x llama.cpp's, or the issue's own figure where it names one); with the experts on the CPU, issue 22's: 1.5x
+# llama.cpp's `-ot exps=CPU` decode and prefill
+DECODE_GOALS = {"9b-bf16": 0.85, "9b-fp8": 0.75, "9b-nvfp4": 0.75, "35b-a3b-fp8": 0.60, "35b-a3b-nvfp4": 0.60,
+                "g4-26b-a4b-bf16": 0.60}
+PREFILL_GOALS = {"9b-bf16": {512: 21840, 4096: 25000}, "9b-fp8": {512: 11440, 4096: 12000},
+                 "35b-a3b-fp8": {512: 6500}, "g4-26b-a4b-bf16": {512: 15000}}
+CPU_EXPERTS_GOAL = 1.5
 
 
 def full_depth_rows(args, prompts, bw: float) -> dict:
@@ -143,7 +156,7 @@ def full_depth_rows(args, prompts, bw: float) -> dict:
                "active_params": b["params"], "decode": b["lumen"]["decode"], "decode_layer_us": 1e6 * layer_s,
                "decode_outside_us": 1e6 * outside_s, "decode_at_real": 1 / (outside_s + real * layer_s),
                "layer_bytes": (b["bytes"] - a["bytes"]) / (deep - short), "prefill": {}, "graph": b["lumen"]["graph"],
-               "expert_bytes_per_token": b["experts"], "host_read_bandwidth": host_bw}
+               "expert_bytes_per_token": b["experts"], "host_read_bandwidth": host_bw, "read_bandwidth": bw}
         for n in prompts:
             ts = {k: n / r["lumen"]["prefill"][n] for k, r in timed.items()}
             per = (ts[deep] - ts[short]) / (deep - short)
@@ -155,21 +168,36 @@ def full_depth_rows(args, prompts, bw: float) -> dict:
         if args.json:
             Path(args.json).write_text(json.dumps({"args": vars(args), "bandwidth": bw, "full_depth": rows},
                                                   indent=2, default=str))
-    print(f"\nread bandwidth measured: {bw / 1e9:.0f} GB/s; bf16 tensor-core peak {BF16_PEAK / 1e12:.0f} TFLOP/s; "
-          "llama.cpp: issue 21's figures\n")
+    print(full_depth_report(rows, prompts))
+    return rows
+
+
+def full_depth_report(rows: dict, prompts) -> str:
+    """Issue 21's table (issue 22's with the experts on the CPU) for full-depth rows, each measured against the read
+    bandwidth of its own run (``read_bandwidth``, ``host_read_bandwidth``), then each row against its goals."""
+    out = []
+    placements = {r["placement"] for r in rows.values()}
+    if len(placements) > 1:
+        raise SystemExit(f"one table holds one placement; these rows have {sorted(placements)}")
+    placement = None if placements <= {"vram"} else placements.pop()
+    bws = sorted({round(r["read_bandwidth"] / 1e9) for r in rows.values()})
+    host_bw = next((r["host_read_bandwidth"] for r in rows.values() if r.get("host_read_bandwidth")), None)
+    out.append(f"\nread bandwidth measured: {', '.join(map(str, bws))} GB/s; bf16 tensor-core peak "
+               f"{BF16_PEAK / 1e12:.0f} TFLOP/s; llama.cpp: issue 21's figures\n")
     if host_bw:
-        print(f"routed experts: {placement}; llama.cpp: issue 22's `-ot exps=CPU` figures; % of bound: the routed "
-              f"experts' bytes a token read per second against the host's read bandwidth measured in this run "
-              f"({host_bw / 1e9:.1f} GB/s, a parallel numba sum with numba's default threads)\n")
+        out.append(f"routed experts: {placement}; llama.cpp: issue 22's `-ot exps=CPU` figures; % of bound: the "
+                   f"routed experts' bytes a token read per second against the host's read bandwidth measured in "
+                   f"this run ({host_bw / 1e9:.1f} GB/s, a parallel numba sum with numba's default threads)\n")
     elif placement:
-        print(f"routed experts: {placement}; llama.cpp: issue 22's `-ot exps=CPU` figures; % of bound: -, the GPU's "
-              "bandwidth does not bound a step that reads experts from host RAM\n")
-    print("| model | layers | decode tok/s | % of bound | per layer µs (% of its bytes' bound) | outside layers µs | "
-          "llama.cpp | Lumen / llama.cpp |" + "".join(f" prefill {n} tok/s | per layer ms | outside ms | "
-                                                      f"% TC | llama.cpp | ratio |" for n in prompts))
-    print("|" + "---|" * (8 + 6 * len(prompts)))
+        out.append(f"routed experts: {placement}; llama.cpp: issue 22's `-ot exps=CPU` figures; % of bound: -, the "
+                   "GPU's bandwidth does not bound a step that reads experts from host RAM\n")
+    per_prompt = " prefill {} tok/s | per layer ms | outside ms | % TC | llama.cpp | ratio |"
+    out.append("| model | layers | decode tok/s | % of bound | per layer µs (% of its bytes' bound) | "
+               "outside layers µs | llama.cpp | Lumen / llama.cpp |" + "".join(per_prompt.format(n) for n in prompts))
+    out.append("|" + "---|" * (8 + 6 * len(prompts)))
     fits = []
     for name, r in rows.items():
+        bw = r["read_bandwidth"]
         bound = bw / r["bytes_per_token"]
         layer_bound_us = 1e6 * r["layer_bytes"] / bw
         ref = (LLAMA_CPP_CPU_EXPERTS if placement else LLAMA_CPP).get(name)
@@ -184,20 +212,60 @@ def full_depth_rows(args, prompts, bw: float) -> dict:
                 f"{r['decode_layer_us']:.1f} ({layer_bound_us / r['decode_layer_us']:.0%})"
                 f" | {r['decode_outside_us']:.0f} | {ref[0] if ref else '-'} | {ratio} |")
         for n in prompts:
-            p = r["prefill"][n]
+            p = r["prefill"].get(n)
+            if p is None:
+                line += " - | - | - | - | - | - |"
+                continue
             tc = p["tok_s"] * 2 * r["active_params"] / BF16_PEAK
             lref = ref[1].get(n) if ref else None
             ratio = f"{(p['at_real'] if fitted else p['tok_s']) / lref:.2f}x" if lref else "-"
             line += (f" {p['tok_s']:.0f} | {p['layer_ms']:.2f} | {p['outside_ms']:.1f} | {tc:.1%} | "
                      f"{lref or '-'} | {ratio} |")
-        print(line)
+        out.append(line)
         if fitted:
             pre = ", ".join(f"prefill {n} {p['at_real']:.0f} tok/s" for n, p in r["prefill"].items())
             fits.append(f"{name} at its real {r['real_layers']} layers (outside + {r['real_layers']} x per layer): "
                         f"decode {dec:.1f} tok/s, {pre}")
     if fits:
-        print("\nRatios of rows measured at fewer layers are those of the real depth's figures:\n" + "\n".join(fits))
-    return rows
+        out.append("\nRatios of rows measured at fewer layers are those of the real depth's figures:\n"
+                   + "\n".join(fits))
+    out.append("\nAgainst the goals (issue 21 all in VRAM, issue 22 with the experts on the CPU):")
+    out += [goal_line(name, r, placement) for name, r in rows.items()]
+    return "\n".join(out)
+
+
+def goal_line(name: str, r: dict, placement: str | None) -> str:
+    """One row against its goals: decode as a fraction of its bound, prefill in tok/s (issue 21), or both as
+    multiples of llama.cpp's with the experts on the CPU (issue 22); the real depth's figures where it was fitted."""
+    fitted = r["layers"] != r["real_layers"]
+    dec = r["decode_at_real"] if fitted else r["decode"]
+    parts = []
+    if placement:
+        ref = LLAMA_CPP_CPU_EXPERTS.get(name)
+        if ref is None:
+            return f"- {name}: no goal with {placement}"
+        parts.append(_verdict(f"decode {dec:.1f} tok/s = {dec / ref[0]:.2f}x llama.cpp", dec / ref[0],
+                              CPU_EXPERTS_GOAL, f"{CPU_EXPERTS_GOAL}x"))
+        for n, p in r["prefill"].items():
+            tok = p["at_real"] if fitted else p["tok_s"]
+            if ref[1].get(n):
+                parts.append(_verdict(f"prefill {n} {tok:.0f} tok/s = {tok / ref[1][n]:.2f}x", tok / ref[1][n],
+                                      CPU_EXPERTS_GOAL, f"{CPU_EXPERTS_GOAL}x"))
+        return f"- {name}: " + "; ".join(parts)
+    step_bytes = r["bytes_per_token"] + (r["real_layers"] - r["layers"]) * r["layer_bytes"]  # at the real depth
+    frac = dec * step_bytes / r["read_bandwidth"]
+    if name in DECODE_GOALS:
+        parts.append(_verdict(f"decode {frac:.1%} of the bound", frac, DECODE_GOALS[name], f"{DECODE_GOALS[name]:.0%}"))
+    for n, p in r["prefill"].items():
+        goal = PREFILL_GOALS.get(name, {}).get(n)
+        if goal:
+            tok = p["at_real"] if fitted else p["tok_s"]
+            parts.append(_verdict(f"prefill {n} {tok:.0f} tok/s", tok, goal, f"{goal}"))
+    return f"- {name}: " + ("; ".join(parts) if parts else "no goal")
+
+
+def _verdict(what: str, got: float, goal: float, shown: str) -> str:
+    return f"{what} (goal {shown}: {'met' if got >= goal else f'{got / goal:.0%} of it'})"
 
 
 def hf_config(shape: str, layers: int, vocab: int, dims: dict | None = None):
@@ -447,8 +515,29 @@ def set_moe_rows(spec: str) -> None:
     print(f"moe rows: gate_up {moe.ROWS_GATE_UP}, down {moe.ROWS_DOWN}, down_t1 {moe.ROWS_DOWN_T1}", file=sys.stderr)
 
 
+def table_from(paths: str) -> str:
+    """``full_depth_report`` for the rows of earlier ``--full-depth --json`` files (a row's read bandwidth: its own,
+    else its file's); a later file's row replaces an earlier one of the same name."""
+    rows, prompts = {}, []
+    for path in paths.split(","):
+        try:
+            data = json.loads(Path(path).read_text())
+            found = data["full_depth"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise SystemExit(f"--table {path}: not a --full-depth --json file ({e})") from None
+        for name, r in found.items():
+            r = {**r, "prefill": {int(n): p for n, p in r["prefill"].items()}}
+            r.setdefault("read_bandwidth", data.get("bandwidth"))
+            rows[name] = r
+            prompts += [n for n in r["prefill"] if n not in prompts]
+    return full_depth_report(rows, sorted(prompts))
+
+
 def main(argv=None):
     args = parse_args(argv)
+    if args.table:
+        print(table_from(args.table))
+        return
     set_moe_rows(args.moe_rows)
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
