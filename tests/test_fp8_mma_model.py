@@ -130,9 +130,9 @@ def test_x3_pipeline_fits_each_device_twice_an_sm():
     two-stage geometry of before on a 100 KB-an-SM card (SM120, Ada), never more than a block may opt in to."""
     assert M.x3_smem("fp8", 128, 64, (2, 1)) == 2 * (128 * 48 + 3 * 64 * 80)  # the old static arrays: 43008
     assert M.x3_smem("bf16", 256, 32, (2, 1)) == 2 * (256 * 48 + 3 * 32 * 48)
-    assert M.x3_smem("nvfp4", 256, 32, (2, 1)) == 2 * (256 * 32 + 3 * 32 * 80)
+    assert M.x3_smem("nvfp4", 256, 32, (2, 1)) == 2 * (256 * 32 + 3 * 32 * 80 + 256 * 2 * 4)  # + scale words
     assert M.x3_smem("fp8", 256, 32, (3, 2)) == 3 * (256 * 80 + 3 * 32 * 144)
-    assert M.x3_smem("nvfp4", 256, 16, (3, 2)) == 3 * (256 * 48 + 3 * 16 * 144)
+    assert M.x3_smem("nvfp4", 256, 16, (3, 2)) == 3 * (256 * 48 + 3 * 16 * 144 + 256 * 4 * 4)
     hopper = (232448, 233472, 1024)  # cudaDevAttrMaxSharedMemoryPerBlockOptin, ...PerMultiprocessor, Reserved...
     sm120 = (101376, 102400, 1024)
     assert M.x3_pipe(*hopper) == (3, 2)

@@ -94,11 +94,13 @@ X3_STATIC_SMEM = 2 * 64 * 4  # a block's static shared memory at most (its slot 
 
 def x3_smem(fmt: str, rows: int, slots: int, pipe: tuple[int, int]) -> int:
     """Dynamic shared memory bytes of an x3 block of ``rows`` weight rows x ``slots`` tokens: per stage, the rows'
-    weight bytes and three bf16 plane rows, each padded by 16 bytes (gemm_fp8.cu's X3: SW + SX)."""
+    weight bytes and three bf16 plane rows, each padded by 16 bytes, and for NVFP4 the rows' block scales as bf16
+    pairs, a 4-byte word a 16 columns (gemm_fp8.cu's X3: SW + SX + SS)."""
     stages, kmul = pipe
     bk = (16 if fmt == "bf16" else 32) * kmul
     wb = bk // 2 if fmt == "nvfp4" else 2 * bk if fmt == "bf16" else bk
-    return stages * (rows * (wb + 16) + 3 * slots * (2 * bk + 16))
+    scales = rows * (bk // 16) * 4 if fmt == "nvfp4" else 0
+    return stages * (rows * (wb + 16) + 3 * slots * (2 * bk + 16) + scales)
 
 
 def x3_pipe(smem_block: int, smem_sm: int, smem_kept: int) -> tuple[int, int]:

@@ -257,6 +257,10 @@ struct X3 {
   static constexpr int KP = FMT == X3_NVFP4 ? 32 : FMT == X3_BF16 ? 8 : 16;  // columns a 16-byte weight piece
   static constexpr int BM = 256 / WN, BN = WN * TN, JN = TN / 8;
   static constexpr int SW = BM * LDW, SX = 3 * BN * LDX;  // bytes a stage: weights, planes
+  // NVFP4: a stage's block scales as bf16 pairs (BM rows x BK / 16 words, converted once by the thread that loads
+  // them: x3_scale_load / x3_scale_store); SP 16-bit loads of two scales each a stage, SPT a thread at most
+  static constexpr int SS = FMT == X3_NVFP4 ? BM * (BK / 16) * 4 : 0;
+  static constexpr int SP = FMT == X3_NVFP4 ? BM * (BK / 32) : 0, SPT = SP > 256 ? (SP + 255) / 256 : 1;
 };
 
 // byte offset of value k of row `row` in a weight of K columns
@@ -361,6 +365,34 @@ __device__ __forceinline__ float x3_e4m3(unsigned int b) {  // e4m3fn byte -> f3
   return (b & 0x80u) ? -v : v;
 }
 
+// NVFP4 block scales, a stage ahead through registers: this thread's SPT pairs of e4m3 scales (16-bit loads: a
+// row's scales are 2-byte aligned for any K % 32 == 0, not always 4) of the stage from column k0, rows clamped to N
+// (stored nowhere past N), pairs from K on zero (their codes are zero-filled).
+template <int FMT, int WN, int TN>
+__device__ __forceinline__ void x3_scale_load(unsigned short (&raw)[X3<FMT, WN, TN>::SPT],
+                                              const unsigned char* __restrict__ bs, int N, int K, int row0, int k0) {
+  using G = X3<FMT, WN, TN>;
+  for (int i = 0; i < G::SPT; i++) {
+    const int p = threadIdx.x + 256 * i, r = p / (G::BK / 32), c = k0 + (p % (G::BK / 32)) * 32;
+    raw[i] = p < G::SP && c < K
+                 ? *reinterpret_cast<const unsigned short*>(bs + (size_t)min(row0 + r, N - 1) * (K / 16) + c / 16)
+                 : (unsigned short)0;
+  }
+}
+
+// ... and into the stage's scale words: bf16 pairs (x3_nvfp4_quad's s2), word r (BK / 16) + j = row r, 16 columns j.
+template <int FMT, int WN, int TN>
+__device__ __forceinline__ void x3_scale_store(const unsigned short (&raw)[X3<FMT, WN, TN>::SPT], unsigned int* ss) {
+  using G = X3<FMT, WN, TN>;
+  for (int i = 0; i < G::SPT; i++) {
+    const int p = threadIdx.x + 256 * i;
+    if (p < G::SP) {
+      ss[2 * p] = x3_bf16_pair(x3_e4m3(raw[i] & 0xffu));
+      ss[2 * p + 1] = x3_bf16_pair(x3_e4m3(raw[i] >> 8));
+    }
+  }
+}
+
 // The block's BM weight rows from row0 x its BN tokens: y[dst[r] * N + row] for token r with dst[r] >= 0. fp8: sw
 // the weight's block scales (a warp's row block: its 32 rows' / 128), K % 128 == 0; bf16: K % 16 == 0; NVFP4: bs its
 // e4m3 block scales (N, K / 16), gs its global scale (times the result), K % 32 == 0.
@@ -375,6 +407,8 @@ __device__ __forceinline__ void x3_block(const unsigned char* __restrict__ W, co
   extern __shared__ __align__(16) unsigned char x3_smem[];  // NS weight stages, then NS plane stages
   unsigned char* const s_w = x3_smem;
   unsigned char* const s_x = x3_smem + NS * G::SW;
+  unsigned int* const s_s = reinterpret_cast<unsigned int*>(x3_smem + NS * (G::SW + G::SX));  // NVFP4: NS x SS
+  unsigned short raw[G::SPT];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int wm = WN == 2 ? warp >> 1 : warp, wn = WN == 2 ? warp & 1 : 0;
   // the warp's fp8 scale row block (clamped: a warp wholly past N reads a real one and stores nothing)
@@ -386,19 +420,27 @@ __device__ __forceinline__ void x3_block(const unsigned char* __restrict__ W, co
       for (int q = 0; q < 4; q++) acc[i][j][q] = 0.0f, blk[i][j][q] = 0.0f;
 
   for (int st = 0; st < NS - 1; st++) {  // the first NS - 1 stages in flight (a group each, empty past the last)
-    if (st < steps) x3_load_stage<FMT, WN, TN>(s_w + st * G::SW, s_x + st * G::SX, W, XP, N, K, plane, src, row0,
-                                               st * G::BK);
+    if (st < steps) {
+      x3_load_stage<FMT, WN, TN>(s_w + st * G::SW, s_x + st * G::SX, W, XP, N, K, plane, src, row0, st * G::BK);
+      if (FMT == X3_NVFP4) {
+        x3_scale_load<FMT, WN, TN>(raw, bs, N, K, row0, st * G::BK);
+        x3_scale_store<FMT, WN, TN>(raw, s_s + st * (G::SS / 4));
+      }
+    }
     fp8_cp_commit();
   }
   for (int s = 0; s < steps; s++) {
     cp_wait<NS - 2>();  // this thread's copies of stage s are in
     __syncthreads();    // everyone's are, and every warp is done with stage s - 1, whose buffer is refilled next
-    if (s + NS - 1 < steps) {
+    const bool ahead = s + NS - 1 < steps;
+    if (ahead) {
       const int n = (s + NS - 1) % NS;
       x3_load_stage<FMT, WN, TN>(s_w + n * G::SW, s_x + n * G::SX, W, XP, N, K, plane, src, row0,
                                  (s + NS - 1) * G::BK);
+      if (FMT == X3_NVFP4) x3_scale_load<FMT, WN, TN>(raw, bs, N, K, row0, (s + NS - 1) * G::BK);
     }
     fp8_cp_commit();
+    const unsigned int* cs = s_s + (s % NS) * (G::SS / 4);
     const unsigned char* cw = s_w + (s % NS) * G::SW;
     const unsigned char* cx = s_x + (s % NS) * G::SX;
     for (int kk = 0; kk < G::BK; kk += 16) {
@@ -407,10 +449,7 @@ __device__ __forceinline__ void x3_block(const unsigned char* __restrict__ W, co
         const int rl = wm * 32 + 16 * i + g;  // the fragment's rows rl, rl + 8 of the block
         if (FMT == X3_NVFP4) {  // codes a byte a pair; the pair's block scale (16 columns: kk .. kk + 15)
           const unsigned char* r = cw + rl * G::LDW + kk / 2 + t;
-          const int kb = min((s * G::BK + kk) / 16, K / 16 - 1);  // (past K: zero codes)
-          const int r0 = min(row0 + rl, N - 1), r8 = min(row0 + rl + 8, N - 1);
-          const unsigned int s0 = x3_bf16_pair(x3_e4m3(bs[(size_t)r0 * (K / 16) + kb]));
-          const unsigned int s8 = x3_bf16_pair(x3_e4m3(bs[(size_t)r8 * (K / 16) + kb]));
+          const unsigned int s0 = cs[rl * (G::BK / 16) + kk / 16], s8 = cs[(rl + 8) * (G::BK / 16) + kk / 16];
           x3_nvfp4_quad(r[0] | (unsigned int)r[4] << 8, s0, a[i][0], a[i][2]);  // row g: k 2t, 2t + 1 | 2t + 8, 2t + 9
           x3_nvfp4_quad(r[8 * G::LDW] | (unsigned int)r[8 * G::LDW + 4] << 8, s8, a[i][1], a[i][3]);  // row g + 8
           continue;
@@ -441,6 +480,7 @@ __device__ __forceinline__ void x3_block(const unsigned char* __restrict__ W, co
           x3_mma(blk[i][j], a[i], b[2][j]);
         }
     }
+    if (FMT == X3_NVFP4 && ahead) x3_scale_store<FMT, WN, TN>(raw, s_s + ((s + NS - 1) % NS) * (G::SS / 4));
     if ((s + 1) % per_block == 0 || s + 1 == steps) {  // 128 columns done (or the last): into the accumulators,
       const float w_s = FMT == X3_FP8 ? sw[(size_t)rb * KB + s / per_block] : 1.0f;  // times fp8's block scale
       for (int i = 0; i < 2; i++)
