@@ -89,6 +89,10 @@ def parse_args(argv=None):
     p.add_argument("--table", default="",
                    help="print the --full-depth table from these --json files of earlier runs (comma-separated: "
                         "rows run in separate calls, one placement) and their goals, and measure nothing")
+    p.add_argument("--cuda-compute", default="none", choices=("none", "bf16"),
+                   help="the config's cuda.compute-quantization: bf16 rounds the activations of every several-token "
+                        "product to bf16 (one tensor-core product where exact runs two or three); --full-depth rows "
+                        "are then named MODEL bf16-act")
     p.add_argument("--depths", default="",
                    help="--full-depth: SHORT,DEEP layer counts instead of each shape's period and real depth (the "
                         "row then also gives the real depth's decode and prefill from the per-layer and outside "
@@ -143,7 +147,8 @@ def full_depth_rows(args, prompts, bw: float) -> dict:
             path = write_checkpoint(shape, layers, fmt, Path(args.workdir), args.vocab)
             print(f"{name} ({layers} layers): checkpoint ready in {time.perf_counter() - t:.0f}s", file=sys.stderr)
             per_token, params, expert_bytes = bytes_per_token(path)
-            lumen = time_lumen(path, prompts, args.decode, experts, args.repeat, cpu_block(placement))
+            lumen = time_lumen(path, prompts, args.decode, experts, args.repeat, cpu_block(placement),
+                               args.cuda_compute)
             timed[layers] = {"lumen": lumen, "bytes": per_token, "params": params, "experts": expert_bytes}
             if not args.keep:
                 shutil.rmtree(path)
@@ -163,7 +168,8 @@ def full_depth_rows(args, prompts, bw: float) -> dict:
             row["prefill"][n] = {"tok_s": b["lumen"]["prefill"][n], "layer_ms": 1e3 * per,
                                  "outside_ms": 1e3 * (ts[deep] - deep * per),
                                  "at_real": n / (ts[deep] - deep * per + real * per)}
-        rows[name] = row
+        row["cuda_compute"] = args.cuda_compute
+        rows[name if args.cuda_compute == "none" else f"{name} {args.cuda_compute}-act"] = row
         print(f"{name}: {json.dumps(row, default=str)[:400]}", file=sys.stderr)
         if args.json:
             Path(args.json).write_text(json.dumps({"args": vars(args), "bandwidth": bw, "full_depth": rows},
@@ -200,7 +206,7 @@ def full_depth_report(rows: dict, prompts) -> str:
         bw = r["read_bandwidth"]
         bound = bw / r["bytes_per_token"]
         layer_bound_us = 1e6 * r["layer_bytes"] / bw
-        ref = (LLAMA_CPP_CPU_EXPERTS if placement else LLAMA_CPP).get(name)
+        ref = (LLAMA_CPP_CPU_EXPERTS if placement else LLAMA_CPP).get(model_of(name))
         fitted = r["layers"] != r["real_layers"]  # ratios against llama.cpp's real depth: the fit's figure
         dec = r["decode_at_real"] if fitted else r["decode"]
         ratio = f"{dec / ref[0]:.2f}x" if ref else "-"
@@ -234,14 +240,20 @@ def full_depth_report(rows: dict, prompts) -> str:
     return "\n".join(out)
 
 
+def model_of(name: str) -> str:
+    """A row's model (its goals' and llama.cpp's key): the name without a "bf16-act" tag (--cuda-compute)."""
+    return name.split(" ")[0]
+
+
 def goal_line(name: str, r: dict, placement: str | None) -> str:
     """One row against its goals: decode as a fraction of its bound, prefill in tok/s (issue 21), or both as
     multiples of llama.cpp's with the experts on the CPU (issue 22); the real depth's figures where it was fitted."""
     fitted = r["layers"] != r["real_layers"]
+    model = model_of(name)
     dec = r["decode_at_real"] if fitted else r["decode"]
     parts = []
     if placement:
-        ref = LLAMA_CPP_CPU_EXPERTS.get(name)
+        ref = LLAMA_CPP_CPU_EXPERTS.get(model)
         if ref is None:
             return f"- {name}: no goal with {placement}"
         parts.append(_verdict(f"decode {dec:.1f} tok/s = {dec / ref[0]:.2f}x llama.cpp", dec / ref[0],
@@ -254,10 +266,11 @@ def goal_line(name: str, r: dict, placement: str | None) -> str:
         return f"- {name}: " + "; ".join(parts)
     step_bytes = r["bytes_per_token"] + (r["real_layers"] - r["layers"]) * r["layer_bytes"]  # at the real depth
     frac = dec * step_bytes / r["read_bandwidth"]
-    if name in DECODE_GOALS:
-        parts.append(_verdict(f"decode {frac:.1%} of the bound", frac, DECODE_GOALS[name], f"{DECODE_GOALS[name]:.0%}"))
+    if model in DECODE_GOALS:
+        parts.append(_verdict(f"decode {frac:.1%} of the bound", frac, DECODE_GOALS[model],
+                              f"{DECODE_GOALS[model]:.0%}"))
     for n, p in r["prefill"].items():
-        goal = PREFILL_GOALS.get(name, {}).get(n)
+        goal = PREFILL_GOALS.get(model, {}).get(n)
         if goal:
             tok = p["at_real"] if fitted else p["tok_s"]
             parts.append(_verdict(f"prefill {n} {tok:.0f} tok/s", tok, goal, f"{goal}"))
@@ -394,7 +407,7 @@ PREFILL_RUNS = 3  # timed prefills per prompt length after the warm-up; the medi
 
 
 def time_lumen(path: Path, prompts, steps: int, experts: dict | None = None, repeat: int = 1,
-               cpu: dict | None = None) -> dict:
+               cpu: dict | None = None, cuda_compute: str = "none") -> dict:
     import cupy as cp
     import numpy as np
 
@@ -412,6 +425,8 @@ def time_lumen(path: Path, prompts, steps: int, experts: dict | None = None, rep
     config = {"model": {"path": str(path), "compute": "cuda:0", "store": "vram", "hidden-layers": hidden}}
     if cpu:
         config["cpu"] = cpu
+    if cuda_compute != "none":
+        config["cuda"] = {"compute-quantization": cuda_compute}
     engine = lumen.load(config, progress=False)
     load_s = time.perf_counter() - t
     vocab = engine.model.vocab_size

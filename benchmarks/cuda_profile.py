@@ -110,6 +110,8 @@ def main(argv=None):
     p.add_argument("--prompt", type=int, default=512)
     p.add_argument("--steps", type=int, default=64)
     p.add_argument("--trace", action="store_true", help="kernel-level trace through torch's profiler")
+    p.add_argument("--cuda-compute", default="none", choices=("none", "bf16"),
+                   help="the config's cuda.compute-quantization (bf16: prefill products on bf16 activations)")
     args = p.parse_args(argv)
     import cupy as cp
     import numpy as np
@@ -118,9 +120,11 @@ def main(argv=None):
     from lumen_core.sampling import SamplingParams
 
     ctx = args.prompt + args.steps + 16
-    engine = lumen.load({"model": {"path": args.checkpoint, "compute": "cuda:0", "store": "vram",
-                                   "hidden-layers": {"kv-cache": {"context-size": ctx, "type-k": "bf16",
-                                                                  "type-v": "bf16"}}}}, progress=False)
+    config = {"model": {"path": args.checkpoint, "compute": "cuda:0", "store": "vram",
+                        "hidden-layers": {"kv-cache": {"context-size": ctx, "type-k": "bf16", "type-v": "bf16"}}}}
+    if args.cuda_compute != "none":
+        config["cuda"] = {"compute-quantization": args.cuda_compute}
+    engine = lumen.load(config, progress=False)
     ids = np.random.RandomState(0).randint(0, engine.model.vocab_size, args.prompt).tolist()
     greedy = SamplingParams(temperature=0.0)
     list(engine.generate_tokens(ids, 4, greedy))  # capture, compile, warm the pools

@@ -34,6 +34,9 @@ class Weight:
     # where the backend keeps ``data`` ("vram", "ram", ...: the plan's store), set by the backend that made it; None
     # where unknown (a Weight made by hand). Ops read it to choose a path instead of inferring it from the array type
     store: str | None = None
+    # the activations a backend's several-token (prefill) products with this weight take: "f32" (exact, the
+    # default) or "bf16" (rounded to bf16 first: ``cuda.compute-quantization``), set by the backend that made it
+    activations: str = "f32"
 
     @property
     def nbytes(self) -> int:
@@ -117,7 +120,8 @@ class Backend(ABC):
         raise NotImplementedError(f"backend {self.name!r} has no thread pool to configure")
 
     def configure_compute_quantization(self, quantization: str) -> None:
-        """Called before loading on the CPU backend with ``cpu.compute-quantization`` ("none" or "int8")."""
+        """Called before loading on the CPU backends with ``cpu.compute-quantization`` ("none", "int8" or "bf16") and
+        on the cuda backends with ``cuda.compute-quantization`` ("none" or "bf16")."""
         if quantization != "none":
             raise NotImplementedError(f"backend {self.name!r} has no compute quantization {quantization!r}")
 

@@ -512,8 +512,10 @@ def normalize(raw: dict) -> None:
 
 def _check_cuda(knobs: dict) -> None:
     for key in knobs:
+        if key == "compute-quantization":  # Lumen's own key (the schema checks its value)
+            continue
         raise ConfigError(f"cuda.{key}", "LumenLLM's CUDA runtime knobs are not supported: its guide documents none, "
-                          "and Lumen's CUDA backend takes no runtime settings from the config (issue 16)",
+                          "and Lumen's CUDA backend takes one setting from the config, compute-quantization",
                           "remove the key (an empty cuda block is accepted and has no effect)")
 
 
@@ -810,6 +812,11 @@ class Config:
         quantize x to 8 bits), "bf16" (NVFP4 experts' several-token products in bf16 AMX tiles) or "none" (the
         default)."""
         return self.raw.get("cpu", {}).get("compute-quantization", "none")
+
+    def cuda_compute_quantization(self) -> str:
+        """cuda.compute-quantization: "bf16" (the cuda backends' several-token products round the activations to
+        bf16) or "none" (the default: exact)."""
+        return self.raw.get("cuda", {}).get("compute-quantization", "none")
 
     def expert_cache(self) -> int | None:
         """model.hidden-layers.experts.cache: experts kept in VRAM per GPU for streamed experts (None: default)."""

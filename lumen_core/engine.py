@@ -150,6 +150,7 @@ class Engine:
             raise InputError(f"{config.model_path} has no tokenizer, so it cannot chat")
         backends = _backends(resolved["placements"], registry)
         _configure_cpu(config, backends)
+        _configure_cuda(config, backends)
         for comp, p in resolved["placements"].items():  # routed experts streamed from a host store to a GPU
             if comp[0] == "experts" and p.store in registry.backend_class(p.backend).expert_stores:
                 backends[comp].configure_expert_cache(config.expert_cache())
@@ -838,6 +839,18 @@ def _configure_cpu(config, backends: dict) -> None:
     for b in cpus.values():
         if threads is not None:
             b.configure_threads(threads)
+        b.configure_compute_quantization(quant)
+
+
+def _configure_cuda(config, backends: dict) -> None:
+    """cuda.compute-quantization to every cuda backend, before any weight is read (each weight it makes is marked:
+    ``Weight.activations``); where no component computes on cuda, a note says it has no effect."""
+    quant = config.cuda_compute_quantization()
+    cudas = {id(b): b for b in backends.values() if b.name == "cuda"}
+    if quant != "none" and not cudas:
+        print(f"lumen: note: cuda.compute-quantization ({quant}) has no effect: no component computes on cuda",
+              file=sys.stderr)
+    for b in cudas.values():
         b.configure_compute_quantization(quant)
 
 

@@ -94,6 +94,27 @@ def test_cpu_settings_without_a_cpu_component_say_they_have_no_effect(capsys):
     assert capsys.readouterr().err == ""
 
 
+def test_cuda_compute_quantization_goes_to_each_cuda_backend_or_says_it_has_no_effect(capsys):
+    from lumen_core.config import load_config
+    from lumen_core.engine import _configure_cuda
+
+    class Backend:
+        def __init__(self, name):
+            self.name, self.got = name, []
+
+        def configure_compute_quantization(self, quantization):
+            self.got.append(quantization)
+
+    config = load_config({"model": {"path": "m"}, "cuda": {"compute-quantization": "bf16"}})
+    cpu, gpu = Backend("cpu"), Backend("cuda")
+    _configure_cuda(config, {("layer", 0): cpu, ("layer", 1): gpu, ("layer", 2): gpu})
+    assert gpu.got == ["bf16"] and cpu.got == [] and capsys.readouterr().err == ""
+    _configure_cuda(config, {("layer", 0): cpu})
+    assert "cuda.compute-quantization (bf16) has no effect: no component computes on cuda" in capsys.readouterr().err
+    _configure_cuda(load_config({"model": {"path": "m"}}), {("layer", 0): cpu})
+    assert capsys.readouterr().err == ""
+
+
 def test_int8_compute_quantization_without_int8_layout_weights_says_it_has_no_effect(tiny_checkpoint, capsys):
     """The tiny Gemma 3 checkpoint is f32 safetensors: no weight is in the int8 layout, so the mode does nothing."""
     lumen.load({"model": {"path": str(tiny_checkpoint("gemma3"))}, "cpu": {"compute-quantization": "int8"}},

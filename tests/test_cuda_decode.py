@@ -255,6 +255,26 @@ def test_causal_conv1d_step_against_the_cupy_op(cp, mods, C, K):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("C,K", [(96, 4), (300, 2), (5, 3), (130, 8)])
+@pytest.mark.parametrize("T", [1, 2, 7, 16, 37, 300])
+def test_causal_conv1d_prefill_equals_the_cupy_op_bitwise(cp, mods, C, K, T):
+    """The prefill kernel gives the CuPy op's bits (same products and sums in the same order, no FMA), and the same
+    state after, from a state a first call left (T < K - 1 takes the state's own rows too), then a decode step."""
+    _, decode, delta = mods
+    rng = np.random.default_rng(C * K + T)
+    w = cp.asarray(rng.normal(size=(K, C)).astype(np.float32)).T  # (C, K), a strided view
+    ref, mine = delta.conv_state(C, K), delta.conv_state(C, K)
+    for n in (T, 3, T):
+        x = cp.asarray(rng.normal(size=(n, C)).astype(np.float32))
+        got = decode.causal_conv1d_prefill(x, w, mine)
+        want = delta.causal_conv1d(x, w, ref)
+        assert got.shape == want.shape and cp.array_equal(got, want)
+        assert cp.array_equal(mine.x, ref.x)
+    with pytest.raises(ValueError, match="shapes"):
+        decode.causal_conv1d_prefill(x, w[:, :2], mine)
+
+
+@pytest.mark.gpu
 def test_fp8_kv_encoding_equals_the_cpu_reference(cp, mods):
     """The fp8 KV cache's encode (kernels/decode_attention.cu, integer arithmetic) gives the bytes the CPU backend
     stores (ml_dtypes E4M3, round-to-nearest-even, saturating at ±448) for values across every binade, subnormals,

@@ -132,6 +132,7 @@ def test_x3_pipeline_fits_each_device_twice_an_sm():
     assert M.x3_smem("bf16", 256, 32, (2, 1)) == 2 * (256 * 48 + 3 * 32 * 48)
     assert M.x3_smem("nvfp4", 256, 32, (2, 1)) == 2 * (256 * 32 + 3 * 32 * 80 + 256 * 2 * 4)  # + scale words
     assert M.x3_smem("fp8", 256, 32, (3, 2)) == 3 * (256 * 80 + 3 * 32 * 144)
+    assert M.x3_smem("fp8", 256, 32, (3, 2), planes=1) == 3 * (256 * 80 + 32 * 144)  # bf16 activations: one plane
     assert M.x3_smem("nvfp4", 256, 16, (3, 2)) == 3 * (256 * 48 + 3 * 16 * 144 + 256 * 4 * 4)
     hopper = (232448, 233472, 1024)  # cudaDevAttrMaxSharedMemoryPerBlockOptin, ...PerMultiprocessor, Reserved...
     sm120 = (101376, 102400, 1024)

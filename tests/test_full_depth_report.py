@@ -75,3 +75,14 @@ def test_table_merges_the_json_of_separate_runs(tmp_path, capsys):
     bad.write_text(json.dumps({"results": {}}))
     with pytest.raises(SystemExit, match="bad.json: not a --full-depth --json file"):
         cm.main(["--table", str(bad)])
+
+
+def test_a_bf16_activations_row_keeps_its_models_goals_and_llama_cpp_figures():
+    """--cuda-compute bf16 names a row "MODEL bf16-act": it sits beside the exact row, against the same goals."""
+    rows = {"9b-bf16": row(32, 32, 180.0, 18e9, 4.4e12, {4096: 11000}),
+            "9b-bf16 bf16-act": row(32, 32, 180.0, 18e9, 4.4e12, {4096: 26000})}
+    text = cm.full_depth_report(rows, [4096])
+    lines = {ln.split(":")[0][2:]: ln for ln in text.splitlines() if ln.startswith("- ")}
+    assert "prefill 4096 26000 tok/s (goal 25000: met)" in lines["9b-bf16 bf16-act"]
+    assert "prefill 4096 11000 tok/s (goal 25000: 44% of it)" in lines["9b-bf16"]
+    assert f"| {26000 / cm.LLAMA_CPP['9b-bf16'][1][4096]:.2f}x |" in text

@@ -239,6 +239,16 @@ def test_a_cuda_block_is_accepted_empty_and_each_knob_refused_by_name():
     assert err.path == "cuda.graphs" and "CUDA runtime knobs are not supported" in err.message
 
 
+def test_cuda_compute_quantization_is_lumens_own_key_in_the_cuda_block():
+    assert load_config({"model": {"path": "m"}}).cuda_compute_quantization() == "none"
+    config = load_config({"model": {"path": "m"}, "cuda": {"compute-quantization": "bf16"}})
+    assert config.cuda_compute_quantization() == "bf16" and config.requested_features() == []
+    err = refusal({"model": {"path": "m"}, "cuda": {"compute-quantization": "int8"}})
+    assert err.path == "cuda.compute-quantization" and "int8" in err.message
+    err = refusal({"model": {"path": "m"}, "cuda": {"compute-quantization": "bf16", "graphs": True}})
+    assert err.path == "cuda.graphs"
+
+
 def test_draft_flat_form_inherits_placement_from_model_and_nested_form_still_works():
     flat = {"model": {"path": "m", "compute": "cuda:0", "store": "vram"}, "draft": {"path": "d"}}
     config = load_config(flat)

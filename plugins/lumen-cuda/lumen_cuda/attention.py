@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import cupy as cp
 
-from . import flash
+from . import flash, fp8_mma
 
 F32 = cp.float32
 KV_DTYPES = {"f32": cp.float32, "f16": cp.float16, "bf16": cp.uint16, "fp8": cp.uint8}
@@ -31,23 +31,31 @@ def _fp8(kernel: str, x, out_dtype):
     return y
 
 
-def encode(x, dtype):
-    """f32 -> the cache's element type."""
+def encode(x, dtype, out=None):
+    """f32 -> the cache's element type (into ``out``, e.g. the cache's rows, when given)."""
     if dtype == cp.uint16:  # bf16, round to nearest even: add 0x7FFF plus the lowest kept bit, keep the top half
-        u = cp.ascontiguousarray(x, dtype=F32).view(cp.uint32)
-        return ((u + (((u >> 16) & 1) + 0x7FFF)) >> 16).astype(cp.uint16)
+        return fp8_mma.bf16_round(x, out)
     if dtype == cp.uint8:  # fp8 E4M3
-        return _fp8("kv_fp8_encode", cp.asarray(x, dtype=F32), cp.uint8)
-    return x.astype(dtype, copy=False)
+        y = _fp8("kv_fp8_encode", cp.asarray(x, dtype=F32), cp.uint8)
+    else:
+        y = x.astype(dtype, copy=False)
+    if out is None:
+        return y
+    out[...] = y
+    return out
 
 
 def decode(x):
     """The cache's element type -> f32."""
     if x.dtype == cp.uint16:
-        return (x.astype(cp.uint32) << 16).view(F32)
+        return _bf16_decode(x)
     if x.dtype == cp.uint8:
         return _fp8("kv_fp8_decode", x, F32)
     return x.astype(F32, copy=False)
+
+
+_bf16_decode = cp.ElementwiseKernel("uint16 x", "float32 y", "y = __uint_as_float(((unsigned int)x) << 16)",
+                                    "lumen_bf16_decode")
 
 
 @dataclass
@@ -96,8 +104,8 @@ def attention(q, k, v, cache, start: int, scale: float, window: int | None = Non
         lo, keys, vals = _ring_update(cache, k, v, start, window)
     else:
         end = start + q.shape[0]
-        cache.k[:, start:end] = encode(k.transpose(1, 0, 2), cache.k.dtype)
-        cache.v[:, start:end] = encode(v.transpose(1, 0, 2), cache.v.dtype)
+        encode(k.transpose(1, 0, 2), cache.k.dtype, out=cache.k[:, start:end])
+        encode(v.transpose(1, 0, 2), cache.v.dtype, out=cache.v[:, start:end])
         lo = 0 if window is None else max(0, start - window + 1)
         keys, vals = decode(cache.k[:, lo:end]), decode(cache.v[:, lo:end])  # (Hkv, S, D)
     return _attend(q, keys, vals, start, lo, scale, window, softcap, blocks)
@@ -126,15 +134,23 @@ def _ring_update(cache: RingKVCache, k, v, start: int, window: int | None):
         raise ValueError(f"a ring KV cache of {cap} positions cannot serve attention window {window}")
     end = start + T
     lo = max(0, start - window + 1)
-    past = cp.arange(lo, start) % cap
+    past = cp.arange(lo, start) % cap if lo < start else None
     new_k = encode(k.transpose(1, 0, 2), cache.k.dtype)  # (Hkv, T, D), rounded through the cache type
     new_v = encode(v.transpose(1, 0, 2), cache.v.dtype)
-    keys = decode(cp.concatenate([cache.k[:, past], new_k], axis=1))  # (Hkv, start-lo+T, D)
-    vals = decode(cp.concatenate([cache.v[:, past], new_v], axis=1))
+    if lo == start:  # nothing of the window before this call: its own rows
+        keys, vals = cp.ascontiguousarray(decode(new_k)), cp.ascontiguousarray(decode(new_v))
+    else:
+        keys = decode(cp.concatenate([cache.k[:, past], new_k], axis=1))  # (Hkv, start-lo+T, D)
+        vals = decode(cp.concatenate([cache.v[:, past], new_v], axis=1))
     n = min(T, cap)
-    slots = cp.arange(end - n, end) % cap
-    cache.k[:, slots] = new_k[:, T - n:]
-    cache.v[:, slots] = new_v[:, T - n:]
+    first = (end - n) % cap
+    if first + n <= cap:  # the newest rows land in consecutive slots
+        cache.k[:, first:first + n] = new_k[:, T - n:]
+        cache.v[:, first:first + n] = new_v[:, T - n:]
+    else:
+        slots = cp.arange(end - n, end) % cap
+        cache.k[:, slots] = new_k[:, T - n:]
+        cache.v[:, slots] = new_v[:, T - n:]
     cache.recent = (lo, keys, vals)
     return lo, keys, vals
 

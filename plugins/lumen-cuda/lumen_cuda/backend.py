@@ -130,6 +130,7 @@ class CUDABackend(Backend):
     kv_types = ("f32", "f16", "bf16", "fp8")
     kv_stores = ("vram",)  # a KV cache in host RAM for a GPU layer comes with issue 5
     graph_guests = ("cpu",)  # CPU experts under a GPU model stay inside the decode graph (hostcall.py)
+    activations = "f32"  # what this backend's weights' several-token products take (cuda.compute-quantization)
 
     @classmethod
     def devices(cls) -> list[DeviceInfo]:
@@ -226,7 +227,21 @@ class CUDABackend(Backend):
         """GGUF block formats (q8_0, q4_k, ...) are dequantized to bf16 on load: no CUDA kernel reads them yet."""
         return "bf16" if is_gguf_block(fmt) else fmt
 
+    def configure_compute_quantization(self, quantization: str) -> None:
+        """``cuda.compute-quantization``: "bf16" marks every weight this backend makes afterwards
+        (``Weight.activations``) so that its several-token products take the activations rounded to bf16 (one bf16
+        product where the exact path runs two or three: gemv.py, fp8_mma.py, moe.py); "none" (the default) keeps
+        them exact."""
+        if quantization not in ("none", "bf16"):
+            raise ValueError(f"cuda.compute-quantization {quantization!r}: the cuda backend takes none or bf16")
+        self.activations = "bf16" if quantization == "bf16" else "f32"
+
     def weight(self, array, fmt: str, store: str, scale=None, shape=None) -> Weight:
+        w = self._weight(array, fmt, store, scale, shape)
+        w.activations = self.activations
+        return w
+
+    def _weight(self, array, fmt: str, store: str, scale=None, shape=None) -> Weight:
         if is_gguf_block(fmt):
             array, fmt = dequantized_bf16(array, fmt, shape), "bf16"
         if store == "ram":

@@ -38,6 +38,7 @@ MAX_SPLITS = 8192  # combine keeps one weight per split in shared memory (32 KB)
 GDN_THREADS = 256  # GDN_WARPS * 32
 GDN_RPT = (4, 8, 16, 32)  # key rows per thread: Dk <= 8 * RPT
 CONV_THREADS = 128
+CONV_TOKENS = 16  # tokens a thread of conv1d_prefill computes (kernels/gdn_step.cu)
 _KV_NAMES = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16", np.dtype(np.uint16): "bf16",
              np.dtype(np.uint8): "fp8"}
 
@@ -240,6 +241,28 @@ def causal_conv1d_step(x, w, state: ConvState):
     if C:
         _fn(GDN_FILE, "conv1d_step")((-(-C // CONV_THREADS),), (CONV_THREADS,),
                                      (xc, wc, sx, y, np.int32(C), np.int32(K)))
+    return y
+
+
+def causal_conv1d_prefill(x, w, state: ConvState):
+    """``delta.causal_conv1d`` for any T in two launches (``conv1d_prefill``, then the state's move): x (T, C),
+    w (C, K) -> (T, C) f32, bit for bit the CuPy op's result; ``state.x`` (K-1, C) f32 becomes the last K-1 rows of
+    [state; x] (in place)."""
+    if x.ndim != 2 or x.shape[0] < 1:
+        raise ValueError(f"causal_conv1d_prefill takes (T >= 1, C): x {x.shape}")
+    T, C = x.shape
+    K = w.shape[-1]
+    sx = state.x
+    if w.shape != (C, K) or K < 2 or sx.shape != (K - 1, C):
+        raise ValueError(f"shapes: x {x.shape}, w {w.shape}, state {sx.shape} (kernel size >= 2)")
+    if not isinstance(sx, cp.ndarray) or sx.dtype != F32 or not sx.flags.c_contiguous:
+        raise ValueError("conv state must be a C-contiguous f32 CuPy array")
+    xc, wc = _f32(x, "x"), _f32(w, "w")
+    y = cp.empty((T, C), dtype=F32)
+    if C:
+        _fn(GDN_FILE, "conv1d_prefill")((-(-C // CONV_THREADS), -(-T // CONV_TOKENS)), (CONV_THREADS,),
+                                        (xc, wc, sx, y, np.int32(T), np.int32(C), np.int32(K)))
+        sx[...] = xc[T - (K - 1):] if T >= K - 1 else cp.concatenate([sx[T:], xc], axis=0)
     return y
 
 

@@ -42,12 +42,14 @@ def x3_pipe() -> tuple[int, int]:
                     kernels.device_attribute(_ATTR_SMEM_KEPT, 1024))
 
 
-def _fn(kernel: str, fmt: str = "", rows: int = 0, slots: int = 0):
-    """A kernel of the module compiled with this device's pipeline, and the dynamic shared memory an x3 block of
-    ``fmt`` (rows x slots) takes (0 for the other kernels)."""
+def _fn(kernel: str, fmt: str = "", rows: int = 0, slots: int = 0, planes: int = 3):
+    """A kernel of the module compiled with this device's pipeline and ``planes`` activation planes (3: exact; 1:
+    bf16 activations), and the dynamic shared memory an x3 block of ``fmt`` (rows x slots) takes (0 for the other
+    kernels)."""
     pipe = x3_pipe()
-    smem = x3_smem(fmt, rows, slots, pipe) if fmt else 0
-    return kernels.function(FILE, kernel, (f"-DX3_STAGES={pipe[0]}", f"-DX3_KMUL={pipe[1]}"), smem), smem
+    smem = x3_smem(fmt, rows, slots, pipe, planes) if fmt else 0
+    options = (f"-DX3_STAGES={pipe[0]}", f"-DX3_KMUL={pipe[1]}", f"-DX3_PLANES={planes}")
+    return kernels.function(FILE, kernel, options, smem), smem
 
 
 class SlotBlocks:
@@ -56,9 +58,10 @@ class SlotBlocks:
     ``slots`` of its bucket) as c << 16 | e, then -1 (moe.cu's ``moe_slot_blocks``, from the buckets' offsets
     ``off``): a launch's grid is the list, so no block looks for slots an expert does not have."""
 
-    def __init__(self, off, S: int, E: int, slot_fn, threads: int):
-        """slot_fn: moe.cu's ``moe_slot_blocks``, launched as one block of ``threads`` (its BUCKET_THREADS)."""
-        self.slots = slot_block(os.environ)
+    def __init__(self, off, S: int, E: int, slot_fn, threads: int, planes: int = 3):
+        """slot_fn: moe.cu's ``moe_slot_blocks``, launched as one block of ``threads`` (its BUCKET_THREADS);
+        ``planes``: the activation planes the kernels read (``planes_for``)."""
+        self.slots, self.planes = slot_block(os.environ), planes
         self.blocks = cp.empty(-(-S // self.slots) + E, dtype=cp.int32)
         slot_fn((1,), (threads,), (off, np.int32(E), np.int32(self.slots), self.blocks, np.int32(self.blocks.size)))
 
@@ -66,7 +69,7 @@ class SlotBlocks:
         """The width's variant of ``kernel`` (experts in ``fmt``), its grid (the list's length, roles x ceil(N /
         rows)) and its dynamic shared memory."""
         suffix, rows = MOE_BLOCKS[self.slots]
-        fn, smem = _fn(kernel + suffix, fmt, rows, self.slots)
+        fn, smem = _fn(kernel + suffix, fmt, rows, self.slots, self.planes)
         return fn, (self.blocks.size, roles * -(-N // rows)), smem
 
 
@@ -149,8 +152,30 @@ def gemm(xq, sx, data, scale):
     return y
 
 
-def x_planes(x):
-    """x (T, K) f32 device -> (3, T, K) bf16 bits (hi, mid, lo), as fp8_mma_model.x_planes."""
+def planes_for(w: Weight) -> int:
+    """The activation planes a product with ``w`` reads: 1 for a weight of cuda.compute-quantization bf16 (x rounded
+    to bf16), else 3 (f32-exact)."""
+    return 1 if w.activations == "bf16" else 3
+
+
+_bf16_round = cp.ElementwiseKernel(
+    "float32 x", "uint16 hi",
+    "const unsigned int u = __float_as_uint(x); hi = (u + (((u >> 16) & 1u) + 0x7FFFu)) >> 16", "lumen_bf16_round")
+
+
+def bf16_round(x, out=None):
+    """x f32 (any strides) -> bf16 bits, rounded to nearest even (the planes' hi alone): one kernel, into ``out``
+    (e.g. a bf16 KV cache's rows) or a fresh C-contiguous array."""
+    hi = cp.empty(x.shape, cp.uint16) if out is None else out
+    _bf16_round(x.astype(cp.float32, copy=False), hi)
+    return hi
+
+
+def x_planes(x, planes: int = 3):
+    """x (T, K) f32 device -> (3, T, K) bf16 bits (hi, mid, lo), as fp8_mma_model.x_planes; ``planes`` 1: (1, T, K),
+    the hi plane alone (x rounded to bf16)."""
+    if planes == 1:
+        return bf16_round(x)[None]
     x = cp.ascontiguousarray(x, dtype=cp.float32)
     xp = cp.empty((3, *x.shape), dtype=cp.uint16)
     if x.size:
@@ -159,13 +184,13 @@ def x_planes(x):
 
 
 def gemm_x3(xp, data, scale):
-    """y (T, N) f32 from the activations' planes (3, T, K) and an fp8 weight, as fp8_mma_model.gemm_x3."""
+    """y (T, N) f32 from the activations' planes (3 or 1, T, K) and an fp8 weight, as fp8_mma_model.gemm_x3."""
     _, T, K = xp.shape
     N = data.shape[0]
     y = cp.empty((T, N), dtype=cp.float32)
     if T and N:
         grid = (-(-T // BN), -(-N // BM))
-        fn, smem = _fn("gemm_fp8_x3", "fp8", BM, BN)
+        fn, smem = _fn("gemm_fp8_x3", "fp8", BM, BN, xp.shape[0])
         fn(grid, (256,), (cp.ascontiguousarray(data), cp.ascontiguousarray(scale, dtype=cp.float32), xp, y,
                           np.int32(N), np.int32(K), np.int32(T)), shared_mem=smem)
     return y
@@ -231,7 +256,7 @@ def gemm_nvfp4_x3(xp, data, block, global_scale):
     y = cp.empty((T, N), dtype=cp.float32)
     if T and N:
         grid = (-(-T // BN), -(-N // BM))
-        fn, smem = _fn("gemm_nvfp4_x3", "nvfp4", BM, BN)
+        fn, smem = _fn("gemm_nvfp4_x3", "nvfp4", BM, BN, xp.shape[0])
         fn(grid, (256,), (data, block, np.float32(global_scale), xp, y, np.int32(N), np.int32(K), np.int32(T)),
            shared_mem=smem)
     return y
@@ -239,7 +264,7 @@ def gemm_nvfp4_x3(xp, data, block, global_scale):
 
 def linear_nvfp4(x2, w: Weight):
     """``gemv.linear_nvfp4``'s prefill here: x2 (T, K) f32 device, w an NVFP4 Weight that ``nvfp4_exact`` took."""
-    return gemm_nvfp4_x3(x_planes(x2), w.data, w.scale.block, w.scale.global_scale)
+    return gemm_nvfp4_x3(x_planes(x2, planes_for(w)), w.data, w.scale.block, w.scale.global_scale)
 
 
 def linear(x2, w: Weight, how: str):
@@ -247,6 +272,6 @@ def linear(x2, w: Weight, how: str):
     its answer."""
     data = w.data.view(cp.uint8) if w.data.dtype != cp.uint8 else w.data
     if how == "exact":
-        return gemm_x3(x_planes(x2), data, w.scale)
+        return gemm_x3(x_planes(x2, planes_for(w)), data, w.scale)
     xq, sx = quantize_x(x2)
     return gemm(xq, sx, data, w.scale)

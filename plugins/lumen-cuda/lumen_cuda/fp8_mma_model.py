@@ -92,15 +92,15 @@ X3_GEOMETRIES = ((128, 64), (256, 32), (256, 16))  # (weight rows, slots) of the
 X3_STATIC_SMEM = 2 * 64 * 4  # a block's static shared memory at most (its slot rows, src and dst)
 
 
-def x3_smem(fmt: str, rows: int, slots: int, pipe: tuple[int, int]) -> int:
+def x3_smem(fmt: str, rows: int, slots: int, pipe: tuple[int, int], planes: int = 3) -> int:
     """Dynamic shared memory bytes of an x3 block of ``rows`` weight rows x ``slots`` tokens: per stage, the rows'
-    weight bytes and three bf16 plane rows, each padded by 16 bytes, and for NVFP4 the rows' block scales as bf16
-    pairs, a 4-byte word a 16 columns (gemm_fp8.cu's X3: SW + SX + SS)."""
+    weight bytes and ``planes`` bf16 plane rows (3: exact; 1: bf16 activations), each padded by 16 bytes, and for
+    NVFP4 the rows' block scales as bf16 pairs, a 4-byte word a 16 columns (gemm_fp8.cu's X3: SW + SX + SS)."""
     stages, kmul = pipe
     bk = (16 if fmt == "bf16" else 32) * kmul
     wb = bk // 2 if fmt == "nvfp4" else 2 * bk if fmt == "bf16" else bk
     scales = rows * (bk // 16) * 4 if fmt == "nvfp4" else 0
-    return stages * (rows * (wb + 16) + 3 * slots * (2 * bk + 16) + scales)
+    return stages * (rows * (wb + 16) + planes * slots * (2 * bk + 16) + scales)
 
 
 def x3_pipe(smem_block: int, smem_sm: int, smem_kept: int) -> tuple[int, int]:

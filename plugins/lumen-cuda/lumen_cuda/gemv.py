@@ -163,7 +163,7 @@ def _linear16(x, w: Weight):  # x (..., K), w (N, K) bf16 bits / f16 -> (..., N)
         y = gemv16(x2, w.data, w.format)
         return y if x.ndim == 2 else y.reshape(*x.shape[:-1], y.shape[-1])
     if isinstance(x, cp.ndarray) and w.format == "bf16" and w.data.ndim == 2 and w.data.flags.c_contiguous:
-        y = gemm_bf16(x2, w.data)
+        y = gemm_bf16(x2, w.data, w.activations == "bf16")
         return y if x.ndim == 2 else y.reshape(*x.shape[:-1], y.shape[-1])
     return cupy_ops.linear_dense(x, w)
 
@@ -215,14 +215,18 @@ def _gemms_bf16(y, parts, K: int, col0: int = 0, n: int | None = None):
                       _GEMM_DEFAULT)
 
 
-def gemm_bf16(x, w):
+def gemm_bf16(x, w, bf16_x: bool = False):
     """y (T, N) f32 = x (T, K) f32 @ w.T for w (N, K) bf16 bits, on the tensor cores (cuBLAS GemmEx, bf16 inputs,
     f32 accumulation). x is split into two bf16 halves (hi + lo) and multiplied twice, so the result keeps f32
-    activations' accuracy (~1e-5 relative) at twice the FLOPs of one bf16 GEMM: prefill stays compute-bound."""
+    activations' accuracy (~1e-5 relative) at twice the FLOPs of one bf16 GEMM: prefill stays compute-bound.
+    ``bf16_x`` (cuda.compute-quantization bf16): x rounded to bf16 (its hi half), one GEMM."""
     T, K = x.shape
     N = w.shape[0]
-    hi, lo = bf16_split(x)
     y = cp.empty((T, N), dtype=cp.float32)
+    if bf16_x:
+        _gemms_bf16(y, [(w, fp8_mma.bf16_round(x))], K)
+        return y
+    hi, lo = bf16_split(x)
     _gemms_bf16(y, [(w, hi), (w, lo)], K)
     return y
 
@@ -307,20 +311,21 @@ def prefill_supported(x, data, T: int, N: int, K: int) -> bool:
             data.dtype == cp.uint8 and data.flags.c_contiguous)
 
 
-def gemm_split(x, N: int, split):
+def gemm_split(x, N: int, split, bf16_x: bool = False):
     """y (T, N) f32 = x (T, K) @ W.T on the tensor cores, for a quantized W (N, K) given slab by slab as
     ``split(row0, rows, out) -> (W_hi, W_lo)`` bf16 bits: y = x_hi.W_hi^T + x_lo.W_hi^T + x_hi.W_lo^T (three
     GemmEx per slab into the slab's output columns; x_lo.W_lo^T, ~2^-18 relative, is dropped). The two bf16
-    buffers hold at most SPLIT_SLAB values each and are reused from slab to slab (same stream: ordered)."""
+    buffers hold at most SPLIT_SLAB values each and are reused from slab to slab (same stream: ordered).
+    ``bf16_x`` (cuda.compute-quantization bf16): x rounded to bf16, y = x_hi.W_hi^T + x_hi.W_lo^T (two GemmEx)."""
     T, K = x.shape
-    xh, xl = bf16_split(x)
+    xh, xl = (fp8_mma.bf16_round(x), None) if bf16_x else bf16_split(x)
     y = cp.empty((T, N), dtype=cp.float32)
     step = _slab_rows(N, K)
     bufs = (cp.empty(step * K, cp.uint16), cp.empty(step * K, cp.uint16))
     for r in range(0, N, step):
         n = min(step, N - r)
         wh, wl = split(r, n, bufs)
-        _gemms_bf16(y, [(wh, xh), (wh, xl), (wl, xh)], K, r, n)
+        _gemms_bf16(y, [(wh, xh), (wl, xh)] if bf16_x else [(wh, xh), (wh, xl), (wl, xh)], K, r, n)
     return y
 
 
@@ -368,7 +373,7 @@ def linear_fp8(x, w: Weight):  # x (..., K), w (N, K) e4m3 + scale -> (..., N) f
         y = fp8_mma.linear(x2, w, how)
     elif prefill_supported(x, w.data, T, N, K):
         y = gemm_split(x2.astype(cp.float32, copy=False), N,
-                       lambda r, n, out: fp8_split(w.data, w.scale, w.block, r, n, out))
+                       lambda r, n, out: fp8_split(w.data, w.scale, w.block, r, n, out), w.activations == "bf16")
     else:  # fallback where neither applies (T <= 4 with an unaligned weight, a strided weight): f32 SGEMM
         y = cp.matmul(x2.astype(cp.float32, copy=False), dequantize_fp8(w).T)
     return y if x.ndim == 2 else y.reshape(*x.shape[:-1], y.shape[-1])
@@ -448,7 +453,7 @@ def linear_nvfp4(x, w: Weight):  # x (..., K), w (N, K) NVFP4 -> (..., N) f32
             y = fp8_mma.linear_nvfp4(x2, w)
         else:
             y = gemm_split(x2, N, lambda r, n, out: nvfp4_split(w.data, w.scale.block, w.scale.global_scale, r, n,
-                                                                out))
+                                                                out), w.activations == "bf16")
         return y if x.ndim == 2 else y.reshape(*x.shape[:-1], N)
     # fallback where neither applies (T <= 4 with K % 32 != 0, a strided weight): f32 slabs through SGEMM
     step = max(1, NVFP4_SLAB // max(K, 1))
@@ -505,7 +510,7 @@ def linear_any(x, w: Weight):
 def _fusable(ws) -> bool:
     fmt, K = ws[0].format, ws[0].shape[-1]
     if len(ws) < 2 or any(w.format != fmt or len(w.shape) != 2 or w.shape[-1] != K or w.data.ndim != 2 or
-                          not w.data.flags.c_contiguous for w in ws):
+                          not w.data.flags.c_contiguous or w.activations != ws[0].activations for w in ws):
         return False
     if fmt in ("f32", "bf16", "f16"):
         return all(w.scale is None for w in ws)
@@ -529,7 +534,8 @@ def _fuse(ws):
     scale = None
     if ws[0].format == "fp8":
         scale = cp.concatenate([w.scale.reshape(w.shape[0], 1) if ws[0].block is None else w.scale for w in ws])
-    fused = Weight(data, ws[0].format, (data.shape[0], ws[0].shape[-1]), scale, ws[0].block, store="vram")
+    fused = Weight(data, ws[0].format, (data.shape[0], ws[0].shape[-1]), scale, ws[0].block, store="vram",
+                   activations=ws[0].activations)
     r = sr = 0
     for w in ws:
         n = w.shape[0]

@@ -51,7 +51,7 @@ def _each(w: Weight, fn, store: str) -> Weight:
         scale = type(scale)(fn(scale.block), scale.global_scale)
     elif scale is not None:
         scale = fn(scale)
-    return Weight(fn(w.data), w.format, w.shape, scale, w.block, store=store)
+    return Weight(fn(w.data), w.format, w.shape, scale, w.block, store=store, activations=w.activations)
 
 
 def device_view(w: Weight) -> Weight:

@@ -284,18 +284,19 @@ def _grouped(gsrc, dsrc, gblock, dblock, x, ids, ids64, w, y, E, H, I, a):
                        (ids, np.int32(ids64), w, ys, y, np.int32(T), np.int32(k), np.int32(E), np.int32(H)))
 
 
-def _grouped_x3(gsrc, dsrc, x, ids, ids64, w, y, E, H, I, a):
+def _grouped_x3(gsrc, dsrc, x, ids, ids64, w, y, E, H, I, a, planes: int = 3):
     """Routed experts on the bf16 tensor cores with f32-exact products (the default where the device has them; off
     with LUMEN_CUDA_MMA_PREFILL=0; lumen_cuda.fp8_mma): the slots bucketed as in ``_grouped``; x and then h as three
     bf16 planes; gate and up in one launch, then down, per (expert, run of 32 slots, 256 rows;
     ``fp8_mma.SlotBlocks``: the width, its work list built on the device); then the same weighted sum. gsrc / dsrc as
-    ``_launch``'s: (table, "fp8" | "nvfp4" | "bf16") or (packed base, "packed_bf16")."""
+    ``_launch``'s: (table, "fp8" | "nvfp4" | "bf16") or (packed base, "packed_bf16"). ``planes`` 1: x and h
+    rounded to bf16 (the experts' weights of cuda.compute-quantization bf16), one MMA where exact takes three."""
     T, k = ids.shape
     S = T * k
     off, order = cp.empty(E + 1, dtype=cp.int32), cp.empty(S, dtype=cp.int32)
     _fn("moe_bucket")((1,), (BUCKET_THREADS,), (ids, np.int32(ids64), np.int32(S), np.int32(E), off, order))
-    work = fp8_mma.SlotBlocks(off, S, E, _fn("moe_slot_blocks"), BUCKET_THREADS)
-    xp = fp8_mma.x_planes(x)
+    work = fp8_mma.SlotBlocks(off, S, E, _fn("moe_slot_blocks"), BUCKET_THREADS, planes)
+    xp = fp8_mma.x_planes(x, planes)
     gu, ys = cp.empty((2, S, I), dtype=cp.float32), cp.empty((S, H), dtype=cp.float32)
 
     def roles(src, n: int, planes, out, N: int, K: int, div: int):
@@ -312,15 +313,16 @@ def _grouped_x3(gsrc, dsrc, x, ids, ids64, w, y, E, H, I, a):
             fp8_mma.moe_role_bf16(None, 0, tab, tab.shape[1] * K, 0, E, work, off, order, div, planes, out, N, K, n)
 
     roles(gsrc, 2, xp, gu, I, H, k)
-    hp = fp8_mma.x_planes(fp8_mma.moe_act(gu[0], gu[1], int(a)))
+    hp = fp8_mma.x_planes(fp8_mma.moe_act(gu[0], gu[1], int(a)), planes)
     roles(dsrc, 1, hp, ys, H, I, 1)
     _fn("moe_combine")(((T * H + COMBINE_THREADS - 1) // COMBINE_THREADS,), (COMBINE_THREADS,),
                        (ids, np.int32(ids64), w, ys, y, np.int32(T), np.int32(k), np.int32(E), np.int32(H)))
 
 
-def _launch(gsrc, dsrc, gfmt, dfmt, gblock, dblock, inputs, E, H, I, act, out, scratch=None, x3=False):
+def _launch(gsrc, dsrc, gfmt, dfmt, gblock, dblock, inputs, E, H, I, act, out, scratch=None, x3: int = 0):
     """The kernels for one call; ``scratch``: the layer's dict that keeps its T = 1 buffer (``_scratch``); ``x3``:
-    the grouped path on the tensor cores (``_grouped_x3``; fp8 / NVFP4 / bf16 tables, packed bf16)."""
+    the grouped path on the tensor cores (``_grouped_x3``; fp8 / NVFP4 / bf16 tables, packed bf16) with that many
+    activation planes (3 or 1: ``fp8_mma.planes_for``; 0: the CUDA-core path)."""
     x, ids, ids64, w = inputs
     T, k = ids.shape
     y = _out(out, T, H)
@@ -334,7 +336,7 @@ def _launch(gsrc, dsrc, gfmt, dfmt, gblock, dblock, inputs, E, H, I, act, out, s
     for t0 in range(0, T, step):
         t1 = min(T, t0 + step)
         if x3:
-            _grouped_x3(gsrc, dsrc, x[t0:t1], ids[t0:t1], ids64, w[t0:t1], y[t0:t1], E, H, I, a)
+            _grouped_x3(gsrc, dsrc, x[t0:t1], ids[t0:t1], ids64, w[t0:t1], y[t0:t1], E, H, I, a, x3)
         else:
             _grouped(gsrc, dsrc, gblock, dblock, x[t0:t1], ids[t0:t1], ids64, w[t0:t1], y[t0:t1], E, H, I, a)
     return y
@@ -363,6 +365,7 @@ def experts(x, ids, weights, gate_up, down, act: str = "silu", out=None):
     # step)
     x3 = (inputs[1].shape[0] >= GROUPED_MIN_T and tg.fmt == td.fmt
           and fp8_mma.exact_experts(tg.fmt, tg.shape, td.shape, tg.block[:2], td.block[:2]))
+    x3 = fp8_mma.planes_for(gate_up[0][0]) if x3 else 0
     return _launch((tg.ptrs, tg.fmt), (td.ptrs, td.fmt), tg.fmt, td.fmt, tg.block, td.block, inputs,
                    len(gate_up), H, I, act, out, tg.scratch, x3)
 
@@ -392,6 +395,7 @@ def experts_packed(x, ids, weights, gate_up, down, act: str = "gelu_tanh", out=N
     one = (1, 1, 1)
     x3 = (inputs[1].shape[0] >= GROUPED_MIN_T and gate_up.format == down.format == "bf16"
           and fp8_mma.exact_experts("bf16", (I, H), (H, I)))  # as experts'
+    x3 = fp8_mma.planes_for(gate_up) if x3 else 0
     return _launch((gate_up.data, f"packed_{gate_up.format}"), (down.data, f"packed_{down.format}"),
                    gate_up.format, down.format, one, one, inputs, E, H, I, act, out,
                    derived(gate_up).setdefault("moe_scratch", {}), x3)

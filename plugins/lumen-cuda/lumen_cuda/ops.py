@@ -79,17 +79,28 @@ def softcap(x, cap: float):
 
 # -- rotary embeddings -------------------------------------------------------------------------------------
 def rope_tables(positions, inv_freq, mrope_section=None, interleaved=False):
-    """cos/sin (T, rot). Built on the host exactly as the CPU backend builds them (a few KB), then uploaded:
-    the tables then agree bit for bit, and positions arrive as host lists anyway. In a captured decode step
-    (lumen_cuda.step) they are computed on the device from the step's position instead."""
+    """cos/sin (T, rot) in one launch from the positions and frequencies (a few KB uploaded): each angle is the
+    CPU backend's f32 product (position × inverse frequency, the M-RoPE axis per frequency as the CPU picks it), its
+    cos / sin within 2 ulp of the CPU's (CUDA's cosf / sinf against numpy's); the host no longer computes T × rot
+    of them while the GPU waits. In a captured decode step (lumen_cuda.step) the position comes from the step."""
     pos = np.asarray(positions, dtype=np.float32)
     current = step.current()
     if current is not None:
         return _step_rope(current, pos, inv_freq)
-    inv = np.asarray(inv_freq, dtype=np.float32)
-    freqs = pos[:, None] * inv[None, :] if pos.ndim == 1 else _mrope_freqs(pos, inv, mrope_section, interleaved)
-    emb = np.concatenate([freqs, freqs], axis=-1)
-    return cp.asarray(np.cos(emb)), cp.asarray(np.sin(emb))
+    inv = np.asarray(inv_freq, dtype=np.float32).ravel()
+    half = inv.shape[0]
+    if pos.ndim == 1:
+        rows, axes = pos[None], np.zeros(half, np.int32)
+    else:  # the axis each frequency takes: _mrope_freqs on positions that are their own axis' number
+        rows = pos
+        axes = _mrope_freqs(np.arange(3, dtype=np.float32)[:, None], np.ones(half, np.float32), mrope_section,
+                            interleaved)[0].astype(np.int32)
+    T = rows.shape[-1]
+    cos, sin = cp.empty((T, 2 * half), F32), cp.empty((T, 2 * half), F32)
+    if T and half:
+        _rope_kernel(cp.asarray(np.ascontiguousarray(rows)), cp.asarray(axes), cp.asarray(inv), np.int32(T),
+                     np.int32(half), cos, sin)
+    return cos, sin
 
 
 def _step_rope(current, pos, inv_freq):
@@ -113,6 +124,10 @@ def _step_rope(current, pos, inv_freq):
 _step_rope_kernel = cp.ElementwiseKernel(  # row t: the step's position pos[t]
     "raw int32 pos, raw float32 inv, int32 half", "float32 c, float32 s",
     "const float f = (float)pos[i / (2 * half)] * inv[i % half]; c = cosf(f); s = sinf(f)", "lumen_step_rope")
+_rope_kernel = cp.ElementwiseKernel(  # element (t, j) of (T, 2 half): frequency j % half on its axis' position
+    "raw float32 pos, raw int32 axes, raw float32 inv, int32 T, int32 half", "float32 c, float32 s",
+    "const int t = i / (2 * half), j = i % half; const float f = pos[axes[j] * T + t] * inv[j]; "
+    "c = cosf(f); s = sinf(f)", "lumen_rope_tables")
 _apply_rope = cp.ElementwiseKernel(
     "raw float32 x, raw float32 cos, raw float32 sin, int32 H, int32 D, int32 rot", "float32 y",
     """
@@ -222,9 +237,13 @@ def gated_delta_rule(q, k, v, g, beta, state):
 
 
 def causal_conv1d(x, w, state):
+    """One token: the fused step; more: the prefill kernel (lumen_cuda.decode), or the CuPy op where it refuses."""
     if x.shape[0] == 1:
         return decode.causal_conv1d_step(x, w, state)
-    return _delta.causal_conv1d(x, w, state)
+    try:
+        return decode.causal_conv1d_prefill(x, w, state)
+    except ValueError:
+        return _delta.causal_conv1d(x, w, state)
 
 
 def causal_conv1d_kept(x, w, state):

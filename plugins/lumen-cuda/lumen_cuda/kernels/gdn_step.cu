@@ -206,3 +206,29 @@ extern "C" __global__ void __launch_bounds__(128) conv1d_steps(const float* __re
       snaps[((long long)t * (K - 1) + r) * C + c] = state[(long long)r * C + c];
   }
 }
+
+// The prefill conv (delta.causal_conv1d for any T): y (T, C) from x (T, C) and the state (K-1, C), the state read
+// only. Grid (ceil(C / 128), ceil(T / CONV_TOKENS)), 128 threads: thread c of block (bx, by) computes channel c of
+// tokens by * CONV_TOKENS ..., each from full = [state; x] rows t .. t + K - 1 (the taps' re-reads hit the cache),
+// in the order and rounding of conv1d_one. The caller moves the state on afterwards: other blocks read it here.
+#define CONV_TOKENS 16
+extern "C" __global__ void __launch_bounds__(128) conv1d_prefill(const float* __restrict__ x,      // (T, C)
+                                                                  const float* __restrict__ w,      // (C, K)
+                                                                  const float* __restrict__ state,  // (K-1, C)
+                                                                  float* __restrict__ y,            // (T, C)
+                                                                  int T, int C, int K) {
+  const int c = blockIdx.x * blockDim.x + threadIdx.x;
+  if (c >= C) return;
+  const float* wc = w + (long long)c * K;
+  const int t0 = blockIdx.y * CONV_TOKENS, t1 = min(T, t0 + CONV_TOKENS);
+  for (int t = t0; t < t1; ++t) {
+    float acc = 0.f;
+    for (int k = 0; k < K; ++k) {
+      const int r = t + k;  // row of full: state row r (r < K - 1), else x row r - (K - 1)
+      const float v = r < K - 1 ? state[(long long)r * C + c] : x[(long long)(r - (K - 1)) * C + c];
+      acc = __fadd_rn(acc, __fmul_rn(v, wc[k]));
+    }
+    const float th = tanhf(__fmul_rn(0.5f, acc));
+    y[(long long)t * C + c] = __fmul_rn(acc, __fmul_rn(0.5f, __fadd_rn(th, 1.0f)));
+  }
+}

@@ -247,6 +247,11 @@ extern "C" __global__ void __launch_bounds__(256) gemm_fp8_mma(const unsigned ch
 #ifndef X3_KMUL
 #define X3_KMUL 2
 #endif
+// The activations' bf16 planes a product reads: 3 (hi + mid + lo = x: f32-exact products) or 1 (x rounded to bf16:
+// cuda.compute-quantization bf16, a third of the MMAs and of the planes' shared memory).
+#ifndef X3_PLANES
+#define X3_PLANES 3
+#endif
 template <int FMT, int WN = 2, int TN = 32>
 struct X3 {
   static constexpr int BK = (FMT == X3_BF16 ? 16 : 32) * X3_KMUL;
@@ -256,7 +261,7 @@ struct X3 {
   static constexpr int XP = BK / 8;                      // 16-byte pieces a plane row
   static constexpr int KP = FMT == X3_NVFP4 ? 32 : FMT == X3_BF16 ? 8 : 16;  // columns a 16-byte weight piece
   static constexpr int BM = 256 / WN, BN = WN * TN, JN = TN / 8;
-  static constexpr int SW = BM * LDW, SX = 3 * BN * LDX;  // bytes a stage: weights, planes
+  static constexpr int SW = BM * LDW, SX = X3_PLANES * BN * LDX;  // bytes a stage: weights, planes
   // NVFP4: a stage's block scales as bf16 pairs (BM rows x BK / 16 words, converted once by the thread that loads
   // them: x3_scale_load / x3_scale_store); SP 16-bit loads of two scales each a stage, SPT a thread at most
   static constexpr int SS = FMT == X3_NVFP4 ? BM * (BK / 16) * 4 : 0;
@@ -326,7 +331,7 @@ __device__ __forceinline__ void x3_load_stage(unsigned char* sw, unsigned char* 
     const bool ok = row < N && k0 + (c / 16) * G::KP < K;
     fp8_cp16(sw + r * G::LDW + c, W + (ok ? x3_offset<FMT>(row, K, k0) + c : 0), ok);
   }
-  for (int p = tid; p < 3 * G::BN * G::XP; p += 256) {
+  for (int p = tid; p < X3_PLANES * G::BN * G::XP; p += 256) {
     const int pl = p / (G::BN * G::XP), q = p % (G::BN * G::XP), r = q / G::XP, c = (q % G::XP) * 8;
     const int tok = src[r];
     const bool ok = tok >= 0 && k0 + c < K;
@@ -444,7 +449,7 @@ __device__ __forceinline__ void x3_block(const unsigned char* __restrict__ W, co
     const unsigned char* cw = s_w + (s % NS) * G::SW;
     const unsigned char* cx = s_x + (s % NS) * G::SX;
     for (int kk = 0; kk < G::BK; kk += 16) {
-      unsigned int a[2][4], b[3][JN][2];
+      unsigned int a[2][4], b[X3_PLANES][JN][2];
       for (int i = 0; i < 2; i++) {
         const int rl = wm * 32 + 16 * i + g;  // the fragment's rows rl, rl + 8 of the block
         if (FMT == X3_NVFP4) {  // codes a byte a pair; the pair's block scale (16 columns: kk .. kk + 15)
@@ -467,7 +472,7 @@ __device__ __forceinline__ void x3_block(const unsigned char* __restrict__ W, co
           a[i][3] = fp8_pair_bf16(*reinterpret_cast<const unsigned short*>(r + 8 * G::LDW + 8));
         }
       }
-      for (int pl = 0; pl < 3; pl++)
+      for (int pl = 0; pl < X3_PLANES; pl++)
         for (int j = 0; j < JN; j++) {
           const unsigned char* r = cx + (pl * G::BN + wn * TN + 8 * j + g) * G::LDX + (kk + 2 * t) * 2;
           b[pl][j][0] = *reinterpret_cast<const unsigned int*>(r);
@@ -475,9 +480,7 @@ __device__ __forceinline__ void x3_block(const unsigned char* __restrict__ W, co
         }
       for (int i = 0; i < 2; i++)
         for (int j = 0; j < JN; j++) {
-          x3_mma(blk[i][j], a[i], b[0][j]);
-          x3_mma(blk[i][j], a[i], b[1][j]);
-          x3_mma(blk[i][j], a[i], b[2][j]);
+          for (int pl = 0; pl < X3_PLANES; pl++) x3_mma(blk[i][j], a[i], b[pl][j]);
         }
     }
     if (FMT == X3_NVFP4 && ahead) x3_scale_store<FMT, WN, TN>(raw, s_s + ((s + NS - 1) % NS) * (G::SS / 4));
