@@ -446,22 +446,6 @@ def test_quantized_model_on_cuda_equals_cpu(quantized_pair):
 
 
 @pytest.mark.gpu
-def test_bf16_activations_model_on_cuda_stays_near_cpu(model_pair):
-    """cuda.compute-quantization bf16: the prefill's products round the activations to bf16 (2^-9 relative each),
-    so the logits move from the exact f32 ones, by well under the logits' own size; decode (f32 GEMVs) continues from
-    a KV cache those products wrote. Tolerance 5e-2 x max(1, max |logit|); the run must differ from the exact one."""
-    _, path, ids, (prefill, tokens, steps) = model_pair
-    model = {"path": str(path), "compute": "cuda:0", "store": "vram",
-             "hidden-layers": {"kv-cache": {"context-size": CONTEXT}}}
-    on_gpu = lumen.load({"model": model, "cuda": {"compute-quantization": "bf16"}}, progress=False)
-    p, t, s = run(on_gpu.model, ids)
-    errs = close(p, prefill, 5e-2), close(s[:1], steps[:1], 5e-2)
-    assert errs[0] > 1e-6, "the bf16 activations changed nothing: the mode did not apply"
-    print(f"bf16 activations: max |Δlogit| prefill {errs[0]:.2e}, first decode step {errs[1]:.2e}; greedy tokens "
-          f"{sum(a == b for a, b in zip(t, tokens, strict=True))} of {len(tokens)} equal")
-
-
-@pytest.mark.gpu
 def test_mixed_placement_equals_cpu(model_pair):
     name, path, ids, (prefill, tokens, steps) = model_pair
     if MODELS[name][1].get("num_kv_shared_layers"):

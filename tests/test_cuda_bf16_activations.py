@@ -3,8 +3,8 @@
 activations rounded to bf16 (nearest even): the dense bf16 GEMM (one cuBLAS product where exact runs two), fp8 and
 NVFP4 through ``gemm_split`` (two where exact runs three) or the tensor-core x3 kernels with one plane
 (``LUMEN_CUDA_MMA_PREFILL=exact``), and the routed experts' x3 kernels (fp8, NVFP4, bf16 tables, packed bf16), whose
-h is rounded too. Each result also differs from the exact path's, so the mode is seen to apply; one token keeps
-the f32 GEMV.
+h is rounded too. Each result also differs from the exact path's, so the mode is seen to apply; up to eight tokens
+keep the f32 GEMV.
 
 Tolerances (x max(1, max |reference|)): dense 1e-5 (f32 accumulation in another order; gemm_split drops
 x_hi (W - W_hi - W_lo), ~2^-17 relative); experts 2e-3 (h is rounded to bf16 from gate / up values that differ from
@@ -74,8 +74,11 @@ def test_the_configured_backend_marks_its_weights(cp, gpu, exact):
 @pytest.mark.gpu
 @pytest.mark.parametrize("mma", ["", "exact"])
 @pytest.mark.parametrize("kind", ["bf16", "fp8-block128", "nvfp4"])
-@pytest.mark.parametrize("T", [5, 37, 130])
+@pytest.mark.parametrize("T", [9, 37, 130])  # above gemv.MAX_T: the GEMMs
 def test_dense_products_take_the_activations_rounded_to_bf16(cp, gpu, monkeypatch, kind, T, mma):
+    from lumen_cuda import gemv
+
+    assert T > gemv.MAX_T
     monkeypatch.setenv("LUMEN_CUDA_MMA_PREFILL", mma)
     rng = np.random.default_rng(T + len(kind) + len(mma))
     N, K = 256, 384
@@ -91,11 +94,18 @@ def test_dense_products_take_the_activations_rounded_to_bf16(cp, gpu, monkeypatc
 
 
 @pytest.mark.gpu
-def test_one_token_keeps_the_f32_gemv(cp, gpu):
-    rng = np.random.default_rng(1)
-    w = matrix(gpu, rng, 64, 128, "bf16")
-    x = rng.normal(size=(1, 128)).astype(np.float32)
-    close(linear(w, cp.asarray(x)), x.astype(np.float64) @ dense(w).astype(np.float64).T, 1e-5)
+@pytest.mark.parametrize("kind", ["bf16", "fp8-block128", "nvfp4"])
+@pytest.mark.parametrize("T", [1, 5, 8])
+def test_up_to_eight_tokens_keep_the_f32_gemv(cp, gpu, kind, T):
+    """Decode and short verifies (T <= gemv.MAX_T, aligned weights) run the GEMV on f32 activations: the mode does
+    not touch them (found on the GPU: the first version of the test above expected bf16 at T = 5)."""
+    rng = np.random.default_rng(T + len(kind))
+    w = matrix(gpu, rng, 256, 384, kind)
+    x = rng.normal(size=(T, 384)).astype(np.float32)
+    y = host(linear(w, cp.asarray(x)))
+    close(y, x.astype(np.float64) @ dense(w).astype(np.float64).T, 1e-5)
+    w.activations = "f32"
+    assert np.array_equal(y, host(linear(w, cp.asarray(x))))
 
 
 def experts_reference(x, ids, w, gates, ups, downs, act: str) -> np.ndarray:

@@ -158,3 +158,8 @@ def test_batched_serve_example_batches_and_caches_prefixes():
     finally:
         app.state.service.close()
         engine.close()
+
+
+def test_bf16_prefill_example_asks_the_cuda_backend_for_bf16_activations():
+    config = load_config(EXAMPLES[0].parent / "qwen3.5-9b-gpu-bf16-prefill.json")
+    assert config.cuda_compute_quantization() == "bf16" and config.cpu_compute_quantization() == "none"
