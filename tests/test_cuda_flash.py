@@ -1,7 +1,9 @@
 """The prefill attention kernel (lumen_cuda.flash: kernels/flash_attention.cu) against the CuPy path it replaces
 (lumen_cuda.attention._attend_cupy, which materialises the scores): outputs within 1e-5 × max(1, max |reference|)
 over head dims, GQA groups, lengths, offsets, windows and softcaps; the tile sizes a 99 KB part gets; and the
-public ops (full and ring caches, bf16) equal with LUMEN_CUDA_FLASH on and off.
+public ops (full and ring caches, bf16) equal with LUMEN_CUDA_FLASH on and off. The tensor-core kernel
+(``flash.attend_mma``, kernels/flash_mma.cu) against the same CuPy path over keys and values that are bf16 values,
+every variant of it, and the public ops over bf16 and fp8 caches with ``LUMEN_CUDA_FLASH=mma``.
 
 GPU tests carry the ``gpu`` marker and skip without CuPy or a CUDA device.
 """
@@ -154,6 +156,122 @@ def test_attention_op_with_flash_on_and_off(cp, mods, monkeypatch, kind, softcap
                 q, k, v = (cp.asarray(rng.normal(size=(T, h, D)).astype(np.float32)) for h in (Hq, Hkv, Hkv))
                 outs.append(attention.attention(q, k, v, cache, start, scale, window, softcap))
                 outs.append(attention.attention_shared(q, cache, start, scale, window, softcap))
+                start += T
+            results.append(outs)
+            caches.append(cache)
+        for got, want in zip(*results, strict=True):
+            close(got, want)
+        assert cp.array_equal(caches[0].k, caches[1].k) and cp.array_equal(caches[0].v, caches[1].v)
+
+
+def bf16_case(cp, rng, T, Hq, Hkv, D, Dv, start, window, views=False):
+    """``case`` with keys and values rounded to bf16: (q, keys bits, vals bits, keys f32, vals f32, lo)."""
+    from lumen_cuda import attention, fp8_mma
+
+    q, keys, vals, lo = case(cp, rng, T, Hq, Hkv, D, Dv, start, window)
+    kb, vb = fp8_mma.bf16_round(keys), fp8_mma.bf16_round(vals)
+    if views:  # sliced along S out of a longer buffer, as a cache's rows are
+        S = kb.shape[1]
+        pad = (cp.zeros((Hkv, 3, D), cp.uint16), kb, cp.zeros((Hkv, 5, D), cp.uint16))
+        kb = cp.concatenate(pad, axis=1)[:, 3:3 + S]
+        vb = cp.concatenate([cp.zeros((Hkv, 1, Dv), cp.uint16), vb], axis=1)[:, 1:]
+    return q, kb, vb, attention.decode(kb), attention.decode(vb), lo
+
+
+def check_mma(attention, flash, q, kb, vb, kf, vf, start, lo, scale, window, softcap):
+    got = flash.attend_mma(q, kb, vb, start, lo, scale, window, softcap)
+    assert got is not None, "the tensor-core kernel declined a supported case"
+    return close(got, attention._attend_cupy(q, kf, vf, start, lo, scale, window, softcap))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("softcap", [None, 30.0])
+@pytest.mark.parametrize("window", [None, 100])
+@pytest.mark.parametrize("start", [0, 37])
+@pytest.mark.parametrize("T", [2, 17, 129, 600])
+@pytest.mark.parametrize("G", [1, 4])
+@pytest.mark.parametrize("D", [64, 128, 256, 512])
+def test_flash_mma_against_the_cupy_path(cp, mods, D, G, T, start, window, softcap):
+    attention, flash = mods
+    rng = np.random.default_rng(zlib.crc32(repr(("mma", D, G, T, start, window, softcap)).encode()))
+    Hkv = 2
+    q, kb, vb, kf, vf, lo = bf16_case(cp, rng, T, G * Hkv, Hkv, D, D, start, window)
+    scale = (4.0 if softcap else 1.0) * D ** -0.5
+    check_mma(attention, flash, q, kb, vb, kf, vf, start, lo, scale, window, softcap)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", [(w, bn, c) for w, bn in ((4, 64), (4, 32), (2, 64), (2, 32)) for c in (128, 256)])
+def test_flash_mma_every_variant(cp, mods, monkeypatch, variant):
+    """Each compiled variant (warps, keys a tile, value columns a block) at D = Dv = 128 / 256 / 512 (a head wider
+    than the block's columns runs in chunks), a partial last tile and row block, GQA 4, a window."""
+    attention, flash = mods
+    warps, bn, dvc = variant
+    monkeypatch.setattr(flash, "MMA_VARIANTS", ((warps, bn),))
+    monkeypatch.setattr(flash, "mma_kernel", lambda D, Dv, limit=None: (
+        f"flash_mma_w{warps}_n{bn}_c{dvc}", flash.mma_smem(D, dvc, warps, bn), warps, dvc))
+    rng = np.random.default_rng(zlib.crc32(repr(variant).encode()))
+    for D in (128, 256, 512):
+        if flash.mma_smem(D, dvc, warps, bn) > flash._smem_limit():
+            continue
+        for T, start, window in ((77, 0, None), (45, 300, 64)):
+            q, kb, vb, kf, vf, lo = bf16_case(cp, rng, T, 8, 2, D, D, start, window)
+            check_mma(attention, flash, q, kb, vb, kf, vf, start, lo, D ** -0.5, window, None)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dims", [(512, 128), (128, 96), (96, 256), (256, 512)])
+def test_flash_mma_other_head_dims_and_views(cp, mods, dims):
+    """Dv != D, head dims that are no power of two, keys / values sliced along S, one kv head (G = 3)."""
+    attention, flash = mods
+    D, Dv = dims
+    rng = np.random.default_rng(zlib.crc32(repr(("mma", dims)).encode()))
+    for Hq, Hkv in ((4, 2), (3, 1)):
+        for T, start, window, softcap in ((129, 37, None, None), (70, 300, 100, 30.0)):
+            q, kb, vb, kf, vf, lo = bf16_case(cp, rng, T, Hq, Hkv, D, Dv, start, window, views=True)
+            check_mma(attention, flash, q, kb, vb, kf, vf, start, lo, 0.7 * D ** -0.5, window, softcap)
+
+
+@pytest.mark.gpu
+def test_flash_mma_declines_and_the_99_kb_part(cp, mods, monkeypatch):
+    """f32 keys, D % 16 != 0, Dv % 8 != 0: None (the f32 kernel's); on a 99 KB-per-block part (SM120) D = 256 runs
+    a variant that fits and D = 512 declines."""
+    attention, flash = mods
+    rng = np.random.default_rng(5)
+    q, kb, vb, kf, vf, lo = bf16_case(cp, rng, 9, 4, 2, 64, 64, 0, None)
+    assert flash.attend_mma(q, kf, vf, 0, lo, 0.1, None, None) is None
+    q, kb, vb, kf, vf, lo = bf16_case(cp, rng, 9, 4, 2, 40, 36, 0, None)
+    assert flash.attend_mma(q, kb, vb, 0, lo, 0.1, None, None) is None
+    monkeypatch.setattr(flash, "_smem_limit", lambda: 99 * 1024)
+    name, smem, _, _ = flash.mma_kernel(256, 256, 99 * 1024)
+    assert smem <= 99 * 1024
+    q, kb, vb, kf, vf, lo = bf16_case(cp, rng, 129, 8, 2, 256, 256, 0, None)
+    check_mma(attention, flash, q, kb, vb, kf, vf, 0, lo, 256 ** -0.5, None, None)
+    assert flash.mma_kernel(512, 512, 99 * 1024) is None
+    q, kb, vb, kf, vf, lo = bf16_case(cp, rng, 9, 4, 2, 512, 512, 0, None)
+    assert flash.attend_mma(q, kb, vb, 0, lo, 0.1, None, None) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+@pytest.mark.parametrize("kind", ["full", "ring"])
+def test_attention_op_with_the_tensor_core_kernel(cp, mods, monkeypatch, dtype, kind):
+    """attention / attention_shared over a bf16 or fp8 cache (full: window None and 48; ring: 48), a prefill, one
+    decode token, two more chunks: LUMEN_CUDA_FLASH=mma against the f32 kernel (=1); the caches equal."""
+    attention, _ = mods
+    Hq, Hkv, D, W = 8, 2, 256, 48
+    for window in ((None, W) if kind == "full" else (W,)):
+        results, caches = [], []
+        for flag in ("mma", "1"):
+            monkeypatch.setenv("LUMEN_CUDA_FLASH", flag)
+            rng = np.random.default_rng(11)
+            cache = (attention.kv_cache(512, Hkv, D, dtype) if kind == "full"
+                     else attention.sliding_kv_cache(W, Hkv, D, dtype))
+            outs, start = [], 0
+            for T in (100, 1, 33, 65):
+                q, k, v = (cp.asarray(rng.normal(size=(T, h, D)).astype(np.float32)) for h in (Hq, Hkv, Hkv))
+                outs.append(attention.attention(q, k, v, cache, start, D ** -0.5, window, 30.0))
+                outs.append(attention.attention_shared(q, cache, start, D ** -0.5, window, 30.0))
                 start += T
             results.append(outs)
             caches.append(cache)

@@ -72,7 +72,7 @@ class KVCache:
 class RingKVCache:
     k: cp.ndarray  # (kv_heads, window, head_dim): position p lives in slot p % window
     v: cp.ndarray
-    recent: tuple | None = None  # (first position, keys (Hkv, S, D) f32, values (Hkv, S, Dv) f32) of the last call
+    recent: tuple | None = None  # (first position, keys (Hkv, S, D), values (Hkv, S, Dv)) of the last call, cache type
 
     @property
     def capacity(self) -> int:
@@ -107,7 +107,7 @@ def attention(q, k, v, cache, start: int, scale: float, window: int | None = Non
         encode(k.transpose(1, 0, 2), cache.k.dtype, out=cache.k[:, start:end])
         encode(v.transpose(1, 0, 2), cache.v.dtype, out=cache.v[:, start:end])
         lo = 0 if window is None else max(0, start - window + 1)
-        keys, vals = decode(cache.k[:, lo:end]), decode(cache.v[:, lo:end])  # (Hkv, S, D)
+        keys, vals = cache.k[:, lo:end], cache.v[:, lo:end]  # (Hkv, S, D) in the cache's type
     return _attend(q, keys, vals, start, lo, scale, window, softcap, blocks)
 
 
@@ -123,7 +123,7 @@ def attention_shared(q, cache, start: int, scale: float, window: int | None = No
             raise ValueError(f"positions {lo}..{end - 1} are not in the shared ring's last call")
         keys, vals = keys[:, lo - first:end - first], vals[:, lo - first:end - first]
     else:
-        keys, vals = decode(cache.k[:, lo:end]), decode(cache.v[:, lo:end])
+        keys, vals = cache.k[:, lo:end], cache.v[:, lo:end]
     return _attend(q, keys, vals, start, lo, scale, window, softcap, blocks)
 
 
@@ -138,10 +138,10 @@ def _ring_update(cache: RingKVCache, k, v, start: int, window: int | None):
     new_k = encode(k.transpose(1, 0, 2), cache.k.dtype)  # (Hkv, T, D), rounded through the cache type
     new_v = encode(v.transpose(1, 0, 2), cache.v.dtype)
     if lo == start:  # nothing of the window before this call: its own rows
-        keys, vals = cp.ascontiguousarray(decode(new_k)), cp.ascontiguousarray(decode(new_v))
+        keys, vals = cp.ascontiguousarray(new_k), cp.ascontiguousarray(new_v)
     else:
-        keys = decode(cp.concatenate([cache.k[:, past], new_k], axis=1))  # (Hkv, start-lo+T, D)
-        vals = decode(cp.concatenate([cache.v[:, past], new_v], axis=1))
+        keys = cp.concatenate([cache.k[:, past], new_k], axis=1)  # (Hkv, start-lo+T, D), the cache's type
+        vals = cp.concatenate([cache.v[:, past], new_v], axis=1)
     n = min(T, cap)
     first = (end - n) % cap
     if first + n <= cap:  # the newest rows land in consecutive slots
@@ -157,16 +157,35 @@ def _ring_update(cache: RingKVCache, k, v, start: int, window: int | None):
 
 def _attend(q, keys, vals, start: int, lo: int, scale: float, window: int | None, softcap: float | None,
             blocks=None):
-    """q (T, Hq, D) at start.., keys (Hkv, S, D) / vals (Hkv, S, Dv) at lo.. -> (T, Hq, Dv).
+    """q (T, Hq, D) at start.., keys (Hkv, S, D) / vals (Hkv, S, Dv) at lo.. (f32, or a KV cache's element type,
+    decoded here) -> (T, Hq, Dv).
 
-    T > 1: the flash kernel (``flash.attend``: one launch, no (T, S) scores in memory) unless it declines
-    (unsupported shapes, ``LUMEN_CUDA_FLASH=0``) or ``blocks`` asks for a mask it has not; otherwise, and for
-    T = 1, the CuPy path."""
+    T > 1: with ``LUMEN_CUDA_FLASH=mma`` and keys and values that are bf16 values (a bf16 or fp8 cache), the
+    tensor-core flash kernel (``flash.attend_mma``); else the f32 flash kernel (``flash.attend``: one launch, no
+    (T, S) scores in memory) unless it declines (unsupported shapes, ``LUMEN_CUDA_FLASH=0``) or ``blocks`` asks for
+    a mask it has not; otherwise, and for T = 1, the CuPy path."""
     if q.shape[0] > 1 and not blocks:
+        if flash.mma_enabled():
+            kb, vb = _bf16_values(keys), _bf16_values(vals)
+            if kb is not None and vb is not None:
+                out = flash.attend_mma(q, kb, vb, start, lo, scale, window, softcap)
+                if out is not None:
+                    return out
+        keys, vals = decode(keys), decode(vals)
         out = flash.attend(q, keys, vals, start, lo, scale, window, softcap)
         if out is not None:
             return out
-    return _attend_cupy(q, keys, vals, start, lo, scale, window, softcap, blocks)
+    return _attend_cupy(q, decode(keys), decode(vals), start, lo, scale, window, softcap, blocks)
+
+
+def _bf16_values(x):
+    """Keys or values as bf16 bits where they are bf16 values exactly (a bf16 cache's bits; an fp8 cache's e4m3
+    bytes, widened); None for f32 and f16 (the f32 kernel's)."""
+    if x.dtype == cp.uint16:
+        return x
+    if x.dtype == cp.uint8:
+        return _fp8("kv_fp8_bf16", x, cp.uint16)
+    return None
 
 
 def _attend_cupy(q, keys, vals, start: int, lo: int, scale: float, window: int | None, softcap: float | None,

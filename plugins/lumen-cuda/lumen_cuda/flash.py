@@ -10,6 +10,14 @@ Launch configuration: ``flash_fwd_v<DV>_n<BN>`` grid (Hkv, ceil(T * G / 32)), 25
 DV = 128 / 256 / 512, the smallest >= Dv; BN = keys per tile, the largest of 64 / 32 / 16 whose shared memory
 4 * (32 * (D + 4) + BN * (max(D, Dv) + 4) + 32 * BN + 32) bytes fits the device's per-block opt-in limit
 (H200, 227 KB: BN = 64 for every D <= 512; 99 KB parts: BN = 32 at D = 256, 16 at D = 512).
+
+The tensor-core kernel (``kernels/flash_mma.cu``, ``attend_mma``; opt-in with ``LUMEN_CUDA_FLASH=mma`` until it is
+measured faster everywhere): keys and values that are bf16 values (a bf16 or fp8 KV cache), the queries and the
+probabilities as three bf16 planes that sum to them exactly, so every MMA product is exact and only the f32 sums
+differ from the f32 kernel's order. ``flash_mma_w<W>_n<BN>_c<DVC>``: grid (Hkv, ceil(T G / 16W), ceil(Dv / DVC)), 32W
+threads, W warps of 16 rows, BN keys a tile, DVC value columns a block (a wider head computes its scores once a
+chunk); ``mma_kernel`` takes the first of MMA_VARIANTS whose ``mma_smem`` fits the device (a 99 KB SM120 part runs
+D = 512 on the f32 kernel).
 """
 
 from __future__ import annotations
@@ -35,8 +43,16 @@ _ATTR_SMEM_OPTIN = 97  # cudaDevAttrMaxSharedMemoryPerBlockOptin
 _ATTR_SMS = 16  # cudaDevAttrMultiProcessorCount
 
 
+MMA_FILE = "flash_mma"
+MMA_VARIANTS = ((4, 64), (4, 32), (2, 64), (2, 32))  # (warps, keys per tile), preferred first
+
+
 def enabled() -> bool:
     return os.environ.get("LUMEN_CUDA_FLASH", "1") != "0"
+
+
+def mma_enabled() -> bool:
+    return os.environ.get("LUMEN_CUDA_FLASH", "1") == "mma"
 
 
 def smem_bytes(D: int, Dv: int, bn: int) -> int:
@@ -59,14 +75,14 @@ def _ptr(x) -> int:
     return x.data.ptr
 
 
-def _rows(x, width: int):
-    """x (H, S, width) f32 as (array, head stride in elements) with contiguous 16-byte aligned rows (a view
+def _rows(x, width: int, dtype=F32):
+    """x (H, S, width) as (array, head stride in elements) with contiguous 16-byte aligned rows of ``dtype`` (a view
     sliced along S is kept; anything else is copied)."""
-    st = x.strides
-    if x.dtype != F32 or st[2] != 4 or st[1] != 4 * width or st[0] < 0 or st[0] % 16 or _ptr(x) % 16:
-        x = cp.ascontiguousarray(x, dtype=F32)
+    st, size = x.strides, np.dtype(dtype).itemsize
+    if x.dtype != dtype or st[2] != size or st[1] != size * width or st[0] < 0 or st[0] % 16 or _ptr(x) % 16:
+        x = cp.ascontiguousarray(x, dtype=dtype)
     if x.shape[0] > 1:
-        return x, x.strides[0] // 4
+        return x, x.strides[0] // size
     return x, x.shape[1] * width
 
 
@@ -117,4 +133,61 @@ def attend(q, keys, vals, start: int, lo: int, scale: float, window: int | None,
                      np.int32(Dv), np.int64(k_hs), np.int64(v_hs), np.int32(start), np.int32(lo),
                      np.float32(scale), np.float32(cap), np.int32(win)),
                     shared_mem=smem)
+    return out
+
+
+def mma_smem(D: int, dvc: int, warps: int, bn: int) -> int:
+    """Shared memory bytes of flash_mma_w<warps>_n<bn>_c<dvc> at head dim D: three query planes, a K and a V tile."""
+    return 2 * (3 * 16 * warps * (D + 8) + bn * (D + 8) + bn * (dvc + 8))
+
+
+def mma_kernel(D: int, Dv: int, limit: int | None = None):
+    """(kernel name, shared memory bytes, warps, value columns a block) of the tensor-core kernel for head dims D, Dv,
+    or None when no variant fits ``limit``."""
+    for dvc in ((128,) if Dv <= 128 else (256, 128)):
+        for warps, bn in MMA_VARIANTS:
+            smem = mma_smem(D, dvc, warps, bn)
+            if limit is None or smem <= limit:
+                return f"flash_mma_w{warps}_n{bn}_c{dvc}", smem, warps, dvc
+    return None
+
+
+def attend_mma(q, keys, vals, start: int, lo: int, scale: float, window: int | None, softcap: float | None):
+    """``attend`` on the tensor cores for keys / values given as bf16 bits (uint16, (Hkv, S, D) / (Hkv, S, Dv)):
+    the same result to f32 rounding; None where unsupported (then the caller decodes them for ``attend``)."""
+    if not all(isinstance(a, cp.ndarray) for a in (q, keys, vals)) or q.ndim != 3 or keys.ndim != 3 or vals.ndim != 3:
+        return None
+    if keys.dtype != cp.uint16 or vals.dtype != cp.uint16:
+        return None
+    T, Hq, D = q.shape
+    Hkv, S, Dk = keys.shape
+    Dv = vals.shape[2]
+    if Dk != D or vals.shape[:2] != (Hkv, S) or Hkv == 0 or Hq % Hkv or T < 1 or S < 1:
+        return None
+    if not (0 < D <= MAX_DIM and 0 < Dv <= MAX_DIM and D % 16 == 0 and Dv % 8 == 0):
+        return None
+    if start < 0 or lo < 0 or start + T >= 2 ** 30 or (window is not None and window < 1):
+        return None
+    choice = mma_kernel(D, Dv, _smem_limit())
+    if choice is None:
+        return None
+    name, smem, warps, dvc = choice
+    G = Hq // Hkv
+    nrb, nz = -(-T * G // (16 * warps)), -(-Dv // dvc)
+    if nrb > MAX_ROW_BLOCKS:
+        return None
+    if S > LONG_KEYS and 2 * Hkv * nrb * nz < _sm_count():
+        return None  # a few queries over a long cache: each block would walk every key alone
+    win = 0 if window is None or window >= start + T else int(window)
+    cap = float(softcap) if softcap else 0.0
+    qc = cp.ascontiguousarray(q, dtype=F32)
+    kc, k_hs = _rows(keys, D, cp.uint16)
+    vc, v_hs = _rows(vals, Dv, cp.uint16)
+    out = cp.empty((T, Hq, Dv), dtype=F32)
+    kernels.function(MMA_FILE, name, smem=smem)(
+        (Hkv, nrb, nz), (32 * warps,),
+        (qc, kc, vc, out, np.int32(T), np.int32(Hq), np.int32(G), np.int32(S), np.int32(D), np.int32(Dv),
+         np.int64(k_hs), np.int64(v_hs), np.int32(start), np.int32(lo), np.float32(scale), np.float32(cap),
+         np.int32(win)),
+        shared_mem=smem)
     return out

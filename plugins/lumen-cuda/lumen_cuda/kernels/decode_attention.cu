@@ -377,6 +377,14 @@ extern "C" __global__ void kv_fp8_decode(const unsigned char* __restrict__ x, fl
   if (i < n) y[i] = e4m32f(x[i]);
 }
 
+// e4m3 bytes -> bf16 bits, exactly (an e4m3 value has 4 significant bits and an exponent bf16 covers): the keys and
+// values of an fp8 cache for the tensor-core flash kernel (flash_mma.cu)
+extern "C" __global__ void kv_fp8_bf16(const unsigned char* __restrict__ x, unsigned short* __restrict__ y,
+                                       long long n) {
+  const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) y[i] = (unsigned short)(__float_as_uint(e4m32f(x[i])) >> 16);
+}
+
 // Combine the splits of one query head (hq): only those that intersect [lo, pos].
 __device__ __forceinline__ void attn_combine_head(const float* __restrict__ o_part,   // (nsplit, Hq, Dv)
                                                   const float* __restrict__ ml_part,  // (nsplit, Hq, 2)

@@ -1,0 +1,302 @@
+// Causal prefill attention on the tensor cores (mma.sync m16n8k16 bf16 -> f32), FlashAttention-2 style, for keys
+// and values that are bf16 values (a bf16 KV cache's bits, or an fp8 cache's e4m3 values, which bf16 holds exactly).
+// lumen_cuda/flash.py launches it (``attend_mma``); the f32 kernel (flash_attention.cu) keeps f32 and f16 caches.
+//
+// Exactness: each f32 query q and each f32 probability p is split into three bf16 planes that sum to it exactly
+// (hi = bf16(x), mid = bf16(x - hi), lo = x - hi - mid, 8 + 8 + 8 significant bits). Every product of a plane and
+// a bf16 key or value is exact in f32, so S = Q K^T and O += P V are the exact products summed in f32 by the MMA's
+// accumulator (three MMAs where one would drop 16 bits of the queries / probabilities). Softmax is the f32 kernel's
+// (row max m, p = e^(s - m), l the f32 sum of p, the accumulators rescaled by e^(m_old - m_new)).
+//
+// q (T, Hq, D) f32 contiguous; K (Hkv, S, D), V (Hkv, S, Dv) bf16 bits with contiguous rows and a head stride (k_hs,
+// v_hs elements, multiples of 8); out (T, Hq, Dv) f32. Positions, masks, softcap and GQA as flash_attention.cu:
+// key j (position lo + j) is seen by query t (position start + t) iff lo + j <= start + t and (window <= 0 or
+// lo + j > start + t - window). D % 16 == 0, Dv % 8 == 0 (the launcher checks).
+//
+// flash_mma_w<W>_n<BN>_c<DVC>: grid (Hkv, ceil(T G / 16W), ceil(Dv / DVC)), 32W threads. A block owns kv head
+// blockIdx.x, 16W rows of the flattened (t, g) order r = t G + g (16 a warp) and value columns blockIdx.z DVC ..
+// (a 512-wide head computes its scores once a chunk). Row blocks run heaviest first. Per tile of BN keys:
+//   K tile (cp.async) -> S (16 x BN a warp) = 3 x (D / 16) x (BN / 8) MMAs, A = the query planes by ldmatrix, B = the
+//   K rows by ldmatrix; online softmax in registers (a row's values sit in the 4 lanes of a quad); P's C fragments
+//   are the A fragments of P V as they stand (no shared memory), split into 3 planes; V tile (cp.async, issued
+//   before S) -> O (16 x DVC a warp) += 3 x (BN / 16) x (DVC / 8) MMAs, B = V by ldmatrix.trans. The next K tile
+//   loads during P V. A warp skips the MMAs of a tile that none of its rows sees.
+// Shared memory (bf16): 3 query planes 16W x (D + 8), K tile BN x (D + 8), V tile BN x (DVC + 8); the 8-element pad
+// puts the 8 rows of an ldmatrix in distinct banks.
+// No headers: compiles under NVRTC and nvcc alike (sm_90, sm_120a).
+
+__device__ __forceinline__ float fm_neg_inf() { return __uint_as_float(0xff800000u); }
+
+__device__ __forceinline__ unsigned int fm_smem(const void* p) {
+  unsigned int a;
+  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }\n" : "=r"(a) : "l"(p));
+  return a;
+}
+
+__device__ __forceinline__ void fm_cp16(void* smem, const void* gmem, bool full) {
+  const int bytes = full ? 16 : 0;  // 0: zero-fill (rows past the tile; gmem is then any valid address)
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(fm_smem(smem)), "l"(gmem), "r"(bytes));
+}
+__device__ __forceinline__ void fm_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void fm_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+__device__ __forceinline__ void fm_ldsm4(unsigned int (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(fm_smem(p)));
+}
+__device__ __forceinline__ void fm_ldsm4_t(unsigned int (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(fm_smem(p)));
+}
+
+__device__ __forceinline__ void fm_mma(float* c, const unsigned int* a, unsigned int b0, unsigned int b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ unsigned int fm_bf16(float v) {  // f32 -> bf16 bits, nearest even (finite v)
+  const unsigned int u = __float_as_uint(v);
+  return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+}
+
+// x -> bf16 planes hi, mid, lo (bits) with hi + mid + lo == x exactly
+__device__ __forceinline__ void fm_planes(float x, unsigned int& h, unsigned int& m, unsigned int& l) {
+  h = fm_bf16(x);
+  const float r = x - __uint_as_float(h << 16);
+  m = fm_bf16(r);
+  l = fm_bf16(r - __uint_as_float(m << 16));
+}
+
+// two values (the lower k first) as three bf16x2 plane registers
+__device__ __forceinline__ void fm_pair(float x0, float x1, unsigned int& h, unsigned int& m, unsigned int& l) {
+  unsigned int h0, m0, l0, h1, m1, l1;
+  fm_planes(x0, h0, m0, l0);
+  fm_planes(x1, h1, m1, l1);
+  h = h0 | (h1 << 16);
+  m = m0 | (m1 << 16);
+  l = l0 | (l1 << 16);
+}
+
+// Rows [0, nrows) of tile rows x `cols` bf16 (cols % 8 == 0) at src (row stride src_stride elements) into shared dst
+// (row stride dst_stride), rows nrows.. and columns past `valid` zero-filled.
+template <int NT>
+__device__ __forceinline__ void fm_stage(unsigned short* dst, int dst_stride, const unsigned short* __restrict__ src,
+                                         long long src_stride, int rows, int nrows, int cols, int valid) {
+  const int c8 = cols >> 3, n = rows * c8;
+  for (int i = threadIdx.x; i < n; i += NT) {
+    const int r = i / c8, c = (i - r * c8) * 8;
+    const bool ok = r < nrows && c < valid;
+    fm_cp16(dst + r * dst_stride + c, ok ? src + r * src_stride + c : src, ok);
+  }
+}
+
+template <int W, int BN, int DVC>
+__device__ __forceinline__ void flash_mma(const float* __restrict__ q, const unsigned short* __restrict__ k,
+                                          const unsigned short* __restrict__ v, float* __restrict__ out, int T,
+                                          int Hq, int G, int S, int D, int Dv, long long k_hs, long long v_hs,
+                                          int start, int lo, float scale, float softcap, int window,
+                                          unsigned short* smem) {
+  constexpr int NT = 32 * W, ROWS = 16 * W, NB = BN / 8, VB = DVC / 8;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t4 = lane & 3;
+  const int h = blockIdx.x;
+  const int rb = gridDim.y - 1 - blockIdx.y;  // heaviest row block first
+  const int rows = T * G, r0 = rb * ROWS;
+  const int nr = min(ROWS, rows - r0);
+  const int c0 = blockIdx.z * DVC, dvn = min(DVC, Dv - c0);  // this block's value columns
+  const int qs = D + 8, vs = DVC + 8;
+  unsigned short* Qs = smem;              // 3 planes of (ROWS, qs)
+  unsigned short* Ks = Qs + 3 * ROWS * qs;  // (BN, qs)
+  unsigned short* Vs = Ks + BN * qs;        // (BN, vs)
+
+  const int qmin = start + r0 / G, qmax = start + (r0 + nr - 1) / G;
+  const int j_begin = window > 0 ? max(0, qmin - window + 1 - lo) : 0;
+  const int j_end = min(S, qmax - lo + 1);
+  const unsigned short* kh = k + h * k_hs;
+  const unsigned short* vh = v + h * v_hs + c0;
+  if (j_begin < j_end) fm_stage<NT>(Ks, qs, kh + (long long)j_begin * D, D, BN, min(BN, j_end - j_begin), D, D);
+  fm_commit();
+
+  // the query planes: row r = t G + g -> q[t, h G + g]
+  const int D4 = D >> 2;
+  for (int i = tid; i < ROWS * D4; i += NT) {
+    const int rr = i / D4, c = (i - rr * D4) * 4;
+    float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (rr < nr) {
+      const int r = r0 + rr, t = r / G, gg = r - t * G;
+      x = *reinterpret_cast<const float4*>(q + ((long long)t * Hq + h * G + gg) * D + c);
+    }
+    unsigned int h01, m01, l01, h23, m23, l23;
+    fm_pair(x.x, x.y, h01, m01, l01);
+    fm_pair(x.z, x.w, h23, m23, l23);
+    unsigned short* d = Qs + rr * qs + c;
+    *reinterpret_cast<uint2*>(d) = make_uint2(h01, h23);
+    *reinterpret_cast<uint2*>(d + ROWS * qs) = make_uint2(m01, m23);
+    *reinterpret_cast<uint2*>(d + 2 * ROWS * qs) = make_uint2(l01, l23);
+  }
+
+  // this thread's two rows (g, g + 8 of the warp's 16), their positions (an absent row sees no key)
+  const int wr = warp * 16;
+  int qp[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int rr = wr + g + 8 * i;
+    qp[i] = rr < nr ? start + (r0 + rr) / G : -(1 << 30);
+  }
+  const bool active = wr < nr;
+  const int wq_min = active ? start + (r0 + wr) / G : 0;
+  const int wq_max = active ? start + (r0 + min(nr, wr + 16) - 1) / G : 0;
+
+  float m[2] = {fm_neg_inf(), fm_neg_inf()}, l[2] = {0.f, 0.f};
+  float acc[VB][4];
+#pragma unroll
+  for (int vb = 0; vb < VB; ++vb) acc[vb][0] = acc[vb][1] = acc[vb][2] = acc[vb][3] = 0.f;
+
+  // ldmatrix addresses: A (query rows), B (key rows), B^T (value rows); lane -> row / column of its 8x8 matrix
+  const int a_row = wr + (lane & 7) + 8 * ((lane >> 3) & 1), a_col = 8 * (lane >> 4);
+  const int b_row = (lane & 7) + 8 * (lane >> 4), b_col = 8 * ((lane >> 3) & 1);
+  const int v_row = (lane & 7) + 8 * ((lane >> 3) & 1), v_col = 8 * (lane >> 4);
+
+  for (int j0 = j_begin; j0 < j_end; j0 += BN) {
+    const int nj = min(BN, j_end - j0);
+    fm_stage<NT>(Vs, vs, vh + (long long)j0 * Dv, Dv, BN, nj, DVC, dvn);
+    fm_commit();
+    fm_wait<1>();  // this tile's K (and, the first time, nothing else pending)
+    __syncthreads();
+    // does any row of this warp see a key of the tile?
+    const bool visible = active && lo + j0 <= wq_max && (window <= 0 || lo + j0 + nj - 1 > wq_min - window);
+
+    float s[NB][4];
+    if (visible) {
+#pragma unroll
+      for (int nb = 0; nb < NB; ++nb) s[nb][0] = s[nb][1] = s[nb][2] = s[nb][3] = 0.f;
+      for (int kb = 0; kb < D; kb += 16) {
+        unsigned int a[3][4];
+#pragma unroll
+        for (int p = 0; p < 3; ++p) fm_ldsm4(a[p], Qs + p * ROWS * qs + a_row * qs + kb + a_col);
+#pragma unroll
+        for (int nb = 0; nb < NB; nb += 2) {
+          unsigned int b[4];
+          fm_ldsm4(b, Ks + (nb * 8 + b_row) * qs + kb + b_col);
+#pragma unroll
+          for (int p = 0; p < 3; ++p) {
+            fm_mma(s[nb], a[p], b[0], b[1]);
+            fm_mma(s[nb + 1], a[p], b[2], b[3]);
+          }
+        }
+      }
+      // online softmax: s[nb][2i + e] is row g + 8i, key nb * 8 + 2 t4 + e
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        float mx = fm_neg_inf();
+#pragma unroll
+        for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int jj = nb * 8 + 2 * t4 + e, kp = lo + j0 + jj;
+            float x = s[nb][2 * i + e] * scale;
+            if (softcap > 0.f) x = tanhf(x / softcap) * softcap;
+            const bool ok = jj < nj && kp <= qp[i] && (window <= 0 || kp > qp[i] - window);
+            s[nb][2 * i + e] = ok ? x : fm_neg_inf();
+            mx = fmaxf(mx, s[nb][2 * i + e]);
+          }
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float mn = fmaxf(m[i], mx);
+        const float mu = mn == fm_neg_inf() ? 0.f : mn;  // nothing seen yet: every p and alpha is 0
+        const float alpha = expf(m[i] - mu);
+        float sum = 0.f;
+#pragma unroll
+        for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const float p = expf(s[nb][2 * i + e] - mu);
+            s[nb][2 * i + e] = p;
+            sum += p;
+          }
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+        l[i] = l[i] * alpha + sum;
+        m[i] = mn;
+#pragma unroll
+        for (int vb = 0; vb < VB; ++vb) {
+          acc[vb][2 * i] *= alpha;
+          acc[vb][2 * i + 1] *= alpha;
+        }
+      }
+    }
+
+    fm_wait<0>();  // this tile's V
+    __syncthreads();  // every warp is done with the K tile
+    if (j0 + BN < j_end) {
+      fm_stage<NT>(Ks, qs, kh + (long long)(j0 + BN) * D, D, BN, min(BN, j_end - j0 - BN), D, D);
+    }
+    fm_commit();
+
+    if (visible) {
+#pragma unroll
+      for (int kb = 0; kb < NB / 2; ++kb) {
+        // P's A fragment over keys 16 kb ..: (row g, keys 2t4..), (row g + 8, ..), (row g, keys 8 + 2t4..), (g + 8, ..)
+        unsigned int pa[3][4];
+        fm_pair(s[2 * kb][0], s[2 * kb][1], pa[0][0], pa[1][0], pa[2][0]);
+        fm_pair(s[2 * kb][2], s[2 * kb][3], pa[0][1], pa[1][1], pa[2][1]);
+        fm_pair(s[2 * kb + 1][0], s[2 * kb + 1][1], pa[0][2], pa[1][2], pa[2][2]);
+        fm_pair(s[2 * kb + 1][2], s[2 * kb + 1][3], pa[0][3], pa[1][3], pa[2][3]);
+#pragma unroll
+        for (int vb = 0; vb < VB; vb += 2) {
+          if (vb * 8 < dvn) {
+            unsigned int b[4];
+            fm_ldsm4_t(b, Vs + (kb * 16 + v_row) * vs + vb * 8 + v_col);
+#pragma unroll
+            for (int p = 0; p < 3; ++p) {
+              fm_mma(acc[vb], pa[p], b[0], b[1]);
+              fm_mma(acc[vb + 1], pa[p], b[2], b[3]);
+            }
+          }
+        }
+      }
+    }
+    __syncthreads();  // every warp is done with the V tile
+  }
+  fm_wait<0>();
+
+  // out = acc / l
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int rr = wr + g + 8 * i;
+    if (rr < nr) {
+      const int r = r0 + rr, t = r / G, gg = r - t * G;
+      const float L = l[i];
+      float* o = out + ((long long)t * Hq + h * G + gg) * Dv + c0;
+#pragma unroll
+      for (int vb = 0; vb < VB; ++vb) {
+        const int c = vb * 8 + 2 * t4;
+        if (c < dvn) *reinterpret_cast<float2*>(o + c) = make_float2(acc[vb][2 * i] / L, acc[vb][2 * i + 1] / L);
+      }
+    }
+  }
+}
+
+// flash_mma_w<W>_n<BN>_c<DVC>(q, K, V, out, T, Hq, G, S, D, Dv, k_hs, v_hs, start, lo, scale, softcap (0: none),
+//                            window (0: none))
+#define FLASH_MMA(W, BN, DVC)                                                                                       \
+  extern "C" __global__ void __launch_bounds__(32 * W, 1) flash_mma_w##W##_n##BN##_c##DVC(                          \
+      const float* __restrict__ q, const unsigned short* __restrict__ k, const unsigned short* __restrict__ v,      \
+      float* __restrict__ out, int T, int Hq, int G, int S, int D, int Dv, long long k_hs, long long v_hs,          \
+      int start, int lo, float scale, float softcap, int window) {                                                  \
+    extern __shared__ uint4 fm_smem4[];                                                                             \
+    flash_mma<W, BN, DVC>(q, k, v, out, T, Hq, G, S, D, Dv, k_hs, v_hs, start, lo, scale, softcap, window,          \
+                          reinterpret_cast<unsigned short*>(fm_smem4));                                             \
+  }
+
+FLASH_MMA(4, 64, 256)
+FLASH_MMA(4, 64, 128)
+FLASH_MMA(4, 32, 256)
+FLASH_MMA(4, 32, 128)
+FLASH_MMA(2, 64, 256)
+FLASH_MMA(2, 64, 128)
+FLASH_MMA(2, 32, 256)
+FLASH_MMA(2, 32, 128)
