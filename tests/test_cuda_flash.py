@@ -278,3 +278,126 @@ def test_attention_op_with_the_tensor_core_kernel(cp, mods, monkeypatch, dtype, 
         for got, want in zip(*results, strict=True):
             close(got, want)
         assert cp.array_equal(caches[0].k, caches[1].k) and cp.array_equal(caches[0].v, caches[1].v)
+
+
+def fp8_case(cp, rng, T, Hq, Hkv, D, Dv, start, window):
+    """q (T, Hq, D) f32 and an fp8 cache's keys / values as e4m3 bytes on the device and as f32 values on the host."""
+    import ml_dtypes
+
+    lo = 0 if window is None else max(0, start - window + 1)
+    S = start - lo + T
+    q = rng.normal(size=(T, Hq, D)).astype(np.float32)
+    k8 = rng.normal(size=(Hkv, S, D)).astype(ml_dtypes.float8_e4m3fn)
+    v8 = (rng.normal(size=(Hkv, S, Dv)) * 2).astype(ml_dtypes.float8_e4m3fn)
+    return (q, cp.asarray(k8.view(np.uint8)), cp.asarray(v8.view(np.uint8)), k8.astype(np.float32),
+            v8.astype(np.float32), lo)
+
+
+def close_fp8(got, want):
+    """The FP8 kernel against ``attend_tiled`` (the same arithmetic, the MMA's f32 sums in another order): nearly every
+    output within 1e-5 of the scale; a few move by one e4m3 step of some p (a product landing on the other side of
+    a rounding boundary), never by more than 2% of the scale. A layout mistake moves every output by O(1)."""
+    got = cp_host(got)
+    scale = max(1.0, float(np.abs(want).max()))
+    diff = np.abs(got.astype(np.float64) - want)
+    assert np.isfinite(got).all()
+    assert diff.max() <= 0.02 * scale, f"max |Δ| {diff.max():.3g}"
+    assert (diff > 1e-5 * scale).mean() <= 2e-3, f"{(diff > 1e-5 * scale).mean():.2%} of outputs off by > 1e-5"
+
+
+def cp_host(x):
+    return x.get() if hasattr(x, "get") else np.asarray(x)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("softcap", [None, 30.0])
+@pytest.mark.parametrize(("start", "window"), [(0, None), (37, None), (37, 100), (300, 64)])
+@pytest.mark.parametrize("T", [2, 17, 129, 300])
+@pytest.mark.parametrize("G", [1, 4])
+@pytest.mark.parametrize("D", [64, 128, 256, 512])
+def test_flash_fp8_against_its_tiled_model(cp, mods, D, G, T, start, window, softcap):
+    """``flash.attend_fp8`` (attention.compute-quantization fp8) against fp8_attention_model.attend_tiled in the
+    kernel's blocks and tiles."""
+    from lumen_cuda import fp8_attention_model
+
+    attention, flash = mods
+    rng = np.random.default_rng(zlib.crc32(repr(("fp8", D, G, T, start, window, softcap)).encode()))
+    q, kc, vc, kf, vf, lo = fp8_case(cp, rng, T, 2 * G, 2, D, D, start, window)
+    scale = (4.0 if softcap else 1.0) * D ** -0.5
+    got = flash.attend_fp8(cp.asarray(q), kc, vc, start, lo, scale, window, softcap)
+    assert got is not None, "the FP8 kernel declined a supported case"
+    want = fp8_attention_model.attend_tiled(q, kf, vf, start, lo, scale, window, softcap,
+                                            bn=flash.FP8_TILE, rows=flash.FP8_ROWS)
+    close_fp8(got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dims", [(128, 512), (512, 128), (96, 256), (256, 80)])
+def test_flash_fp8_other_head_dims(cp, mods, dims):
+    """Dv != D (a 512-wide value head runs in two column chunks), D = 96, Dv = 80, one kv head (G = 3)."""
+    from lumen_cuda import fp8_attention_model
+
+    attention, flash = mods
+    D, Dv = dims
+    rng = np.random.default_rng(zlib.crc32(repr(("fp8", dims)).encode()))
+    for Hq, Hkv, T, start, window in ((4, 2, 129, 37, None), (3, 1, 70, 300, 100)):
+        q, kc, vc, kf, vf, lo = fp8_case(cp, rng, T, Hq, Hkv, D, Dv, start, window)
+        got = flash.attend_fp8(cp.asarray(q), kc, vc, start, lo, D ** -0.5, window, None)
+        assert got is not None
+        close_fp8(got, fp8_attention_model.attend_tiled(q, kf, vf, start, lo, D ** -0.5, window, None,
+                                                        bn=flash.FP8_TILE, rows=flash.FP8_ROWS))
+
+
+@pytest.mark.gpu
+def test_fp8_vt_layout_and_declines(cp, mods):
+    """fp8_vt: (Hkv, Dv, S16), each 16 keys in the MMA's order, zero past S; attend_fp8 declines bf16 / f32 keys,
+    D % 32 and Dv % 16."""
+    attention, flash = mods
+    rng = np.random.default_rng(8)
+    v = rng.integers(0, 0x7F, size=(3, 37, 48), dtype=np.uint8)
+    vt = flash.fp8_vt(cp.asarray(v)).get()
+    assert vt.shape == (3, 48, 48)
+    order = [2 * (L >> 2) + (L & 1) + 8 * ((L >> 1) & 1) for L in range(16)]
+    for g in range(3):
+        for L in range(16):
+            key = 16 * g + order[L]
+            want = v[:, key, :] if key < 37 else np.zeros((3, 48), np.uint8)
+            assert np.array_equal(vt[:, :, 16 * g + L], want)
+    q, kc, vc, kf, vf, lo = fp8_case(cp, rng, 9, 4, 2, 64, 64, 0, None)
+    qd = cp.asarray(q)
+    assert flash.attend_fp8(qd, cp.asarray(kf), cp.asarray(vf), 0, lo, 0.1, None, None) is None
+    q, kc, vc, kf, vf, lo = fp8_case(cp, rng, 9, 4, 2, 48, 40, 0, None)
+    assert flash.attend_fp8(cp.asarray(q), kc, vc, 0, lo, 0.1, None, None) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["full", "ring"])
+def test_attention_op_with_fp8_attention(cp, mods, kind):
+    """A cache made with fp8_attention (the cuda backend's, under attention.compute-quantization fp8): prefill
+    chunks take the FP8 kernel (close to the f32 path over the same cache, not equal), one decode token the f32
+    decode path (equal); the caches' bytes are the same either way; a non-fp8 cache refuses the flag."""
+    attention, _ = mods
+    Hq, Hkv, D, W = 8, 2, 128, 48
+    results, caches = [], []
+    for fp8 in (True, False):
+        rng = np.random.default_rng(13)
+        cache = (attention.kv_cache(512, Hkv, D, "fp8", fp8_attention=fp8) if kind == "full"
+                 else attention.sliding_kv_cache(W, Hkv, D, "fp8", fp8_attention=fp8))
+        outs, start = [], 0
+        for T in (100, 1, 33, 65):
+            q, k, v = (cp.asarray(rng.normal(size=(T, h, D)).astype(np.float32)) for h in (Hq, Hkv, Hkv))
+            window = None if kind == "full" else W
+            outs.append(attention.attention(q, k, v, cache, start, D ** -0.5, window))
+            outs.append(attention.attention_shared(q, cache, start, D ** -0.5, window))
+            start += T
+        results.append(outs)
+        caches.append(cache)
+    for i, (got, want) in enumerate(zip(*results, strict=True)):
+        if i in (2, 3):  # the decode token
+            assert cp.array_equal(got, want)
+        else:
+            close(got, want, tol=0.06)
+            assert not cp.array_equal(got, want)
+    assert cp.array_equal(caches[0].k, caches[1].k) and cp.array_equal(caches[0].v, caches[1].v)
+    with pytest.raises(ValueError, match="fp8 KV cache"):
+        attention.kv_cache(16, Hkv, D, "bf16", fp8_attention=True)

@@ -62,6 +62,7 @@ _bf16_decode = cp.ElementwiseKernel("uint16 x", "float32 y", "y = __uint_as_floa
 class KVCache:
     k: cp.ndarray  # (kv_heads, ctx, head_dim)
     v: cp.ndarray  # (kv_heads, ctx, head_dim_v)
+    fp8_attention: bool = False  # attention.compute-quantization fp8: several-token attention in e4m3 MMA
 
     @property
     def capacity(self) -> int:
@@ -73,6 +74,7 @@ class RingKVCache:
     k: cp.ndarray  # (kv_heads, window, head_dim): position p lives in slot p % window
     v: cp.ndarray
     recent: tuple | None = None  # (first position, keys (Hkv, S, D), values (Hkv, S, Dv)) of the last call, cache type
+    fp8_attention: bool = False
 
     @property
     def capacity(self) -> int:
@@ -86,13 +88,21 @@ def _alloc(n, kv_heads, head_dim, type_k, type_v, head_dim_v):
 
 
 def kv_cache(context: int, kv_heads: int, head_dim: int, type_k: str = "f32", type_v: str | None = None,
-             head_dim_v: int | None = None):
-    return KVCache(*_alloc(context, kv_heads, head_dim, type_k, type_v, head_dim_v))
+             head_dim_v: int | None = None, fp8_attention: bool = False):
+    return KVCache(*_alloc(context, kv_heads, head_dim, type_k, type_v, head_dim_v),
+                   fp8_attention=_fp8_checked(fp8_attention, type_k, type_v))
 
 
 def sliding_kv_cache(window: int, kv_heads: int, head_dim: int, type_k: str = "f32", type_v: str | None = None,
-                     head_dim_v: int | None = None):
-    return RingKVCache(*_alloc(window, kv_heads, head_dim, type_k, type_v, head_dim_v))
+                     head_dim_v: int | None = None, fp8_attention: bool = False):
+    return RingKVCache(*_alloc(window, kv_heads, head_dim, type_k, type_v, head_dim_v),
+                       fp8_attention=_fp8_checked(fp8_attention, type_k, type_v))
+
+
+def _fp8_checked(fp8_attention: bool, type_k: str, type_v: str | None) -> bool:
+    if fp8_attention and (type_k != "fp8" or (type_v or type_k) != "fp8"):
+        raise ValueError(f"fp8 attention needs an fp8 KV cache, not type-k {type_k} / type-v {type_v or type_k}")
+    return bool(fp8_attention)
 
 
 def attention(q, k, v, cache, start: int, scale: float, window: int | None = None, softcap: float | None = None,
@@ -108,7 +118,7 @@ def attention(q, k, v, cache, start: int, scale: float, window: int | None = Non
         encode(v.transpose(1, 0, 2), cache.v.dtype, out=cache.v[:, start:end])
         lo = 0 if window is None else max(0, start - window + 1)
         keys, vals = cache.k[:, lo:end], cache.v[:, lo:end]  # (Hkv, S, D) in the cache's type
-    return _attend(q, keys, vals, start, lo, scale, window, softcap, blocks)
+    return _attend(q, keys, vals, start, lo, scale, window, softcap, blocks, cache.fp8_attention)
 
 
 def attention_shared(q, cache, start: int, scale: float, window: int | None = None, softcap: float | None = None,
@@ -124,7 +134,7 @@ def attention_shared(q, cache, start: int, scale: float, window: int | None = No
         keys, vals = keys[:, lo - first:end - first], vals[:, lo - first:end - first]
     else:
         keys, vals = cache.k[:, lo:end], cache.v[:, lo:end]
-    return _attend(q, keys, vals, start, lo, scale, window, softcap, blocks)
+    return _attend(q, keys, vals, start, lo, scale, window, softcap, blocks, cache.fp8_attention)
 
 
 def _ring_update(cache: RingKVCache, k, v, start: int, window: int | None):
@@ -156,15 +166,20 @@ def _ring_update(cache: RingKVCache, k, v, start: int, window: int | None):
 
 
 def _attend(q, keys, vals, start: int, lo: int, scale: float, window: int | None, softcap: float | None,
-            blocks=None):
+            blocks=None, fp8: bool = False):
     """q (T, Hq, D) at start.., keys (Hkv, S, D) / vals (Hkv, S, Dv) at lo.. (f32, or a KV cache's element type,
     decoded here) -> (T, Hq, Dv).
 
-    T > 1: with ``LUMEN_CUDA_FLASH=mma`` and keys and values that are bf16 values (a bf16 or fp8 cache), the
+    T > 1: ``fp8`` (a cache made for ``attention.compute-quantization: fp8``), the FP8 kernel (``flash.attend_fp8``)
+    where it applies; with ``LUMEN_CUDA_FLASH=mma`` and keys and values that are bf16 values (a bf16 or fp8 cache), the
     tensor-core flash kernel (``flash.attend_mma``); else the f32 flash kernel (``flash.attend``: one launch, no
     (T, S) scores in memory) unless it declines (unsupported shapes, ``LUMEN_CUDA_FLASH=0``) or ``blocks`` asks for
     a mask it has not; otherwise, and for T = 1, the CuPy path."""
     if q.shape[0] > 1 and not blocks:
+        if fp8:
+            out = flash.attend_fp8(q, keys, vals, start, lo, scale, window, softcap)
+            if out is not None:
+                return out
         if flash.mma_enabled():
             kb, vb = _bf16_values(keys), _bf16_values(vals)
             if kb is not None and vb is not None:

@@ -191,3 +191,78 @@ def attend_mma(q, keys, vals, start: int, lo: int, scale: float, window: int | N
          np.int32(win)),
         shared_mem=smem)
     return out
+
+
+FP8_CHUNKS = (128, 256)  # value columns a block of flash_fp8_w4_n64_c<DVC>
+FP8_ROWS = 64  # (query, head-of-group) rows a block
+FP8_TILE = 64  # keys a tile
+
+
+def fp8_smem(D: int, dvc: int) -> int:
+    """Shared memory bytes of flash_fp8_w4_n64_c<dvc>: query codes, K tile, V^T tile, row scales."""
+    return FP8_ROWS * (D + 16) + FP8_TILE * (D + 16) + dvc * (FP8_TILE + 16) + 4 * FP8_ROWS
+
+
+def fp8_native() -> bool:
+    """Whether the module was compiled with the e4m3 MMA (sm_89 and later), asked of the device once."""
+    dev = cp.cuda.runtime.getDevice()
+    if dev not in _FP8_NATIVE:
+        flag = cp.zeros(1, dtype=cp.int32)
+        kernels.function(MMA_FILE, "flash_fp8_native")((1,), (1,), (flag,))
+        _FP8_NATIVE[dev] = bool(int(flag.get()[0]))
+    return _FP8_NATIVE[dev]
+
+
+_FP8_NATIVE: dict[int, bool] = {}
+
+
+def fp8_vt(vals):
+    """vals (Hkv, S, Dv) e4m3 bytes -> (Hkv, Dv, S16) as ``kernels/flash_mma.cu``'s ``fp8_vt`` lays them out for the
+    FP8 kernel's P V (S16 = S rounded up to 16; the keys of each 16 permuted; zero past S)."""
+    Hkv, S, Dv = vals.shape
+    vc, v_hs = _rows(vals, Dv, cp.uint8)
+    S16 = -(-S // 16) * 16
+    vt = cp.empty((Hkv, Dv, S16), dtype=cp.uint8)
+    kernels.function(MMA_FILE, "fp8_vt")((S16 // 16, Hkv), (256,),
+                                         (vc, vt, np.int32(S), np.int32(S16), np.int32(Dv), np.int64(v_hs)))
+    return vt
+
+
+def attend_fp8(q, keys, vals, start: int, lo: int, scale: float, window: int | None, softcap: float | None):
+    """FP8 attention (``attention.compute-quantization: fp8``) for q (T, Hq, D) f32 over an fp8 cache's keys / values
+    (Hkv, S, D) / (Hkv, S, Dv) e4m3 bytes: ``fp8_attention_model.attend_tiled``'s arithmetic on the e4m3 MMA; None
+    where it does not apply (then the caller runs the f32 path over the same fp8 values)."""
+    if not all(isinstance(a, cp.ndarray) for a in (q, keys, vals)) or q.ndim != 3 or keys.ndim != 3 or vals.ndim != 3:
+        return None
+    if keys.dtype != cp.uint8 or vals.dtype != cp.uint8:
+        return None
+    T, Hq, D = q.shape
+    Hkv, S, Dk = keys.shape
+    Dv = vals.shape[2]
+    if Dk != D or vals.shape[:2] != (Hkv, S) or Hkv == 0 or Hq % Hkv or T < 1 or S < 1:
+        return None
+    if not (0 < D <= MAX_DIM and 0 < Dv <= MAX_DIM and D % 32 == 0 and Dv % 16 == 0):
+        return None
+    if start < 0 or lo < 0 or start + T >= 2 ** 30 or (window is not None and window < 1):
+        return None
+    dvc = 128 if Dv <= 128 else 256
+    smem = fp8_smem(D, dvc)
+    if smem > _smem_limit() or not fp8_native():
+        return None
+    G = Hq // Hkv
+    nrb, nz = -(-T * G // FP8_ROWS), -(-Dv // dvc)
+    if nrb > MAX_ROW_BLOCKS:
+        return None
+    win = 0 if window is None or window >= start + T else int(window)
+    cap = float(softcap) if softcap else 0.0
+    qc = cp.ascontiguousarray(q, dtype=F32)
+    kc, k_hs = _rows(keys, D, cp.uint8)
+    vt = fp8_vt(vals)
+    out = cp.empty((T, Hq, Dv), dtype=F32)
+    kernels.function(MMA_FILE, f"flash_fp8_w4_n64_c{dvc}", smem=smem)(
+        (Hkv, nrb, nz), (128,),
+        (qc, kc, vt, out, np.int32(T), np.int32(Hq), np.int32(G), np.int32(S), np.int32(vt.shape[2]), np.int32(D),
+         np.int32(Dv), np.int64(k_hs), np.int32(start), np.int32(lo), np.float32(scale), np.float32(cap),
+         np.int32(win)),
+        shared_mem=smem)
+    return out

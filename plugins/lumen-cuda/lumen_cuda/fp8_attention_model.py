@@ -1,7 +1,9 @@
 """FP8 attention's arithmetic in numpy: what an FP8-MMA attention kernel (issue 21: LumenLLM's
 ``attention.compute-quantization: fp8`` over an fp8 KV cache) is to compute, so that its accuracy can be measured
 on the CPU before the kernel exists (``benchmarks/fp8_attention_accuracy.py``) and the kernel tested against it.
-No kernel implements it yet; the plan still refuses ``fp8`` attention.
+``attend`` is the arithmetic with one softmax max per row (what the accuracy benchmark measured); ``attend_tiled``
+is the kernel's own order (``kernels/flash_mma.cu``, ``flash_fp8_*``): tiles of keys, the running max, P rounded
+against it, so that the kernel can be compared with it closely (the e4m3 rounding of P depends on that max).
 
 - K and V: the cache's e4m3 values as stored (Lumen's fp8 cache has no scale and saturates at +-448).
 - Q: each (token, head) row scaled into e4m3: ``sq = amax|q| / 448``, codes ``e4m3(q / sq)`` (nearest, ties to
@@ -71,3 +73,61 @@ def attend(q, keys, vals, start: int, lo: int, scale: float, window: int | None 
     pq = e4m3(p * F32(E4M3_MAX))
     o = (pq.reshape(hkv, g * T, S) @ vals).reshape(hkv, g, T, -1) / F32(E4M3_MAX) / l
     return o.reshape(hq, T, -1).transpose(1, 0, 2).astype(F32)
+
+
+def _mma_sum(a, b, k: int = 32):
+    """a (M, K) @ b (N, K)^T as the e4m3 MMA sums it: each k-wide block's exact products summed once into f32, the
+    blocks added in f32 in order."""
+    acc = np.zeros((a.shape[0], b.shape[0]), F32)
+    for k0 in range(0, a.shape[1], k):
+        part = a[:, k0:k0 + k].astype(np.float64) @ b[:, k0:k0 + k].astype(np.float64).T
+        acc = (acc + part.astype(F32)).astype(F32)
+    return acc
+
+
+def attend_tiled(q, keys, vals, start: int, lo: int, scale: float, window: int | None = None,
+                 softcap: float | None = None, bn: int = 64, rows: int = 64) -> np.ndarray:
+    """``attend`` in the FP8 kernel's order: per kv head, blocks of ``rows`` flattened (query, head-of-group) rows,
+    each walking tiles of ``bn`` keys from its first visible key rounded down to 16, with the online softmax (P
+    rounded to e4m3 against the running max, the accumulator rescaled as it moves)."""
+    q = np.asarray(q, F32)
+    keys, vals = np.asarray(keys, F32), np.asarray(vals, F32)
+    T, hq, D = q.shape
+    hkv, S, _ = keys.shape
+    G = hq // hkv
+    codes, sq = quantize_q(q)
+    out = np.zeros((T, hq, vals.shape[2]), F32)
+    for h in range(hkv):
+        qc = codes[:, h * G:(h + 1) * G].reshape(T * G, D)
+        qs = sq[:, h * G:(h + 1) * G].reshape(T * G)
+        rpos = np.repeat(start + np.arange(T), G)
+        o = np.zeros((T * G, vals.shape[2]), F32)
+        for r0 in range(0, T * G, rows):
+            r1 = min(T * G, r0 + rows)
+            qmin, qmax = rpos[r0], rpos[r1 - 1]
+            j_begin = (max(0, qmin - window + 1 - lo) if window else 0) & ~15
+            j_end = min(S, qmax - lo + 1)
+            m = np.full(r1 - r0, -np.inf, F32)
+            l = np.zeros(r1 - r0, F32)
+            acc = np.zeros((r1 - r0, vals.shape[2]), F32)
+            for j0 in range(j_begin, j_end, bn):
+                j1 = min(j_end, j0 + bn)
+                s = _mma_sum(qc[r0:r1], keys[h, j0:j1]) * qs[r0:r1, None] * F32(scale)
+                if softcap:
+                    s = np.tanh(s / F32(softcap)) * F32(softcap)
+                kpos = lo + np.arange(j0, j1)
+                ok = kpos[None, :] <= rpos[r0:r1, None]
+                if window:
+                    ok &= kpos[None, :] > rpos[r0:r1, None] - window
+                s = np.where(ok, s, -np.inf).astype(F32)
+                mn = np.maximum(m, s.max(axis=1))
+                mu = np.where(np.isneginf(mn), F32(0), mn)
+                alpha = np.exp(m - mu).astype(F32)
+                p = np.exp(s - mu[:, None]).astype(F32)
+                l = (l * alpha + p.sum(axis=1, dtype=F32)).astype(F32)
+                m = mn
+                pq = e4m3(p * F32(E4M3_MAX))
+                acc = (acc * alpha[:, None] + _mma_sum(pq, np.ascontiguousarray(vals[h, j0:j1].T))).astype(F32)
+            o[r0:r1] = acc / F32(E4M3_MAX) / l[:, None]
+        out[:, h * G:(h + 1) * G] = o.reshape(T, G, -1)
+    return out
