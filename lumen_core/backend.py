@@ -125,6 +125,16 @@ class Backend(ABC):
         if quantization != "none":
             raise NotImplementedError(f"backend {self.name!r} has no compute quantization {quantization!r}")
 
+    # attention.compute-quantization values this backend computes (besides none / default / bf16, its own precision):
+    # "fp8" = attention in FP8 MMA over an fp8 KV cache (lumen_cuda); the plan refuses it on a backend without it
+    attention_quantizations: tuple[str, ...] = ()
+
+    def configure_attention_quantization(self, quantization: str) -> None:
+        """Called before the model is built on each backend that computes attention, with
+        ``model.attention.compute-quantization`` when it names one of ``attention_quantizations`` ("fp8"): the KV
+        caches the backend makes afterwards compute attention that way."""
+        raise NotImplementedError(f"backend {self.name!r} has no attention compute quantization {quantization!r}")
+
     def compute_quantization_applies(self) -> bool:
         """After loading: whether the configured compute quantization found weights to apply to (the engine notes
         a setting that has no effect). The default: no compute quantization, nothing to say."""

@@ -813,6 +813,12 @@ class Config:
         default)."""
         return self.raw.get("cpu", {}).get("compute-quantization", "none")
 
+    def attention_compute_quantization(self) -> str:
+        """model.attention.compute-quantization: "fp8" (attention in FP8 MMA over the fp8 KV cache, where a backend
+        computes it), or the backend's own precision ("none"; LumenLLM's "default" and "bf16" mean the same here)."""
+        value = self.raw["model"].get("attention", {}).get("compute-quantization", "none")
+        return "fp8" if value == "fp8" else "none"
+
     def cuda_compute_quantization(self) -> str:
         """cuda.compute-quantization: "bf16" (the cuda backends' several-token products round the activations to
         bf16) or "none" (the default: exact)."""

@@ -151,6 +151,7 @@ class Engine:
         backends = _backends(resolved["placements"], registry)
         _configure_cpu(config, backends)
         _configure_cuda(config, backends)
+        _configure_attention(config, backends)
         for comp, p in resolved["placements"].items():  # routed experts streamed from a host store to a GPU
             if comp[0] == "experts" and p.store in registry.backend_class(p.backend).expert_stores:
                 backends[comp].configure_expert_cache(config.expert_cache())
@@ -852,6 +853,17 @@ def _configure_cuda(config, backends: dict) -> None:
               file=sys.stderr)
     for b in cudas.values():
         b.configure_compute_quantization(quant)
+
+
+def _configure_attention(config, backends: dict) -> None:
+    """model.attention.compute-quantization fp8 to every backend that computes a layer or its attention (the plan has
+    checked that each has it), before the model makes its KV caches."""
+    quant = config.attention_compute_quantization()
+    if quant == "none":
+        return
+    chosen = {id(b): b for comp, b in backends.items() if comp[0] in ("layer", "attention")}
+    for b in chosen.values():
+        b.configure_attention_quantization(quant)
 
 
 def _note_unused_quantization(config, backends: dict) -> None:

@@ -171,18 +171,30 @@ def _vision_activations(arch: Architecture, ckpt, registry, place, plan: Plan) -
                                   place.device, store, "f32", nbytes, kind="cache"))
 
 
-def check_fp8_attention(config, placements: dict) -> None:
+def check_fp8_attention(config, placements: dict, registry) -> None:
     """LumenLLM's ``attention.compute-quantization: fp8`` (attention computed in FP8 MMA; the fp8 KV cache it needs
-    is checked by the config) runs where the backend has it: no Lumen backend has it yet, so it is refused naming
-    the backends that compute this plan's attention."""
+    is checked by the config) runs where the backend has it (``Backend.attention_quantizations``): refused naming the
+    backends of this plan's attention that have not."""
     if ("model.attention.compute-quantization", "fp8 attention") not in config.requested_features():
         return
     backends = sorted({p.backend for comp, p in placements.items() if comp[0] in ("layer", "attention")})
-    raise ConfigError("model.attention.compute-quantization",
-                      f"fp8 attention (attention computed in FP8 E4M3 MMA) is not implemented by backend "
-                      f"{', '.join(repr(b) for b in backends)}, which computes this model's attention: it reads the "
-                      "fp8 KV cache and computes in f32 (cpu) or f32/bf16 (cuda)",
-                      'set compute-quantization to "default" (the fp8 KV cache still halves the cache memory)')
+    lacking = [b for b in backends if "fp8" not in _attention_quantizations(registry, b)]
+    if lacking:
+        having = [b for b in sorted(registry.backends) if "fp8" in _attention_quantizations(registry, b)]
+        where = f"compute the attention on {' or '.join(having)}, or " if having else ""
+        raise ConfigError("model.attention.compute-quantization",
+                          f"fp8 attention (attention computed in FP8 E4M3 MMA) is not implemented by backend "
+                          f"{', '.join(repr(b) for b in lacking)}, which computes this model's attention: it reads "
+                          "the fp8 KV cache and computes in f32",
+                          f'{where}set compute-quantization to "default" (the fp8 KV cache still halves the cache '
+                          "memory)")
+
+
+def _attention_quantizations(registry, backend: str) -> tuple[str, ...]:
+    try:
+        return registry.backend_class(backend).attention_quantizations
+    except Exception:  # an installed backend that cannot be imported here (e.g. no CuPy) names nothing
+        return ()
 
 
 def check_placement(config, arch: Architecture, registry, components: list[Component],
@@ -322,7 +334,7 @@ def plan_model(config, arch: Architecture, ckpt, registry) -> tuple[Plan, dict]:
             components.append(("attention", c[1]))
     placement_notes: list[str] = []
     placements = check_placement(config, arch, registry, components, placement_notes)
-    check_fp8_attention(config, placements)
+    check_fp8_attention(config, placements, registry)
     kv = config.kv_cache()
     context_notes = check_context(kv, arch, ckpt)
     context = kv.context_size or arch.max_context

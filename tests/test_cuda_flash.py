@@ -324,7 +324,7 @@ def test_flash_fp8_against_its_tiled_model(cp, mods, D, G, T, start, window, sof
     rng = np.random.default_rng(zlib.crc32(repr(("fp8", D, G, T, start, window, softcap)).encode()))
     q, kc, vc, kf, vf, lo = fp8_case(cp, rng, T, 2 * G, 2, D, D, start, window)
     scale = (4.0 if softcap else 1.0) * D ** -0.5
-    got = flash.attend_fp8(cp.asarray(q), kc, vc, start, lo, scale, window, softcap)
+    got = flash.attend_fp8(cp.asarray(q), kc, vc, start, lo, scale, window, softcap, checked=True)
     assert got is not None, "the FP8 kernel declined a supported case"
     want = fp8_attention_model.attend_tiled(q, kf, vf, start, lo, scale, window, softcap,
                                             bn=flash.FP8_TILE, rows=flash.FP8_ROWS)
@@ -342,7 +342,7 @@ def test_flash_fp8_other_head_dims(cp, mods, dims):
     rng = np.random.default_rng(zlib.crc32(repr(("fp8", dims)).encode()))
     for Hq, Hkv, T, start, window in ((4, 2, 129, 37, None), (3, 1, 70, 300, 100)):
         q, kc, vc, kf, vf, lo = fp8_case(cp, rng, T, Hq, Hkv, D, Dv, start, window)
-        got = flash.attend_fp8(cp.asarray(q), kc, vc, start, lo, D ** -0.5, window, None)
+        got = flash.attend_fp8(cp.asarray(q), kc, vc, start, lo, D ** -0.5, window, None, checked=True)
         assert got is not None
         close_fp8(got, fp8_attention_model.attend_tiled(q, kf, vf, start, lo, D ** -0.5, window, None,
                                                         bn=flash.FP8_TILE, rows=flash.FP8_ROWS))
@@ -401,3 +401,22 @@ def test_attention_op_with_fp8_attention(cp, mods, kind):
     assert cp.array_equal(caches[0].k, caches[1].k) and cp.array_equal(caches[0].v, caches[1].v)
     with pytest.raises(ValueError, match="fp8 KV cache"):
         attention.kv_cache(16, Hkv, D, "bf16", fp8_attention=True)
+
+
+@pytest.mark.gpu
+def test_fp8_attention_through_the_backend(cp, mods):
+    """The device check passes here (sm_90); a CUDABackend configured for fp8 makes its KV caches with the flag
+    through its bound ops (the plan's way), and refuses a bad value."""
+    from lumen_cuda.backend import CUDABackend
+
+    from lumen_core.plugins import get_registry
+
+    _, flash = mods
+    assert flash.fp8_check() is None
+    backend = CUDABackend("cuda:0", get_registry())
+    assert backend.ops.kv_cache(64, 2, 128, "fp8", "fp8").fp8_attention is False
+    backend.configure_attention_quantization("fp8")
+    assert backend.ops.kv_cache(64, 2, 128, "fp8", "fp8").fp8_attention is True
+    assert backend.ops.sliding_kv_cache(16, 2, 128, "fp8", "fp8").fp8_attention is True
+    with pytest.raises(ValueError, match="fp8 KV cache"):
+        backend.ops.kv_cache(64, 2, 128, "bf16", "bf16")

@@ -45,7 +45,8 @@ def register_backends(register):
 WEIGHT_OPS = ("linear", "embedding", "linear_group")
 # Ops that take the backend instance (``backend=``): routed experts in host RAM stream through its expert cache.
 # Each CUDABackend's op set binds them to itself (backend._BackendOpSet, through the ``bind`` attribute).
-BACKEND_OPS = ("moe_experts", "moe_experts_packed")
+# The KV cache ops take it too: a cache records the backend's attention.compute-quantization (fp8 attention).
+BACKEND_OPS = ("moe_experts", "moe_experts_packed", "kv_cache", "sliding_kv_cache")
 
 
 @hookimpl

@@ -131,6 +131,11 @@ class CUDABackend(Backend):
     kv_stores = ("vram",)  # a KV cache in host RAM for a GPU layer comes with issue 5
     graph_guests = ("cpu",)  # CPU experts under a GPU model stay inside the decode graph (hostcall.py)
     activations = "f32"  # what this backend's weights' several-token products take (cuda.compute-quantization)
+    # attention.compute-quantization fp8: the KV caches made after configure_attention_quantization("fp8") run
+    # several-token attention in e4m3 MMA (flash.attend_fp8); one token keeps the decode kernels' f32 arithmetic
+    # over the same fp8 cache (bandwidth-bound: the MMA would read the same bytes). docs/cuda.md, "FP8 attention".
+    attention_quantizations = ("fp8",)
+    fp8_attention = False
 
     @classmethod
     def devices(cls) -> list[DeviceInfo]:
@@ -235,6 +240,22 @@ class CUDABackend(Backend):
         if quantization not in ("none", "bf16"):
             raise ValueError(f"cuda.compute-quantization {quantization!r}: the cuda backend takes none or bf16")
         self.activations = "bf16" if quantization == "bf16" else "f32"
+
+    def configure_attention_quantization(self, quantization: str) -> None:
+        if quantization not in ("none", "fp8"):
+            raise ValueError(f"attention.compute-quantization {quantization!r}: the cuda backend takes none or fp8")
+        if quantization == "fp8":
+            from . import flash
+
+            with self.dev:
+                problem = flash.fp8_check()
+            if problem is not None:
+                from lumen_core.errors import ConfigError
+
+                raise ConfigError("model.attention.compute-quantization", f"fp8 attention on {self.device}: {problem}",
+                                  'set compute-quantization to "default" (the fp8 KV cache still halves the cache '
+                                  "memory)")
+        self.fp8_attention = quantization == "fp8"
 
     def weight(self, array, fmt: str, store: str, scale=None, shape=None) -> Weight:
         w = self._weight(array, fmt, store, scale, shape)

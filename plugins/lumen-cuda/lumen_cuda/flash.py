@@ -228,7 +228,8 @@ def fp8_vt(vals):
     return vt
 
 
-def attend_fp8(q, keys, vals, start: int, lo: int, scale: float, window: int | None, softcap: float | None):
+def attend_fp8(q, keys, vals, start: int, lo: int, scale: float, window: int | None, softcap: float | None,
+               checked: bool = False):
     """FP8 attention (``attention.compute-quantization: fp8``) for q (T, Hq, D) f32 over an fp8 cache's keys / values
     (Hkv, S, D) / (Hkv, S, Dv) e4m3 bytes: ``fp8_attention_model.attend_tiled``'s arithmetic on the e4m3 MMA; None
     where it does not apply (then the caller runs the f32 path over the same fp8 values)."""
@@ -247,7 +248,7 @@ def attend_fp8(q, keys, vals, start: int, lo: int, scale: float, window: int | N
         return None
     dvc = 128 if Dv <= 128 else 256
     smem = fp8_smem(D, dvc)
-    if smem > _smem_limit() or not fp8_native():
+    if smem > _smem_limit() or not fp8_native() or (not checked and fp8_check() is not None):
         return None
     G = Hq // Hkv
     nrb, nz = -(-T * G // FP8_ROWS), -(-Dv // dvc)
@@ -266,3 +267,41 @@ def attend_fp8(q, keys, vals, start: int, lo: int, scale: float, window: int | N
          np.int32(win)),
         shared_mem=smem)
     return out
+
+
+_FP8_CHECKED: dict[int, str | None] = {}
+
+
+def fp8_check() -> str | None:
+    """Once per device, before a model uses FP8 attention: why it cannot run here (a device without the e4m3 MMA), or
+    the FP8 kernel on a small case disagreeing with ``fp8_attention_model.attend_tiled`` (the same arithmetic, the
+    MMA's order of f32 sums aside: nearly every output within 1e-5 of the scale, none beyond 2%); None when it
+    agrees. The cuda backend refuses the setting with this reason instead of computing wrong attention."""
+    dev = cp.cuda.runtime.getDevice()
+    if dev in _FP8_CHECKED:
+        return _FP8_CHECKED[dev]
+    import ml_dtypes
+
+    from . import fp8_attention_model
+
+    if not fp8_native():
+        problem = "this GPU has no e4m3 MMA (FP8 attention needs compute capability 8.9 or later)"
+    else:
+        rng = np.random.default_rng(21)
+        T, Hq, Hkv, D, start = 40, 4, 2, 64, 30
+        q = rng.normal(size=(T, Hq, D)).astype(np.float32)
+        k8 = rng.normal(size=(Hkv, start + T, D)).astype(ml_dtypes.float8_e4m3fn)
+        v8 = (rng.normal(size=(Hkv, start + T, D)) * 2).astype(ml_dtypes.float8_e4m3fn)
+        got = attend_fp8(cp.asarray(q), cp.asarray(k8.view(np.uint8)), cp.asarray(v8.view(np.uint8)), start, 0,
+                         D ** -0.5, None, None, checked=True)
+        want = fp8_attention_model.attend_tiled(q, k8.astype(np.float32), v8.astype(np.float32), start, 0, D ** -0.5,
+                                                bn=FP8_TILE, rows=FP8_ROWS)
+        problem = None if got is not None else "the FP8 attention kernel declined its own check case"
+        if got is not None:
+            diff = np.abs(got.get().astype(np.float64) - want)
+            scale = max(1.0, float(np.abs(want).max()))
+            if not np.isfinite(diff).all() or diff.max() > 0.02 * scale or (diff > 1e-5 * scale).mean() > 2e-3:
+                problem = (f"the FP8 attention kernel disagreed with its model on this GPU (max |diff| "
+                           f"{float(np.nanmax(diff)):.3g} of a scale {scale:.3g})")
+    _FP8_CHECKED[dev] = problem
+    return problem

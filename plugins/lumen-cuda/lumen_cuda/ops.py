@@ -20,7 +20,6 @@ from lumen_core.backend import Weight
 from . import attention as _attention
 from . import decode, gdn_prefill, gemv, moe, step
 from . import delta as _delta
-from .attention import kv_cache, sliding_kv_cache
 from .cupy_ops import (  # noqa: F401 (ops, and names the tests read)
     F32,
     bf16_to_f32,
@@ -179,6 +178,21 @@ def _apply_rope_cupy(x, cos, sin):
 
 
 # -- attention and Gated-DeltaNet: one-token decode through the kernels of lumen_cuda.decode ------------------
+def kv_cache(context: int, kv_heads: int, head_dim: int, type_k: str = "f32", type_v: str | None = None,
+             head_dim_v: int | None = None, backend=None):
+    """A full KV cache; made under ``backend`` configured for fp8 attention, its several-token attention runs in
+    FP8 MMA (attention.KVCache.fp8_attention)."""
+    return _attention.kv_cache(context, kv_heads, head_dim, type_k, type_v, head_dim_v,
+                               fp8_attention=getattr(backend, "fp8_attention", False))
+
+
+def sliding_kv_cache(window: int, kv_heads: int, head_dim: int, type_k: str = "f32", type_v: str | None = None,
+                     head_dim_v: int | None = None, backend=None):
+    """A sliding-window ring KV cache, as ``kv_cache``."""
+    return _attention.sliding_kv_cache(window, kv_heads, head_dim, type_k, type_v, head_dim_v,
+                                       fp8_attention=getattr(backend, "fp8_attention", False))
+
+
 def attention(q, k, v, cache, start: int, scale: float, window: int | None = None, softcap: float | None = None,
               blocks=None):
     """q (T, Hq, D), k (T, Hkv, D), v (T, Hkv, Dv) at start.. -> (T, Hq, Dv); writes k, v to the cache first.
