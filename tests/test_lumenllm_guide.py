@@ -153,7 +153,7 @@ def test_the_recipes():
     config = load_config({"model": {**MODEL, "hidden-layers": {"experts": {"compute": "cpu", "store": "ram"}}}})
     assert config.placement("experts", 0) == Placement("cpu", "ram")
     # "Max long-context speed": fp8 attention needs the fp8 cache; then the plan refuses it naming the backend that
-    # computes the attention (no Lumen backend runs FP8 attention yet)
+    # computes the attention (the cpu backend has no FP8 attention; cuda has)
     kv = {"kv-cache": {"type-k": "fp8", "type-v": "fp8"}}
     load_config({"model": {**MODEL, "attention": {**MODEL["attention"], **FP8_ATTENTION}, "hidden-layers": kv}})
     err = refusal({"model": {**MODEL, "attention": FP8_ATTENTION}})

@@ -88,7 +88,7 @@ def leaf(key: str, node: dict, env: dict, bad: bool):
     if "pattern" in node:
         return mostly(st.just("cpu"), bad and (st.sampled_from(DEVICES) | st.text(max_size=8) | JUNK), 3)
     if "enum" in node:
-        # vram (needs a GPU) and fp8 attention (not supported yet) are refused on this CPU: now and then only, so
+        # vram (needs a GPU) and fp8 attention (cuda only) are refused on this CPU: now and then only, so
         # that most configs get as far as generating.
         runs = [v for v in node["enum"] if v not in CPU_REFUSES.get(key, ())]
         return mostly(mostly(st.sampled_from(runs), st.sampled_from(node["enum"]), 4),
