@@ -389,6 +389,9 @@ def plan_model(config, arch: Architecture, ckpt, registry) -> tuple[Plan, dict]:
             raise err
         plan.entries.append(PlanEntry("prefix cache", "cpu", "cpu", "ram", "-", int(kv.prefix_cache_mb * 1e6),
                                       kind="cache"))
+    if config.attention_compute_quantization() == "fp8":
+        context_notes.append("attention.compute-quantization fp8: prompts' attention runs in FP8 (e4m3) MMA over the "
+                             "fp8 KV cache; one token at a time (decode) reads the same cache in f32 arithmetic")
     if kv.sequences > 1:
         context_notes.append(f"kv-cache.sequences {kv.sequences}: every cache row counts {kv.sequences} caches of "
                              f"{context} tokens (one per generation held at once: the server's batch)")

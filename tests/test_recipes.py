@@ -148,6 +148,24 @@ def test_the_full_262k_context_fits_an_8_gb_card_with_an_fp8_kv_cache(fp8_35b, g
           f"bf16 {wide / GIB:.2f} GiB")
 
 
+def test_fp8_attention_plans_on_cuda_with_a_note_and_is_refused_where_the_cpu_computes_a_layer(fp8_35b, gpus):
+    """The long-context example with attention.compute-quantization fp8: the plan takes it (the attention computes
+    on cuda; the experts' placement does not matter) and says what it does; with layers 0-3 on the CPU it is
+    refused naming the cpu backend."""
+    from lumen_core.engine import prepare
+
+    gpus(1, 8)
+    raw = json.loads((ROOT / "examples" / "qwen3.5-35b-a3b-gpu-long-context-fp8-kv.json").read_text())
+    raw["model"]["path"] = str(fp8_35b)
+    raw["model"]["attention"] = {"compute-quantization": "fp8"}
+    plan = prepare(raw)[3]
+    assert any("FP8 (e4m3) MMA" in note for note in plan.notes)
+    raw["model"]["hidden-layers"]["ranges"] = [{"start": 0, "end": 3, "compute": "cpu", "store": "ram"}]
+    with pytest.raises(ConfigError, match="not implemented by backend 'cpu'") as info:
+        prepare(raw)
+    assert "compute the attention on cuda" in info.value.fix
+
+
 def test_gpu_layers_whose_weights_stay_in_host_ram_keep_their_kv_caches_in_vram(fp8_35b, gpus):
     """``compute: cuda:0, store: ram`` for the whole model (lumen_cuda.hostweights): every weight in host RAM,
     page-locked, and the caches, which follow their layer's memory unless kv-cache.store says otherwise, in VRAM
