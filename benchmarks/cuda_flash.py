@@ -1,10 +1,13 @@
-"""Prefill attention kernels on the GPU at the real models' shapes: the f32 flash kernel (``flash.attend``, the
-default; the named baseline) against the tensor-core kernel (``flash.attend_mma``, ``LUMEN_CUDA_FLASH=mma``) over a
-bf16 KV cache, one layer's attention, causal from position 0. Prints ms (median of --reps after a warm-up), TFLOP/s
-over the attended pairs (4 x heads x D x the causal or windowed pairs), the ratio, and the largest
-difference between the two outputs relative to max(1, max |f32 kernel|).
+"""Prefill attention kernels on the GPU at the real models' shapes, one layer's attention, causal from position 0:
+the f32 flash kernel (``flash.attend``, the default; the named baseline) against the tensor-core kernel over a bf16
+cache (``flash.attend_mma``, ``LUMEN_CUDA_FLASH=mma``) and FP8 attention over an fp8 cache (``flash.attend_fp8``,
+``attention.compute-quantization: fp8``, its V layout pass included). Prints ms (median of --reps after a warm-up),
+TFLOP/s over the attended pairs (4 x heads x D x the causal or windowed pairs), the ratio to the baseline, and the
+largest difference from the f32 kernel over the same cache's values, relative to max(1, max |f32 kernel|) (FP8
+attention's is its quantization: ~1e-2 expected).
 
     python benchmarks/cuda_flash.py [--tokens 512,4096] [--reps 5] [--json out.json]
+    python benchmarks/cuda_flash.py --tokens 32768 --reps 2   # long context (issue 21: FP8 attention at 32k)
 
 Shapes: Qwen3.5-9B full attention (16 heads / 4 kv of 256), Gemma-4-26B-A4B sliding (16 / 8 of 256, window 1024)
 and global (16 / 2 of 512). Dev tool: cupy.
@@ -55,31 +58,41 @@ def main() -> None:
     from lumen_cuda import attention, flash, fp8_mma
 
     print(f"device: {cp.cuda.runtime.getDeviceProperties(0)['name'].decode()}")
-    print(f"{'shape':<22} {'T':>5} {'f32 ms':>8} {'TFLOP/s':>8} {'mma ms':>8} {'TFLOP/s':>8} {'speedup':>8} "
-          f"{'max rel diff':>12}  kernel")
+    print(f"{'shape':<20} {'T':>6} {'f32 ms':>9} {'TF/s':>6} | {'mma ms':>8} {'TF/s':>6} {'x':>6} {'diff':>8} | "
+          f"{'fp8 ms':>8} {'TF/s':>6} {'x':>6} {'diff':>8}")
     rows = []
     rng = np.random.default_rng(0)
     for name, (Hq, Hkv, D, window) in SHAPES.items():
         for T in (int(t) for t in args.tokens.split(",")):
             q = cp.asarray(rng.normal(size=(T, Hq, D)).astype(np.float32))
-            kb = fp8_mma.bf16_round(cp.asarray(rng.normal(size=(Hkv, T, D)).astype(np.float32)))
-            vb = fp8_mma.bf16_round(cp.asarray(rng.normal(size=(Hkv, T, D)).astype(np.float32)))
+            kv = [cp.asarray(rng.normal(size=(Hkv, T, D)).astype(np.float32)) for _ in range(2)]
+            kb, vb = (fp8_mma.bf16_round(x) for x in kv)  # a bf16 cache's rows
+            k8, v8 = (attention.encode(x, cp.uint8) for x in kv)  # an fp8 cache's rows
             kf, vf = attention.decode(kb), attention.decode(vb)
             scale = D ** -0.5
-            base = flash.attend(q, kf, vf, 0, 0, scale, window, None)
-            mma = flash.attend_mma(q, kb, vb, 0, 0, scale, window, None)
-            if base is None or mma is None:
-                print(f"{name:<22} {T:>5} declined (f32 {base is not None}, mma {mma is not None})")
-                continue
-            diff = float(cp.abs(mma - base).max() / max(1.0, float(cp.abs(base).max())))
-            t_f32 = time_ms(cp, flash.attend, (q, kf, vf, 0, 0, scale, window, None), args.reps)
-            t_mma = time_ms(cp, flash.attend_mma, (q, kb, vb, 0, 0, scale, window, None), args.reps)
             flops = 4 * Hq * D * pairs(T, window)
-            kernel = flash.mma_kernel(D, D, flash._smem_limit())[0]
-            print(f"{name:<22} {T:>5} {t_f32:>8.3f} {flops / t_f32 / 1e9:>8.1f} {t_mma:>8.3f} "
-                  f"{flops / t_mma / 1e9:>8.1f} {t_f32 / t_mma:>7.2f}x {diff:>12.2e}  {kernel}")
-            rows.append(dict(shape=name, tokens=T, f32_ms=t_f32, mma_ms=t_mma, speedup=t_f32 / t_mma, max_rel_diff=diff,
-                             kernel=kernel))
+            row = dict(shape=name, tokens=T)
+            base = flash.attend(q, kf, vf, 0, 0, scale, window, None)
+            if base is None:
+                print(f"{name:<20} {T:>6} the f32 kernel declined")
+                continue
+            row["f32_ms"] = time_ms(cp, flash.attend, (q, kf, vf, 0, 0, scale, window, None), args.reps)
+            cells = []
+            for key, fn, args_, ref in (
+                    ("mma", flash.attend_mma, (q, kb, vb, 0, 0, scale, window, None), base),
+                    ("fp8", flash.attend_fp8, (q, k8, v8, 0, 0, scale, window, None),
+                     flash.attend(q, attention.decode(k8), attention.decode(v8), 0, 0, scale, window, None))):
+                got = fn(*args_)
+                if got is None:
+                    cells.append(f"{'declined':>8} {'':>6} {'':>6} {'':>8}")
+                    continue
+                diff = float(cp.abs(got - ref).max()) / max(1.0, float(cp.abs(ref).max()))
+                ms = time_ms(cp, fn, args_, args.reps)
+                row.update({f"{key}_ms": ms, f"{key}_speedup": row["f32_ms"] / ms, f"{key}_max_rel_diff": diff})
+                cells.append(f"{ms:>8.3f} {flops / ms / 1e9:>6.1f} {row['f32_ms'] / ms:>5.2f}x {diff:>8.1e}")
+            print(f"{name:<20} {T:>6} {row['f32_ms']:>9.3f} {flops / row['f32_ms'] / 1e9:>6.1f} | {cells[0]} | "
+                  f"{cells[1]}")
+            rows.append(row)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
