@@ -28,9 +28,9 @@ KERNEL_OPS = (("linear", "linear_f32", "f32"),
 
 
 MODULE_ORDER = (
-    "kernels", "state", "step", "pinned", "delta", "sampler", "cupy_ops", "flash_mma_model", "flash", "hostcall",
-    "sm120_layout", "fp8_mma_model", "fp8_mma", "attention", "vision_ops", "gdn_prefill", "decode", "sm120",
-    "fp8_attention_model", "gemv", "moe", "hostweights", "stream", "ops", "batch_decode", "verify",
+    "kernels", "state", "step", "pinned", "delta", "sampler", "cupy_ops", "flash_mma_model", "fp8_attention_model",
+    "flash", "hostcall", "sm120_layout", "fp8_mma_model", "fp8_mma", "attention", "vision_ops", "gdn_prefill",
+    "decode", "sm120", "gemv", "moe", "hostweights", "stream", "ops", "batch_decode", "verify",
     "graph", "backend",
     "__init__",
 )

@@ -86,6 +86,26 @@ def _rows(x, width: int, dtype=F32):
     return x, x.shape[1] * width
 
 
+def _shapes(q, keys, vals, start: int, lo: int, window, dtype, d_mult: int, dv_mult: int):
+    """(T, Hq, D, Hkv, S, Dv) when q (T, Hq, D), keys (Hkv, S, D) and vals (Hkv, S, Dv) are device arrays a flash
+    kernel takes (keys / values of ``dtype``, or any dtype for None; D and Dv multiples of d_mult / dv_mult, at most
+    MAX_DIM; sane positions and window), else None."""
+    if not all(isinstance(a, cp.ndarray) for a in (q, keys, vals)) or q.ndim != 3 or keys.ndim != 3 or vals.ndim != 3:
+        return None
+    if dtype is not None and (keys.dtype != dtype or vals.dtype != dtype):
+        return None
+    T, Hq, D = q.shape
+    Hkv, S, Dk = keys.shape
+    Dv = vals.shape[2]
+    if Dk != D or vals.shape[:2] != (Hkv, S) or Hkv == 0 or Hq % Hkv or T < 1 or S < 1:
+        return None
+    if not (0 < D <= MAX_DIM and 0 < Dv <= MAX_DIM and D % d_mult == 0 and Dv % dv_mult == 0):
+        return None
+    if start < 0 or lo < 0 or start + T >= 2 ** 30 or (window is not None and window < 1):
+        return None
+    return T, Hq, D, Hkv, S, Dv
+
+
 def kernel_name(D: int, Dv: int, limit: int | None = None):
     """(kernel name, shared memory bytes) for head dims D, Dv, or None when no variant fits."""
     dv = next(c for c in DV_CLASSES if Dv <= c)
@@ -99,22 +119,13 @@ def kernel_name(D: int, Dv: int, limit: int | None = None):
 def attend(q, keys, vals, start: int, lo: int, scale: float, window: int | None, softcap: float | None):
     """q (T, Hq, D) at start.., keys (Hkv, S, D) / vals (Hkv, S, Dv) at lo.. -> (T, Hq, Dv) f32, as
     ``attention._attend``; None where unsupported or disabled."""
-    if not enabled():
+    shapes = _shapes(q, keys, vals, start, lo, window, None, 4, 4) if enabled() else None
+    if shapes is None:
         return None
-    if not all(isinstance(a, cp.ndarray) for a in (q, keys, vals)) or q.ndim != 3 or keys.ndim != 3 or vals.ndim != 3:
-        return None
-    T, Hq, D = q.shape
-    Hkv, S, Dk = keys.shape
-    Dv = vals.shape[2]
-    if Dk != D or vals.shape[:2] != (Hkv, S) or Hkv == 0 or Hq % Hkv or T < 1 or S < 1:
-        return None
-    if not (0 < D <= MAX_DIM and 0 < Dv <= MAX_DIM and D % 4 == 0 and Dv % 4 == 0):
-        return None
+    T, Hq, D, Hkv, S, Dv = shapes
     G = Hq // Hkv
     nrb = -(-T * G // ROWS)
-    if nrb > MAX_ROW_BLOCKS or start < 0 or lo < 0 or start + T >= 2 ** 30:
-        return None
-    if window is not None and window < 1:
+    if nrb > MAX_ROW_BLOCKS:
         return None
     if S > LONG_KEYS and 2 * Hkv * nrb < _sm_count():
         return None  # a few queries over a long cache: a block per 32 rows walks every key alone (no split-K yet)
@@ -155,19 +166,10 @@ def mma_kernel(D: int, Dv: int, limit: int | None = None):
 def attend_mma(q, keys, vals, start: int, lo: int, scale: float, window: int | None, softcap: float | None):
     """``attend`` on the tensor cores for keys / values given as bf16 bits (uint16, (Hkv, S, D) / (Hkv, S, Dv)):
     the same result to f32 rounding; None where unsupported (then the caller decodes them for ``attend``)."""
-    if not all(isinstance(a, cp.ndarray) for a in (q, keys, vals)) or q.ndim != 3 or keys.ndim != 3 or vals.ndim != 3:
+    shapes = _shapes(q, keys, vals, start, lo, window, cp.uint16, 16, 8)
+    if shapes is None:
         return None
-    if keys.dtype != cp.uint16 or vals.dtype != cp.uint16:
-        return None
-    T, Hq, D = q.shape
-    Hkv, S, Dk = keys.shape
-    Dv = vals.shape[2]
-    if Dk != D or vals.shape[:2] != (Hkv, S) or Hkv == 0 or Hq % Hkv or T < 1 or S < 1:
-        return None
-    if not (0 < D <= MAX_DIM and 0 < Dv <= MAX_DIM and D % 16 == 0 and Dv % 8 == 0):
-        return None
-    if start < 0 or lo < 0 or start + T >= 2 ** 30 or (window is not None and window < 1):
-        return None
+    T, Hq, D, Hkv, S, Dv = shapes
     choice = mma_kernel(D, Dv, _smem_limit())
     if choice is None:
         return None
@@ -204,16 +206,15 @@ def fp8_smem(D: int, dvc: int) -> int:
 
 
 def fp8_native() -> bool:
-    """Whether the module was compiled with the e4m3 MMA (sm_89 and later), asked of the device once."""
-    dev = cp.cuda.runtime.getDevice()
-    if dev not in _FP8_NATIVE:
+    """Whether the module was compiled with the e4m3 MMA (sm_89 and later), asked of the device once
+    (``kernels.device_fact``)."""
+
+    def ask() -> int:
         flag = cp.zeros(1, dtype=cp.int32)
         kernels.function(MMA_FILE, "flash_fp8_native")((1,), (1,), (flag,))
-        _FP8_NATIVE[dev] = bool(int(flag.get()[0]))
-    return _FP8_NATIVE[dev]
+        return int(flag.get()[0])
 
-
-_FP8_NATIVE: dict[int, bool] = {}
+    return kernels.device_fact("flash_fp8_native", ask) == 1
 
 
 def fp8_vt(vals):
@@ -233,19 +234,10 @@ def attend_fp8(q, keys, vals, start: int, lo: int, scale: float, window: int | N
     """FP8 attention (``attention.compute-quantization: fp8``) for q (T, Hq, D) f32 over an fp8 cache's keys / values
     (Hkv, S, D) / (Hkv, S, Dv) e4m3 bytes: ``fp8_attention_model.attend_tiled``'s arithmetic on the e4m3 MMA; None
     where it does not apply (then the caller runs the f32 path over the same fp8 values)."""
-    if not all(isinstance(a, cp.ndarray) for a in (q, keys, vals)) or q.ndim != 3 or keys.ndim != 3 or vals.ndim != 3:
+    shapes = _shapes(q, keys, vals, start, lo, window, cp.uint8, 32, 16)
+    if shapes is None:
         return None
-    if keys.dtype != cp.uint8 or vals.dtype != cp.uint8:
-        return None
-    T, Hq, D = q.shape
-    Hkv, S, Dk = keys.shape
-    Dv = vals.shape[2]
-    if Dk != D or vals.shape[:2] != (Hkv, S) or Hkv == 0 or Hq % Hkv or T < 1 or S < 1:
-        return None
-    if not (0 < D <= MAX_DIM and 0 < Dv <= MAX_DIM and D % 32 == 0 and Dv % 16 == 0):
-        return None
-    if start < 0 or lo < 0 or start + T >= 2 ** 30 or (window is not None and window < 1):
-        return None
+    T, Hq, D, Hkv, S, Dv = shapes
     dvc = 128 if Dv <= 128 else 256
     smem = fp8_smem(D, dvc)
     if smem > _smem_limit() or not fp8_native() or (not checked and fp8_check() is not None):
@@ -269,39 +261,40 @@ def attend_fp8(q, keys, vals, start: int, lo: int, scale: float, window: int | N
     return out
 
 
-_FP8_CHECKED: dict[int, str | None] = {}
+FP8_PROBLEMS = {1: "this GPU has no e4m3 MMA (FP8 attention needs compute capability 8.9 or later)",
+                2: "the FP8 attention kernel declined its own check case",
+                3: "the FP8 attention kernel disagreed with its model (fp8_attention_model.attend_tiled) on this GPU"}
 
 
 def fp8_check() -> str | None:
-    """Once per device, before a model uses FP8 attention: why it cannot run here (a device without the e4m3 MMA), or
-    the FP8 kernel on a small case disagreeing with ``fp8_attention_model.attend_tiled`` (the same arithmetic, the
-    MMA's order of f32 sums aside: nearly every output within 1e-5 of the scale, none beyond 2%); None when it
-    agrees. The cuda backend refuses the setting with this reason instead of computing wrong attention."""
-    dev = cp.cuda.runtime.getDevice()
-    if dev in _FP8_CHECKED:
-        return _FP8_CHECKED[dev]
+    """Once per device (``kernels.device_fact``), before a model uses FP8 attention: why it cannot run here (a device
+    without the e4m3 MMA), or the FP8 kernel on a small case disagreeing with ``fp8_attention_model.attend_tiled``
+    (the same arithmetic, the MMA's order of f32 sums aside: nearly every output within 1e-5 of the scale, none
+    beyond 2%); None when it agrees. The cuda backend refuses the setting with this reason instead of computing wrong
+    attention."""
+    return FP8_PROBLEMS.get(kernels.device_fact("flash_fp8_check", _fp8_check_code))
+
+
+def _fp8_check_code() -> int:
     import ml_dtypes
 
     from . import fp8_attention_model
 
     if not fp8_native():
-        problem = "this GPU has no e4m3 MMA (FP8 attention needs compute capability 8.9 or later)"
-    else:
-        rng = np.random.default_rng(21)
-        T, Hq, Hkv, D, start = 40, 4, 2, 64, 30
-        q = rng.normal(size=(T, Hq, D)).astype(np.float32)
-        k8 = rng.normal(size=(Hkv, start + T, D)).astype(ml_dtypes.float8_e4m3fn)
-        v8 = (rng.normal(size=(Hkv, start + T, D)) * 2).astype(ml_dtypes.float8_e4m3fn)
-        got = attend_fp8(cp.asarray(q), cp.asarray(k8.view(np.uint8)), cp.asarray(v8.view(np.uint8)), start, 0,
-                         D ** -0.5, None, None, checked=True)
-        want = fp8_attention_model.attend_tiled(q, k8.astype(np.float32), v8.astype(np.float32), start, 0, D ** -0.5,
-                                                bn=FP8_TILE, rows=FP8_ROWS)
-        problem = None if got is not None else "the FP8 attention kernel declined its own check case"
-        if got is not None:
-            diff = np.abs(got.get().astype(np.float64) - want)
-            scale = max(1.0, float(np.abs(want).max()))
-            if not np.isfinite(diff).all() or diff.max() > 0.02 * scale or (diff > 1e-5 * scale).mean() > 2e-3:
-                problem = (f"the FP8 attention kernel disagreed with its model on this GPU (max |diff| "
-                           f"{float(np.nanmax(diff)):.3g} of a scale {scale:.3g})")
-    _FP8_CHECKED[dev] = problem
-    return problem
+        return 1
+    rng = np.random.default_rng(21)
+    T, Hq, Hkv, D, start = 40, 4, 2, 64, 30
+    q = rng.normal(size=(T, Hq, D)).astype(np.float32)
+    k8 = rng.normal(size=(Hkv, start + T, D)).astype(ml_dtypes.float8_e4m3fn)
+    v8 = (rng.normal(size=(Hkv, start + T, D)) * 2).astype(ml_dtypes.float8_e4m3fn)
+    got = attend_fp8(cp.asarray(q), cp.asarray(k8.view(np.uint8)), cp.asarray(v8.view(np.uint8)), start, 0,
+                     D ** -0.5, None, None, checked=True)
+    if got is None:
+        return 2
+    want = fp8_attention_model.attend_tiled(q, k8.astype(np.float32), v8.astype(np.float32), start, 0, D ** -0.5,
+                                            bn=FP8_TILE, rows=FP8_ROWS)
+    diff = np.abs(got.get().astype(np.float64) - want)
+    scale = max(1.0, float(np.abs(want).max()))
+    if not np.isfinite(diff).all() or diff.max() > 0.02 * scale or (diff > 1e-5 * scale).mean() > 2e-3:
+        return 3
+    return 0

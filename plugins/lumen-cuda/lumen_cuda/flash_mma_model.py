@@ -29,15 +29,26 @@ def planes(x, n: int = 3):
     return out
 
 
-def mma_product(a_planes, b, acc):
-    """acc (M, N) f32 += sum over planes and 16-wide k blocks of A_p B^T: each block's exact products summed in
-    float64 and rounded once to f32 (the MMA), then added to the f32 accumulator."""
+def mma_product(a_planes, b, acc, k: int = 16):
+    """acc (M, N) f32 += sum over planes and k-wide blocks of A_p B^T: each block's exact products summed in float64
+    and rounded once to f32 (the MMA: k = 16 for bf16, 32 for e4m3), then added to the f32 accumulator in order."""
     K = b.shape[1]
-    for k0 in range(0, K, 16):
+    for k0 in range(0, K, k):
         for a in a_planes:
-            part = a[:, k0:k0 + 16].astype(np.float64) @ b[:, k0:k0 + 16].astype(np.float64).T
+            part = a[:, k0:k0 + k].astype(np.float64) @ b[:, k0:k0 + k].astype(np.float64).T
             acc = (acc + part.astype(F32)).astype(F32)
     return acc
+
+
+def online_softmax(m, l, s):
+    """One tile of the kernels' online softmax: row maxima m, sums l (f32) and the tile's masked scores s (rows, keys;
+    -inf where masked) -> (m, l, p, alpha): p = e^(s - m_new), l = l alpha + the f32 sum of p, alpha = e^(m_old -
+    m_new), 0 for rows that have seen nothing."""
+    mn = np.maximum(m, s.max(axis=1))
+    mu = np.where(np.isneginf(mn), F32(0), mn)
+    alpha = np.exp(m - mu).astype(F32)
+    p = np.exp(s - mu[:, None]).astype(F32)
+    return mn, (l * alpha + p.sum(axis=1, dtype=F32)).astype(F32), p, alpha
 
 
 def attend(q, keys, vals, start: int, lo: int, scale: float, window=None, softcap=None, bn: int = 64, n: int = 3):
@@ -64,13 +75,7 @@ def attend(q, keys, vals, start: int, lo: int, scale: float, window=None, softca
             ok = kpos[None, :] <= rpos[:, None]
             if window:
                 ok &= kpos[None, :] > rpos[:, None] - window
-            s = np.where(ok, s, -np.inf).astype(F32)
-            mn = np.maximum(m, s.max(axis=1))
-            mu = np.where(np.isneginf(mn), F32(0), mn)
-            alpha = np.exp(m - mu).astype(F32)
-            p = np.exp(s - mu[:, None]).astype(F32)
-            l = (l * alpha + p.sum(axis=1, dtype=F32)).astype(F32)
-            m = mn
+            m, l, p, alpha = online_softmax(m, l, np.where(ok, s, -np.inf).astype(F32))
             acc = mma_product(planes(p, n), np.ascontiguousarray(v.T), acc * alpha[:, None])
         out[:, h * G:(h + 1) * G] = (acc / l[:, None]).reshape(T, G, -1)
     return out

@@ -22,6 +22,8 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
+from .flash_mma_model import mma_product, online_softmax
+
 F32 = np.float32
 E4M3 = ml_dtypes.float8_e4m3fn
 E4M3_MAX = 448.0
@@ -75,16 +77,6 @@ def attend(q, keys, vals, start: int, lo: int, scale: float, window: int | None 
     return o.reshape(hq, T, -1).transpose(1, 0, 2).astype(F32)
 
 
-def _mma_sum(a, b, k: int = 32):
-    """a (M, K) @ b (N, K)^T as the e4m3 MMA sums it: each k-wide block's exact products summed once into f32, the
-    blocks added in f32 in order."""
-    acc = np.zeros((a.shape[0], b.shape[0]), F32)
-    for k0 in range(0, a.shape[1], k):
-        part = a[:, k0:k0 + k].astype(np.float64) @ b[:, k0:k0 + k].astype(np.float64).T
-        acc = (acc + part.astype(F32)).astype(F32)
-    return acc
-
-
 def attend_tiled(q, keys, vals, start: int, lo: int, scale: float, window: int | None = None,
                  softcap: float | None = None, bn: int = 64, rows: int = 64) -> np.ndarray:
     """``attend`` in the FP8 kernel's order: per kv head, blocks of ``rows`` flattened (query, head-of-group) rows,
@@ -112,22 +104,17 @@ def attend_tiled(q, keys, vals, start: int, lo: int, scale: float, window: int |
             acc = np.zeros((r1 - r0, vals.shape[2]), F32)
             for j0 in range(j_begin, j_end, bn):
                 j1 = min(j_end, j0 + bn)
-                s = _mma_sum(qc[r0:r1], keys[h, j0:j1]) * qs[r0:r1, None] * F32(scale)
+                s = mma_product([qc[r0:r1]], keys[h, j0:j1], np.zeros((r1 - r0, j1 - j0), F32), k=32)
+                s = s * qs[r0:r1, None] * F32(scale)
                 if softcap:
                     s = np.tanh(s / F32(softcap)) * F32(softcap)
                 kpos = lo + np.arange(j0, j1)
                 ok = kpos[None, :] <= rpos[r0:r1, None]
                 if window:
                     ok &= kpos[None, :] > rpos[r0:r1, None] - window
-                s = np.where(ok, s, -np.inf).astype(F32)
-                mn = np.maximum(m, s.max(axis=1))
-                mu = np.where(np.isneginf(mn), F32(0), mn)
-                alpha = np.exp(m - mu).astype(F32)
-                p = np.exp(s - mu[:, None]).astype(F32)
-                l = (l * alpha + p.sum(axis=1, dtype=F32)).astype(F32)
-                m = mn
+                m, l, p, alpha = online_softmax(m, l, np.where(ok, s, -np.inf).astype(F32))
                 pq = e4m3(p * F32(E4M3_MAX))
-                acc = (acc * alpha[:, None] + _mma_sum(pq, np.ascontiguousarray(vals[h, j0:j1].T))).astype(F32)
+                acc = mma_product([pq], np.ascontiguousarray(vals[h, j0:j1].T), acc * alpha[:, None], k=32)
             o[r0:r1] = acc / F32(E4M3_MAX) / l[:, None]
         out[:, h * G:(h + 1) * G] = o.reshape(T, G, -1)
     return out

@@ -84,8 +84,9 @@ __device__ __forceinline__ void fm_pair(float x0, float x1, unsigned int& h, uns
 // Rows [0, nrows) of a tile of `rows` x `cols` bytes (cols % 16 == 0) at src (row stride src_stride bytes) into
 // shared dst (row stride dst_stride), by cp.async; rows nrows.. and columns past `valid` zero-filled.
 template <int NT>
-__device__ __forceinline__ void fm_stage_bytes(unsigned char* dst, int dst_stride, const unsigned char* __restrict__ src,
-                                               long long src_stride, int rows, int nrows, int cols, int valid) {
+__device__ __forceinline__ void fm_stage_bytes(unsigned char* dst, int dst_stride,
+                                               const unsigned char* __restrict__ src, long long src_stride, int rows,
+                                               int nrows, int cols, int valid) {
   const int c16 = cols >> 4, n = rows * c16;
   for (int i = threadIdx.x; i < n; i += NT) {
     const int r = i / c16, c = (i - r * c16) * 16;
@@ -100,6 +101,76 @@ __device__ __forceinline__ void fm_stage(unsigned short* dst, int dst_stride, co
                                          long long src_stride, int rows, int nrows, int cols, int valid) {
   fm_stage_bytes<NT>(reinterpret_cast<unsigned char*>(dst), 2 * dst_stride,
                      reinterpret_cast<const unsigned char*>(src), 2 * src_stride, rows, nrows, 2 * cols, 2 * valid);
+}
+
+// The online softmax of one tile, shared by both kernels: s[nb][2i + e] holds the score accumulator of row g + 8i
+// and key j0 + nb * 8 + 2 t4 + e; x = s * pre[i] * scale (pre: 1, or the FP8 kernel's query row scale), the softcap,
+// the mask; then m (row max), l (f32 sum of p), acc rescaled by e^(m_old - m_new), and s replaced by p * pmul (1, or
+// 448 for FP8's e4m3 P). The 4 lanes of a quad hold a row between them.
+template <int NB, int VB>
+__device__ __forceinline__ void fm_softmax(float (&s)[NB][4], float (&acc)[VB][4], float (&m)[2], float (&l)[2],
+                                           const int (&qp)[2], const float (&pre)[2], float scale, float softcap,
+                                           int window, int lo, int j0, int nj, int t4, float pmul) {
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    float mx = fm_neg_inf();
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int jj = nb * 8 + 2 * t4 + e, kp = lo + j0 + jj;
+        float x = s[nb][2 * i + e] * pre[i] * scale;
+        if (softcap > 0.f) x = tanhf(x / softcap) * softcap;
+        const bool ok = jj < nj && kp <= qp[i] && (window <= 0 || kp > qp[i] - window);
+        s[nb][2 * i + e] = ok ? x : fm_neg_inf();
+        mx = fmaxf(mx, s[nb][2 * i + e]);
+      }
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    const float mn = fmaxf(m[i], mx);
+    const float mu = mn == fm_neg_inf() ? 0.f : mn;  // nothing seen yet: every p and alpha is 0
+    const float alpha = expf(m[i] - mu);
+    float sum = 0.f;
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const float p = expf(s[nb][2 * i + e] - mu);
+        s[nb][2 * i + e] = p * pmul;
+        sum += p;
+      }
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+    l[i] = l[i] * alpha + sum;
+    m[i] = mn;
+#pragma unroll
+    for (int vb = 0; vb < VB; ++vb) {
+      acc[vb][2 * i] *= alpha;
+      acc[vb][2 * i + 1] *= alpha;
+    }
+  }
+}
+
+// out[t, h G + g, c0 + c] = acc / div / l for this thread's two rows (wr + g + 8i, below nr) and columns below dvn
+template <int VB>
+__device__ __forceinline__ void fm_store(const float (&acc)[VB][4], const float (&l)[2], float* __restrict__ out,
+                                         int wr, int g, int t4, int nr, int r0, int G, int Hq, int h, int Dv, int c0,
+                                         int dvn, float div) {
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int rr = wr + g + 8 * i;
+    if (rr < nr) {
+      const int r = r0 + rr, t = r / G, gg = r - t * G;
+      const float L = l[i];
+      float* o = out + ((long long)t * Hq + h * G + gg) * Dv + c0;
+#pragma unroll
+      for (int vb = 0; vb < VB; ++vb) {
+        const int c = vb * 8 + 2 * t4;
+        if (c < dvn)
+          *reinterpret_cast<float2*>(o + c) = make_float2(acc[vb][2 * i] / div / L, acc[vb][2 * i + 1] / div / L);
+      }
+    }
+  }
 }
 
 template <int W, int BN, int DVC>
@@ -196,45 +267,8 @@ __device__ __forceinline__ void flash_mma(const float* __restrict__ q, const uns
           }
         }
       }
-      // online softmax: s[nb][2i + e] is row g + 8i, key nb * 8 + 2 t4 + e
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        float mx = fm_neg_inf();
-#pragma unroll
-        for (int nb = 0; nb < NB; ++nb)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const int jj = nb * 8 + 2 * t4 + e, kp = lo + j0 + jj;
-            float x = s[nb][2 * i + e] * scale;
-            if (softcap > 0.f) x = tanhf(x / softcap) * softcap;
-            const bool ok = jj < nj && kp <= qp[i] && (window <= 0 || kp > qp[i] - window);
-            s[nb][2 * i + e] = ok ? x : fm_neg_inf();
-            mx = fmaxf(mx, s[nb][2 * i + e]);
-          }
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        const float mn = fmaxf(m[i], mx);
-        const float mu = mn == fm_neg_inf() ? 0.f : mn;  // nothing seen yet: every p and alpha is 0
-        const float alpha = expf(m[i] - mu);
-        float sum = 0.f;
-#pragma unroll
-        for (int nb = 0; nb < NB; ++nb)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const float p = expf(s[nb][2 * i + e] - mu);
-            s[nb][2 * i + e] = p;
-            sum += p;
-          }
-        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-        l[i] = l[i] * alpha + sum;
-        m[i] = mn;
-#pragma unroll
-        for (int vb = 0; vb < VB; ++vb) {
-          acc[vb][2 * i] *= alpha;
-          acc[vb][2 * i + 1] *= alpha;
-        }
-      }
+      const float one[2] = {1.f, 1.f};
+      fm_softmax<NB, VB>(s, acc, m, l, qp, one, scale, softcap, window, lo, j0, nj, t4, 1.f);
     }
 
     fm_wait<0>();  // this tile's V
@@ -270,22 +304,7 @@ __device__ __forceinline__ void flash_mma(const float* __restrict__ q, const uns
     __syncthreads();  // every warp is done with the V tile
   }
   fm_wait<0>();
-
-  // out = acc / l
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const int rr = wr + g + 8 * i;
-    if (rr < nr) {
-      const int r = r0 + rr, t = r / G, gg = r - t * G;
-      const float L = l[i];
-      float* o = out + ((long long)t * Hq + h * G + gg) * Dv + c0;
-#pragma unroll
-      for (int vb = 0; vb < VB; ++vb) {
-        const int c = vb * 8 + 2 * t4;
-        if (c < dvn) *reinterpret_cast<float2*>(o + c) = make_float2(acc[vb][2 * i] / L, acc[vb][2 * i + 1] / L);
-      }
-    }
-  }
+  fm_store<VB>(acc, l, out, wr, g, t4, nr, r0, G, Hq, h, Dv, c0, dvn, 1.f);
 }
 
 // flash_mma_w<W>_n<BN>_c<DVC>(q, K, V, out, T, Hq, G, S, D, Dv, k_hs, v_hs, start, lo, scale, softcap (0: none),
@@ -476,44 +495,7 @@ __device__ __forceinline__ void flash_fp8(const float* __restrict__ q, const uns
           fm_mma_e4m3(s[nb + 1], a, b[2], b[3]);
         }
       }
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        float mx = fm_neg_inf();
-#pragma unroll
-        for (int nb = 0; nb < NB; ++nb)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const int jj = nb * 8 + 2 * t4 + e, kp = lo + j0 + jj;
-            float x = s[nb][2 * i + e] * sqr[i] * scale;
-            if (softcap > 0.f) x = tanhf(x / softcap) * softcap;
-            const bool ok = jj < nj && kp <= qp[i] && (window <= 0 || kp > qp[i] - window);
-            s[nb][2 * i + e] = ok ? x : fm_neg_inf();
-            mx = fmaxf(mx, s[nb][2 * i + e]);
-          }
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        const float mn = fmaxf(m[i], mx);
-        const float mu = mn == fm_neg_inf() ? 0.f : mn;
-        const float alpha = expf(m[i] - mu);
-        float sum = 0.f;
-#pragma unroll
-        for (int nb = 0; nb < NB; ++nb)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const float p = expf(s[nb][2 * i + e] - mu);
-            s[nb][2 * i + e] = p * 448.f;
-            sum += p;
-          }
-        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-        l[i] = l[i] * alpha + sum;
-        m[i] = mn;
-#pragma unroll
-        for (int vb = 0; vb < VB; ++vb) {
-          acc[vb][2 * i] *= alpha;
-          acc[vb][2 * i + 1] *= alpha;
-        }
-      }
+      fm_softmax<NB, VB>(s, acc, m, l, qp, sqr, scale, softcap, window, lo, j0, nj, t4, 448.f);
     }
 
     fm_wait<0>();
@@ -547,22 +529,7 @@ __device__ __forceinline__ void flash_fp8(const float* __restrict__ q, const uns
     __syncthreads();
   }
   fm_wait<0>();
-
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const int rr = wr + g + 8 * i;
-    if (rr < nr) {
-      const int r = r0 + rr, t = r / G, gg = r - t * G;
-      const float L = l[i];
-      float* o = out + ((long long)t * Hq + h * G + gg) * Dv + c0;
-#pragma unroll
-      for (int vb = 0; vb < VB; ++vb) {
-        const int c = vb * 8 + 2 * t4;
-        if (c < dvn)
-          *reinterpret_cast<float2*>(o + c) = make_float2(acc[vb][2 * i] / 448.f / L, acc[vb][2 * i + 1] / 448.f / L);
-      }
-    }
-  }
+  fm_store<VB>(acc, l, out, wr, g, t4, nr, r0, G, Hq, h, Dv, c0, dvn, 448.f);
 }
 
 // flash_fp8_w4_n64_c<DVC>(q, K codes, V^T codes (fp8_vt), out, T, Hq, G, S, S16, D, Dv, k_hs (bytes), start, lo,
