@@ -103,6 +103,33 @@ __device__ __forceinline__ void fm_stage(unsigned short* dst, int dst_stride, co
                      reinterpret_cast<const unsigned char*>(src), 2 * src_stride, rows, nrows, 2 * cols, 2 * valid);
 }
 
+// A warp's rows: this thread's two (wr + g, wr + g + 8) at their query positions (an absent row sees no key), and
+// the warp's first and last query positions (active: the warp has a row of the block at all).
+struct FmRows {
+  int qp[2];
+  int wq_min, wq_max;
+  bool active;
+};
+
+__device__ __forceinline__ FmRows fm_rows(int wr, int g, int nr, int r0, int G, int start) {
+  FmRows w;
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int rr = wr + g + 8 * i;
+    w.qp[i] = rr < nr ? start + (r0 + rr) / G : -(1 << 30);
+  }
+  w.active = wr < nr;
+  w.wq_min = w.active ? start + (r0 + wr) / G : 0;
+  w.wq_max = w.active ? start + (r0 + min(nr, wr + 16) - 1) / G : 0;
+  return w;
+}
+
+// whether any row of the warp sees a key of the tile [j0, j0 + nj): the first key is not after its last query, and
+// (a window) the last key is inside the window of its first query
+__device__ __forceinline__ bool fm_visible(const FmRows& w, int lo, int j0, int nj, int window) {
+  return w.active && lo + j0 <= w.wq_max && (window <= 0 || lo + j0 + nj - 1 > w.wq_min - window);
+}
+
 // The online softmax of one tile, shared by both kernels: s[nb][2i + e] holds the score accumulator of row g + 8i
 // and key j0 + nb * 8 + 2 t4 + e; x = s * pre[i] * scale (pre: 1, or the FP8 kernel's query row scale), the softcap,
 // the mask; then m (row max), l (f32 sum of p), acc rescaled by e^(m_old - m_new), and s replaced by p * pmul (1, or
@@ -217,17 +244,9 @@ __device__ __forceinline__ void flash_mma(const float* __restrict__ q, const uns
     *reinterpret_cast<uint2*>(d + 2 * ROWS * qs) = make_uint2(l01, l23);
   }
 
-  // this thread's two rows (g, g + 8 of the warp's 16), their positions (an absent row sees no key)
   const int wr = warp * 16;
-  int qp[2];
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const int rr = wr + g + 8 * i;
-    qp[i] = rr < nr ? start + (r0 + rr) / G : -(1 << 30);
-  }
-  const bool active = wr < nr;
-  const int wq_min = active ? start + (r0 + wr) / G : 0;
-  const int wq_max = active ? start + (r0 + min(nr, wr + 16) - 1) / G : 0;
+  const FmRows w = fm_rows(wr, g, nr, r0, G, start);
+  const int(&qp)[2] = w.qp;
 
   float m[2] = {fm_neg_inf(), fm_neg_inf()}, l[2] = {0.f, 0.f};
   float acc[VB][4];
@@ -245,8 +264,7 @@ __device__ __forceinline__ void flash_mma(const float* __restrict__ q, const uns
     fm_commit();
     fm_wait<1>();  // this tile's K (and, the first time, nothing else pending)
     __syncthreads();
-    // does any row of this warp see a key of the tile?
-    const bool visible = active && lo + j0 <= wq_max && (window <= 0 || lo + j0 + nj - 1 > wq_min - window);
+    const bool visible = fm_visible(w, lo, j0, nj, window);
 
     float s[NB][4];
     if (visible) {
@@ -449,15 +467,8 @@ __device__ __forceinline__ void flash_fp8(const float* __restrict__ q, const uns
   }
 
   const int wr = warp * 16;
-  int qp[2];
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const int rr = wr + g + 8 * i;
-    qp[i] = rr < nr ? start + (r0 + rr) / G : -(1 << 30);
-  }
-  const bool active = wr < nr;
-  const int wq_min = active ? start + (r0 + wr) / G : 0;
-  const int wq_max = active ? start + (r0 + min(nr, wr + 16) - 1) / G : 0;
+  const FmRows w = fm_rows(wr, g, nr, r0, G, start);
+  const int(&qp)[2] = w.qp;
 
   float m[2] = {fm_neg_inf(), fm_neg_inf()}, l[2] = {0.f, 0.f}, sqr[2] = {1.f, 1.f};
   float acc[VB][4];
@@ -477,7 +488,7 @@ __device__ __forceinline__ void flash_fp8(const float* __restrict__ q, const uns
       sqr[0] = SQ[wr + g];
       sqr[1] = SQ[wr + g + 8];
     }
-    const bool visible = active && lo + j0 <= wq_max && (window <= 0 || lo + j0 + nj - 1 > wq_min - window);
+    const bool visible = fm_visible(w, lo, j0, nj, window);
 
     float s[NB][4];
     if (visible) {
