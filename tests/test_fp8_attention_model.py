@@ -1,5 +1,5 @@
 """lumen_cuda.fp8_attention_model (CPU, numpy): the arithmetic an FP8-MMA attention kernel is to compute (issue 21),
-pinned before the kernel exists; benchmarks/fp8_attention_accuracy.py measures its perplexity cost."""
+pinned before the kernel was written; benchmarks/fp8_attention_accuracy.py measures its perplexity cost."""
 
 from __future__ import annotations
 
