@@ -294,15 +294,16 @@ def fp8_case(cp, rng, T, Hq, Hkv, D, Dv, start, window):
 
 
 def close_fp8(got, want):
-    """The FP8 kernel against ``attend_tiled`` (the same arithmetic, the MMA's f32 sums in another order): nearly every
-    output within 1e-5 of the scale; a few move by one e4m3 step of some p (a product landing on the other side of
-    a rounding boundary), never by more than 2% of the scale. A layout mistake moves every output by O(1)."""
+    """The FP8 kernel against ``attend_tiled`` (the same arithmetic; the e4m3 MMA sums in its own order and, on Hopper,
+    not to full f32 precision, so some p land on the other side of an e4m3 rounding boundary and move their row by
+    up to one step of that p): the mean |Δ| within 1e-3 of the scale, none beyond 5%. A layout or mask mistake moves
+    outputs by O(1) of the scale."""
     got = cp_host(got)
     scale = max(1.0, float(np.abs(want).max()))
     diff = np.abs(got.astype(np.float64) - want)
     assert np.isfinite(got).all()
-    assert diff.max() <= 0.02 * scale, f"max |Δ| {diff.max():.3g}"
-    assert (diff > 1e-5 * scale).mean() <= 2e-3, f"{(diff > 1e-5 * scale).mean():.2%} of outputs off by > 1e-5"
+    assert diff.max() <= 0.05 * scale, f"max |Δ| {diff.max():.3g} of a scale {scale:.3g}"
+    assert diff.mean() <= 1e-3 * scale, f"mean |Δ| {diff.mean():.3g} of a scale {scale:.3g}"
 
 
 def cp_host(x):

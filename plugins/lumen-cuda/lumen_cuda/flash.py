@@ -269,9 +269,9 @@ FP8_PROBLEMS = {1: "this GPU has no e4m3 MMA (FP8 attention needs compute capabi
 def fp8_check() -> str | None:
     """Once per device (``kernels.device_fact``), before a model uses FP8 attention: why it cannot run here (a device
     without the e4m3 MMA), or the FP8 kernel on a small case disagreeing with ``fp8_attention_model.attend_tiled``
-    (the same arithmetic, the MMA's order of f32 sums aside: nearly every output within 1e-5 of the scale, none
-    beyond 2%); None when it agrees. The cuda backend refuses the setting with this reason instead of computing wrong
-    attention."""
+    (the same arithmetic up to the MMA's own sums, which move a few p across an e4m3 rounding step: the mean |diff|
+    within 1e-3 of the scale, none beyond 5%, as tests/test_cuda_flash.py asks); None when it agrees. The cuda
+    backend refuses the setting with this reason instead of computing wrong attention."""
     return FP8_PROBLEMS.get(kernels.device_fact("flash_fp8_check", _fp8_check_code))
 
 
@@ -295,6 +295,6 @@ def _fp8_check_code() -> int:
                                             bn=FP8_TILE, rows=FP8_ROWS)
     diff = np.abs(got.get().astype(np.float64) - want)
     scale = max(1.0, float(np.abs(want).max()))
-    if not np.isfinite(diff).all() or diff.max() > 0.02 * scale or (diff > 1e-5 * scale).mean() > 2e-3:
+    if not np.isfinite(diff).all() or diff.max() > 0.05 * scale or diff.mean() > 1e-3 * scale:
         return 3
     return 0
