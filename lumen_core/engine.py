@@ -19,7 +19,7 @@ from .checkpoint import open_checkpoint
 from .config import Config, config_from_path_or_model
 from .errors import CheckpointError, ConfigError, InputError
 from .loader import load_weights
-from .plan import Plan, make_plan
+from .plan import Plan, make_plan, mixer_components
 from .plugins import get_registry
 from .prefix_cache import PrefixCache, save_points
 from .progress import Progress
@@ -856,12 +856,12 @@ def _configure_cuda(config, backends: dict) -> None:
 
 
 def _configure_attention(config, backends: dict) -> None:
-    """model.attention.compute-quantization fp8 to every backend that computes a layer or its attention (the plan has
+    """model.attention.compute-quantization fp8 to every backend that computes a layer's token mixer (the plan has
     checked that each has it), before the model makes its KV caches."""
     quant = config.attention_compute_quantization()
     if quant == "none":
         return
-    chosen = {id(b): b for comp, b in backends.items() if comp[0] in ("layer", "attention")}
+    chosen = {id(backends[comp]): backends[comp] for comp in mixer_components(backends)}
     for b in chosen.values():
         b.configure_attention_quantization(quant)
 

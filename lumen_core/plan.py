@@ -174,10 +174,10 @@ def _vision_activations(arch: Architecture, ckpt, registry, place, plan: Plan) -
 def check_fp8_attention(config, placements: dict, registry) -> None:
     """LumenLLM's ``attention.compute-quantization: fp8`` (attention computed in FP8 MMA; the fp8 KV cache it needs
     is checked by the config) runs where the backend has it (``Backend.attention_quantizations``): refused naming the
-    backends of this plan's attention that have not."""
+    backends that compute a layer's token mixer (``mixer_components``) and have not."""
     if ("model.attention.compute-quantization", "fp8 attention") not in config.requested_features():
         return
-    backends = sorted({p.backend for comp, p in placements.items() if comp[0] in ("layer", "attention")})
+    backends = sorted({placements[comp].backend for comp in mixer_components(placements)})
     lacking = [b for b in backends if "fp8" not in _attention_quantizations(registry, b)]
     if lacking:
         having = [b for b in sorted(registry.backends) if "fp8" in _attention_quantizations(registry, b)]
@@ -188,6 +188,13 @@ def check_fp8_attention(config, placements: dict, registry) -> None:
                           "the fp8 KV cache and computes in f32",
                           f'{where}set compute-quantization to "default" (the fp8 KV cache still halves the cache '
                           "memory)")
+
+
+def mixer_components(components) -> list:
+    """Per layer, the component that computes its token mixer: ``("attention", i)`` where the config places the
+    mixer apart from the layer (``split_mixers``), else ``("layer", i)``."""
+    split = {c[1] for c in components if c[0] == "attention"}
+    return [c for c in components if c[0] == "attention" or (c[0] == "layer" and c[1] not in split)]
 
 
 def _attention_quantizations(registry, backend: str) -> tuple[str, ...]:

@@ -34,7 +34,7 @@ class Without:
     attention_quantizations = ()
 
 
-def test_accepted_where_every_attention_backend_has_it_and_refused_naming_the_others():
+def test_accepted_where_every_token_mixer_backend_has_it_and_refused_naming_the_others():
     config = load_config(FP8)
     registry = Registry(cuda=WithFp8, cpu=Without)
     on_gpu = {("layer", 0): Placement("cuda:0", "vram"), ("layer", 1): Placement("cuda:0", "vram"),
@@ -51,6 +51,12 @@ def test_accepted_where_every_attention_backend_has_it_and_refused_naming_the_ot
         check_fp8_attention(config, mixed, Registry(cuda=Without, cpu=Without))
     assert "compute the attention on" not in info.value.fix
     check_fp8_attention(load_config({"model": {"path": "m"}}), mixed, registry)  # not asked for: nothing to check
+    # LumenLLM's layout: the layer on the CPU, its token mixer (attention) and KV cache on the GPU
+    split = {("layer", 0): Placement("cpu", "ram"), ("attention", 0): Placement("cuda:0", "vram"),
+             ("layer", 1): Placement("cuda:0", "vram")}
+    check_fp8_attention(config, split, registry)
+    with pytest.raises(ConfigError, match="backend 'cpu'"):
+        check_fp8_attention(config, {**split, ("attention", 0): Placement("cpu", "ram")}, registry)
 
 
 def test_config_reads_the_setting():
@@ -74,6 +80,9 @@ def test_the_engine_configures_each_attention_backend_once():
     gpu, cpu = Backend(), Backend()
     backends = {("layer", 0): gpu, ("attention", 0): gpu, ("layer", 1): gpu, ("experts", 1): cpu}
     _configure_attention(load_config(FP8), backends)
+    assert gpu.got == ["fp8"] and cpu.got == []
+    gpu.got.clear()  # a layer on the CPU whose token mixer is on the GPU: only the mixer's backend is asked
+    _configure_attention(load_config(FP8), {("layer", 0): cpu, ("attention", 0): gpu, ("layer", 1): gpu})
     assert gpu.got == ["fp8"] and cpu.got == []
     _configure_attention(load_config({"model": {"path": "m"}}), backends)
     assert gpu.got == ["fp8"]
