@@ -75,6 +75,12 @@ OPTIONAL = {
     "causal_conv1d_kept": "(x (T, C), w (C, K), state) -> ((T, C), [[arrays of the state after token t]])",
     "gated_delta_rule_kept": "(q, k (T, Hk, Dk), v (T, Hv, Dv), g, beta (T, Hv), state) -> ((T, Hv, Dv), "
                              "[[arrays of the state after token t]])",
+    # a MoE block with a shared expert (Qwen 3.5 MoE) whose routed experts compute on the layer's own backend: the
+    # shared expert is passed as expert E (the last item of gate_up / down), so a backend may run it as one more
+    # slot of the routed experts' kernels (one launch pair for all k + 1) instead of three more products
+    "moe_shared": "(x (T, H), logits (T, E), shared_logit (T, 1), k, gate_up [(Weight, Weight)] E + 1 pairs, down "
+                  "[Weight] E + 1, normalize=True, act='silu') -> (T, H): moe_experts over the experts moe_route "
+                  "picks from logits, plus expert E (the shared expert) times sigmoid(shared_logit)",
     # a whole decoder layer whose attention and MLP are each normed before and after (Gemma 2/3): one call, so a
     # backend may run a decode step's layer as one compiled function (the CPU: issue 22)
     "sandwich_layer": "(x (T, H), norms (in, post_attn, pre_ff, post_ff) (H,), attn (q, k, v Weights, q_norm, "
@@ -134,6 +140,19 @@ def _gated_delta_rule_kept(ops, q, k, v, g, beta, state):
     return (os_[0] if len(os_) == 1 else ops.concat(os_)), kept
 
 
+def _moe_shared(ops, x, logits, shared_logit, k, gate_up, down, normalize=True, act="silu"):
+    if act not in ("silu", "gelu_tanh"):
+        raise ValueError(f"moe_shared: act must be 'silu' or 'gelu_tanh', got {act!r}")
+    E = len(gate_up) - 1
+    if E < 1 or len(down) != E + 1:
+        raise ValueError(f"moe_shared: gate_up ({len(gate_up)}) and down ({len(down)}) must both hold the routed "
+                         "experts and then the shared expert")
+    weights, ids = ops.moe_route(logits, k, normalize)
+    mul = ops.silu_mul if act == "silu" else ops.gelu_tanh_mul
+    shared = ops.linear(mul(*ops.linear_group(x, list(gate_up[E]))), down[E]) * ops.sigmoid(shared_logit)
+    return ops.moe_experts(x, ids, weights, gate_up[:E], down[:E], act) + shared
+
+
 def _sandwich_layer(ops, x, norms, attn, mlp, cache, start, rope, dims, scale, window, eps, offset,
                     act="gelu_tanh"):
     n_in, n_post_attn, n_pre_ff, n_post_ff = norms
@@ -152,7 +171,7 @@ def _sandwich_layer(ops, x, norms, attn, mlp, cache, start, rope, dims, scale, w
     return x + ops.rms_norm(h, n_post_ff, eps, offset)
 
 
-COMPOSITES = {"sandwich_layer": _sandwich_layer,
+COMPOSITES = {"sandwich_layer": _sandwich_layer, "moe_shared": _moe_shared,
               "causal_conv1d_kept": _causal_conv1d_kept, "gated_delta_rule_kept": _gated_delta_rule_kept,
               "linear_group": _linear_group, "gdn_gates": _gdn_gates, "attention_segments": _attention_segments,
               "causal_conv1d_segments": _causal_conv1d_segments,

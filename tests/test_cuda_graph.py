@@ -33,6 +33,8 @@ E2B = {"hidden_size_per_layer_input": 8, "num_kv_shared_layers": 2, "use_double_
 MODELS = {  # name: (kind, overrides, prompt length); Gemma's sliding windows (8) make ring caches
     "qwen3_5": ("qwen3_5", {}, 80),
     "qwen3_5_moe": ("qwen3_5_moe", {}, 80),
+    # the shared expert as wide as the routed ones: one more slot of their kernels (ops.moe_shared)
+    "qwen3_5_moe-shared-slot": ("qwen3_5_moe", {"shared_expert_intermediate_size": 32}, 80),
     "gemma3": ("gemma3", {}, 48),
     "gemma4": ("gemma4", {}, 48),
     "gemma4-full-caches": ("gemma4", {"sliding_window": 512}, 48),
@@ -175,8 +177,11 @@ def test_without_graphs_the_engine_says_so(cp, tiny_checkpoint, capsys, monkeypa
 
 
 # -- quantized checkpoints: the same dequantized weights on both backends ----------------------------------------
+SHARED_SLOT = {"shared_expert_intermediate_size": 32}  # = moe_intermediate_size: ops.moe_shared's fused path
 QUANT = {"qwen3_5-fp8": ("qwen3_5", {}, "fp8"), "qwen3_5_moe-fp8": ("qwen3_5_moe", {}, "fp8"),
-         "qwen3_5-nvfp4": ("qwen3_5", {}, "nvfp4"), "gemma4-moe-fp8": ("gemma4", MOE, "fp8")}
+         "qwen3_5-nvfp4": ("qwen3_5", {}, "nvfp4"), "gemma4-moe-fp8": ("gemma4", MOE, "fp8"),
+         "qwen3_5_moe-fp8-shared-slot": ("qwen3_5_moe", SHARED_SLOT, "fp8"),
+         "qwen3_5_moe-nvfp4-shared-slot": ("qwen3_5_moe", SHARED_SLOT, "nvfp4")}
 
 
 @pytest.mark.gpu
@@ -199,4 +204,11 @@ def test_quantized_checkpoints_match_the_cpu(cp, tiny_checkpoint, tmp_path_facto
     assert err <= 1e-3 * max(1.0, np.abs(want).max()), f"{name}: prefill max |Δ| {err:.3g}"
     greedy = SamplingParams(temperature=0.0)
     assert list(on_gpu.generate_tokens(ids, 24, greedy)) == list(on_cpu.generate_tokens(ids, 24, greedy))
+    if "shared-slot" in name:  # the shared expert ran in the routed experts' table (E + 1 entries)
+        from lumen_cuda import moe
+        from lumen_cuda.state import derived
+
+        mlp = on_gpu.model.layers[0].mlp
+        assert mlp.fused and ("moe_table_pairs", len(mlp.gate_up) + 1) in derived(mlp.gate_up[0][0])  # built by use
+        assert moe.fits_one_table(mlp.gate_up_shared, mlp.down_shared)
     print(f"{name}: prefill max |Δ| {err:.2g}; decode graph: {bool(on_gpu.decode_runner())}")

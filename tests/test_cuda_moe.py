@@ -475,3 +475,92 @@ def test_nvfp4_fallback_and_global_scale_row(cp, gpu, moe, ops):
     assert td is not None and tuple(td.ptrs.shape) == (3, E)
     bits = host(td.ptrs[2]).astype(np.uint32).view(np.float32)
     np.testing.assert_array_equal(bits, np.array([d.scale.global_scale for d in down], np.float32))
+
+
+# -- the shared expert as slot k (ops.moe_shared) -------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("normalize", [True, False])
+def test_route_with_shared_column(cp, moe, ops, normalize):
+    """The k routed columns as moe.route's, then id E and sigmoid(shared logit) (the CPU's sigmoid to 2 ulp)."""
+    rng = np.random.default_rng(5)
+    E, k = 256, 8
+    for T in (1, 3, 9):
+        lg = cp.asarray((rng.normal(size=(T, E)) * 3).astype(np.float32))
+        sh = (rng.normal(size=(T, 1)) * 4).astype(np.float32)
+        w, ids = moe.route(lg, k, normalize, shared=cp.asarray(sh))
+        w_ref, ids_ref = moe.route(lg, k, normalize)
+        assert w.shape == ids.shape == (T, k + 1) and ids.dtype == cp.int64
+        np.testing.assert_array_equal(host(ids)[:, :k], host(ids_ref))
+        assert (host(ids)[:, k] == E).all()
+        np.testing.assert_array_equal(host(w)[:, :k], host(w_ref))
+        expect = (0.5 * (np.tanh(0.5 * sh) + 1.0)).astype(np.float32)[:, 0]
+        np.testing.assert_allclose(host(w)[:, k], expect, rtol=3e-7, atol=0)
+
+
+def shared_block(gpu, rng, E, H, I, kind, shared_kind=None):
+    gate_up, down = experts(gpu, rng, E + 1, H, I, kind)
+    if shared_kind is not None:  # a shared expert the routed experts' table cannot hold
+        gate_up[E] = (matrix(gpu, rng, I, H, shared_kind), matrix(gpu, rng, I, H, shared_kind))
+        down[E] = matrix(gpu, rng, H, I, shared_kind)
+    return gate_up, down
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["bf16", "fp8-block128", "nvfp4"])
+@pytest.mark.parametrize("T,mma", with_mma([1, 3, 40]))
+def test_moe_shared_equals_the_composite(cp, gpu, moe, ops, monkeypatch, kind, T, mma):
+    """The fused op (the shared expert as slot k of the routed kernels) against lumen_core's composite over the same
+    backend's ops (route, routed experts, the shared MLP times its gate, the sum): per-slot kernels (T < 8) and the
+    grouped ones (tensor-core and CUDA-core). Another order of f32 sums: 1e-5 of the scale."""
+    from lumen_core.ops import COMPOSITES
+
+    monkeypatch.setenv("LUMEN_CUDA_MMA_PREFILL", mma)
+    rng = np.random.default_rng(T + len(kind))
+    E, k, H, I = 32, 4, 256, 384
+    gate_up, down = shared_block(gpu, rng, E, H, I, kind)
+    x = cp.asarray(rng.normal(size=(T, H)).astype(np.float32))
+    logits = cp.asarray((rng.normal(size=(T, E)) * 2).astype(np.float32))
+    sg = cp.asarray(rng.normal(size=(T, 1)).astype(np.float32))
+    assert moe.fits_one_table(gate_up, down)
+    y = gpu.ops.moe_shared(x, logits, sg, k, gate_up, down)
+    ref = COMPOSITES["moe_shared"](gpu.ops, x, logits, sg, k, gate_up, down)
+    assert y.shape == (T, H)
+    close(y, ref)
+    close(gpu.ops.moe_shared(x, logits, sg, k, gate_up, down), y, 0)  # deterministic; the cached tables reused
+    # the routed list alone (as the composite passes it) keeps its own table beside the E + 1 list's
+    assert moe._table(gate_up[:E], True) is not moe._table(gate_up, True)
+
+
+@pytest.mark.gpu
+def test_moe_shared_falls_back_where_the_table_cannot_hold_the_shared_expert(cp, gpu, moe):
+    """fp8 routed experts with a bf16 shared expert: the composite (the same numbers as calling it directly)."""
+    from lumen_core.ops import COMPOSITES
+
+    rng = np.random.default_rng(3)
+    E, k, H, I = 16, 2, 256, 128
+    gate_up, down = shared_block(gpu, rng, E, H, I, "fp8-block128", shared_kind="bf16")
+    assert not moe.fits_one_table(gate_up, down)
+    x = cp.asarray(rng.normal(size=(1, H)).astype(np.float32))
+    logits = cp.asarray(rng.normal(size=(1, E)).astype(np.float32))
+    sg = cp.asarray(rng.normal(size=(1, 1)).astype(np.float32))
+    close(gpu.ops.moe_shared(x, logits, sg, k, gate_up, down),
+          COMPOSITES["moe_shared"](gpu.ops, x, logits, sg, k, gate_up, down), 0)
+
+
+
+@pytest.mark.gpu
+def test_moe_shared_off_runs_the_composite_and_bad_values_are_named(cp, gpu, moe, monkeypatch):
+    from lumen_core.ops import COMPOSITES
+
+    rng = np.random.default_rng(4)
+    E, k, H, I = 16, 2, 256, 128
+    gate_up, down = shared_block(gpu, rng, E, H, I, "bf16")
+    x = cp.asarray(rng.normal(size=(1, H)).astype(np.float32))
+    logits = cp.asarray(rng.normal(size=(1, E)).astype(np.float32))
+    sg = cp.asarray(rng.normal(size=(1, 1)).astype(np.float32))
+    monkeypatch.setenv("LUMEN_CUDA_MOE_SHARED", "0")
+    close(gpu.ops.moe_shared(x, logits, sg, k, gate_up, down),
+          COMPOSITES["moe_shared"](gpu.ops, x, logits, sg, k, gate_up, down), 0)
+    monkeypatch.setenv("LUMEN_CUDA_MOE_SHARED", "yes")
+    with pytest.raises(ValueError, match="LUMEN_CUDA_MOE_SHARED='yes'"):
+        gpu.ops.moe_shared(x, logits, sg, k, gate_up, down)

@@ -46,7 +46,7 @@ WEIGHT_OPS = ("linear", "embedding", "linear_group")
 # Ops that take the backend instance (``backend=``): routed experts in host RAM stream through its expert cache.
 # Each CUDABackend's op set binds them to itself (backend._BackendOpSet, through the ``bind`` attribute).
 # The KV cache ops take it too: a cache records the backend's attention.compute-quantization (fp8 attention).
-BACKEND_OPS = ("moe_experts", "moe_experts_packed", "kv_cache", "sliding_kv_cache")
+BACKEND_OPS = ("moe_experts", "moe_experts_packed", "moe_shared", "kv_cache", "sliding_kv_cache")
 
 
 @hookimpl
@@ -61,6 +61,8 @@ def register_ops(register):
     # optional ops (lumen_core.ops.OPTIONAL): fused projections, and the Gated-DeltaNet gates in one kernel
     register("linear_group", "cuda", _host_aware("linear_group", _lazy_kernel("linear_group")))
     register("gdn_gates", "cuda", _lazy("gdn_gates"))
+    # a MoE block's shared expert as one more slot of the routed experts' kernels (lumen_cuda.ops.moe_shared)
+    register("moe_shared", "cuda", _lazy("moe_shared"))
     # a speculative verify's Gated-DeltaNet: T tokens in one launch each, the states after every token kept
     register("causal_conv1d_kept", "cuda", _lazy("causal_conv1d_kept"))
     register("gated_delta_rule_kept", "cuda", _lazy("gated_delta_rule_kept"))

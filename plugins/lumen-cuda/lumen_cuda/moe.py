@@ -52,6 +52,7 @@ this module's kernels over its own tables.
 from __future__ import annotations
 
 import dataclasses
+import os
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -82,29 +83,42 @@ def _fn(name: str) -> cp.RawKernel:
 
 
 # -- routing ------------------------------------------------------------------------------------------------------
-def route(logits, k: int, normalize: bool = True, out=None):
+def route(logits, k: int, normalize: bool = True, out=None, shared=None):
     """logits (T, E) -> weights (T, k) f32, ids (T, k) int64, as ``ops.moe_route``; ``out`` = (weights, ids)
-    preallocated (C-contiguous) to write into."""
+    preallocated (C-contiguous) to write into. ``shared`` (T, 1) f32, the shared expert's gate logits: one more
+    column, id E and weight sigmoid(shared) (``ops.moe_shared``'s slot for the shared expert run as expert E)."""
     ok = (isinstance(logits, cp.ndarray) and logits.ndim == 2 and logits.dtype == cp.float32
           and 1 <= k <= min(MAX_K, logits.shape[1]) and logits.shape[1] <= MAX_E)
+    if shared is not None:
+        ok = (ok and isinstance(shared, cp.ndarray) and shared.dtype == cp.float32 and shared.size == logits.shape[0])
     if not ok:
         w, ids = route_cupy(logits, k, normalize)
+        if shared is not None:
+            T = logits.shape[0]
+            w = cp.concatenate([w, cupy_ops.sigmoid(shared.reshape(T, 1))], axis=1)
+            ids = cp.concatenate([ids, cp.full((T, 1), logits.shape[1], dtype=ids.dtype)], axis=1)
         if out is not None:
             out[0][...], out[1][...] = w, ids
             return out
         return w, ids
     T, E = logits.shape
+    n = k + (shared is not None)
     lg = cp.ascontiguousarray(logits)
     if out is None:
-        w, ids = cp.empty((T, k), dtype=cp.float32), cp.empty((T, k), dtype=cp.int64)
+        w, ids = cp.empty((T, n), dtype=cp.float32), cp.empty((T, n), dtype=cp.int64)
     else:
         w, ids = out
-        assert w.shape == ids.shape == (T, k) and w.dtype == cp.float32 and ids.dtype == cp.int64
+        assert w.shape == ids.shape == (T, n) and w.dtype == cp.float32 and ids.dtype == cp.int64
         assert w.flags.c_contiguous and ids.flags.c_contiguous
-    if T and ROUTE_WARP:  # one warp per row (kernels/moe_route.cu): no block barriers
+    if not T:
+        return w, ids
+    if shared is not None:
+        _fn("moe_route_shared_f32")((T,), (ROUTE_THREADS,), (lg, cp.ascontiguousarray(shared), w, ids, np.int32(E),
+                                                            np.int32(k), np.int32(bool(normalize))))
+    elif ROUTE_WARP:  # one warp per row (kernels/moe_route.cu): no block barriers
         kernels.function("moe_route", "moe_route_warp")(((T + ROUTE_WARPS - 1) // ROUTE_WARPS,), (ROUTE_WARPS * 32,),
            (lg, w, ids, np.int32(T), np.int32(E), np.int32(k), np.int32(bool(normalize))))
-    elif T:  # one block per row (moe.cu)
+    else:  # one block per row (moe.cu)
         _fn("moe_route_f32")((T,), (ROUTE_THREADS,), (lg, w, ids, np.int32(E), np.int32(k), np.int32(bool(normalize))))
     return w, ids
 
@@ -189,7 +203,9 @@ def _table(lst, pairs: bool) -> _Table | None:
         state = derived(first)
     except AttributeError:  # not a Weight: nothing to keep the table on
         state = {}
-    key = "moe_table_pairs" if pairs else "moe_table"
+    # by length too: a layer's routed list and the same list with its shared expert appended (ops.moe_shared) start
+    # with the same Weight and keep their own tables
+    key = ("moe_table_pairs" if pairs else "moe_table", len(lst))
     hit = state.get(key)
     if hit is not None and hit[0]() is last and hit[1] == len(lst):
         return hit[2]
@@ -368,6 +384,24 @@ def experts(x, ids, weights, gate_up, down, act: str = "silu", out=None):
     x3 = fp8_mma.planes_for(gate_up[0][0]) if x3 else 0
     return _launch((tg.ptrs, tg.fmt), (td.ptrs, td.fmt), tg.fmt, td.fmt, tg.block, td.block, inputs,
                    len(gate_up), H, I, act, out, tg.scratch, x3)
+
+
+def shared_slot(env=None) -> bool:
+    """``LUMEN_CUDA_MOE_SHARED``: unset or 1 (the default), ``ops.moe_shared`` runs a shared expert as slot k of the
+    routed experts' kernels; 0, lumen_core's composite (to compare the two). Anything else is an error naming it."""
+    v = (os.environ if env is None else env).get("LUMEN_CUDA_MOE_SHARED", "")
+    if v not in ("", "0", "1"):
+        raise ValueError(f"LUMEN_CUDA_MOE_SHARED={v!r}: use 1 (the shared expert as one more slot of the routed "
+                         "experts' kernels, the default) or 0 (its own products)")
+    return v != "0"
+
+
+def fits_one_table(gate_up, down) -> bool:
+    """Whether the device kernels take these lists as they are (one format, shape and block for all), as
+    ``experts`` checks before its fast path; builds (and keeps) the tables."""
+    tg = _table(gate_up, True)
+    td = _table(down, False) if tg is not None else None
+    return td is not None and len(gate_up) == len(down) and td.shape == (tg.shape[1], tg.shape[0])
 
 
 def _packed_ok(w, ndim_shape) -> bool:

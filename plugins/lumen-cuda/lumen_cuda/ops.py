@@ -284,6 +284,26 @@ def moe_experts(x, ids, weights, gate_up, down, act: str = "silu", backend=None)
     return moe.experts(x, ids, weights, gate_up, down, act)
 
 
+def moe_shared(x, logits, shared_logit, k: int, gate_up, down, normalize: bool = True, act: str = "silu",
+               backend=None):
+    """``ops.moe_shared``: the shared expert (the lists' last item) as one more slot of the routed experts'
+    kernels. The routing kernel writes k + 1 columns (the last: id E, weight sigmoid(shared_logit)) and
+    ``moe.experts`` runs the E + 1 experts' table: at T = 1 two launches for routed and shared experts together,
+    where the composite adds a gate/up product, the activation, the down product, the sigmoid, a product and a
+    sum. Where the table cannot hold the shared expert with the routed ones (another format or shape, experts in
+    host RAM) or where LUMEN_CUDA_MOE_SHARED=0, the composite of lumen_core.ops, over ``backend``'s ops."""
+    from lumen_core.ops import COMPOSITES
+
+    E = len(gate_up) - 1
+    fused = (moe.shared_slot() and E >= 1 and len(down) == E + 1 and act in moe.ACTS and isinstance(x, cp.ndarray)
+             and not any(w.store == "ram" for w in (gate_up[0][0], gate_up[E][0], down[E]))
+             and moe.fits_one_table(gate_up, down))
+    if not fused:
+        return COMPOSITES["moe_shared"](backend.ops, x, logits, shared_logit, k, gate_up, down, normalize, act)
+    weights, ids = moe.route(logits, k, normalize, shared=shared_logit)
+    return moe.experts(x, ids, weights, gate_up, down, act)
+
+
 def moe_experts_packed(x, ids, weights, gate_up: Weight, down: Weight, act: str = "gelu_tanh", backend=None):
     """gate_up (E, 2I, H): each expert's gate rows then up rows; down (E, H, I). lumen_cuda.moe's kernels; store
     'ram': streamed, as ``moe_experts``."""
@@ -310,6 +330,6 @@ def gather(table, ids):  # table (N, ...), ids int (...) -> table[ids]
 __all__ = [
     "apply_rope", "attention", "attention_shared", "causal_conv1d", "conv_state", "delta_state", "embedding", "exp",
     "gated_delta_rule", "gather", "gelu_tanh_mul", "kv_cache", "l2norm", "linear", "moe_experts",
-    "moe_experts_packed", "moe_route", "rms_norm", "rms_norm_gated", "rope_tables", "sigmoid", "silu", "silu_mul",
-    "sliding_kv_cache", "softcap", "softplus",
+    "moe_experts_packed", "moe_route", "moe_shared", "rms_norm", "rms_norm_gated", "rope_tables", "sigmoid", "silu",
+    "silu_mul", "sliding_kv_cache", "softcap", "softplus",
 ]

@@ -126,10 +126,19 @@ class MoEMLP:
         E = a.num_experts
         self.gate_up = [(ew[f"{p}{e}.gate_proj.weight"], ew[f"{p}{e}.up_proj.weight"]) for e in range(E)]
         self.down = [ew[f"{p}{e}.down_proj.weight"] for e in range(E)]
+        # routed experts on the layer's own backend: the shared expert goes with them as expert E (ops.moe_shared),
+        # the lists built once so a backend can keep what it derives from them
+        self.fused = experts_backend is backend
+        if self.fused:
+            s = self.shared
+            self.gate_up_shared, self.down_shared = [*self.gate_up, (s.gate, s.up)], [*self.down, s.down]
 
     def __call__(self, h):
         ops = self.ops
         router, shared_gate = ops.linear_group(h, [self.router, self.shared_gate])
+        if self.fused:
+            return ops.moe_shared(h, router, shared_gate, self.a.num_experts_per_tok, self.gate_up_shared,
+                                  self.down_shared)
         weights, ids = ops.moe_route(router, self.a.num_experts_per_tok, True)
         shared = self.shared(h) * ops.sigmoid(shared_gate)
         # on the experts' backend (from a GPU to the CPU and back: Backend.call, a host node of a captured step)

@@ -80,10 +80,12 @@ __device__ __forceinline__ float block_reduce(float v, bool is_max, float* red /
 // (v, i) beats (bv, bi): larger probability, then the lower expert index.
 __device__ __forceinline__ bool beats(float v, int i, float bv, int bi) { return v > bv || (v == bv && i < bi); }
 
-// moe_route_f32(logits (T, E) f32, weights (T, k) f32, ids (T, k) int64, E, k, normalize); grid T, block 256.
-extern "C" __global__ void __launch_bounds__(ROUTE_THREADS)
-    moe_route_f32(const float* __restrict__ logits, float* __restrict__ w_out, long long* __restrict__ ids_out,
-                  int E, int k, int normalize) {
+// One token row of routing: softmax over the E logits, the top k (ties: the lower index) into columns 0..k-1 of
+// a row of `stride` weights / ids. With `shared` (the shared expert's gate logit per token), column k is the shared
+// expert, run as expert E: id E, weight sigmoid(shared[t]) (the routed weights alone are normalised).
+__device__ __forceinline__ void route_row(const float* __restrict__ logits, float* __restrict__ w_out,
+                                          long long* __restrict__ ids_out, int E, int k, int normalize, int stride,
+                                          const float* __restrict__ shared) {
   __shared__ float p[ROUTE_MAX_E];
   __shared__ float red[ROUTE_THREADS / 32];
   __shared__ float red_v[ROUTE_THREADS / 32];
@@ -123,7 +125,7 @@ extern "C" __global__ void __launch_bounds__(ROUTE_THREADS)
         if (beats(red_v[w], red_i[w], bv, bi)) { bv = red_v[w]; bi = red_i[w]; }
       const bool found = bi < E;  // always, unless the row holds NaN
       sel[j] = found ? bv : 0.f;
-      ids_out[(long long)blockIdx.x * k + j] = found ? bi : -1;  // -1: an id the expert kernels skip
+      ids_out[(long long)blockIdx.x * stride + j] = found ? bi : -1;  // -1: an id the expert kernels skip
       if (found) p[bi] = -1.f;
     }
     __syncthreads();
@@ -131,8 +133,27 @@ extern "C" __global__ void __launch_bounds__(ROUTE_THREADS)
   if (tid == 0) {
     float sum = 0.f;
     for (int j = 0; j < k; ++j) sum += sel[j];
-    for (int j = 0; j < k; ++j) w_out[(long long)blockIdx.x * k + j] = normalize ? sel[j] / sum : sel[j];
+    for (int j = 0; j < k; ++j) w_out[(long long)blockIdx.x * stride + j] = normalize ? sel[j] / sum : sel[j];
+    if (shared != nullptr) {  // as the CPU's sigmoid: 0.5 (tanh(x / 2) + 1)
+      ids_out[(long long)blockIdx.x * stride + k] = E;
+      w_out[(long long)blockIdx.x * stride + k] = 0.5f * (tanhf(0.5f * shared[blockIdx.x]) + 1.f);
+    }
   }
+}
+
+// moe_route_f32(logits (T, E) f32, weights (T, k) f32, ids (T, k) int64, E, k, normalize); grid T, block 256.
+extern "C" __global__ void __launch_bounds__(ROUTE_THREADS)
+    moe_route_f32(const float* __restrict__ logits, float* __restrict__ w_out, long long* __restrict__ ids_out,
+                  int E, int k, int normalize) {
+  route_row(logits, w_out, ids_out, E, k, normalize, k, nullptr);
+}
+
+// moe_route_shared_f32(logits (T, E), shared (T,) f32, weights (T, k + 1), ids (T, k + 1), E, k, normalize):
+// moe_route_f32's k columns, then the shared expert's (route_row).
+extern "C" __global__ void __launch_bounds__(ROUTE_THREADS)
+    moe_route_shared_f32(const float* __restrict__ logits, const float* __restrict__ shared,
+                         float* __restrict__ w_out, long long* __restrict__ ids_out, int E, int k, int normalize) {
+  route_row(logits, w_out, ids_out, E, k, normalize, k + 1, shared);
 }
 
 // -- expert GEMVs -----------------------------------------------------------------------------------------------
