@@ -75,6 +75,8 @@ OPTIONAL = {
     "causal_conv1d_kept": "(x (T, C), w (C, K), state) -> ((T, C), [[arrays of the state after token t]])",
     "gated_delta_rule_kept": "(q, k (T, Hk, Dk), v (T, Hv, Dv), g, beta (T, Hv), state) -> ((T, Hv, Dv), "
                              "[[arrays of the state after token t]])",
+    # a residual add and the norm of its result (a decoder layer between its token mixer and its MLP): one launch
+    "add_rms_norm": "(x (T, H), r (T, H), w (H,) | None, eps, offset=0.0) -> (x + r, rms_norm(x + r, w, eps, offset))",
     # a MoE block with a shared expert (Qwen 3.5 MoE) whose routed experts compute on the layer's own backend: the
     # shared expert is passed as expert E (the last item of gate_up / down), so a backend may run it as one more
     # slot of the routed experts' kernels (one launch pair for all k + 1) instead of three more products
@@ -140,6 +142,11 @@ def _gated_delta_rule_kept(ops, q, k, v, g, beta, state):
     return (os_[0] if len(os_) == 1 else ops.concat(os_)), kept
 
 
+def _add_rms_norm(ops, x, r, w, eps, offset=0.0):
+    s = x + r
+    return s, ops.rms_norm(s, w, eps, offset)
+
+
 def _moe_shared(ops, x, logits, shared_logit, k, gate_up, down, normalize=True, act="silu"):
     if act not in ("silu", "gelu_tanh"):
         raise ValueError(f"moe_shared: act must be 'silu' or 'gelu_tanh', got {act!r}")
@@ -171,7 +178,7 @@ def _sandwich_layer(ops, x, norms, attn, mlp, cache, start, rope, dims, scale, w
     return x + ops.rms_norm(h, n_post_ff, eps, offset)
 
 
-COMPOSITES = {"sandwich_layer": _sandwich_layer, "moe_shared": _moe_shared,
+COMPOSITES = {"sandwich_layer": _sandwich_layer, "moe_shared": _moe_shared, "add_rms_norm": _add_rms_norm,
               "causal_conv1d_kept": _causal_conv1d_kept, "gated_delta_rule_kept": _gated_delta_rule_kept,
               "linear_group": _linear_group, "gdn_gates": _gdn_gates, "attention_segments": _attention_segments,
               "causal_conv1d_segments": _causal_conv1d_segments,

@@ -205,6 +205,40 @@ def test_rms_norm_against_the_cpu_op(cp, gpu, cpu, shape):
         close(got, cpu.ops.rms_norm(x, *args))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(1, 32, 128), (5, 16, 128), (3, 1000), (2, 5000)])
+def test_rms_norm_gated_is_the_two_ops_in_one_launch(cp, gpu, cpu, gemv, shape):
+    """The fused kernel gives the bits of the fused RMSNorm kernel followed by the mul_silu elementwise kernel
+    (the ops it replaces), and the CPU op's values to f32 rounding."""
+    from lumen_cuda import cupy_ops
+
+    rng = np.random.default_rng(shape[-1] + len(shape))
+    x, g = ((rng.normal(size=shape) * 3).astype(np.float32) for _ in range(2))
+    w = rng.normal(size=shape[-1]).astype(np.float32)
+    xg, gg, wg = gpu.tensor(x), gpu.tensor(g), gpu.tensor(w)
+    got = gpu.ops.rms_norm_gated(xg, gg, wg, 1e-6)
+    np.testing.assert_array_equal(host(got), host(cupy_ops.mul_silu(gemv.rms_norm(xg, wg, 1e-6), gg)))
+    close(got, cpu.ops.rms_norm_gated(x, g, w, 1e-6))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(1, 2048), (5, 4096), (3, 1000), (2, 12288), (7, 17)])
+def test_add_rms_norm_is_the_add_and_the_norm_in_one_launch(cp, gpu, cpu, gemv, shape):
+    """(x + r, rms_norm(x + r)): the bits of the add and of the RMSNorm kernel over its result (rows in registers
+    and, at D = 12288 > 8 x 1024, the re-reading path); the CPU composite's values to f32 rounding."""
+    assert gpu.ops.has("add_rms_norm")
+    rng = np.random.default_rng(shape[-1])
+    x, r = ((rng.normal(size=shape) * 3).astype(np.float32) for _ in range(2))
+    w = rng.normal(size=shape[-1]).astype(np.float32)
+    xg, rg, wg = gpu.tensor(x), gpu.tensor(r), gpu.tensor(w)
+    for args in [(wg, 1e-6, 1.0), (wg, 1e-6), (None, 1e-5)]:
+        s, y = gpu.ops.add_rms_norm(xg, rg, *args)
+        np.testing.assert_array_equal(host(s), host(xg + rg))
+        np.testing.assert_array_equal(host(y), host(gemv.rms_norm(xg + rg, *args)))
+        s_cpu, y_cpu = cpu.ops.add_rms_norm(x, r, None if args[0] is None else w, *args[1:])
+        close(y, y_cpu)
+
+
 # -- prefill GEMM on the tensor cores (bf16 weights, x split into two bf16 halves) ----------------------------
 @pytest.mark.gpu
 @pytest.mark.parametrize("T,N,K", [(5, 300, 264), (37, 1000, 4104), (512, 257, 136), (64, 3, 8)])

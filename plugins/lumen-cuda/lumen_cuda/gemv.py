@@ -489,6 +489,41 @@ def rms_norm(x, w, eps: float, offset: float = 0.0):  # x (..., D) f32, w (D,) f
     return y
 
 
+def add_rms_norm(x, r, w, eps: float, offset: float = 0.0):
+    """``ops.add_rms_norm`` in one launch (``add_rms_norm_f32``): (x + r, rms_norm(x + r)), the bits of the add and
+    of ``rms_norm`` over its result. Other dtypes or shapes: the two ops."""
+    D = x.shape[-1]
+    ok = (isinstance(x, cp.ndarray) and isinstance(r, cp.ndarray) and x.dtype == r.dtype == cp.float32
+          and x.size > 0 and r.shape == x.shape
+          and (w is None or (isinstance(w, cp.ndarray) and w.dtype == cp.float32 and w.shape == (D,))))
+    if not ok:
+        s = x + r
+        return s, rms_norm(s, w, eps, offset)
+    xc, rc = cp.ascontiguousarray(x), cp.ascontiguousarray(r)
+    s, y = cp.empty_like(xc), cp.empty_like(xc)
+    threads = min(1024, max(32, ((D + 3) // 4 + 31) // 32 * 32))
+    wc = cp.ascontiguousarray(w) if w is not None else np.uint64(0)
+    _fn("rms_norm", "add_rms_norm_f32")((xc.size // D,), (threads,), (xc, rc, wc, s, y, np.int32(D), np.float32(eps),
+                                                                     np.float32(offset)))
+    return s, y
+
+
+def rms_norm_gated(x, gate, w, eps: float):
+    """``ops.rms_norm_gated`` in one launch (``rms_norm_gated_f32``): the same bits as ``rms_norm`` then
+    ``cupy_ops.mul_silu``, which took two. Other dtypes or shapes: those two."""
+    D = x.shape[-1]
+    ok = (isinstance(x, cp.ndarray) and isinstance(gate, cp.ndarray) and x.dtype == gate.dtype == cp.float32
+          and x.size > 0 and gate.shape == x.shape and isinstance(w, cp.ndarray) and w.dtype == cp.float32
+          and w.shape == (D,))
+    if not ok:
+        return cupy_ops.mul_silu(rms_norm(x, w, eps), gate)
+    xc, gc, wc = cp.ascontiguousarray(x), cp.ascontiguousarray(gate), cp.ascontiguousarray(w)
+    y = cp.empty_like(xc)
+    threads = min(1024, max(32, ((D + 3) // 4 + 31) // 32 * 32))
+    _fn("rms_norm", "rms_norm_gated_f32")((xc.size // D,), (threads,), (xc, gc, wc, y, np.int32(D), np.float32(eps)))
+    return y
+
+
 # -- the contract's linear and fused projections ----------------------------------------------------------------
 def linear(x, w: Weight):
     """The contract's ``linear`` without the GEMV kernels for dense formats (cuBLAS on the f32 matrix: the

@@ -61,7 +61,7 @@ def rms_norm(x, w, eps: float, offset: float = 0.0):  # x (..., D), w (D,) or No
 
 
 def rms_norm_gated(x, gate, w, eps: float):
-    return mul_silu(gemv.rms_norm(x, w, eps), gate)  # the fused RMSNorm kernel, then one elementwise kernel
+    return gemv.rms_norm_gated(x, gate, w, eps)  # one kernel: the norm and the gate
 
 
 def l2norm(x, eps: float = 1e-6):

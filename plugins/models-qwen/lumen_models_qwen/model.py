@@ -172,11 +172,12 @@ class DecoderLayer:
         ops, eps = self.ops, self.a.rms_norm_eps
         h = ops.rms_norm(x, self.in_norm, eps, 1.0)
         if self.mixer_backend is self.backend:
-            x = x + self.mixer(h, state, start, rope(self.backend))
+            m = self.mixer(h, state, start, rope(self.backend))
         else:  # on the mixer's backend, where its state lives (Backend.call brings h there and the result back)
-            x = x + self.backend.call(self.mixer_backend,
-                                      lambda h: self.mixer(h, state, start, rope(self.mixer_backend)), h)
-        return x + self.mlp(ops.rms_norm(x, self.post_norm, eps, 1.0))
+            m = self.backend.call(self.mixer_backend, lambda h: self.mixer(h, state, start, rope(self.mixer_backend)),
+                                  h)
+        x, h = ops.add_rms_norm(x, m, self.post_norm, eps, 1.0)  # x + m, and its norm
+        return x + self.mlp(h)
 
 
 class QwenModel(Model):

@@ -22,13 +22,22 @@ __device__ __forceinline__ float block_sum(float v, float* partial) {
   return partial[0];
 }
 
-extern "C" __global__ void rms_norm_f32(const float* __restrict__ x,  // (T, D) f32
-                                        const float* __restrict__ w,  // (D,) f32, or nullptr
-                                        float* __restrict__ y,        // (T, D) f32
-                                        int D, float eps, float offset) {
+// u * silu(g) as the elementwise kernel of lumen_cuda.cupy_ops computes it (the sigmoid through tanh, the CPU's)
+__device__ __forceinline__ float mul_silu(float u, float g) { return u * (g * (0.5f * (tanhf(0.5f * g) + 1.0f))); }
+
+// One row; gate (T, D) or nullptr: with it, rms_norm_gated's y = rms_norm(x, w) * silu(gate), the norm's value
+// rounded to f32 first, as the unfused ops (rms_norm, then mul_silu) round it. res (T, D) or nullptr: with it the
+// row normed is x + res (one f32 add, as the unfused add), also written to sum.
+__device__ __forceinline__ void rms_row(const float* __restrict__ x, const float* __restrict__ w,
+                                        const float* __restrict__ gate, const float* __restrict__ res,
+                                        float* __restrict__ sum, float* __restrict__ y, int D, float eps,
+                                        float offset) {
   __shared__ float partial[32];
   const long long base = (long long)blockIdx.x * D;
   const float* xr = x + base;
+  const float* gr = gate != nullptr ? gate + base : nullptr;
+  const float* rr = res != nullptr ? res + base : nullptr;
+  float* sr = res != nullptr ? sum + base : nullptr;
   float* yr = y + base;
   const int nt = blockDim.x;
   if (D <= RMS_VPT * nt) {  // block-uniform: x and w held in registers, both loaded before the reduction
@@ -39,6 +48,10 @@ extern "C" __global__ void rms_norm_f32(const float* __restrict__ x,  // (T, D) 
       const int i = threadIdx.x + j * nt;
       xv[j] = i < D ? xr[i] : 0.f;
       wv[j] = (w != nullptr && i < D) ? w[i] : 1.f;
+      if (rr != nullptr && i < D) {
+        xv[j] += rr[i];
+        sr[i] = xv[j];
+      }
     }
 #pragma unroll
     for (int j = 0; j < RMS_VPT; ++j) ss = fmaf(xv[j], xv[j], ss);
@@ -49,12 +62,17 @@ extern "C" __global__ void rms_norm_f32(const float* __restrict__ x,  // (T, D) 
       if (i < D) {
         float v = xv[j] * r;
         if (w != nullptr) v *= offset != 0.f ? wv[j] + offset : wv[j];
-        yr[i] = v;
+        yr[i] = gr != nullptr ? mul_silu(v, gr[i]) : v;
       }
     }
     return;
   }
   float ss = 0.f;
+  if (rr != nullptr) {  // the sum first, so the loops below read it like x
+    for (int i = threadIdx.x; i < D; i += nt) sr[i] = xr[i] + rr[i];
+    __syncthreads();
+    xr = sr;
+  }
   for (int i = threadIdx.x; i < D; i += nt) {
     const float v = xr[i];
     ss = fmaf(v, v, ss);
@@ -63,6 +81,28 @@ extern "C" __global__ void rms_norm_f32(const float* __restrict__ x,  // (T, D) 
   for (int i = threadIdx.x; i < D; i += nt) {
     float v = xr[i] * r;
     if (w != nullptr) v *= offset != 0.f ? w[i] + offset : w[i];
-    yr[i] = v;
+    yr[i] = gr != nullptr ? mul_silu(v, gr[i]) : v;
   }
+}
+
+extern "C" __global__ void rms_norm_f32(const float* __restrict__ x,  // (T, D) f32
+                                        const float* __restrict__ w,  // (D,) f32, or nullptr
+                                        float* __restrict__ y,        // (T, D) f32
+                                        int D, float eps, float offset) {
+  rms_row(x, w, nullptr, nullptr, nullptr, y, D, eps, offset);
+}
+
+// add_rms_norm_f32(x (T, D), res (T, D), w (D,) or nullptr, sum (T, D), y (T, D), D, eps, offset): sum = x + res and
+// y = rms_norm(sum, w) in one launch (a residual add and the next norm).
+extern "C" __global__ void add_rms_norm_f32(const float* __restrict__ x, const float* __restrict__ res,
+                                            const float* __restrict__ w, float* __restrict__ sum,
+                                            float* __restrict__ y, int D, float eps, float offset) {
+  rms_row(x, w, nullptr, res, sum, y, D, eps, offset);
+}
+
+// rms_norm_gated_f32(x (T, D), gate (T, D), w (D,) or nullptr, y (T, D), D, eps): rms_norm(x, w) * silu(gate) in
+// one pass (the Gated-DeltaNet output norm: one launch where rms_norm and mul_silu took two).
+extern "C" __global__ void rms_norm_gated_f32(const float* __restrict__ x, const float* __restrict__ gate,
+                                              const float* __restrict__ w, float* __restrict__ y, int D, float eps) {
+  rms_row(x, w, gate, nullptr, nullptr, y, D, eps, 0.f);
 }
