@@ -114,6 +114,23 @@ def test_graph_replay_equals_op_by_op_decode(cp, bf16_model):
     assert engine.decode_runner().cache.pos == n + STEPS
 
 
+@pytest.mark.gpu
+def test_graph_with_programmatic_dependent_launch_equals_without(cp, bf16_model, monkeypatch):
+    """LUMEN_CUDA_PDL=1: the step's hand-written kernels captured with programmatic dependent launch (each waits for
+    the kernel before it in pdl_begin); the replay gives the bits of the graph captured without it, over two
+    sequences."""
+    name, path, n = bf16_model
+    engine = load(path)
+    ids = prompt(engine, n)
+    want, tokens = graph_run(cp, engine, ids)
+    monkeypatch.setenv("LUMEN_CUDA_PDL", "1")
+    with_pdl = load(path)
+    for seq in range(2):
+        got, got_tokens = graph_run(cp, with_pdl, ids, tokens)
+        np.testing.assert_array_equal(got, want, err_msg=f"{name} sequence {seq}")
+        assert got_tokens == tokens
+
+
 def hf(path, dtype, device="cpu"):
     from transformers import AutoModelForCausalLM
 

@@ -239,6 +239,42 @@ def test_add_rms_norm_is_the_add_and_the_norm_in_one_launch(cp, gpu, cpu, gemv, 
         close(y, y_cpu)
 
 
+@pytest.mark.gpu
+def test_a_chain_captured_with_programmatic_dependent_launch_equals_eager(cp, gpu, gemv, monkeypatch):
+    """64 dependent launches (each reads what the one before wrote: GEMV, then add + norm) captured with
+    LUMEN_CUDA_PDL=1 through kernels.Launcher (cuLaunchKernelEx), replayed three times: the bits of the same chain
+    run eagerly. A kernel reading before its producer finished would differ."""
+    from lumen_cuda import kernels
+
+    rng = np.random.default_rng(2)
+    H = 2048
+    w = gpu.weight((rng.normal(size=(H, H)) * 0.02).astype(ml_dtypes.bfloat16), "bf16", "vram")
+    nw = cp.asarray(rng.normal(size=H).astype(np.float32))
+    x0 = cp.asarray(rng.normal(size=(1, H)).astype(np.float32))
+
+    def chain(x):
+        for _ in range(32):
+            s, x = gpu.ops.add_rms_norm(x, gpu.ops.linear(x, w), nw, 1e-6, 1.0)
+        return x
+
+    want = host(chain(x0))
+    monkeypatch.setenv("LUMEN_CUDA_PDL", "1")
+    assert isinstance(kernels.function("rms_norm", "add_rms_norm_f32"), kernels.Launcher)
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        chain(x0)  # warm-up on the stream, outside the capture: compiles, and leaves the pool its blocks
+        stream.synchronize()
+        stream.begin_capture()
+        y = chain(x0)
+        graph = stream.end_capture()
+    for _ in range(3):
+        y.fill(np.nan)
+        cp.cuda.Device().synchronize()
+        graph.launch(stream)
+        stream.synchronize()
+        np.testing.assert_array_equal(host(y), want)
+
+
 # -- prefill GEMM on the tensor cores (bf16 weights, x split into two bf16 halves) ----------------------------
 @pytest.mark.gpu
 @pytest.mark.parametrize("T,N,K", [(5, 300, 264), (37, 1000, 4104), (512, 257, 136), (64, 3, 8)])

@@ -10,7 +10,16 @@ every engine in the process, never change once made, and hold no model's data, s
   allowed (``function(..., smem=)``);
 - ``_ATTRIBUTES``: device attributes (shared memory a block may opt into, SM count) per (device, attribute), and
   facts about a compiled module on a device (``device_fact``) per (device, name);
-- ``_CONSTANTS``: small immutable device tables (the e4m3 decoding table, 1 KB) per (device, name).
+- ``_CONSTANTS``: small immutable device tables (the e4m3 decoding table, 1 KB) per (device, name);
+- ``_driver``: the CUDA driver library (ctypes) for ``cuLaunchKernelEx``, loaded once.
+
+**Programmatic dependent launch (PDL).** The kernels of ``PDL_FILES`` call ``pdl_begin()`` (``kernels/pdl.cuh``)
+before touching anything an earlier kernel writes. With ``LUMEN_CUDA_PDL=1`` on an sm_90+ device, while a stream
+is being captured (a decode step becoming a CUDA graph), ``function`` returns launchers that launch them through
+``cuLaunchKernelEx`` with the programmatic-stream-serialization attribute: in the replayed graph a kernel's blocks
+are scheduled while the kernel before it drains, instead of after it. Outside a capture, and for every other file,
+the RawKernel launches as before. ``tests/test_cuda_pdl_sources.py`` (CPU) checks every kernel of those files calls
+``pdl_begin()`` first.
 
 Everything that belongs to a model or a decode step (weights' derived arrays, pointer tables, the expert cache,
 pinned blocks, the step being captured) lives on the objects one engine owns instead: its ``CUDABackend``, its
@@ -24,11 +33,13 @@ The CUDA toolkit's include directory goes on the include path so that ``cuda_fp8
 
 from __future__ import annotations
 
+import ctypes
 import os
 from functools import cache
 from pathlib import Path
 
 import cupy as cp
+import numpy as np
 
 KERNEL_DIR = Path(__file__).with_name("kernels")
 DEFAULT_SMEM = 48 * 1024  # dynamic shared memory a kernel may use without opting in
@@ -64,23 +75,109 @@ def module(name: str, options: tuple[str, ...] = ()) -> cp.RawModule:
     mod = _MODULES.get(key)
     if mod is None:
         src = (KERNEL_DIR / f"{name}.cu").read_text()
-        opts = tuple(f"-I{d}" for d in include_dirs()) + tuple(options)
+        opts = (f"-I{KERNEL_DIR}",) + tuple(f"-I{d}" for d in include_dirs()) + tuple(options)
         mod = cp.RawModule(code=src, options=opts, backend="nvrtc")
         _MODULES[key] = mod
     return mod
 
 
-def function(name: str, kernel: str, options: tuple[str, ...] = (), smem: int = 0) -> cp.RawKernel:
+def function(name: str, kernel: str, options: tuple[str, ...] = (), smem: int = 0):
     """One ``extern "C"`` kernel of ``kernels/<name>.cu`` on the current device, allowed ``smem`` bytes of dynamic
-    shared memory where that is over the default 48 KiB (cached per device: the decode hot path calls this)."""
-    key = (cp.cuda.runtime.getDevice(), name, kernel, options)
+    shared memory where that is over the default 48 KiB (cached per device: the decode hot path calls this). A
+    ``cupy.RawKernel``, or for a file of ``PDL_FILES`` with PDL on a ``Launcher`` (called the same way)."""
+    dev = cp.cuda.runtime.getDevice()
+    key = (dev, name, kernel, options)
     entry = _FUNCTIONS.get(key)
     if entry is None:
-        entry = _FUNCTIONS[key] = [module(name, options).get_function(kernel), 0]
+        raw = module(name, options).get_function(kernel)
+        entry = _FUNCTIONS[key] = [raw, 0, Launcher(raw) if name in PDL_FILES else raw]
     if smem > DEFAULT_SMEM and entry[1] < smem:
         entry[0].max_dynamic_shared_size_bytes = smem
         entry[1] = smem
-    return entry[0]
+    return entry[2] if pdl_enabled() else entry[0]
+
+
+# -- programmatic dependent launch ----------------------------------------------------------------------------------
+PDL_FILES = frozenset({"rms_norm", "gemv", "gemv_fp8", "gemv_nvfp4", "gdn_step", "moe", "decode_attention"})
+_PDL_ATTRIBUTE = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION (cuda.h, CUDA 12+)
+
+
+def pdl_enabled(env=None) -> bool:
+    """``LUMEN_CUDA_PDL``: 1 launches the kernels of ``PDL_FILES`` with programmatic dependent launch while a decode
+    step is captured (sm_90+); unset or 0, never. Anything else is an error naming it."""
+    v = (os.environ if env is None else env).get("LUMEN_CUDA_PDL", "")
+    if v not in ("", "0", "1"):
+        raise ValueError(f"LUMEN_CUDA_PDL={v!r}: use 1 (programmatic dependent launch in captured decode steps) or 0")
+    return v == "1"
+
+
+class _LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute: id, 4 bytes of padding, a 64-byte value union
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int), ("rest", ctypes.c_char * 60)]
+
+
+class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
+    _fields_ = [("grid_x", ctypes.c_uint), ("grid_y", ctypes.c_uint), ("grid_z", ctypes.c_uint),
+                ("block_x", ctypes.c_uint), ("block_y", ctypes.c_uint), ("block_z", ctypes.c_uint),
+                ("shared_mem", ctypes.c_uint), ("stream", ctypes.c_void_p),
+                ("attrs", ctypes.POINTER(_LaunchAttribute)), ("num_attrs", ctypes.c_uint)]
+
+
+@cache
+def _driver():
+    """libcuda's ``cuLaunchKernelEx``, or None where the driver lacks it (before CUDA 12)."""
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+        fn = lib.cuLaunchKernelEx
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def _param(a):
+    """One kernel argument as the bytes the kernel reads (a device pointer, or a NumPy scalar's value)."""
+    if isinstance(a, cp.ndarray):
+        return ctypes.c_uint64(a.data.ptr)
+    if isinstance(a, np.generic):
+        return (ctypes.c_char * a.nbytes).from_buffer_copy(a.tobytes())
+    raise TypeError(f"a {type(a).__name__} kernel argument (PDL launches take CuPy arrays and NumPy scalars)")
+
+
+def _dims(d) -> tuple[int, int, int]:
+    d = (d,) if isinstance(d, int) else tuple(d)
+    return (*(int(v) for v in d), *(1,) * (3 - len(d)))
+
+
+class Launcher:
+    """A RawKernel of ``PDL_FILES``, called as one: ``launcher(grid, block, args, shared_mem=0)``. While the current
+    stream is being captured on an sm_90+ device, through ``cuLaunchKernelEx`` with programmatic stream
+    serialization; otherwise (and where the driver or an argument does not allow it) the RawKernel's own launch."""
+
+    def __init__(self, raw):
+        self.raw = raw
+
+    def __getattr__(self, name):  # the RawKernel's attributes (max_dynamic_shared_size_bytes, num_regs, ...)
+        return getattr(self.raw, name)
+
+    def __call__(self, grid, block, args, shared_mem: int = 0):
+        stream = cp.cuda.get_current_stream()
+        fn = _driver()
+        if fn is None or int(arch()) < 90 or not stream.is_capturing():
+            return self.raw(grid, block, args, shared_mem=shared_mem)
+        try:
+            params = [_param(a) for a in args]
+        except TypeError:
+            return self.raw(grid, block, args, shared_mem=shared_mem)
+        attr = _LaunchAttribute(id=_PDL_ATTRIBUTE, value=1)
+        (gx, gy, gz), (bx, by, bz) = _dims(grid), _dims(block)
+        config = _LaunchConfig(gx, gy, gz, bx, by, bz, int(shared_mem), ctypes.c_void_p(stream.ptr),
+                               ctypes.pointer(attr), 1)
+        ptrs = (ctypes.c_void_p * max(1, len(params)))(*[ctypes.addressof(p) for p in params])
+        err = fn(ctypes.byref(config), ctypes.c_void_p(self.raw.kernel.ptr), ptrs, None)
+        if err:
+            raise RuntimeError(f"cuLaunchKernelEx({self.raw.name}) failed with CUresult {err} (LUMEN_CUDA_PDL=0 "
+                               "launches without programmatic dependent launch)")
 
 
 def device_attribute(attr: int, default: int) -> int:

@@ -32,6 +32,8 @@
 // combine: nsplit.
 // No headers: compiles under NVRTC and nvcc alike (sm_90, sm_120a).
 
+#include "pdl.cuh"
+
 #define ATTN_GM 8    // query heads per block
 #define ATTN_NT 128  // threads per block (both kernels)
 #define ATTN_NW (ATTN_NT / 32)
@@ -310,6 +312,7 @@ __device__ __forceinline__ void attn_split(const float* __restrict__ q,     // (
       void* vc, const int* __restrict__ pos_p, const int* __restrict__ slot_p, float* __restrict__ o_part,       \
       float* __restrict__ ml_part, int ctx, int D, int Dv, int Hq, int G, int chunk, float scale, float softcap,  \
       int window) {                                                                                              \
+    pdl_begin();                                                                                                 \
     extern __shared__ float4 attn_smem4[];                                                                       \
     attn_split<KT, VT>(q, kn, vn, kc, vc, pos_p, slot_p, o_part, ml_part, ctx, D, Dv, Hq, G, chunk, scale, softcap,    \
                        window, blockIdx.z, reinterpret_cast<float*>(attn_smem4));                               \
@@ -322,6 +325,7 @@ __device__ __forceinline__ void attn_split(const float* __restrict__ q,     // (
       void* const* __restrict__ kcs, void* const* __restrict__ vcs, const int* __restrict__ pos_p,               \
       const int* __restrict__ slot_p, float* __restrict__ o_part, float* __restrict__ ml_part, int ctx, int D,   \
       int Dv, int Hq, int G, int chunk, float scale, float softcap, int window, int zg) {                        \
+    pdl_begin();                                                                                                 \
     extern __shared__ float4 attn_smem4[];                                                                       \
     const int b = blockIdx.z / zg, Hkv = Hq / G;                                                                 \
     const long long nsplit = gridDim.x;                                                                          \
@@ -337,6 +341,7 @@ __device__ __forceinline__ void attn_split(const float* __restrict__ q,     // (
       const float* __restrict__ q, void* kc, void* vc, const int* __restrict__ pos_p,                             \
       float* __restrict__ o_part, float* __restrict__ ml_part, int ctx, int D, int Dv, int Hq, int G, int chunk,  \
       float scale, float softcap, int window, int zg) {                                                          \
+    pdl_begin();                                                                                                 \
     extern __shared__ float4 attn_smem4[];                                                                       \
     const int t = blockIdx.z / zg;                                                                               \
     const long long nsplit = gridDim.x;                                                                          \
@@ -349,6 +354,7 @@ __device__ __forceinline__ void attn_split(const float* __restrict__ q,     // (
   extern "C" __global__ void __launch_bounds__(ATTN_NT) kv_store_k##KNAME##_v##VNAME(                          \
       const float* __restrict__ kn, const float* __restrict__ vn, void* kc, void* vc,                            \
       const int* __restrict__ pos_p, int ctx, int Hkv, int D, int Dv) {                                          \
+    pdl_begin();                                                                                                 \
     const int t = blockIdx.x, h = blockIdx.y, slot = pos_p[t];                                                   \
     const long long kb = ((long long)h * ctx + slot) * D, vb = ((long long)h * ctx + slot) * Dv;                 \
     const long long ks = ((long long)t * Hkv + h) * D, vs = ((long long)t * Hkv + h) * Dv;                       \
@@ -369,10 +375,12 @@ ATTN_SPLIT_V(fp8, KV_FP8)
 
 // fp8 caches outside the decode step (prefill writes, reads for the prefill attention): n elements each way.
 extern "C" __global__ void kv_fp8_encode(const float* __restrict__ x, unsigned char* __restrict__ y, long long n) {
+  pdl_begin();
   const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   if (i < n) y[i] = f2e4m3(x[i]);
 }
 extern "C" __global__ void kv_fp8_decode(const unsigned char* __restrict__ x, float* __restrict__ y, long long n) {
+  pdl_begin();
   const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   if (i < n) y[i] = e4m32f(x[i]);
 }
@@ -381,6 +389,7 @@ extern "C" __global__ void kv_fp8_decode(const unsigned char* __restrict__ x, fl
 // values of an fp8 cache for the tensor-core flash kernel (flash_mma.cu)
 extern "C" __global__ void kv_fp8_bf16(const unsigned char* __restrict__ x, unsigned short* __restrict__ y,
                                        long long n) {
+  pdl_begin();
   const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   if (i < n) y[i] = (unsigned short)(__float_as_uint(e4m32f(x[i])) >> 16);
 }
@@ -425,6 +434,7 @@ extern "C" __global__ void __launch_bounds__(ATTN_NT)
                  const int* __restrict__ pos_p,      // (1,)
                  float* __restrict__ out,            // (Hq, Dv)
                  int Hq, int Dv, int chunk, int window, int nsplit) {
+  pdl_begin();
   extern __shared__ float4 comb_smem4[];
   attn_combine_head(o_part, ml_part, pos_p, out, Hq, Dv, chunk, window, nsplit, blockIdx.x,
                     reinterpret_cast<float*>(comb_smem4));
@@ -435,6 +445,7 @@ extern "C" __global__ void __launch_bounds__(ATTN_NT)
     attn_combine_batch(const float* __restrict__ o_part, const float* __restrict__ ml_part,
                        const int* __restrict__ pos_p, float* __restrict__ out, int Hq, int Dv, int chunk, int window,
                        int nsplit) {
+  pdl_begin();
   extern __shared__ float4 comb_smem4[];
   const long long b = blockIdx.y;
   attn_combine_head(o_part + b * nsplit * Hq * Dv, ml_part + b * nsplit * Hq * 2, pos_p + b, out + b * Hq * Dv, Hq,

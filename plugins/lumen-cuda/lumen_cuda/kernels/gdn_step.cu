@@ -16,6 +16,8 @@
 //   CuPy op), then state = full[1:].
 // No headers: compiles under NVRTC and nvcc alike (sm_90, sm_120a).
 
+#include "pdl.cuh"
+
 #define GDN_WARPS 8
 
 template <int RPT>
@@ -112,6 +114,7 @@ __device__ __forceinline__ void gdn_step(const float* __restrict__ q, const floa
       const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,                   \
       const float* __restrict__ g, const float* __restrict__ beta, float* __restrict__ S,                      \
       float* __restrict__ out, int Hk, int Hv, int Dk, int Dv, float qscale) {                                 \
+    pdl_begin();                                                                                               \
     gdn_step<RPT>(q, k, v, g, beta, S, out, Hk, Hv, Dk, Dv, qscale);                                           \
   }
 
@@ -122,6 +125,7 @@ __device__ __forceinline__ void gdn_step(const float* __restrict__ q, const floa
       const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,                   \
       const float* __restrict__ g, const float* __restrict__ beta, float* const* __restrict__ Ss,               \
       float* __restrict__ out, int Hk, int Hv, int Dk, int Dv, float qscale) {                                 \
+    pdl_begin();                                                                                               \
     const long long b = blockIdx.z;                                                                            \
     gdn_step<RPT>(q + b * Hk * Dk, k + b * Hk * Dk, v + b * Hv * Dv, g + b * Hv, beta + b * Hv, Ss[b],          \
                   out + b * Hv * Dv, Hk, Hv, Dk, Dv, qscale);                                                  \
@@ -136,6 +140,7 @@ __device__ __forceinline__ void gdn_step(const float* __restrict__ q, const floa
       const float* __restrict__ g, const float* __restrict__ beta, float* __restrict__ S,                      \
       float* __restrict__ out, float* __restrict__ snaps, int T, int Hk, int Hv, int Dk, int Dv,               \
       float qscale) {                                                                                          \
+    pdl_begin();                                                                                               \
     for (int t = 0; t < T; ++t) {                                                                              \
       gdn_step<RPT>(q + (long long)t * Hk * Dk, k + (long long)t * Hk * Dk, v + (long long)t * Hv * Dv,        \
                     g + (long long)t * Hv, beta + (long long)t * Hv, S, out + (long long)t * Hv * Dv, Hk, Hv,  \
@@ -177,6 +182,7 @@ extern "C" __global__ void __launch_bounds__(128) conv1d_step(const float* __res
                                                                float* __restrict__ state,    // (K-1, C)
                                                                float* __restrict__ y,        // (C,)
                                                                int C, int K) {
+  pdl_begin();
   conv1d_one(x, w, state, y, C, K);
 }
 
@@ -186,6 +192,7 @@ extern "C" __global__ void __launch_bounds__(128) conv1d_step_batch(const float*
                                                                      float* const* __restrict__ states,
                                                                      float* __restrict__ y,  // (B, C)
                                                                      int C, int K) {
+  pdl_begin();
   const long long b = blockIdx.y;
   conv1d_one(x + b * C, w, states[b], y + b * C, C, K);
 }
@@ -198,6 +205,7 @@ extern "C" __global__ void __launch_bounds__(128) conv1d_steps(const float* __re
                                                                 float* __restrict__ y,        // (T, C)
                                                                 float* __restrict__ snaps,    // (T, K-1, C)
                                                                 int T, int C, int K) {
+  pdl_begin();
   const int c = blockIdx.x * blockDim.x + threadIdx.x;
   if (c >= C) return;
   for (int t = 0; t < T; ++t) {
@@ -217,6 +225,7 @@ extern "C" __global__ void __launch_bounds__(128) conv1d_prefill(const float* __
                                                                   const float* __restrict__ state,  // (K-1, C)
                                                                   float* __restrict__ y,            // (T, C)
                                                                   int T, int C, int K) {
+  pdl_begin();
   const int c = blockIdx.x * blockDim.x + threadIdx.x;
   if (c >= C) return;
   const float* wc = w + (long long)c * K;

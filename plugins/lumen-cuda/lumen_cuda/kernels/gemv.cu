@@ -11,6 +11,8 @@
 // Grid: ceil(N / (ROWS * GEMV_WARPS)) blocks of GEMV_WARPS * 32 threads.
 // No headers: compiles under NVRTC and nvcc alike (sm_90, sm_120a).
 
+#include "pdl.cuh"
+
 #ifndef GEMV_WARPS
 #define GEMV_WARPS 4
 #endif
@@ -133,6 +135,7 @@ __device__ __forceinline__ void gemv16(const unsigned short* __restrict__ W,  //
                                                const void* __restrict__ x,           /* (T, K) */              \
                                                float* __restrict__ y,                /* (T, N) f32 */          \
                                                int N, int K) {                                                 \
+    pdl_begin();                                                                                               \
     gemv16<F16, XBF16, T, ROWS>(W, x, y, N, K);                                                                \
   }
 
@@ -234,6 +237,7 @@ __device__ __forceinline__ void gemv32(const float* __restrict__ W, const float*
   extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                               \
       gemv_f32_xf32_t##T##_r##ROWS(const float* __restrict__ W, const void* __restrict__ x,                    \
                                    float* __restrict__ y, int N, int K) {                                      \
+    pdl_begin();                                                                                               \
     gemv32<T, ROWS>(W, static_cast<const float*>(x), y, N, K);                                                 \
   }
 #define GEMV32_T(ROWS) GEMV32(1, ROWS) GEMV32(2, ROWS) GEMV32(3, ROWS) GEMV32(4, ROWS)

@@ -9,6 +9,8 @@
 // x in f32, and adds the partial times its block scale. Shuffle reduction at the end.
 // Grid: ceil(N / (ROWS * GEMV_WARPS)) blocks of GEMV_WARPS * 32 threads.
 
+#include "pdl.cuh"
+
 #include <cuda_fp8.h>
 
 #ifndef GEMV_WARPS
@@ -147,6 +149,7 @@ __device__ __forceinline__ void gemv_e4m3(const unsigned char* __restrict__ W,  
                                          const void* __restrict__ x,          /* (T, K) */                     \
                                          float* __restrict__ y,               /* (T, N) f32 */                 \
                                          int N, int K, int BR, int BC, int SK) {                               \
+    pdl_begin();                                                                                               \
     gemv_e4m3<XBF16, T, ROWS>(W, S, x, y, N, K, BR, BC, SK);                                                   \
   }
 

@@ -10,6 +10,8 @@
 // dots each 16-value block with x in f32 and adds it times the block scale; the global scale multiplies the
 // row sum at the end. Grid: ceil(N / (ROWS * GEMV_WARPS)) blocks of GEMV_WARPS * 32 threads.
 
+#include "pdl.cuh"
+
 #include <cuda_fp8.h>
 
 #ifndef GEMV_WARPS
@@ -128,6 +130,7 @@ __device__ __forceinline__ void gemv_e2m1(const unsigned char* __restrict__ W,  
   extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                               \
       gemv_nvfp4_t##T##_r##ROWS(const unsigned char* __restrict__ W, const unsigned char* __restrict__ S,      \
                                 const float* __restrict__ x, float* __restrict__ y, int N, int K, float G) {   \
+    pdl_begin();                                                                                               \
     gemv_e2m1<T, ROWS>(W, S, x, y, N, K, G);                                                                   \
   }
 

@@ -37,6 +37,8 @@
 // (VEC = 8 bf16/f16, 4 f32, 16 fp8, 32 nvfp4; K = H for gate/up, I for down), BC % 16 == 0 for fp8, all weight
 // rows, x and the scratch 16-byte aligned, nvfp4 block scales 2-byte aligned.
 
+#include "pdl.cuh"
+
 #include <cuda_fp8.h>
 
 #ifndef MOE_WARPS
@@ -145,6 +147,7 @@ __device__ __forceinline__ void route_row(const float* __restrict__ logits, floa
 extern "C" __global__ void __launch_bounds__(ROUTE_THREADS)
     moe_route_f32(const float* __restrict__ logits, float* __restrict__ w_out, long long* __restrict__ ids_out,
                   int E, int k, int normalize) {
+  pdl_begin();
   route_row(logits, w_out, ids_out, E, k, normalize, k, nullptr);
 }
 
@@ -153,6 +156,7 @@ extern "C" __global__ void __launch_bounds__(ROUTE_THREADS)
 extern "C" __global__ void __launch_bounds__(ROUTE_THREADS)
     moe_route_shared_f32(const float* __restrict__ logits, const float* __restrict__ shared,
                          float* __restrict__ w_out, long long* __restrict__ ids_out, int E, int k, int normalize) {
+  pdl_begin();
   route_row(logits, w_out, ids_out, E, k, normalize, k + 1, shared);
 }
 
@@ -608,6 +612,7 @@ __device__ __forceinline__ int bucket_scan(int local, int* wsum /* (BUCKET_THREA
 extern "C" __global__ void __launch_bounds__(BUCKET_THREADS)
     moe_bucket(const void* __restrict__ ids, int ids64, int S, int E, int* __restrict__ off,
                int* __restrict__ order) {
+  pdl_begin();
   __shared__ int cnt[BUCKET_MAX_E];
   __shared__ int wsum[BUCKET_THREADS / 32];
   const int tid = threadIdx.x;
@@ -644,6 +649,7 @@ extern "C" __global__ void __launch_bounds__(BUCKET_THREADS)
 //   a bucket under 65536 runs.
 extern "C" __global__ void __launch_bounds__(BUCKET_THREADS)
     moe_slot_blocks(const int* __restrict__ off, int E, int bn, int* __restrict__ blocks, int n) {
+  pdl_begin();
   __shared__ int wsum[BUCKET_THREADS / 32];
   const int tid = threadIdx.x;
   const int per = (E + BUCKET_THREADS - 1) / BUCKET_THREADS;
@@ -765,6 +771,7 @@ __device__ __forceinline__ void down_grouped(const void* __restrict__ wsrc, cons
 extern "C" __global__ void __launch_bounds__(256)
     moe_combine(const void* __restrict__ ids, int ids64, const float* __restrict__ weights,
                 const float* __restrict__ ys, float* __restrict__ out, int T, int k, int E, int H) {
+  pdl_begin();
   const long long i = (long long)blockIdx.x * 256 + threadIdx.x;
   if (i >= (long long)T * H) return;
   const int t = (int)(i / H), n = (int)(i - (long long)t * H);
@@ -790,6 +797,7 @@ extern "C" __global__ void __launch_bounds__(256)
       moe_gate_up_##NAME##_r##ROWS(const void* __restrict__ wsrc, const void* __restrict__ ids, int ids64,     \
                                    const float* __restrict__ x, float* __restrict__ h, int S, int k, int E,    \
                                    int I, int H, int BR, int BC, int SK, int act) {                            \
+    pdl_begin();                                                                                               \
     gate_up<FMT, ROWS, PACKED>(wsrc, ids, ids64, x, h, S, k, E, I, H, BR, BC, SK, act);                        \
   }                                                                                                            \
   extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32, MOE_DOWN_MIN_BLOCKS)                          \
@@ -797,6 +805,7 @@ extern "C" __global__ void __launch_bounds__(256)
                                 const float* __restrict__ weights, const float* __restrict__ h,                \
                                 float* __restrict__ out, int T, int k, int E, int H, int I, int BR, int BC,    \
                                 int SK) {                                                                      \
+    pdl_begin();                                                                                               \
     down<FMT, ROWS, PACKED>(wsrc, ids, ids64, weights, h, out, T, k, E, H, I, BR, BC, SK);                     \
   }
 
@@ -806,12 +815,14 @@ extern "C" __global__ void __launch_bounds__(256)
                                      const int* __restrict__ order, const float* __restrict__ x,               \
                                      float* __restrict__ h, int k, int E, int I, int H, int BR, int BC,        \
                                      int SK, int act) {                                                        \
+    pdl_begin();                                                                                               \
     gate_up_grouped<FMT, ROWS, PACKED>(wsrc, off, order, x, h, k, E, I, H, BR, BC, SK, act);                   \
   }                                                                                                            \
   extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)                                                \
       moe_down_g_##NAME##_r##ROWS(const void* __restrict__ wsrc, const int* __restrict__ off,                 \
                                   const int* __restrict__ order, const float* __restrict__ h,                  \
                                   float* __restrict__ ys, int E, int H, int I, int BR, int BC, int SK) {       \
+    pdl_begin();                                                                                               \
     down_grouped<FMT, ROWS, PACKED>(wsrc, off, order, h, ys, E, H, I, BR, BC, SK);                             \
   }
 

@@ -3,6 +3,8 @@
 // (offset adds to w; with offset == 0 the weight is used as is). Block: a multiple of 32 threads, <= 1024.
 // No headers: compiles under NVRTC and nvcc alike (sm_90, sm_120a).
 
+#include "pdl.cuh"
+
 #define RMS_VPT 8  // values per thread kept in registers (D <= 8 x threads); larger rows re-read x
 
 // The sum of v over the block, the same value in every thread (partial: 32 floats of shared memory).
@@ -89,6 +91,7 @@ extern "C" __global__ void rms_norm_f32(const float* __restrict__ x,  // (T, D) 
                                         const float* __restrict__ w,  // (D,) f32, or nullptr
                                         float* __restrict__ y,        // (T, D) f32
                                         int D, float eps, float offset) {
+  pdl_begin();
   rms_row(x, w, nullptr, nullptr, nullptr, y, D, eps, offset);
 }
 
@@ -97,6 +100,7 @@ extern "C" __global__ void rms_norm_f32(const float* __restrict__ x,  // (T, D) 
 extern "C" __global__ void add_rms_norm_f32(const float* __restrict__ x, const float* __restrict__ res,
                                             const float* __restrict__ w, float* __restrict__ sum,
                                             float* __restrict__ y, int D, float eps, float offset) {
+  pdl_begin();
   rms_row(x, w, nullptr, res, sum, y, D, eps, offset);
 }
 
@@ -104,5 +108,6 @@ extern "C" __global__ void add_rms_norm_f32(const float* __restrict__ x, const f
 // one pass (the Gated-DeltaNet output norm: one launch where rms_norm and mul_silu took two).
 extern "C" __global__ void rms_norm_gated_f32(const float* __restrict__ x, const float* __restrict__ gate,
                                               const float* __restrict__ w, float* __restrict__ y, int D, float eps) {
+  pdl_begin();
   rms_row(x, w, gate, nullptr, nullptr, y, D, eps, 0.f);
 }
