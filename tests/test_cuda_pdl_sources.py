@@ -1,7 +1,8 @@
 """Programmatic dependent launch (lumen_cuda.kernels, LUMEN_CUDA_PDL): a kernel launched with the attribute may start
 while the kernel before it still runs, so every kernel of the files launched that way must wait for it
 (``pdl_begin()``, kernels/pdl.cuh) before its first read or write. Checked here on the sources (no GPU needed): the
-first statement of every ``extern "C"`` kernel of ``PDL_FILES`` is ``pdl_begin();``."""
+first statement of every ``extern "C"`` kernel of ``PDL_FILES`` is ``pdl_begin();``, after at most L2 prefetches of
+its weights (``pdl_prefetch_rows``: no read into a register, nothing written)."""
 
 from __future__ import annotations
 
@@ -23,15 +24,22 @@ def pdl_files() -> set[str]:
     raise AssertionError("kernels.py defines no PDL_FILES")
 
 
+PREFETCH = re.compile(r"pdl_prefetch_rows\([^;]*\);\s*")
+
+
 def kernel_bodies(src: str) -> list[tuple[str, str]]:
-    """(name, the text after the opening brace) of each extern "C" kernel, macros' line continuations removed."""
+    """(name, the text after the opening brace and any weight prefetches) of each extern "C" kernel, macros' line
+    continuations removed."""
     flat = src.replace("\\\n", "\n")
     out = []
     for m in re.finditer(r'extern "C"\s+__global__', flat):
         brace = flat.index("{", m.end())
         head = flat[m.end():brace]
         name = re.findall(r"([A-Za-z_][A-Za-z0-9_#]*)\s*\(", head)[0]
-        out.append((name, flat[brace + 1:].lstrip()))
+        body = flat[brace + 1:].lstrip()
+        while PREFETCH.match(body):
+            body = body[PREFETCH.match(body).end():]
+        out.append((name, body))
     return out
 
 
@@ -53,5 +61,8 @@ def test_every_kernel_of_a_pdl_file_waits_first(name):
 
 def test_the_check_catches_a_kernel_without_the_wait():
     src = 'extern "C" __global__ void a(float* x) {\n  pdl_begin();\n  x[0] = 1;\n}\n' \
-          'extern "C" __global__ void b(float* x) {\n  x[0] = 2;\n  pdl_begin();\n}\n'
-    assert [(k, body.startswith("pdl_begin();")) for k, body in kernel_bodies(src)] == [("a", True), ("b", False)]
+          'extern "C" __global__ void b(float* x) {\n  x[0] = 2;\n  pdl_begin();\n}\n' \
+          'extern "C" __global__ void c(float* W) {\n  pdl_prefetch_rows(W, 8, 0, 1, 4);\n  pdl_begin();\n}\n' \
+          'extern "C" __global__ void d(float* W) {\n  pdl_prefetch_rows(W, 8, 0, 1, 4);\n  W[0] = 0;\n}\n'
+    assert [(k, body.startswith("pdl_begin();")) for k, body in kernel_bodies(src)] == [
+        ("a", True), ("b", False), ("c", True), ("d", False)]

@@ -135,6 +135,7 @@ __device__ __forceinline__ void gemv16(const unsigned short* __restrict__ W,  //
                                                const void* __restrict__ x,           /* (T, K) */              \
                                                float* __restrict__ y,                /* (T, N) f32 */          \
                                                int N, int K) {                                                 \
+    pdl_prefetch_rows(W, 2LL * K, (blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5)) * ROWS, ROWS, N);             \
     pdl_begin();                                                                                               \
     gemv16<F16, XBF16, T, ROWS>(W, x, y, N, K);                                                                \
   }
@@ -237,6 +238,7 @@ __device__ __forceinline__ void gemv32(const float* __restrict__ W, const float*
   extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                               \
       gemv_f32_xf32_t##T##_r##ROWS(const float* __restrict__ W, const void* __restrict__ x,                    \
                                    float* __restrict__ y, int N, int K) {                                      \
+    pdl_prefetch_rows(W, 4LL * K, (blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5)) * ROWS, ROWS, N);             \
     pdl_begin();                                                                                               \
     gemv32<T, ROWS>(W, static_cast<const float*>(x), y, N, K);                                                 \
   }

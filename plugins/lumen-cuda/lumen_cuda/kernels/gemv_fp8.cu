@@ -149,6 +149,7 @@ __device__ __forceinline__ void gemv_e4m3(const unsigned char* __restrict__ W,  
                                          const void* __restrict__ x,          /* (T, K) */                     \
                                          float* __restrict__ y,               /* (T, N) f32 */                 \
                                          int N, int K, int BR, int BC, int SK) {                               \
+    pdl_prefetch_rows(W, K, (blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5)) * ROWS, ROWS, N);                   \
     pdl_begin();                                                                                               \
     gemv_e4m3<XBF16, T, ROWS>(W, S, x, y, N, K, BR, BC, SK);                                                   \
   }

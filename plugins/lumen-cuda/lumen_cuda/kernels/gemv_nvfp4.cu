@@ -130,6 +130,7 @@ __device__ __forceinline__ void gemv_e2m1(const unsigned char* __restrict__ W,  
   extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                               \
       gemv_nvfp4_t##T##_r##ROWS(const unsigned char* __restrict__ W, const unsigned char* __restrict__ S,      \
                                 const float* __restrict__ x, float* __restrict__ y, int N, int K, float G) {   \
+    pdl_prefetch_rows(W, K / 2, (blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5)) * ROWS, ROWS, N);               \
     pdl_begin();                                                                                               \
     gemv_e2m1<T, ROWS>(W, S, x, y, N, K, G);                                                                   \
   }

@@ -17,3 +17,20 @@ __device__ __forceinline__ void pdl_begin() {
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
 }
+
+// Before pdl_begin() in a GEMV: L2 prefetches of this warp's rows [row0, row0 + rows) (clipped to N) of a row-major
+// weight matrix, row_bytes each, up to PDL_PREFETCH_BYTES a warp, one prefetch per 128-byte line over the lanes.
+// Weights are never written during a step, so their reads may start while the kernel before still runs; the
+// prefetch only warms L2 (no register, no fault), the kernel's own loads follow after the wait.
+#define PDL_PREFETCH_BYTES 16384
+__device__ __forceinline__ void pdl_prefetch_rows(const void* base, long long row_bytes, int row0, int rows, int N) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if (row0 >= N) return;
+  const int n = rows < N - row0 ? rows : N - row0;
+  long long bytes = (long long)n * row_bytes;
+  if (bytes > PDL_PREFETCH_BYTES) bytes = PDL_PREFETCH_BYTES;
+  const char* p = static_cast<const char*>(base) + (long long)row0 * row_bytes;
+  for (long long off = (long long)(threadIdx.x & 31) * 128; off < bytes; off += 32 * 128)
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(p + off));
+#endif
+}
