@@ -75,6 +75,10 @@ OPTIONAL = {
     "causal_conv1d_kept": "(x (T, C), w (C, K), state) -> ((T, C), [[arrays of the state after token t]])",
     "gated_delta_rule_kept": "(q, k (T, Hk, Dk), v (T, Hv, Dv), g, beta (T, Hv), state) -> ((T, Hv, Dv), "
                              "[[arrays of the state after token t]])",
+    # the Gated-DeltaNet recurrence from its raw gate projections: a backend may compute the gates inside its
+    # recurrence kernel (one launch a decode step where gdn_gates and gated_delta_rule take two)
+    "gated_delta_rule_gates": "(q, k (T, Hk, Dk), v (T, Hv, Dv), a, b (T, Hv), neg_a, dt_bias (Hv,), state) -> "
+                              "gated_delta_rule(q, k, v, *gdn_gates(a, b, neg_a, dt_bias), state)",
     # a residual add and the norm of its result (a decoder layer between its token mixer and its MLP): one launch
     "add_rms_norm": "(x (T, H), r (T, H), w (H,) | None, eps, offset=0.0) -> (x + r, rms_norm(x + r, w, eps, offset))",
     # a MoE block with a shared expert (Qwen 3.5 MoE) whose routed experts compute on the layer's own backend: the
@@ -142,6 +146,11 @@ def _gated_delta_rule_kept(ops, q, k, v, g, beta, state):
     return (os_[0] if len(os_) == 1 else ops.concat(os_)), kept
 
 
+def _gated_delta_rule_gates(ops, q, k, v, a, b, neg_a, dt_bias, state):
+    g, beta = ops.gdn_gates(a, b, neg_a, dt_bias)
+    return ops.gated_delta_rule(q, k, v, g, beta, state)
+
+
 def _add_rms_norm(ops, x, r, w, eps, offset=0.0):
     s = x + r
     return s, ops.rms_norm(s, w, eps, offset)
@@ -179,6 +188,7 @@ def _sandwich_layer(ops, x, norms, attn, mlp, cache, start, rope, dims, scale, w
 
 
 COMPOSITES = {"sandwich_layer": _sandwich_layer, "moe_shared": _moe_shared, "add_rms_norm": _add_rms_norm,
+              "gated_delta_rule_gates": _gated_delta_rule_gates,
               "causal_conv1d_kept": _causal_conv1d_kept, "gated_delta_rule_kept": _gated_delta_rule_kept,
               "linear_group": _linear_group, "gdn_gates": _gdn_gates, "attention_segments": _attention_segments,
               "causal_conv1d_segments": _causal_conv1d_segments,

@@ -230,6 +230,29 @@ def test_gated_delta_step_against_the_cupy_op(cp, mods, Hk, Hv, Dk, Dv):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("Hk,Hv,Dk,Dv", [(2, 4, 128, 128), (1, 3, 256, 80), (2, 4, 40, 128)])
+def test_gated_delta_step_with_its_gates_is_the_two_launches(cp, mods, Hk, Hv, Dk, Dv):
+    """gdn_step_gates_r*: the gates computed in the step kernel from the raw projections give the bits of
+    cupy_ops.gdn_gates followed by the step kernel (outputs and state, several steps); and the op as registered."""
+    from lumen_cuda import cupy_ops, ops
+
+    _, decode, delta = mods
+    rng = np.random.default_rng(Hk * Hv + Dk)
+    ref = delta.delta_state(Hv, Dk, Dv)
+    delta.gated_delta_rule(*gdn_inputs(cp, rng, 20, Hk, Hv, Dk, Dv), ref)
+    mine = delta.DeltaState(ref.s.copy())
+    neg_a = cp.asarray(-rng.uniform(1, 16, size=Hv).astype(np.float32))
+    dt_bias = cp.asarray(rng.normal(size=Hv).astype(np.float32))
+    for _ in range(STEPS):
+        q, k, v, _, _ = gdn_inputs(cp, rng, 1, Hk, Hv, Dk, Dv)
+        a, b = (cp.asarray(rng.normal(size=(1, Hv)).astype(np.float32) * 2) for _ in range(2))
+        got = ops.gated_delta_rule_gates(q, k, v, a, b, neg_a, dt_bias, mine)
+        want = decode.gated_delta_step(q, k, v, *cupy_ops.gdn_gates(a, b, neg_a, dt_bias), ref)
+        np.testing.assert_array_equal(host(got), host(want))
+        np.testing.assert_array_equal(host(mine.s), host(ref.s))
+
+
+@pytest.mark.gpu
 def test_gated_delta_step_refuses_wide_keys(cp, mods):
     _, decode, delta = mods
     with pytest.raises(ValueError, match="key head dim"):

@@ -61,6 +61,7 @@ def register_ops(register):
     # optional ops (lumen_core.ops.OPTIONAL): fused projections, and the Gated-DeltaNet gates in one kernel
     register("linear_group", "cuda", _host_aware("linear_group", _lazy_kernel("linear_group")))
     register("gdn_gates", "cuda", _lazy("gdn_gates"))
+    register("gated_delta_rule_gates", "cuda", _lazy("gated_delta_rule_gates"))  # a decode step's gates in its kernel
     register("add_rms_norm", "cuda", _lazy_kernel("add_rms_norm"))  # a residual add and the next norm in one kernel
     # a MoE block's shared expert as one more slot of the routed experts' kernels (lumen_cuda.ops.moe_shared)
     register("moe_shared", "cuda", _lazy("moe_shared"))

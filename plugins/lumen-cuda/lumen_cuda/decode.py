@@ -197,9 +197,11 @@ def attention_verify(q, k, v, cache, pos, scale: float, window: int | None = Non
 
 
 # -- Gated DeltaNet -----------------------------------------------------------------------------------------------
-def gated_delta_step(q, k, v, g, beta, state: DeltaState):
+def gated_delta_step(q, k, v, g, beta, state: DeltaState, gates=None):
     """The one-token gated delta rule (``delta.gated_delta_rule`` at T = 1), fused: q, k (1, Hk, Dk),
-    v (1, Hv, Dv), g, beta (1, Hv) f32 -> (1, Hv, Dv) f32; ``state.s`` (Hv, Dk, Dv) f32 updated in place."""
+    v (1, Hv, Dv), g, beta (1, Hv) f32 -> (1, Hv, Dv) f32; ``state.s`` (Hv, Dk, Dv) f32 updated in place.
+    ``gates`` = (neg_a, dt_bias) (Hv,): g and beta are then the raw projections a and b, and the kernel computes
+    ``gdn_gates`` of them itself (``gdn_step_gates_r*``, the same expressions: one launch instead of two)."""
     if q.ndim != 3 or q.shape[0] != 1 or v.ndim != 3 or v.shape[0] != 1:
         raise ValueError(f"gated_delta_step takes one token: q {q.shape}, v {v.shape}")
     _, Hk, Dk = q.shape
@@ -218,9 +220,15 @@ def gated_delta_step(q, k, v, g, beta, state: DeltaState):
     qc, kc, vc = _f32(q, "q"), _f32(k, "k"), _f32(v, "v")
     gc, bc = _f32(g, "g"), _f32(beta, "beta")
     out = cp.empty((1, Hv, Dv), dtype=F32)
-    _fn(GDN_FILE, f"gdn_step_r{rpt}")((Hv, -(-Dv // 32)), (GDN_THREADS,),
-                                      (qc, kc, vc, gc, bc, s, out, np.int32(Hk), np.int32(Hv), np.int32(Dk),
-                                       np.int32(Dv), np.float32(Dk ** -0.5)))
+    dims = (np.int32(Hk), np.int32(Hv), np.int32(Dk), np.int32(Dv), np.float32(Dk ** -0.5))
+    if gates is None:
+        _fn(GDN_FILE, f"gdn_step_r{rpt}")((Hv, -(-Dv // 32)), (GDN_THREADS,), (qc, kc, vc, gc, bc, s, out, *dims))
+        return out
+    neg_a, dt_bias = _f32(gates[0], "neg_a"), _f32(gates[1], "dt_bias")
+    if neg_a.shape != (Hv,) or dt_bias.shape != (Hv,):
+        raise ValueError(f"gates: neg_a {neg_a.shape}, dt_bias {dt_bias.shape}, expected ({Hv},)")
+    _fn(GDN_FILE, f"gdn_step_gates_r{rpt}")((Hv, -(-Dv // 32)), (GDN_THREADS,),
+                                            (qc, kc, vc, gc, bc, neg_a, dt_bias, s, out, *dims))
     return out
 
 

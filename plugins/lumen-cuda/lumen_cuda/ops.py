@@ -250,6 +250,15 @@ def gated_delta_rule(q, k, v, g, beta, state):
         return _delta.gated_delta_rule(q, k, v, g, beta, state)
 
 
+def gated_delta_rule_gates(q, k, v, a, b, neg_a, dt_bias, state):
+    """``ops.gated_delta_rule_gates``: one token, the step kernel computing the gates itself; more: the gates, then
+    ``gated_delta_rule``."""
+    if q.shape[0] == 1:
+        return decode.gated_delta_step(q, k, v, a, b, state, gates=(neg_a, dt_bias))
+    g, beta = gdn_gates(a, b, neg_a, dt_bias)
+    return gated_delta_rule(q, k, v, g, beta, state)
+
+
 def causal_conv1d(x, w, state):
     """One token: the fused step; more: the prefill kernel (lumen_cuda.decode), or the CuPy op where it refuses."""
     if x.shape[0] == 1:

@@ -91,14 +91,15 @@ class GatedDeltaNet:
             # are repeated in that order (the op then pairs head j with head j).
             q = q.reshape(T, 1, kd).repeat(Hv // Hk, axis=1).reshape(T, Hv, Dk)
             k = k.reshape(T, 1, kd).repeat(Hv // Hk, axis=1).reshape(T, Hv, Dk)
-        g, beta = ops.gdn_gates(a_in, b, self.neg_a, self.dt_bias)  # log decay (<= 0), write strength (T, Hv)
+        if isinstance(state, Segmented) or trail is not None:
+            g, beta = ops.gdn_gates(a_in, b, self.neg_a, self.dt_bias)  # log decay (<= 0), write strength (T, Hv)
         if isinstance(state, Segmented):
             o = ops.gated_delta_rule_segments(q, k, v, g, beta, [st[1] for st in state.states], state.spans)
         elif trail is not None:
             o, states = ops.gated_delta_rule_kept(q, k, v, g, beta, state[1])
             speculative.keep_all(trail, state[1], states)
-        else:
-            o = ops.gated_delta_rule(q, k, v, g, beta, state[1])  # (T, Hv, Dv)
+        else:  # (T, Hv, Dv); the gates (gdn_gates of a, b) computed by the op, in its decode kernel where it has one
+            o = ops.gated_delta_rule_gates(q, k, v, a_in, b, self.neg_a, self.dt_bias, state[1])
         o = ops.rms_norm_gated(o, z.reshape(T, Hv, Dv), self.norm, a.rms_norm_eps)
         return ops.linear(o.reshape(T, Hv * Dv), self.out)
 

@@ -22,8 +22,7 @@
 
 template <int RPT>
 __device__ __forceinline__ void gdn_step(const float* __restrict__ q, const float* __restrict__ k,
-                                         const float* __restrict__ v, const float* __restrict__ g,
-                                         const float* __restrict__ beta, float* __restrict__ S,
+                                         const float* __restrict__ v, float gh, float bh, float* __restrict__ S,
                                          float* __restrict__ out, int Hk, int Hv, int Dk, int Dv, float qscale,
                                          float* __restrict__ snap = nullptr) {
   __shared__ float qs[GDN_WARPS * RPT], ks[GDN_WARPS * RPT];
@@ -68,7 +67,7 @@ __device__ __forceinline__ void gdn_step(const float* __restrict__ q, const floa
   }
   __syncthreads();
 
-  const float e = expf(g[h]);
+  const float e = expf(gh);
   const long long base = (long long)h * Dk * Dv;
   float s[RPT];
   float kv = 0.f;
@@ -83,7 +82,7 @@ __device__ __forceinline__ void gdn_step(const float* __restrict__ q, const floa
   kv = 0.f;
 #pragma unroll
   for (int i = 0; i < GDN_WARPS; ++i) kv += red[i][lane];
-  const float delta = col ? __fmul_rn(v[(long long)h * Dv + j] - kv, beta[h]) : 0.f;
+  const float delta = col ? __fmul_rn(v[(long long)h * Dv + j] - kv, bh) : 0.f;
   __syncthreads();  // red is reused below
 
   float o = 0.f;
@@ -115,7 +114,24 @@ __device__ __forceinline__ void gdn_step(const float* __restrict__ q, const floa
       const float* __restrict__ g, const float* __restrict__ beta, float* __restrict__ S,                      \
       float* __restrict__ out, int Hk, int Hv, int Dk, int Dv, float qscale) {                                 \
     pdl_begin();                                                                                               \
-    gdn_step<RPT>(q, k, v, g, beta, S, out, Hk, Hv, Dk, Dv, qscale);                                           \
+    gdn_step<RPT>(q, k, v, g[blockIdx.x], beta[blockIdx.x], S, out, Hk, Hv, Dk, Dv, qscale);                   \
+  }
+
+// gdn_step_gates_r<RPT>(q, k, v, a (Hv,), b (Hv,), neg_a (Hv,), dt_bias (Hv,), S, out, ...): gdn_step_r with the
+// gates computed in the block from the raw projections (g = neg_a softplus(a + dt_bias), beta = sigmoid(b), the
+// expressions of cupy_ops.gdn_gates): one launch where gdn_gates and the step took two.
+#define GDN_STEP_GATES(RPT)                                                                                    \
+  extern "C" __global__ void __launch_bounds__(GDN_WARPS * 32) gdn_step_gates_r##RPT(                         \
+      const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,                   \
+      const float* __restrict__ a, const float* __restrict__ b, const float* __restrict__ neg_a,               \
+      const float* __restrict__ dt_bias, float* __restrict__ S, float* __restrict__ out, int Hk, int Hv,       \
+      int Dk, int Dv, float qscale) {                                                                          \
+    pdl_begin();                                                                                               \
+    const int h = blockIdx.x;                                                                                  \
+    const float t = a[h] + dt_bias[h];                                                                         \
+    const float gh = neg_a[h] * (fmaxf(t, 0.0f) + log1pf(expf(-fabsf(t))));                                   \
+    const float bh = 0.5f * (tanhf(0.5f * b[h]) + 1.0f);                                                       \
+    gdn_step<RPT>(q, k, v, gh, bh, S, out, Hk, Hv, Dk, Dv, qscale);                                            \
   }
 
 // B sequences at once (continuous batching): grid (Hv, ceil(Dv / 32), B); sequence b = blockIdx.z reads rows b of
@@ -127,7 +143,8 @@ __device__ __forceinline__ void gdn_step(const float* __restrict__ q, const floa
       float* __restrict__ out, int Hk, int Hv, int Dk, int Dv, float qscale) {                                 \
     pdl_begin();                                                                                               \
     const long long b = blockIdx.z;                                                                            \
-    gdn_step<RPT>(q + b * Hk * Dk, k + b * Hk * Dk, v + b * Hv * Dv, g + b * Hv, beta + b * Hv, Ss[b],          \
+    gdn_step<RPT>(q + b * Hk * Dk, k + b * Hk * Dk, v + b * Hv * Dv, g[b * Hv + blockIdx.x],                   \
+                  beta[b * Hv + blockIdx.x], Ss[b],                                                            \
                   out + b * Hv * Dv, Hk, Hv, Dk, Dv, qscale);                                                  \
   }
 
@@ -143,7 +160,8 @@ __device__ __forceinline__ void gdn_step(const float* __restrict__ q, const floa
     pdl_begin();                                                                                               \
     for (int t = 0; t < T; ++t) {                                                                              \
       gdn_step<RPT>(q + (long long)t * Hk * Dk, k + (long long)t * Hk * Dk, v + (long long)t * Hv * Dv,        \
-                    g + (long long)t * Hv, beta + (long long)t * Hv, S, out + (long long)t * Hv * Dv, Hk, Hv,  \
+                    g[(long long)t * Hv + blockIdx.x], beta[(long long)t * Hv + blockIdx.x], S,                \
+                    out + (long long)t * Hv * Dv, Hk, Hv,                                                      \
                     Dk, Dv, qscale, snaps + (long long)t * Hv * Dk * Dv);                                      \
       __syncthreads();                                                                                         \
     }                                                                                                          \
@@ -157,6 +175,10 @@ GDN_STEP(4)
 GDN_STEP(8)
 GDN_STEP(16)
 GDN_STEP(32)
+GDN_STEP_GATES(4)
+GDN_STEP_GATES(8)
+GDN_STEP_GATES(16)
+GDN_STEP_GATES(32)
 GDN_STEP_BATCH(4)
 GDN_STEP_BATCH(8)
 GDN_STEP_BATCH(16)
