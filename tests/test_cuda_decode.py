@@ -231,12 +231,13 @@ def test_gated_delta_step_against_the_cupy_op(cp, mods, Hk, Hv, Dk, Dv):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("Hk,Hv,Dk,Dv", [(2, 4, 128, 128), (1, 3, 256, 80), (2, 4, 40, 128)])
-def test_gated_delta_step_with_its_gates_is_the_two_launches(cp, mods, Hk, Hv, Dk, Dv):
+def test_gated_delta_step_with_its_gates_is_the_two_launches(cp, mods, Hk, Hv, Dk, Dv, monkeypatch):
     """gdn_step_gates_r*: the gates computed in the step kernel from the raw projections give the bits of
     cupy_ops.gdn_gates followed by the step kernel (outputs and state, several steps); and the op as registered."""
     from lumen_cuda import cupy_ops, ops
 
     _, decode, delta = mods
+    monkeypatch.setenv("LUMEN_CUDA_DECODE_FUSION", "1")
     rng = np.random.default_rng(Hk * Hv + Dk)
     ref = delta.delta_state(Hv, Dk, Dv)
     delta.gated_delta_rule(*gdn_inputs(cp, rng, 20, Hk, Hv, Dk, Dv), ref)

@@ -118,7 +118,8 @@ def test_graph_replay_equals_op_by_op_decode(cp, bf16_model):
 def test_graph_with_programmatic_dependent_launch_equals_without(cp, bf16_model, monkeypatch):
     """LUMEN_CUDA_PDL=1: the step's hand-written kernels captured with programmatic dependent launch (each waits for
     the kernel before it in pdl_begin); the replay gives the bits of the graph captured without it, over two
-    sequences."""
+    sequences. Both with the fused decode ops (LUMEN_CUDA_DECODE_FUSION=1), whose kernels PDL launches too."""
+    monkeypatch.setenv("LUMEN_CUDA_DECODE_FUSION", "1")
     name, path, n = bf16_model
     engine = load(path)
     ids = prompt(engine, n)
@@ -129,6 +130,22 @@ def test_graph_with_programmatic_dependent_launch_equals_without(cp, bf16_model,
         got, got_tokens = graph_run(cp, with_pdl, ids, tokens)
         np.testing.assert_array_equal(got, want, err_msg=f"{name} sequence {seq}")
         assert got_tokens == tokens
+
+
+@pytest.mark.gpu
+def test_graph_with_the_fused_decode_ops_matches_without(cp, bf16_model, monkeypatch):
+    """LUMEN_CUDA_DECODE_FUSION=1 (the shared expert as a routed slot, the fused norms, the gates in the delta step):
+    the same greedy tokens as the unfused graph, logits within 1e-4 of the scale (the MoE sum takes the shared expert
+    in slot order: another f32 order; the rest is bit-exact by construction)."""
+    name, path, n = bf16_model
+    engine = load(path)
+    ids = prompt(engine, n)
+    want, tokens = graph_run(cp, engine, ids)
+    monkeypatch.setenv("LUMEN_CUDA_DECODE_FUSION", "1")
+    got, got_tokens = graph_run(cp, load(path), ids, tokens)
+    err = np.abs(got - want).max()
+    assert err <= 1e-4 * max(1.0, np.abs(want).max()), f"{name}: max |Δ| {err:.3g}"
+    assert got_tokens == tokens
 
 
 def hf(path, dtype, device="cpu"):
@@ -203,13 +220,15 @@ QUANT = {"qwen3_5-fp8": ("qwen3_5", {}, "fp8"), "qwen3_5_moe-fp8": ("qwen3_5_moe
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", list(QUANT))
-def test_quantized_checkpoints_match_the_cpu(cp, tiny_checkpoint, tmp_path_factory, name):
+def test_quantized_checkpoints_match_the_cpu(cp, tiny_checkpoint, tmp_path_factory, name, monkeypatch):
     """fp8 (32x32 block scales) and NVFP4 checkpoints written by ``lumen quantize``: cuda against the CPU backend
     over the same dequantized weights: prefill logits <= 1e-3 of max(1, |logit|), 24 greedy tokens equal (through
     the decode graph where the step was captured)."""
     from lumen_core.quantize import quantize_checkpoint
 
     kind, overrides, fmt = QUANT[name]
+    if "shared-slot" in name:  # the fused decode ops (the shared expert in the routed experts' kernels among them)
+        monkeypatch.setenv("LUMEN_CUDA_DECODE_FUSION", "1")
     src = tiny_checkpoint(kind, **overrides)
     dst = tmp_path_factory.mktemp("quant") / name
     quantize_checkpoint(src, dst, fmt, block=32, progress=False)

@@ -207,11 +207,12 @@ def test_rms_norm_against_the_cpu_op(cp, gpu, cpu, shape):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", [(1, 32, 128), (5, 16, 128), (3, 1000), (2, 5000)])
-def test_rms_norm_gated_is_the_two_ops_in_one_launch(cp, gpu, cpu, gemv, shape):
+def test_rms_norm_gated_is_the_two_ops_in_one_launch(cp, gpu, cpu, gemv, shape, monkeypatch):
     """The fused kernel gives the bits of the fused RMSNorm kernel followed by the mul_silu elementwise kernel
     (the ops it replaces), and the CPU op's values to f32 rounding."""
     from lumen_cuda import cupy_ops
 
+    monkeypatch.setenv("LUMEN_CUDA_DECODE_FUSION", "1")
     rng = np.random.default_rng(shape[-1] + len(shape))
     x, g = ((rng.normal(size=shape) * 3).astype(np.float32) for _ in range(2))
     w = rng.normal(size=shape[-1]).astype(np.float32)
@@ -223,10 +224,11 @@ def test_rms_norm_gated_is_the_two_ops_in_one_launch(cp, gpu, cpu, gemv, shape):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", [(1, 2048), (5, 4096), (3, 1000), (2, 12288), (7, 17)])
-def test_add_rms_norm_is_the_add_and_the_norm_in_one_launch(cp, gpu, cpu, gemv, shape):
+def test_add_rms_norm_is_the_add_and_the_norm_in_one_launch(cp, gpu, cpu, gemv, shape, monkeypatch):
     """(x + r, rms_norm(x + r)): the bits of the add and of the RMSNorm kernel over its result (rows in registers
     and, at D = 12288 > 8 x 1024, the re-reading path); the CPU composite's values to f32 rounding."""
     assert gpu.ops.has("add_rms_norm")
+    monkeypatch.setenv("LUMEN_CUDA_DECODE_FUSION", "1")
     rng = np.random.default_rng(shape[-1])
     x, r = ((rng.normal(size=shape) * 3).astype(np.float32) for _ in range(2))
     w = rng.normal(size=shape[-1]).astype(np.float32)
@@ -246,6 +248,7 @@ def test_a_chain_captured_with_programmatic_dependent_launch_equals_eager(cp, gp
     run eagerly. A kernel reading before its producer finished would differ."""
     from lumen_cuda import kernels
 
+    monkeypatch.setenv("LUMEN_CUDA_DECODE_FUSION", "1")
     rng = np.random.default_rng(2)
     H = 2048
     w = gpu.weight((rng.normal(size=(H, H)) * 0.02).astype(ml_dtypes.bfloat16), "bf16", "vram")

@@ -515,6 +515,7 @@ def test_moe_shared_equals_the_composite(cp, gpu, moe, ops, monkeypatch, kind, T
     from lumen_core.ops import COMPOSITES
 
     monkeypatch.setenv("LUMEN_CUDA_MMA_PREFILL", mma)
+    monkeypatch.setenv("LUMEN_CUDA_DECODE_FUSION", "1")
     rng = np.random.default_rng(T + len(kind))
     E, k, H, I = 32, 4, 256, 384
     gate_up, down = shared_block(gpu, rng, E, H, I, kind)
@@ -532,10 +533,11 @@ def test_moe_shared_equals_the_composite(cp, gpu, moe, ops, monkeypatch, kind, T
 
 
 @pytest.mark.gpu
-def test_moe_shared_falls_back_where_the_table_cannot_hold_the_shared_expert(cp, gpu, moe):
+def test_moe_shared_falls_back_where_the_table_cannot_hold_the_shared_expert(cp, gpu, moe, monkeypatch):
     """fp8 routed experts with a bf16 shared expert: the composite (the same numbers as calling it directly)."""
     from lumen_core.ops import COMPOSITES
 
+    monkeypatch.setenv("LUMEN_CUDA_DECODE_FUSION", "1")
     rng = np.random.default_rng(3)
     E, k, H, I = 16, 2, 256, 128
     gate_up, down = shared_block(gpu, rng, E, H, I, "fp8-block128", shared_kind="bf16")
@@ -550,6 +552,8 @@ def test_moe_shared_falls_back_where_the_table_cannot_hold_the_shared_expert(cp,
 
 @pytest.mark.gpu
 def test_moe_shared_off_runs_the_composite_and_bad_values_are_named(cp, gpu, moe, monkeypatch):
+    from lumen_cuda.state import derived
+
     from lumen_core.ops import COMPOSITES
 
     rng = np.random.default_rng(4)
@@ -558,9 +562,11 @@ def test_moe_shared_off_runs_the_composite_and_bad_values_are_named(cp, gpu, moe
     x = cp.asarray(rng.normal(size=(1, H)).astype(np.float32))
     logits = cp.asarray(rng.normal(size=(1, E)).astype(np.float32))
     sg = cp.asarray(rng.normal(size=(1, 1)).astype(np.float32))
-    monkeypatch.setenv("LUMEN_CUDA_MOE_SHARED", "0")
-    close(gpu.ops.moe_shared(x, logits, sg, k, gate_up, down),
-          COMPOSITES["moe_shared"](gpu.ops, x, logits, sg, k, gate_up, down), 0)
-    monkeypatch.setenv("LUMEN_CUDA_MOE_SHARED", "yes")
-    with pytest.raises(ValueError, match="LUMEN_CUDA_MOE_SHARED='yes'"):
+    for off in ("0", ""):  # unset or 0: the composite, no E + 1 table built
+        monkeypatch.setenv("LUMEN_CUDA_DECODE_FUSION", off)
+        close(gpu.ops.moe_shared(x, logits, sg, k, gate_up, down),
+              COMPOSITES["moe_shared"](gpu.ops, x, logits, sg, k, gate_up, down), 0)
+        assert ("moe_table_pairs", E + 1) not in derived(gate_up[0][0])
+    monkeypatch.setenv("LUMEN_CUDA_DECODE_FUSION", "yes")
+    with pytest.raises(ValueError, match="LUMEN_CUDA_DECODE_FUSION='yes'"):
         gpu.ops.moe_shared(x, logits, sg, k, gate_up, down)

@@ -344,12 +344,11 @@ class CUDABackend(Backend):
         from .fp8_mma_model import requested, slot_block
         from .graph import decode_runner
         from .hostcall import mode, timeout_ns
-        from .kernels import pdl_enabled
-        from .moe import shared_slot
+        from .kernels import decode_fusion, pdl_enabled
 
         # a bad LUMEN_HOSTCALL / LUMEN_HOSTCALL_TIMEOUT / LUMEN_CUDA_MMA_PREFILL / LUMEN_CUDA_X3_SLOTS /
-        # LUMEN_CUDA_MOE_SHARED / LUMEN_CUDA_PDL is named here, at load, not mid-prompt
-        mode(), timeout_ns(), requested(os.environ), slot_block(os.environ), shared_slot(), pdl_enabled()
+        # LUMEN_CUDA_DECODE_FUSION / LUMEN_CUDA_PDL is named here, at load, not mid-prompt
+        mode(), timeout_ns(), requested(os.environ), slot_block(os.environ), decode_fusion(), pdl_enabled()
         runner, why = decode_runner(model, self, context_size)
         if runner is None:
             raise NotImplementedError(why)

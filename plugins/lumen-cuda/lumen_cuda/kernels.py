@@ -97,6 +97,18 @@ def function(name: str, kernel: str, options: tuple[str, ...] = (), smem: int = 
     return entry[2] if pdl_enabled() else entry[0]
 
 
+# -- opt-in decode paths --------------------------------------------------------------------------------------------
+def decode_fusion(env=None) -> bool:
+    """``LUMEN_CUDA_DECODE_FUSION``: 1 runs the fused decode ops of the twenty-fourth session (``moe_shared``'s
+    shared-expert slot, ``add_rms_norm`` and ``rms_norm_gated`` in one kernel each, ``gated_delta_rule_gates``'s
+    gates inside the step kernel); unset or 0, the unfused kernels they replace (docs/cuda.md says why this is
+    opt-in until the GPU suite has run on them). Read at each call; anything else is an error naming it."""
+    v = (os.environ if env is None else env).get("LUMEN_CUDA_DECODE_FUSION", "")
+    if v not in ("", "0", "1"):
+        raise ValueError(f"LUMEN_CUDA_DECODE_FUSION={v!r}: use 1 (fused decode ops) or 0 (the unfused kernels)")
+    return v == "1"
+
+
 # -- programmatic dependent launch ----------------------------------------------------------------------------------
 PDL_FILES = frozenset({"rms_norm", "gemv", "gemv_fp8", "gemv_nvfp4", "gdn_step", "moe", "decode_attention"})
 _PDL_ATTRIBUTE = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION (cuda.h, CUDA 12+)

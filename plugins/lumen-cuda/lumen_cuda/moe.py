@@ -52,7 +52,6 @@ this module's kernels over its own tables.
 from __future__ import annotations
 
 import dataclasses
-import os
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -384,16 +383,6 @@ def experts(x, ids, weights, gate_up, down, act: str = "silu", out=None):
     x3 = fp8_mma.planes_for(gate_up[0][0]) if x3 else 0
     return _launch((tg.ptrs, tg.fmt), (td.ptrs, td.fmt), tg.fmt, td.fmt, tg.block, td.block, inputs,
                    len(gate_up), H, I, act, out, tg.scratch, x3)
-
-
-def shared_slot(env=None) -> bool:
-    """``LUMEN_CUDA_MOE_SHARED``: unset or 1 (the default), ``ops.moe_shared`` runs a shared expert as slot k of the
-    routed experts' kernels; 0, lumen_core's composite (to compare the two). Anything else is an error naming it."""
-    v = (os.environ if env is None else env).get("LUMEN_CUDA_MOE_SHARED", "")
-    if v not in ("", "0", "1"):
-        raise ValueError(f"LUMEN_CUDA_MOE_SHARED={v!r}: use 1 (the shared expert as one more slot of the routed "
-                         "experts' kernels, the default) or 0 (its own products)")
-    return v != "0"
 
 
 def fits_one_table(gate_up, down) -> bool:

@@ -18,7 +18,7 @@ import numpy as np
 from lumen_core.backend import Weight
 
 from . import attention as _attention
-from . import decode, gdn_prefill, gemv, moe, step
+from . import decode, gdn_prefill, gemv, kernels, moe, step
 from . import delta as _delta
 from .cupy_ops import (  # noqa: F401 (ops, and names the tests read)
     F32,
@@ -61,7 +61,9 @@ def rms_norm(x, w, eps: float, offset: float = 0.0):  # x (..., D), w (D,) or No
 
 
 def rms_norm_gated(x, gate, w, eps: float):
-    return gemv.rms_norm_gated(x, gate, w, eps)  # one kernel: the norm and the gate
+    if kernels.decode_fusion():
+        return gemv.rms_norm_gated(x, gate, w, eps)  # one kernel: the norm and the gate
+    return mul_silu(gemv.rms_norm(x, w, eps), gate)  # the fused RMSNorm kernel, then one elementwise kernel
 
 
 def l2norm(x, eps: float = 1e-6):
@@ -253,7 +255,7 @@ def gated_delta_rule(q, k, v, g, beta, state):
 def gated_delta_rule_gates(q, k, v, a, b, neg_a, dt_bias, state):
     """``ops.gated_delta_rule_gates``: one token, the step kernel computing the gates itself; more: the gates, then
     ``gated_delta_rule``."""
-    if q.shape[0] == 1:
+    if q.shape[0] == 1 and kernels.decode_fusion():
         return decode.gated_delta_step(q, k, v, a, b, state, gates=(neg_a, dt_bias))
     g, beta = gdn_gates(a, b, neg_a, dt_bias)
     return gated_delta_rule(q, k, v, g, beta, state)
@@ -300,11 +302,11 @@ def moe_shared(x, logits, shared_logit, k: int, gate_up, down, normalize: bool =
     ``moe.experts`` runs the E + 1 experts' table: at T = 1 two launches for routed and shared experts together,
     where the composite adds a gate/up product, the activation, the down product, the sigmoid, a product and a
     sum. Where the table cannot hold the shared expert with the routed ones (another format or shape, experts in
-    host RAM) or where LUMEN_CUDA_MOE_SHARED=0, the composite of lumen_core.ops, over ``backend``'s ops."""
+    host RAM) or without LUMEN_CUDA_DECODE_FUSION=1, the composite of lumen_core.ops, over ``backend``'s ops."""
     from lumen_core.ops import COMPOSITES
 
     E = len(gate_up) - 1
-    fused = (moe.shared_slot() and E >= 1 and len(down) == E + 1 and act in moe.ACTS and isinstance(x, cp.ndarray)
+    fused = (kernels.decode_fusion() and E >= 1 and len(down) == E + 1 and act in moe.ACTS and isinstance(x, cp.ndarray)
              and not any(w.store == "ram" for w in (gate_up[0][0], gate_up[E][0], down[E]))
              and moe.fits_one_table(gate_up, down))
     if not fused:
