@@ -20,7 +20,7 @@ def pdl_files() -> set[str]:
     tree = ast.parse((CUDA / "kernels.py").read_text())
     for node in tree.body:
         if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "PDL_FILES":
-            return set(ast.literal_eval(node.value.args[0]))
+            return set(ast.literal_eval(node.value))
     raise AssertionError("kernels.py defines no PDL_FILES")
 
 

@@ -110,7 +110,7 @@ def decode_fusion(env=None) -> bool:
 
 
 # -- programmatic dependent launch ----------------------------------------------------------------------------------
-PDL_FILES = frozenset({"rms_norm", "gemv", "gemv_fp8", "gemv_nvfp4", "gdn_step", "moe", "decode_attention"})
+PDL_FILES = ("rms_norm", "gemv", "gemv_fp8", "gemv_nvfp4", "gdn_step", "moe", "decode_attention")  # constant
 _PDL_ATTRIBUTE = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION (cuda.h, CUDA 12+)
 
 
