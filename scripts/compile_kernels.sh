@@ -23,15 +23,20 @@ TMP=$(mktemp -d)
 trap 'rm -rf "$TMP"' EXIT
 fail=0
 for f in "${FILES[@]}"; do
+  # files with programmatic dependent launch also build with -DLUMEN_PDL (lumen_cuda.kernels: LUMEN_CUDA_PDL=1)
+  variants=("")
+  grep -q '#include "pdl.cuh"' "$f" && variants+=("-DLUMEN_PDL")
   for arch in "${ARCHS[@]}"; do
-    log="$TMP/log"
-    if "$NVCC" -std=c++17 -I"$CUDA_INCLUDE" -arch="$arch" -c -o "$TMP/out.o" "$f" >"$log" 2>&1; then
-      printf "ok    %-8s %s\n" "$arch" "$f"
-    else
-      printf "FAIL  %-8s %s\n" "$arch" "$f"
-      sed 's/^/      /' "$log"
-      fail=1
-    fi
+    for def in "${variants[@]}"; do
+      log="$TMP/log"
+      if "$NVCC" -std=c++17 -I"$CUDA_INCLUDE" $def -arch="$arch" -c -o "$TMP/out.o" "$f" >"$log" 2>&1; then
+        printf "ok    %-8s %s %s\n" "$arch" "$f" "$def"
+      else
+        printf "FAIL  %-8s %s %s\n" "$arch" "$f" "$def"
+        sed 's/^/      /' "$log"
+        fail=1
+      fi
+    done
   done
 done
 [ "$fail" -eq 0 ] && echo "compile_kernels: ${#FILES[@]} file(s) x ${#ARCHS[@]} arch(s) compiled ($("$NVCC" --version | tail -1))"

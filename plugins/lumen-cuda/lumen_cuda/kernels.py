@@ -14,11 +14,12 @@ every engine in the process, never change once made, and hold no model's data, s
 - ``_driver``: the CUDA driver library (ctypes) for ``cuLaunchKernelEx``, loaded once.
 
 **Programmatic dependent launch (PDL).** The kernels of ``PDL_FILES`` call ``pdl_begin()`` (``kernels/pdl.cuh``)
-before touching anything an earlier kernel writes. With ``LUMEN_CUDA_PDL=1`` on an sm_90+ device, while a stream
-is being captured (a decode step becoming a CUDA graph), ``function`` returns launchers that launch them through
+before touching anything an earlier kernel writes; it (and the GEMVs' weight prefetch before it) is compiled in only
+with ``-DLUMEN_PDL``. With ``LUMEN_CUDA_PDL=1``, ``function`` builds those files with it and returns launchers that,
+while a stream is being captured on an sm_90+ device (a decode step becoming a CUDA graph), launch through
 ``cuLaunchKernelEx`` with the programmatic-stream-serialization attribute: in the replayed graph a kernel's blocks
-are scheduled while the kernel before it drains, instead of after it. Outside a capture, and for every other file,
-the RawKernel launches as before. ``tests/test_cuda_pdl_sources.py`` (CPU) checks every kernel of those files calls
+are scheduled while the kernel before it drains, instead of after it. Outside a capture, the RawKernel launches as
+usual; without the setting, the files are built and launched exactly as before. ``tests/test_cuda_pdl_sources.py`` (CPU) checks every kernel of those files calls
 ``pdl_begin()`` first.
 
 Everything that belongs to a model or a decode step (weights' derived arrays, pointer tables, the expert cache,
@@ -84,17 +85,20 @@ def module(name: str, options: tuple[str, ...] = ()) -> cp.RawModule:
 def function(name: str, kernel: str, options: tuple[str, ...] = (), smem: int = 0):
     """One ``extern "C"`` kernel of ``kernels/<name>.cu`` on the current device, allowed ``smem`` bytes of dynamic
     shared memory where that is over the default 48 KiB (cached per device: the decode hot path calls this). A
-    ``cupy.RawKernel``, or for a file of ``PDL_FILES`` with PDL on a ``Launcher`` (called the same way)."""
-    dev = cp.cuda.runtime.getDevice()
-    key = (dev, name, kernel, options)
+    ``cupy.RawKernel``, or for a file of ``PDL_FILES`` with PDL on a ``Launcher`` (called the same way) of the file
+    built with ``-DLUMEN_PDL`` (its waits and prefetches; the default build has neither)."""
+    pdl = name in PDL_FILES and pdl_enabled()
+    if pdl:
+        options = (*options, "-DLUMEN_PDL")
+    key = (cp.cuda.runtime.getDevice(), name, kernel, options)
     entry = _FUNCTIONS.get(key)
     if entry is None:
         raw = module(name, options).get_function(kernel)
-        entry = _FUNCTIONS[key] = [raw, 0, Launcher(raw) if name in PDL_FILES else raw]
+        entry = _FUNCTIONS[key] = [raw, 0, Launcher(raw) if pdl else raw]
     if smem > DEFAULT_SMEM and entry[1] < smem:
         entry[0].max_dynamic_shared_size_bytes = smem
         entry[1] = smem
-    return entry[2] if pdl_enabled() else entry[0]
+    return entry[2]
 
 
 # -- opt-in decode paths --------------------------------------------------------------------------------------------
