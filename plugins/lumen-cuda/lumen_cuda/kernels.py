@@ -19,8 +19,8 @@ with ``-DLUMEN_PDL``. With ``LUMEN_CUDA_PDL=1``, ``function`` builds those files
 while a stream is being captured on an sm_90+ device (a decode step becoming a CUDA graph), launch through
 ``cuLaunchKernelEx`` with the programmatic-stream-serialization attribute: in the replayed graph a kernel's blocks
 are scheduled while the kernel before it drains, instead of after it. Outside a capture, the RawKernel launches as
-usual; without the setting, the files are built and launched exactly as before. ``tests/test_cuda_pdl_sources.py`` (CPU) checks every kernel of those files calls
-``pdl_begin()`` first.
+usual; without the setting, the files are built and launched exactly as before. ``tests/test_cuda_pdl_sources.py``
+(CPU) checks every kernel of those files calls ``pdl_begin()`` first.
 
 Everything that belongs to a model or a decode step (weights' derived arrays, pointer tables, the expert cache,
 pinned blocks, the step being captured) lives on the objects one engine owns instead: its ``CUDABackend``, its
