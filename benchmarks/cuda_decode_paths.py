@@ -1,10 +1,10 @@
-"""Decode step on the GPU with and without the opt-in decode paths, in one run: the unfused step (the named baseline,
-``base``), ``LUMEN_CUDA_DECODE_FUSION=1`` (``fused``: the shared expert as a routed slot, the fused norms, the gates
-in the Gated-DeltaNet step) and that with ``LUMEN_CUDA_PDL=1`` (``fused+pdl``: programmatic dependent launch in the
-captured step). Per row and variant: the captured decode graph replayed alone (GPU ms a step, the median of
-``--repeat`` runs of ``--steps`` replays), tok/s, the fraction of the bandwidth bound (bytes a step reads / the read
-bandwidth measured in the same run; a MoE step reads top-k of E routed experts) and the ratio to ``base``; then the
-greedy tokens of each variant against ``base``'s (the fusions change the MoE sum's f32 order only).
+"""Decode step on the GPU with and without the fused decode ops and PDL, in one run: the unfused step (the named
+baseline, ``base``: ``LUMEN_CUDA_DECODE_FUSION=0``), the default (``fused``: the shared expert as a routed slot, the
+fused norms, the gates in the Gated-DeltaNet step) and that with the opt-in ``LUMEN_CUDA_PDL=1`` (``fused+pdl``:
+programmatic dependent launch in the captured step). Per row and variant: the captured decode graph replayed alone (GPU
+ms a step, the median of ``--repeat`` runs of ``--steps`` replays), tok/s, the fraction of the bandwidth bound (bytes a
+step reads / the read bandwidth measured in the same run; a MoE step reads top-k of E routed experts) and the ratio to
+``base``; then the greedy tokens of each variant against ``base``'s (the fusions change the MoE sum's f32 order only).
 
     python benchmarks/cuda_decode_paths.py [--models 35b-a3b-fp8,9b-fp8] [--layers 4] [--steps 64] [--repeat 5]
     python benchmarks/cuda_decode_paths.py --models 35b-a3b-fp8 --layers 40   # the real depth (35.7 GB of disk)
@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-VARIANTS = {"base": {}, "fused": {"LUMEN_CUDA_DECODE_FUSION": "1"},
+VARIANTS = {"base": {"LUMEN_CUDA_DECODE_FUSION": "0"}, "fused": {"LUMEN_CUDA_DECODE_FUSION": "1"},
             "fused+pdl": {"LUMEN_CUDA_DECODE_FUSION": "1", "LUMEN_CUDA_PDL": "1"}}
 KNOBS = ("LUMEN_CUDA_DECODE_FUSION", "LUMEN_CUDA_PDL")
 

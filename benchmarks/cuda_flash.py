@@ -1,10 +1,10 @@
-"""Prefill attention kernels on the GPU at the real models' shapes, one layer's attention, causal from position 0:
-the f32 flash kernel (``flash.attend``, the default; the named baseline) against the tensor-core kernel over a bf16
-cache (``flash.attend_mma``, ``LUMEN_CUDA_FLASH=mma``) and FP8 attention over an fp8 cache (``flash.attend_fp8``,
-``attention.compute-quantization: fp8``, its V layout pass included). Prints ms (median of --reps after a warm-up),
-TFLOP/s over the attended pairs (4 x heads x D x the causal or windowed pairs), the ratio to the baseline, and the
-largest difference from the f32 kernel over the same cache's values, relative to max(1, max |f32 kernel|) (FP8
-attention's is its quantization: ~1e-2 expected).
+"""Prefill attention kernels on the GPU at the real models' shapes, one layer's attention, causal from position 0: the
+f32 flash kernel (``flash.attend``: f32 caches, ``LUMEN_CUDA_FLASH=1``; the named baseline) against the tensor-core
+kernel over a bf16 cache (``flash.attend_mma``: bf16 / fp8 caches by default, ``flash.mma_wanted``) and FP8 attention
+over an fp8 cache (``flash.attend_fp8``, ``attention.compute-quantization: fp8``, its V layout pass included). Prints ms
+(median of --reps after a warm-up), TFLOP/s over the attended pairs (4 x heads x D x the causal or windowed pairs), the
+ratio to the baseline, and the largest difference from the f32 kernel over the same cache's values, relative to max(1,
+max |f32 kernel|) (FP8 attention's is its quantization: ~1e-2 expected).
 
     python benchmarks/cuda_flash.py [--tokens 512,4096] [--reps 5] [--json out.json]
     python benchmarks/cuda_flash.py --tokens 32768 --reps 2   # long context (issue 21: FP8 attention at 32k)

@@ -138,6 +138,7 @@ def test_graph_with_the_fused_decode_ops_matches_without(cp, bf16_model, monkeyp
     the same greedy tokens as the unfused graph, logits within 1e-4 of the scale (the MoE sum takes the shared expert
     in slot order: another f32 order; the rest is bit-exact by construction)."""
     name, path, n = bf16_model
+    monkeypatch.setenv("LUMEN_CUDA_DECODE_FUSION", "0")
     engine = load(path)
     ids = prompt(engine, n)
     want, tokens = graph_run(cp, engine, ids)

@@ -171,7 +171,8 @@ def _attend(q, keys, vals, start: int, lo: int, scale: float, window: int | None
     decoded here) -> (T, Hq, Dv).
 
     T > 1: ``fp8`` (a cache made for ``attention.compute-quantization: fp8``), the FP8 kernel (``flash.attend_fp8``)
-    where it applies; with ``LUMEN_CUDA_FLASH=mma`` and keys and values that are bf16 values (a bf16 or fp8 cache), the
+    where it applies; where ``flash.mma_wanted`` (the default: heads up to 256, wider ones from 2048 keys;
+    ``LUMEN_CUDA_FLASH=mma``: always) and keys and values that are bf16 values (a bf16 or fp8 cache), the
     tensor-core flash kernel (``flash.attend_mma``); else the f32 flash kernel (``flash.attend``: one launch, no
     (T, S) scores in memory) unless it declines (unsupported shapes, ``LUMEN_CUDA_FLASH=0``) or ``blocks`` asks for
     a mask it has not; otherwise, and for T = 1, the CuPy path."""
@@ -180,7 +181,7 @@ def _attend(q, keys, vals, start: int, lo: int, scale: float, window: int | None
             out = flash.attend_fp8(q, keys, vals, start, lo, scale, window, softcap)
             if out is not None:
                 return out
-        if flash.mma_enabled():
+        if flash.mma_wanted(keys.shape[1], vals.shape[-1]):
             kb, vb = _bf16_values(keys), _bf16_values(vals)
             if kb is not None and vb is not None:
                 out = flash.attend_mma(q, kb, vb, start, lo, scale, window, softcap)

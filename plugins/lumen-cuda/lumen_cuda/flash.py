@@ -11,13 +11,13 @@ DV = 128 / 256 / 512, the smallest >= Dv; BN = keys per tile, the largest of 64 
 4 * (32 * (D + 4) + BN * (max(D, Dv) + 4) + 32 * BN + 32) bytes fits the device's per-block opt-in limit
 (H200, 227 KB: BN = 64 for every D <= 512; 99 KB parts: BN = 32 at D = 256, 16 at D = 512).
 
-The tensor-core kernel (``kernels/flash_mma.cu``, ``attend_mma``; opt-in with ``LUMEN_CUDA_FLASH=mma`` until it is
-measured faster everywhere): keys and values that are bf16 values (a bf16 or fp8 KV cache), the queries and the
-probabilities as three bf16 planes that sum to them exactly, so every MMA product is exact and only the f32 sums
-differ from the f32 kernel's order. ``flash_mma_w<W>_n<BN>_c<DVC>``: grid (Hkv, ceil(T G / 16W), ceil(Dv / DVC)), 32W
-threads, W warps of 16 rows, BN keys a tile, DVC value columns a block (a wider head computes its scores once a
-chunk); ``mma_kernel`` takes the first of MMA_VARIANTS whose ``mma_smem`` fits the device (a 99 KB SM120 part runs
-D = 512 on the f32 kernel).
+The tensor-core kernel (``kernels/flash_mma.cu``, ``attend_mma``; the default since the twenty-fifth session where
+measured faster, ``mma_wanted``; ``LUMEN_CUDA_FLASH=mma`` everywhere, ``=1`` never): keys and values that are bf16
+values (a bf16 or fp8 KV cache), the queries and the probabilities as three bf16 planes that sum to them exactly, so
+every MMA product is exact and only the f32 sums differ from the f32 kernel's order. ``flash_mma_w<W>_n<BN>_c<DVC>``:
+grid (Hkv, ceil(T G / 16W), ceil(Dv / DVC)), 32W threads, W warps of 16 rows, BN keys a tile, DVC value columns a block
+(a wider head computes its scores once a chunk); ``mma_kernel`` takes the first of MMA_VARIANTS whose ``mma_smem`` fits
+the device (a 99 KB SM120 part runs D = 512 on the f32 kernel).
 """
 
 from __future__ import annotations
@@ -47,12 +47,31 @@ MMA_FILE = "flash_mma"
 MMA_VARIANTS = ((4, 64), (4, 32), (2, 64), (2, 32))  # (warps, keys per tile), preferred first
 
 
+MMA_WIDE_MIN_KEYS = 2048  # the default's rule: value heads wider than 256 take the tensor-core kernel from here on
+
+
+def mode(env=None) -> str:
+    """``LUMEN_CUDA_FLASH``: unset (the default: the tensor-core kernel where it is measured faster, else the f32
+    kernel), ``mma`` (the tensor-core kernel wherever it applies), ``1`` (the f32 kernel), ``0`` (no flash kernel:
+    the CuPy path). Read at each call; anything else is an error naming it."""
+    v = (os.environ if env is None else env).get("LUMEN_CUDA_FLASH", "")
+    if v not in ("", "0", "1", "mma"):
+        raise ValueError(f"LUMEN_CUDA_FLASH={v!r}: use mma (tensor-core flash kernel), 1 (the f32 kernel), 0 (neither) "
+                         "or leave it unset (tensor cores where measured faster)")
+    return v
+
+
 def enabled() -> bool:
-    return os.environ.get("LUMEN_CUDA_FLASH", "1") != "0"
+    return mode() != "0"
 
 
-def mma_enabled() -> bool:
-    return os.environ.get("LUMEN_CUDA_FLASH", "1") == "mma"
+def mma_wanted(keys: int, dv: int) -> bool:
+    """Whether a prefill over ``keys`` cached positions with value heads of ``dv`` tries the tensor-core kernel:
+    always with ``mma``; by default except for heads wider than 256 over fewer than MMA_WIDE_MIN_KEYS keys, where
+    the H100 measured the f32 kernel faster (Gemma-4 global layers, D = 512: 0.396 vs 0.470 ms at 512 tokens, 24.1
+    vs 18.5 ms at 4096; docs/cuda.md)."""
+    m = mode()
+    return m == "mma" or (m == "" and (dv <= 256 or keys >= MMA_WIDE_MIN_KEYS))
 
 
 def smem_bytes(D: int, Dv: int, bn: int) -> int:

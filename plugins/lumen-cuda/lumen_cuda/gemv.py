@@ -491,7 +491,7 @@ def rms_norm(x, w, eps: float, offset: float = 0.0):  # x (..., D) f32, w (D,) f
 
 def add_rms_norm(x, r, w, eps: float, offset: float = 0.0):
     """``ops.add_rms_norm`` in one launch (``add_rms_norm_f32``): (x + r, rms_norm(x + r)), the bits of the add and
-    of ``rms_norm`` over its result. Other dtypes or shapes, or without LUMEN_CUDA_DECODE_FUSION=1: the two ops."""
+    of ``rms_norm`` over its result. Other dtypes or shapes, or with LUMEN_CUDA_DECODE_FUSION=0: the two ops."""
     D = x.shape[-1]
     ok = (kernels.decode_fusion() and isinstance(x, cp.ndarray) and isinstance(r, cp.ndarray)
           and x.dtype == r.dtype == cp.float32 and x.size > 0 and r.shape == x.shape

@@ -101,16 +101,17 @@ def function(name: str, kernel: str, options: tuple[str, ...] = (), smem: int = 
     return entry[2]
 
 
-# -- opt-in decode paths --------------------------------------------------------------------------------------------
+# -- fused decode ops ----------------------------------------------------------------------------------------------
 def decode_fusion(env=None) -> bool:
-    """``LUMEN_CUDA_DECODE_FUSION``: 1 runs the fused decode ops of the twenty-fourth session (``moe_shared``'s
-    shared-expert slot, ``add_rms_norm`` and ``rms_norm_gated`` in one kernel each, ``gated_delta_rule_gates``'s
-    gates inside the step kernel); unset or 0, the unfused kernels they replace (docs/cuda.md says why this is
-    opt-in until the GPU suite has run on them). Read at each call; anything else is an error naming it."""
+    """``LUMEN_CUDA_DECODE_FUSION``: unset or 1 (the default since the twenty-fifth session) runs the fused decode
+    ops of the twenty-fourth session (``moe_shared``'s shared-expert slot, ``add_rms_norm`` and ``rms_norm_gated`` in
+    one kernel each, ``gated_delta_rule_gates``'s gates inside the step kernel); 0, the unfused kernels they replace
+    (the baseline of benchmarks/cuda_decode_paths.py). Read at each call; anything else is an error naming it."""
     v = (os.environ if env is None else env).get("LUMEN_CUDA_DECODE_FUSION", "")
     if v not in ("", "0", "1"):
-        raise ValueError(f"LUMEN_CUDA_DECODE_FUSION={v!r}: use 1 (fused decode ops) or 0 (the unfused kernels)")
-    return v == "1"
+        raise ValueError(f"LUMEN_CUDA_DECODE_FUSION={v!r}: use 1 (fused decode ops, the default) or 0 (the unfused "
+                         "kernels)")
+    return v != "0"
 
 
 # -- programmatic dependent launch ----------------------------------------------------------------------------------

@@ -192,6 +192,14 @@ def _build(mats: list[list]) -> _Table | None:
     return _Table(fmt, shape, block, cp.asarray(np.array(rows, dtype=np.uint64)), keep)
 
 
+def _data_ptrs(ws) -> tuple:
+    """Where each Weight's data (and fp8 scale) are now: device pointers, None for anything else."""
+    def ptr(a):
+        return a.data.ptr if isinstance(a, cp.ndarray) else None
+
+    return tuple((ptr(getattr(w, "data", None)), ptr(getattr(w, "scale", None))) for w in ws)
+
+
 def _table(lst, pairs: bool) -> _Table | None:
     """The table of a weight list (gate_up: pairs of (gate, up); down: Weights), built on first use and kept on the
     list's first Weight (module docstring), beside a weak reference to its last and its length."""
@@ -205,8 +213,12 @@ def _table(lst, pairs: bool) -> _Table | None:
     # by length too: a layer's routed list and the same list with its shared expert appended (ops.moe_shared) start
     # with the same Weight and keep their own tables
     key = ("moe_table_pairs" if pairs else "moe_table", len(lst))
+    # gemv.linear_group fuses a projection group into one buffer and re-points each member's data into it, freeing
+    # the old buffers: the composite of ops.moe_shared does that to the shared expert's gate and up (the list's
+    # last item), so a table is kept only while the last item's data are where they were when it was built
+    where = _data_ptrs(lst[-1] if pairs else (lst[-1],))
     hit = state.get(key)
-    if hit is not None and hit[0]() is last and hit[1] == len(lst):
+    if hit is not None and hit[0]() is last and hit[1] == len(lst) and hit[3] == where:
         return hit[2]
     try:
         mats = [[g for g, _ in lst], [u for _, u in lst]] if pairs else [list(lst)]
@@ -214,7 +226,7 @@ def _table(lst, pairs: bool) -> _Table | None:
     except (TypeError, ValueError, AttributeError, AssertionError):
         tab = None
     try:
-        state[key] = (weakref.ref(last), len(lst), tab)
+        state[key] = (weakref.ref(last), len(lst), tab, where)
     except TypeError:  # a last item without weak references: not kept
         pass
     return tab

@@ -302,7 +302,7 @@ def moe_shared(x, logits, shared_logit, k: int, gate_up, down, normalize: bool =
     ``moe.experts`` runs the E + 1 experts' table: at T = 1 two launches for routed and shared experts together,
     where the composite adds a gate/up product, the activation, the down product, the sigmoid, a product and a
     sum. Where the table cannot hold the shared expert with the routed ones (another format or shape, experts in
-    host RAM) or without LUMEN_CUDA_DECODE_FUSION=1, the composite of lumen_core.ops, over ``backend``'s ops."""
+    host RAM) or with LUMEN_CUDA_DECODE_FUSION=0, the composite of lumen_core.ops, over ``backend``'s ops."""
     from lumen_core.ops import COMPOSITES
 
     E = len(gate_up) - 1
