@@ -26,7 +26,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 VARIANTS = {"base": {"LUMEN_CUDA_DECODE_FUSION": "0"}, "fused": {"LUMEN_CUDA_DECODE_FUSION": "1"},
-            "fused+pdl": {"LUMEN_CUDA_DECODE_FUSION": "1", "LUMEN_CUDA_PDL": "1"}}
+            "fused+pdl": {"LUMEN_CUDA_DECODE_FUSION": "1", "LUMEN_CUDA_PDL": "1"},
+            "fused+pdl-noprefetch": {"LUMEN_CUDA_DECODE_FUSION": "1", "LUMEN_CUDA_PDL": "noprefetch"},
+            "fused+pdl-late": {"LUMEN_CUDA_DECODE_FUSION": "1", "LUMEN_CUDA_PDL": "late"}}
 KNOBS = ("LUMEN_CUDA_DECODE_FUSION", "LUMEN_CUDA_PDL")
 
 

@@ -23,9 +23,11 @@ TMP=$(mktemp -d)
 trap 'rm -rf "$TMP"' EXIT
 fail=0
 for f in "${FILES[@]}"; do
-  # files with programmatic dependent launch also build with -DLUMEN_PDL (lumen_cuda.kernels: LUMEN_CUDA_PDL=1)
+  # files with programmatic dependent launch also build as LUMEN_CUDA_PDL's modes do (lumen_cuda.kernels.PDL_DEFINES:
+  # 1, noprefetch, late)
   variants=("")
-  grep -q '#include "pdl.cuh"' "$f" && variants+=("-DLUMEN_PDL")
+  grep -q '#include "pdl.cuh"' "$f" && variants+=("-DLUMEN_PDL" "-DLUMEN_PDL -DLUMEN_PDL_NO_PREFETCH"
+                                                 "-DLUMEN_PDL -DLUMEN_PDL_NO_PREFETCH -DLUMEN_PDL_NO_TRIGGER")
   for arch in "${ARCHS[@]}"; do
     for def in "${variants[@]}"; do
       log="$TMP/log"

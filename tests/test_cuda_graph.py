@@ -115,16 +115,17 @@ def test_graph_replay_equals_op_by_op_decode(cp, bf16_model):
 
 
 @pytest.mark.gpu
-def test_graph_with_programmatic_dependent_launch_equals_without(cp, bf16_model, monkeypatch):
-    """LUMEN_CUDA_PDL=1: the step's hand-written kernels captured with programmatic dependent launch (each waits for
-    the kernel before it in pdl_begin); the replay gives the bits of the graph captured without it, over two
-    sequences. Both with the fused decode ops (LUMEN_CUDA_DECODE_FUSION=1), whose kernels PDL launches too."""
+@pytest.mark.parametrize("pdl", ["1", "noprefetch", "late"])
+def test_graph_with_programmatic_dependent_launch_equals_without(cp, bf16_model, monkeypatch, pdl):
+    """LUMEN_CUDA_PDL (each mode): the step's hand-written kernels captured with programmatic dependent launch (each
+    waits for the kernel before it in pdl_begin); the replay gives the bits of the graph captured without it, over
+    two sequences. Both with the fused decode ops (LUMEN_CUDA_DECODE_FUSION=1), whose kernels PDL launches too."""
     monkeypatch.setenv("LUMEN_CUDA_DECODE_FUSION", "1")
     name, path, n = bf16_model
     engine = load(path)
     ids = prompt(engine, n)
     want, tokens = graph_run(cp, engine, ids)
-    monkeypatch.setenv("LUMEN_CUDA_PDL", "1")
+    monkeypatch.setenv("LUMEN_CUDA_PDL", pdl)
     with_pdl = load(path)
     for seq in range(2):
         got, got_tokens = graph_run(cp, with_pdl, ids, tokens)

@@ -242,10 +242,11 @@ def test_add_rms_norm_is_the_add_and_the_norm_in_one_launch(cp, gpu, cpu, gemv, 
 
 
 @pytest.mark.gpu
-def test_a_chain_captured_with_programmatic_dependent_launch_equals_eager(cp, gpu, gemv, monkeypatch):
+@pytest.mark.parametrize("pdl", ["1", "noprefetch", "late"])
+def test_a_chain_captured_with_programmatic_dependent_launch_equals_eager(cp, gpu, gemv, monkeypatch, pdl):
     """64 dependent launches (each reads what the one before wrote: GEMV, then add + norm) captured with
-    LUMEN_CUDA_PDL=1 through kernels.Launcher (cuLaunchKernelEx), replayed three times: the bits of the same chain
-    run eagerly. A kernel reading before its producer finished would differ."""
+    LUMEN_CUDA_PDL (each mode) through kernels.Launcher (cuLaunchKernelEx), replayed three times: the bits of the
+    same chain run eagerly. A kernel reading before its producer finished would differ."""
     from lumen_cuda import kernels
 
     monkeypatch.setenv("LUMEN_CUDA_DECODE_FUSION", "1")
@@ -261,7 +262,7 @@ def test_a_chain_captured_with_programmatic_dependent_launch_equals_eager(cp, gp
         return x
 
     want = host(chain(x0))
-    monkeypatch.setenv("LUMEN_CUDA_PDL", "1")
+    monkeypatch.setenv("LUMEN_CUDA_PDL", pdl)
     assert isinstance(kernels.function("rms_norm", "add_rms_norm_f32"), kernels.Launcher)
     stream = cp.cuda.Stream(non_blocking=True)
     with stream:

@@ -66,3 +66,22 @@ def test_the_check_catches_a_kernel_without_the_wait():
           'extern "C" __global__ void d(float* W) {\n  pdl_prefetch_rows(W, 8, 0, 1, 4);\n  W[0] = 0;\n}\n'
     assert [(k, body.startswith("pdl_begin();")) for k, body in kernel_bodies(src)] == [
         ("a", True), ("b", False), ("c", True), ("d", False)]
+
+
+def test_every_pdl_mode_compiles_defines_the_header_reads():
+    """LUMEN_CUDA_PDL's modes (kernels.PDL_DEFINES: 1, noprefetch, late) pass -D flags; each must be a macro that
+    kernels/pdl.cuh tests, or the mode would build the same code as another under a different name."""
+    tree = ast.parse((CUDA / "kernels.py").read_text())
+    modes = next(ast.literal_eval(n.value) for n in tree.body
+                 if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", None) == "PDL_DEFINES")
+    assert set(modes) == {"1", "noprefetch", "late"}
+    header = (KERNELS / "pdl.cuh").read_text()
+    tested = set(re.findall(r"#\s*if(?:n?def)?\s+!?\s*(?:defined\()?(\w+)", header))
+    tested |= set(re.findall(r"defined\((\w+)\)", header))
+    builds = set()
+    for mode, flags in modes.items():
+        assert flags[0] == "-DLUMEN_PDL", mode
+        for flag in flags:
+            assert flag.startswith("-D") and flag[2:] in tested, (mode, flag)
+        builds.add(frozenset(flags))
+    assert len(builds) == len(modes), "two modes build the same code"

@@ -15,7 +15,9 @@ every engine in the process, never change once made, and hold no model's data, s
 
 **Programmatic dependent launch (PDL).** The kernels of ``PDL_FILES`` call ``pdl_begin()`` (``kernels/pdl.cuh``)
 before touching anything an earlier kernel writes; it (and the GEMVs' weight prefetch before it) is compiled in only
-with ``-DLUMEN_PDL``. With ``LUMEN_CUDA_PDL=1``, ``function`` builds those files with it and returns launchers that,
+with ``-DLUMEN_PDL``. With ``LUMEN_CUDA_PDL`` set (``pdl_mode``: ``1``; ``noprefetch`` without the prefetch; ``late``
+without it and without the early trigger), ``function`` builds those files with that mode's ``PDL_DEFINES`` and
+returns launchers that,
 while a stream is being captured on an sm_90+ device (a decode step becoming a CUDA graph), launch through
 ``cuLaunchKernelEx`` with the programmatic-stream-serialization attribute: in the replayed graph a kernel's blocks
 are scheduled while the kernel before it drains, instead of after it. Outside a capture, the RawKernel launches as
@@ -89,7 +91,7 @@ def function(name: str, kernel: str, options: tuple[str, ...] = (), smem: int = 
     built with ``-DLUMEN_PDL`` (its waits and prefetches; the default build has neither)."""
     pdl = name in PDL_FILES and pdl_enabled()
     if pdl:
-        options = (*options, "-DLUMEN_PDL")
+        options = (*options, *PDL_DEFINES[pdl_mode()])
     key = (cp.cuda.runtime.getDevice(), name, kernel, options)
     entry = _FUNCTIONS.get(key)
     if entry is None:
@@ -119,13 +121,29 @@ PDL_FILES = ("rms_norm", "gemv", "gemv_fp8", "gemv_nvfp4", "gdn_step", "moe", "d
 _PDL_ATTRIBUTE = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION (cuda.h, CUDA 12+)
 
 
-def pdl_enabled(env=None) -> bool:
-    """``LUMEN_CUDA_PDL``: 1 launches the kernels of ``PDL_FILES`` with programmatic dependent launch while a decode
-    step is captured (sm_90+); unset or 0, never. Anything else is an error naming it."""
+PDL_DEFINES = {  # what each LUMEN_CUDA_PDL mode compiles PDL_FILES with (kernels/pdl.cuh); constant
+    "1": ("-DLUMEN_PDL",),
+    "noprefetch": ("-DLUMEN_PDL", "-DLUMEN_PDL_NO_PREFETCH"),
+    "late": ("-DLUMEN_PDL", "-DLUMEN_PDL_NO_PREFETCH", "-DLUMEN_PDL_NO_TRIGGER"),
+}
+
+
+def pdl_mode(env=None) -> str:
+    """``LUMEN_CUDA_PDL``: unset or 0 (off), 1 (each kernel of ``PDL_FILES`` waits for the one before, then lets the
+    next one's blocks be scheduled; the GEMVs prefetch weight rows into L2 before the wait), ``noprefetch`` (the same
+    without the prefetches) or ``late`` (the wait alone: the next kernel is scheduled only as this one's blocks exit).
+    Anything else is an error naming it."""
     v = (os.environ if env is None else env).get("LUMEN_CUDA_PDL", "")
-    if v not in ("", "0", "1"):
-        raise ValueError(f"LUMEN_CUDA_PDL={v!r}: use 1 (programmatic dependent launch in captured decode steps) or 0")
-    return v == "1"
+    if v not in ("", "0", *PDL_DEFINES):
+        raise ValueError(f"LUMEN_CUDA_PDL={v!r}: use 1, noprefetch or late (programmatic dependent launch in captured "
+                         "decode steps, docs/cuda.md) or 0")
+    return v
+
+
+def pdl_enabled(env=None) -> bool:
+    """Whether ``LUMEN_CUDA_PDL`` (``pdl_mode``) asks for programmatic dependent launch while a decode step is
+    captured (sm_90+)."""
+    return pdl_mode(env) not in ("", "0")
 
 
 class _LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute: id, 4 bytes of padding, a 64-byte value union

@@ -16,10 +16,14 @@
 #define LUMEN_PDL_ON 1
 #endif
 
+// LUMEN_PDL_NO_TRIGGER (LUMEN_CUDA_PDL=late): the wait alone; the next kernel is then scheduled as this one's blocks
+// exit (the implicit trigger), so its blocks never hold an SM that this kernel's later blocks could use.
 __device__ __forceinline__ void pdl_begin() {
 #ifdef LUMEN_PDL_ON
   asm volatile("griddepcontrol.wait;" ::: "memory");
+#ifndef LUMEN_PDL_NO_TRIGGER
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
 #endif
 }
 
@@ -28,8 +32,9 @@ __device__ __forceinline__ void pdl_begin() {
 // Weights are never written during a step, so their reads may start while the kernel before still runs; the
 // prefetch only warms L2 (no register, no fault), the kernel's own loads follow after the wait.
 #define PDL_PREFETCH_BYTES 16384
+// LUMEN_PDL_NO_PREFETCH (LUMEN_CUDA_PDL=noprefetch or late): none.
 __device__ __forceinline__ void pdl_prefetch_rows(const void* base, long long row_bytes, int row0, int rows, int N) {
-#ifdef LUMEN_PDL_ON
+#if defined(LUMEN_PDL_ON) && !defined(LUMEN_PDL_NO_PREFETCH)
   if (row0 >= N) return;
   const int n = rows < N - row0 ? rows : N - row0;
   long long bytes = (long long)n * row_bytes;
