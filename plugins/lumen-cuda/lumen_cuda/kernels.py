@@ -89,9 +89,9 @@ def function(name: str, kernel: str, options: tuple[str, ...] = (), smem: int = 
     shared memory where that is over the default 48 KiB (cached per device: the decode hot path calls this). A
     ``cupy.RawKernel``, or for a file of ``PDL_FILES`` with PDL on a ``Launcher`` (called the same way) of the file
     built with ``-DLUMEN_PDL`` (its waits and prefetches; the default build has neither)."""
-    pdl = name in PDL_FILES and pdl_enabled()
+    pdl = PDL_DEFINES.get(pdl_mode()) if name in PDL_FILES else None  # the environment read once a call
     if pdl:
-        options = (*options, *PDL_DEFINES[pdl_mode()])
+        options = (*options, *pdl)
     key = (cp.cuda.runtime.getDevice(), name, kernel, options)
     entry = _FUNCTIONS.get(key)
     if entry is None:

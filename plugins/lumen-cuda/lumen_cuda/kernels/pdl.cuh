@@ -8,8 +8,8 @@
 //     (a no-op in a launch without the attribute, or with no such dependency);
 //   - griddepcontrol.launch_dependents: lets the next kernel's blocks be scheduled once every block of this grid
 //     has issued it (they then wait in their own pdl_begin, so no kernel reads before its producer is done).
-// Both compile to nothing before sm_90 or without LUMEN_PDL. tests/test_cuda_pdl_sources.py checks that every kernel of those files
-// calls it.
+// Both compile to nothing before sm_90 or without LUMEN_PDL. tests/test_cuda_pdl_sources.py checks that every
+// kernel of those files calls it.
 #pragma once
 
 #if defined(LUMEN_PDL) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
