@@ -26,7 +26,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then python3 -m pip install -q --no-index --no
 python3 -m pip install -q --no-deps --no-build-isolation -e . -e plugins/lumen-cpu -e plugins/models-qwen \
   -e plugins/models-gemma -e plugins/lumen-cuda -e plugins/lumen-wgpu 2>&1 | tail -5 | tee "$OUT/install.log"
 TESTS=${TESTS:-$(ls tests/test_cuda*.py tests/test_wgpu*.py)}
-timeout ${T_TESTS:-330} python3 -m pytest $TESTS ${PYTEST_ARGS:-} -q -rs -p no:cacheprovider --durations=10 2>&1 \
+timeout ${T_TESTS:-330} python3 -m pytest $TESTS ${PYTEST_ARGS:-} -q -rfEs -p no:cacheprovider --durations=10 2>&1 \
   | tee "$OUT/tests.log" | grep -v "^SKIPPED\|PASSED" | tail -60
 if [ "${BENCH:-1}" != 0 ]; then
   timeout ${T_BENCH:-240} python3 benchmarks/cuda_models.py ${BENCH_ARGS:---models 9b-bf16 --layers 8 --prompts 512} \
