@@ -170,15 +170,25 @@ class DecoderLayer:
 
     def __call__(self, x, state, start: int, rope):
         """``rope(backend)``: the rope tables of this forward's positions on that backend."""
+        x, m = self.deferred(x, None, state, start, rope)
+        return x + m
+
+    def deferred(self, x, r, state, start: int, rope):
+        """The layer on ``x + r`` (``r``: the previous layer's MLP output, not yet added; None: ``x`` is whole),
+        its own last residual add left to the caller: -> ``(x', m)``, the layer's output being ``x' + m``. The add
+        of ``r`` and the input norm are one ``ops.add_rms_norm`` (one kernel on cuda instead of two)."""
         ops, eps = self.ops, self.a.rms_norm_eps
-        h = ops.rms_norm(x, self.in_norm, eps, 1.0)
+        if r is None:
+            h = ops.rms_norm(x, self.in_norm, eps, 1.0)
+        else:
+            x, h = ops.add_rms_norm(x, r, self.in_norm, eps, 1.0)
         if self.mixer_backend is self.backend:
             m = self.mixer(h, state, start, rope(self.backend))
         else:  # on the mixer's backend, where its state lives (Backend.call brings h there and the result back)
             m = self.backend.call(self.mixer_backend, lambda h: self.mixer(h, state, start, rope(self.mixer_backend)),
                                   h)
         x, h = ops.add_rms_norm(x, m, self.post_norm, eps, 1.0)  # x + m, and its norm
-        return x + self.mlp(h)
+        return x, self.mlp(h)
 
 
 class QwenModel(Model):
@@ -275,6 +285,19 @@ class QwenModel(Model):
         cur += T - i
         return rows, cur
 
+    def _layers(self, x, states, start, rope):
+        """``x`` through every layer. Each layer's last residual add goes into the next layer's input norm
+        (``DecoderLayer.deferred``) where the two share a backend; else it is added on the layer's own. -> ``(x, r)``
+        on the last layer's backend, the last layer's output being ``x + r``."""
+        r = prev = None
+        for layer, state in zip(self.layers, states, strict=True):
+            if r is not None and layer.backend is not prev:
+                x, r = x + r, None  # on the previous layer's backend (its device is still current)
+            x = layer.backend.take(x)  # first: it makes the layer's device current
+            x, r = layer.deferred(x, r, state, start, rope)
+            prev = layer.backend
+        return x, r
+
     def forward_batch(self, segments):
         """Several sequences in one pass (``Model.forward_batch``): the rows of every segment go through each
         projection, norm and MLP together; attention and the Gated-DeltaNet step run per sequence on its cache."""
@@ -297,9 +320,9 @@ class QwenModel(Model):
             return ropes[b]
 
         starts = [c.pos for c in caches]
-        for i, layer in enumerate(self.layers):
-            x = layer.backend.take(x)
-            x = layer(x, Segmented(spans, [c.layers[i] for c in caches], starts), None, rope)
+        x, r = self._layers(x, [Segmented(spans, [c.layers[i] for c in caches], starts)
+                                for i in range(len(self.layers))], None, rope)
+        x = x + r
         for (first, end), cache in zip(spans, caches, strict=True):
             cache.pos += end - first
         ob = self.out_backend
@@ -343,13 +366,15 @@ class QwenModel(Model):
                 ropes[b] = tables(b)
             return ropes[b]
 
-        for layer, state in zip(self.layers, cache.layers, strict=True):
-            x = layer.backend.take(x)  # first: it makes the layer's device current
-            x = layer(x, state, start, rope)
+        x, r = self._layers(x, cache.layers, start, rope)
         cache.pos += T
-        ob = self.out_backend
-        x = ob.take(x if all_logits or hidden else x[T - 1:])
-        x = ob.ops.rms_norm(x, self.norm, self.args.rms_norm_eps, 1.0)
+        ob, eps = self.out_backend, self.args.rms_norm_eps
+        if not (all_logits or hidden):
+            x, r = x[T - 1:], r[T - 1:]
+        if ob is self.layers[-1].backend:  # the last residual add and the final norm in one op
+            x = ob.ops.add_rms_norm(x, r, self.norm, eps, 1.0)[1]
+        else:
+            x = ob.ops.rms_norm(ob.take(x + r), self.norm, eps, 1.0)
         logits = ob.ops.linear(x if all_logits or not hidden else x[T - 1:], self.head)
         logits = ob.to_host(logits) if host else logits
         return (logits, x) if hidden else logits
