@@ -1,7 +1,9 @@
 """Decode step on the GPU with and without the fused decode ops and PDL, in one run: the unfused step (the named
 baseline, ``base``: ``LUMEN_CUDA_DECODE_FUSION=0``), the default (``fused``: the shared expert as a routed slot, the
-fused norms, the gates in the Gated-DeltaNet step) and that with the opt-in ``LUMEN_CUDA_PDL=1`` (``fused+pdl``:
-programmatic dependent launch in the captured step). Per row and variant: the captured decode graph replayed alone (GPU
+fused norms, the gates in the Gated-DeltaNet step) and that with the opt-ins: ``LUMEN_CUDA_PDL`` (``fused+pdl``,
+``-noprefetch``, ``-late``: programmatic dependent launch in the captured step) and ``LUMEN_CUDA_PARTIAL_FUSION=1``
+(``fused+partial``: the agreeing members of a projection group fused where others differ, e.g. the Gated-DeltaNet's
+fp8 qkv, z, b, a in one launch). Per row and variant: the captured decode graph replayed alone (GPU
 ms a step, the median of ``--repeat`` runs of ``--steps`` replays), tok/s, the fraction of the bandwidth bound (bytes a
 step reads / the read bandwidth measured in the same run; a MoE step reads top-k of E routed experts) and the ratio to
 ``base``; then the greedy tokens of each variant against ``base``'s (the fusions change the MoE sum's f32 order only).
@@ -28,8 +30,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 VARIANTS = {"base": {"LUMEN_CUDA_DECODE_FUSION": "0"}, "fused": {"LUMEN_CUDA_DECODE_FUSION": "1"},
             "fused+pdl": {"LUMEN_CUDA_DECODE_FUSION": "1", "LUMEN_CUDA_PDL": "1"},
             "fused+pdl-noprefetch": {"LUMEN_CUDA_DECODE_FUSION": "1", "LUMEN_CUDA_PDL": "noprefetch"},
-            "fused+pdl-late": {"LUMEN_CUDA_DECODE_FUSION": "1", "LUMEN_CUDA_PDL": "late"}}
-KNOBS = ("LUMEN_CUDA_DECODE_FUSION", "LUMEN_CUDA_PDL")
+            "fused+pdl-late": {"LUMEN_CUDA_DECODE_FUSION": "1", "LUMEN_CUDA_PDL": "late"},
+            "fused+partial": {"LUMEN_CUDA_DECODE_FUSION": "1", "LUMEN_CUDA_PARTIAL_FUSION": "1"},
+            "fused+partial+pdl-noprefetch": {"LUMEN_CUDA_DECODE_FUSION": "1", "LUMEN_CUDA_PARTIAL_FUSION": "1",
+                                             "LUMEN_CUDA_PDL": "noprefetch"}}
+KNOBS = ("LUMEN_CUDA_DECODE_FUSION", "LUMEN_CUDA_PDL", "LUMEN_CUDA_PARTIAL_FUSION")
 
 
 def replay_ms(cp, runner, steps: int, repeat: int) -> float:

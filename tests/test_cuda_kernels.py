@@ -130,6 +130,53 @@ def test_gemv_fp8_block_scales_against_the_cpu_op(cp, gemv, cpu, xdtype, rows):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("partial", ["1", "0"])
+def test_linear_group_fuses_what_agrees_and_equals_each_linear(cp, gemv, monkeypatch, partial):
+    """The Gated-DeltaNet's input projections as a 35B-A3B fp8 checkpoint has them (qkv and z of whole 128-row scale
+    blocks, b and a of 32 rows), here at K = 256 beside bf16 and per-tensor members: the fp8 ones become one matrix
+    (b padded to a's block, lumen_cuda.fuse_plan), the bf16 ones another; every output equals its own linear
+    (bit-equal for the GEMVs, to the GEMM's rounding for 40 tokens), also on the second call (the kept parts).
+    LUMEN_CUDA_PARTIAL_FUSION=0 (the default): such a group is not fused at all."""
+    monkeypatch.setenv("LUMEN_CUDA_PARTIAL_FUSION", partial)
+    rng = np.random.default_rng(11)
+
+    def make():
+        r = np.random.default_rng(12)
+        ws = []
+        for n in (256, 128, 32, 32):
+            w8, scale = fp8_weight(r, n, 256)
+            ws.append(Weight(cp.asarray(w8.view(np.uint8)), "fp8", (n, 256), cp.asarray(scale), (128, 128),
+                             store="vram"))
+        bf = (r.normal(size=(48, 256)) * 0.1).astype(ml_dtypes.bfloat16).view(np.uint16)
+        ws.insert(1, Weight(cp.asarray(bf[:16]), "bf16", (16, 256), store="vram"))
+        ws.append(Weight(cp.asarray(bf[16:]), "bf16", (32, 256), store="vram"))
+        w8, _ = fp8_weight(r, 64, 256)
+        ws.append(Weight(cp.asarray(w8.view(np.uint8)), "fp8", (64, 256), cp.ones(1, cp.float32), None, store="vram"))
+        return ws
+
+    grouped, single = make(), make()
+    for _ in range(2):
+        for T in (1, 3, 40):
+            x = cp.asarray(rng.normal(size=(T, 256)).astype(np.float32))
+            ys = gemv.linear_group(x, grouped)
+            for y, w in zip(ys, single, strict=True):
+                ref = gemv.linear_any(x, w)
+                assert y.shape == ref.shape
+                if T <= 4:
+                    cp.testing.assert_array_equal(y, ref)
+                else:
+                    close(y, ref)
+    parts = gemv._group(grouped)
+    if partial == "0":
+        assert [m for _, m in parts] == [[(i, 0, w.shape[0])] for i, w in enumerate(single)]
+        assert all(f is None for f, _ in parts)
+        return
+    assert [m for _, m in parts] == [[(0, 0, 256), (2, 256, 128), (3, 384, 32), (4, 512, 32)],
+                                     [(1, 0, 16), (5, 16, 32)], [(6, 0, 64)]]
+    assert parts[0][0].shape == (544, 256) and parts[2][0] is None
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["per-channel", "per-tensor"])
 def test_gemv_fp8_per_channel_and_per_tensor_scales(cp, gemv, cpu, kind):
     rng = np.random.default_rng(11)

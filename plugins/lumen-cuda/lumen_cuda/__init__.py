@@ -30,7 +30,7 @@ KERNEL_OPS = (("linear", "linear_f32", "f32"),
 MODULE_ORDER = (
     "kernels", "state", "step", "pinned", "delta", "sampler", "cupy_ops", "flash_mma_model", "fp8_attention_model",
     "flash", "hostcall", "sm120_layout", "fp8_mma_model", "fp8_mma", "attention", "vision_ops", "gdn_prefill",
-    "decode", "sm120", "gemv", "moe", "hostweights", "stream", "ops", "batch_decode", "verify",
+    "decode", "sm120", "fuse_plan", "gemv", "moe", "hostweights", "stream", "ops", "batch_decode", "verify",
     "graph", "backend",
     "__init__",
 )

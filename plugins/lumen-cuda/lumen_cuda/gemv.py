@@ -27,6 +27,7 @@ import numpy as np
 from lumen_core.backend import Weight
 
 from . import cupy_ops, fp8_mma, kernels, sm120
+from .fuse_plan import fuse_group, partial_fusion
 from .state import derived
 from .step import device_ids
 
@@ -542,68 +543,31 @@ def linear_any(x, w: Weight):
     return linear(x, w)
 
 
-def _fusable(ws) -> bool:
-    fmt, K = ws[0].format, ws[0].shape[-1]
-    if len(ws) < 2 or any(w.format != fmt or len(w.shape) != 2 or w.shape[-1] != K or w.data.ndim != 2 or
-                          not w.data.flags.c_contiguous or w.activations != ws[0].activations for w in ws):
-        return False
-    if fmt in ("f32", "bf16", "f16"):
-        return all(w.scale is None for w in ws)
-    if fmt == "fp8":  # block scales whose row blocks tile each matrix exactly, or per-channel scales
-        blocks = {w.block for w in ws}
-        if len(blocks) != 1:
-            return False
-        block = blocks.pop()
-        if block is None:
-            return all(w.scale.size == w.shape[0] for w in ws)
-        return all(w.shape[0] % block[0] == 0 and w.scale.ndim == 2 for w in ws)
-    return False  # nvfp4 (a global scale per matrix), GGUF blocks
-
-
-def _fuse(ws):
-    """One Weight whose rows are ws' rows in order; each w.data (and fp8 scale) becomes a view into it, so the
-    separate buffers are freed and the matrices live once. None where the formats or layouts differ."""
-    if not _fusable(ws):
-        return None
-    data = cp.concatenate([w.data for w in ws])
-    scale = None
-    if ws[0].format == "fp8":
-        scale = cp.concatenate([w.scale.reshape(w.shape[0], 1) if ws[0].block is None else w.scale for w in ws])
-    fused = Weight(data, ws[0].format, (data.shape[0], ws[0].shape[-1]), scale, ws[0].block, store="vram",
-                   activations=ws[0].activations)
-    r = sr = 0
-    for w in ws:
-        n = w.shape[0]
-        w.data = data[r:r + n]
-        if scale is not None:
-            m = n if ws[0].block is None else n // ws[0].block[0]
-            w.scale = scale[sr:sr + m] if ws[0].block is not None else scale[sr:sr + m].reshape(w.scale.shape)
-            sr += m
-        r += n
-    return fused
-
-
 def _group(ws):
-    """(fused Weight or None, rows of each) of the projection group ``ws``, made on its first call and kept on its
-    first Weight (lumen_cuda.state): freed with the model, never seen by another engine."""
+    """The parts of the projection group ``ws``: [(fused Weight, or None for a member alone, [(member index, first
+    row, rows)])], made on its first call and kept on its first Weight (lumen_cuda.state): freed with the model,
+    never seen by another engine."""
     groups = derived(ws[0]).setdefault("linear_groups", [])
-    for refs, fused, rows in groups:
+    for refs, parts in groups:
         if len(refs) == len(ws) and all(r() is w for r, w in zip(refs, ws, strict=True)):
-            return fused, rows
-    fused, rows = _fuse(list(ws)), [w.shape[0] for w in ws]
-    groups.append((tuple(weakref.ref(w) for w in ws), fused, rows))
-    return fused, rows
+            return parts
+    parts = fuse_group(ws, cp, partial_fusion())
+    groups.append((tuple(weakref.ref(w) for w in ws), parts))
+    return parts
 
 
 def linear_group(x, ws):
-    """[x @ w.T for w in ws] as one GEMV / GEMM over the rows of every w, fused on the first call (the registered
-    ``linear_group``: one read of x and one launch for q/k/v, gate/up, the Gated-DeltaNet input projections)."""
-    fused, rows = _group(ws)
-    if fused is None:
-        return [linear_any(x, w) for w in ws]
-    y = linear_any(x, fused)
-    out, r = [], 0
-    for n in rows:
-        out.append(y[..., r:r + n])
-        r += n
+    """[x @ w.T for w in ws] with one GEMV / GEMM per part of the group (the registered ``linear_group``: one read
+    of x and one launch for q/k/v, gate/up, the Gated-DeltaNet input projections). Members that can share a matrix
+    are fused on the first call; with LUMEN_CUDA_PARTIAL_FUSION=1 also where others of the group cannot, padding
+    fp8 members to whole scale blocks (``fuse_plan``): the Gated-DeltaNet's fp8 qkv, z, b and a (b and a of 32 rows)
+    are then one launch, not four."""
+    out = [None] * len(ws)
+    for w, members in _group(ws):
+        if w is None:
+            out[members[0][0]] = linear_any(x, ws[members[0][0]])
+            continue
+        y = linear_any(x, w)
+        for i, r, n in members:
+            out[i] = y[..., r:r + n]
     return out
