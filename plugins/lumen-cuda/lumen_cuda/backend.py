@@ -343,14 +343,16 @@ class CUDABackend(Backend):
             raise NotImplementedError("CUDA graphs are off (LUMEN_CUDA_GRAPH=0)")
         from .flash import mode as flash_mode
         from .fp8_mma_model import requested, slot_block
+        from .fuse_plan import partial_fusion
         from .graph import decode_runner
         from .hostcall import mode, timeout_ns
         from .kernels import decode_fusion, pdl_enabled
 
         # a bad LUMEN_HOSTCALL / LUMEN_HOSTCALL_TIMEOUT / LUMEN_CUDA_MMA_PREFILL / LUMEN_CUDA_X3_SLOTS /
-        # LUMEN_CUDA_DECODE_FUSION / LUMEN_CUDA_PDL / LUMEN_CUDA_FLASH is named here, at load, not mid-prompt
+        # LUMEN_CUDA_DECODE_FUSION / LUMEN_CUDA_PDL / LUMEN_CUDA_FLASH / LUMEN_CUDA_PARTIAL_FUSION is named here, at
+        # load, not mid-prompt
         mode(), timeout_ns(), requested(os.environ), slot_block(os.environ), decode_fusion(), pdl_enabled()
-        flash_mode()
+        flash_mode(), partial_fusion()
         runner, why = decode_runner(model, self, context_size)
         if runner is None:
             raise NotImplementedError(why)

@@ -5,8 +5,8 @@
 # files in .gl (docs/wgpu.md), unpacked here; the wgpu tests must find the GPU's Vulkan adapter
 # (LUMEN_REQUIRE_WGPU=1: a missing one fails them).
 #   T_TESTS (s, default 330), TESTS (default: every tests/test_cuda*.py and tests/test_wgpu*.py), PYTEST_ARGS (e.g.
-#   "-n 8 --dist loadfile" with pytest-xdist and execnet among the carried wheels: the whole suite in ~200 s
-#   instead of ~600), BENCH_ARGS (benchmarks/cuda_models.py
+#   "-n 15 --dist loadfile" with pytest-xdist and execnet among the carried wheels: ~2600 tests, more than 250 s on
+#   an H100 in the twenty-sixth session, so give T_TESTS 330 or more), BENCH_ARGS (benchmarks/cuda_models.py
 #   arguments; BENCH=0 skips it), T_BENCH (s, default 240).
 set -o pipefail
 export PYTHONUNBUFFERED=1
