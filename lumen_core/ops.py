@@ -178,12 +178,13 @@ def _sandwich_layer(ops, x, norms, attn, mlp, cache, start, rope, dims, scale, w
     q = ops.apply_rope(ops.rms_norm(q.reshape(T, H, D), q_norm, eps, offset), cos, sin)
     k = ops.apply_rope(ops.rms_norm(k.reshape(T, KV, D), k_norm, eps, offset), cos, sin)
     o = ops.attention(q, k, v.reshape(T, KV, D), cache, start, scale, window)
-    x = x + ops.rms_norm(ops.linear(o.reshape(T, H * D), wo), n_post_attn, eps, offset)
     gate, up, down = mlp
     if act not in ("silu", "gelu_tanh"):
         raise ValueError(f"sandwich_layer: act must be 'silu' or 'gelu_tanh', got {act!r}")
+    x, h = ops.add_rms_norm(x, ops.rms_norm(ops.linear(o.reshape(T, H * D), wo), n_post_attn, eps, offset), n_pre_ff,
+                            eps, offset)  # x + the normed attention output, and its pre-feed-forward norm
     mul = ops.silu_mul if act == "silu" else ops.gelu_tanh_mul
-    h = ops.linear(mul(*ops.linear_group(ops.rms_norm(x, n_pre_ff, eps, offset), [gate, up])), down)
+    h = ops.linear(mul(*ops.linear_group(h, [gate, up])), down)
     return x + ops.rms_norm(h, n_post_ff, eps, offset)
 
 

@@ -155,8 +155,9 @@ class DecoderLayer:
                                       self.spec.window, eps, off)
         n_in, n_post_attn, n_pre_ff, n_post_ff = self.norms
         h = self.attn(ops.rms_norm(x, n_in, eps, off), state, start, rope, blocks if self.bidirectional else None)
-        x = x + ops.rms_norm(h, n_post_attn, eps, off)
-        h = self.mlp(ops.rms_norm(x, n_pre_ff, eps, off))
+        # x + the normed attention output, and its pre-feed-forward norm: one op (one kernel on cuda)
+        x, h = ops.add_rms_norm(x, ops.rms_norm(h, n_post_attn, eps, off), n_pre_ff, eps, off)
+        h = self.mlp(h)
         if self.moe is not None:
             h = self.moe(x, h)
         x = x + ops.rms_norm(h, n_post_ff, eps, off)
