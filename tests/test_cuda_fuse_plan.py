@@ -90,6 +90,8 @@ def test_mixed_group_fuses_each_agreeing_set_and_leaves_the_rest():
     np.testing.assert_array_equal(parts[1][0].data[:32], b_data)
     assert t.data is t_data  # a member alone is untouched
     assert fuse_key(t) is None and fuse_key(Weight(np.zeros((4, 8), np.uint8), "q4_k", (4, 16))) is None
+    assert fuse_key(Weight(np.zeros((4, 8), np.uint8), "fp8", (4, 8))) is None  # no scale
+    assert fuse_key(Weight(np.zeros((8, 4), np.uint16)[:, :2], "bf16", (8, 2))) is None  # not contiguous
 
 
 def test_without_partial_fusion_only_a_whole_group_in_whole_blocks_is_one_matrix():

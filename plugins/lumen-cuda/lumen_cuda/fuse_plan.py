@@ -27,6 +27,8 @@ def fuse_key(w):
     if w.format in ("f32", "bf16", "f16"):
         return None if w.scale is not None else (w.format, w.shape[-1], w.activations, None)
     if w.format == "fp8":  # per-channel scales, or 2-d block scales
+        if w.scale is None:
+            return None
         if w.block is None:
             return ("fp8", w.shape[-1], w.activations, None) if w.scale.size == w.shape[0] else None
         return ("fp8", w.shape[-1], w.activations, tuple(w.block)) if w.scale.ndim == 2 else None
