@@ -3,7 +3,8 @@ baseline, ``base``: ``LUMEN_CUDA_DECODE_FUSION=0``), the default (``fused``: the
 fused norms, the gates in the Gated-DeltaNet step) and that with the opt-ins: ``LUMEN_CUDA_PDL`` (``fused+pdl``,
 ``-noprefetch``, ``-late``: programmatic dependent launch in the captured step) and ``LUMEN_CUDA_PARTIAL_FUSION=1``
 (``fused+partial``: the agreeing members of a projection group fused where others differ, e.g. the Gated-DeltaNet's
-fp8 qkv, z, b, a in one launch). Per row and variant: the captured decode graph replayed alone (GPU
+fp8 qkv, z, b, a in one launch) and ``LUMEN_CUDA_ROUTE_IN_EXPERTS=1`` (``fused+route``: the MoE routing inside the
+gate/up kernel, one launch fewer a MoE layer). Per row and variant: the captured decode graph replayed alone (GPU
 ms a step, the median of ``--repeat`` runs of ``--steps`` replays), tok/s, the fraction of the bandwidth bound (bytes a
 step reads / the read bandwidth measured in the same run; a MoE step reads top-k of E routed experts) and the ratio to
 ``base``; then the greedy tokens of each variant against ``base``'s (the fusions change the MoE sum's f32 order only).
@@ -33,8 +34,11 @@ VARIANTS = {"base": {"LUMEN_CUDA_DECODE_FUSION": "0"}, "fused": {"LUMEN_CUDA_DEC
             "fused+pdl-late": {"LUMEN_CUDA_DECODE_FUSION": "1", "LUMEN_CUDA_PDL": "late"},
             "fused+partial": {"LUMEN_CUDA_DECODE_FUSION": "1", "LUMEN_CUDA_PARTIAL_FUSION": "1"},
             "fused+partial+pdl-noprefetch": {"LUMEN_CUDA_DECODE_FUSION": "1", "LUMEN_CUDA_PARTIAL_FUSION": "1",
-                                             "LUMEN_CUDA_PDL": "noprefetch"}}
-KNOBS = ("LUMEN_CUDA_DECODE_FUSION", "LUMEN_CUDA_PDL", "LUMEN_CUDA_PARTIAL_FUSION")
+                                             "LUMEN_CUDA_PDL": "noprefetch"},
+            "fused+route": {"LUMEN_CUDA_DECODE_FUSION": "1", "LUMEN_CUDA_ROUTE_IN_EXPERTS": "1"},
+            "fused+partial+route+pdl-noprefetch": {"LUMEN_CUDA_DECODE_FUSION": "1", "LUMEN_CUDA_PARTIAL_FUSION": "1",
+                                                   "LUMEN_CUDA_ROUTE_IN_EXPERTS": "1", "LUMEN_CUDA_PDL": "noprefetch"}}
+KNOBS = ("LUMEN_CUDA_DECODE_FUSION", "LUMEN_CUDA_PDL", "LUMEN_CUDA_PARTIAL_FUSION", "LUMEN_CUDA_ROUTE_IN_EXPERTS")
 
 
 def replay_ms(cp, runner, steps: int, repeat: int) -> float:

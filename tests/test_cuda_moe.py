@@ -534,6 +534,77 @@ def test_moe_shared_equals_the_composite(cp, gpu, moe, ops, monkeypatch, kind, T
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["bf16", "f16", "f32", "fp8-block128", "nvfp4"])
+@pytest.mark.parametrize("with_shared", [True, False], ids=["shared", "routed-only"])
+@pytest.mark.parametrize("E,k,tied", [(256, 8, False), (128, 8, True), (512, 16, False), (60, 4, True), (8, 1, False)])
+def test_experts_routed_equals_route_then_experts(cp, gpu, moe, kind, with_shared, E, k, tied):
+    """moe.experts_routed (the gate/up kernel routes for itself) writes the routing kernel's ids and weights bit for
+    bit (its warp sums the exponentials in the block kernel's order) and so the same output as moe.route then
+    moe.experts; ties (integer logits) go to the lower index in both."""
+    rng = np.random.default_rng(E + k + len(kind))
+    H, I = 128, 64
+    if kind == "nvfp4" or kind.startswith("fp8"):
+        H, I = 256, 128
+    gate_up, down = experts(gpu, rng, E + with_shared, H, I, kind)
+    for _trial in range(3):
+        x = cp.asarray(rng.normal(size=(1, H)).astype(np.float32))
+        if tied:
+            logits = cp.asarray(rng.integers(0, 3, size=(1, E)).astype(np.float32))
+        else:
+            logits = cp.asarray((rng.normal(size=(1, E)) * 3).astype(np.float32))
+        sg = cp.asarray(rng.normal(size=(1, 1)).astype(np.float32) * 3) if with_shared else None
+        for normalize in (True, False):
+            n = k + with_shared
+            got = (cp.full((1, n), -7.0, dtype=cp.float32), cp.full((1, n), -7, dtype=cp.int64))
+            y = moe.experts_routed(x, logits, sg, k, gate_up, down, "silu", normalize, route_out=got)
+            assert y is not None and y.shape == (1, H)
+            w_ref, ids_ref = moe.route(logits, k, normalize, shared=sg)
+            np.testing.assert_array_equal(host(got[1]), host(ids_ref))
+            np.testing.assert_array_equal(host(got[0]), host(w_ref))
+            close(y, moe.experts(x, ids_ref, w_ref, gate_up, down, "silu"), 0)
+
+
+@pytest.mark.gpu
+def test_experts_routed_declines_what_it_cannot_run(cp, gpu, moe):
+    """None (the caller routes first) for more than one token, more logits than a warp routes, lists that do not
+    match the logits; the setting's bad values are named."""
+    rng = np.random.default_rng(11)
+    E, k, H, I = 16, 2, 128, 64
+    gate_up, down = experts(gpu, rng, E + 1, H, I, "bf16")
+    x3 = cp.asarray(rng.normal(size=(3, H)).astype(np.float32))
+    lg3 = cp.asarray(rng.normal(size=(3, E)).astype(np.float32))
+    sg3 = cp.asarray(rng.normal(size=(3, 1)).astype(np.float32))
+    assert moe.experts_routed(x3, lg3, sg3, k, gate_up, down) is None  # T = 3
+    x, lg, sg = x3[:1], lg3[:1], sg3[:1]
+    assert moe.experts_routed(x, lg, None, k, gate_up, down) is None  # E + 1 experts for E logits, no shared
+    assert moe.experts_routed(x, lg, sg, k, gate_up[:E], down[:E]) is None  # no slot for the shared expert
+    big = cp.zeros((1, moe.ROUTED_MAX_E + 1), dtype=cp.float32)
+    assert moe.experts_routed(x, big, None, k, gate_up, down) is None
+    assert moe.route_in_experts({}) is False and moe.route_in_experts({"LUMEN_CUDA_ROUTE_IN_EXPERTS": "1"}) is True
+    with pytest.raises(ValueError, match="LUMEN_CUDA_ROUTE_IN_EXPERTS='on'"):
+        moe.route_in_experts({"LUMEN_CUDA_ROUTE_IN_EXPERTS": "on"})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["bf16", "fp8-block128", "nvfp4"])
+def test_moe_shared_routing_in_the_gate_up_kernel_changes_no_bit(cp, gpu, moe, monkeypatch, kind):
+    """ops.moe_shared with LUMEN_CUDA_ROUTE_IN_EXPERTS=1 equals it with 0 at T = 1 (bit for bit) and at T = 3 (the
+    option does not apply: the routing kernel runs)."""
+    monkeypatch.setenv("LUMEN_CUDA_DECODE_FUSION", "1")
+    rng = np.random.default_rng(21 + len(kind))
+    E, k, H, I = 64, 6, 256, 128
+    gate_up, down = shared_block(gpu, rng, E, H, I, kind)
+    for T in (1, 3):
+        x = cp.asarray(rng.normal(size=(T, H)).astype(np.float32))
+        logits = cp.asarray((rng.normal(size=(T, E)) * 2).astype(np.float32))
+        sg = cp.asarray(rng.normal(size=(T, 1)).astype(np.float32))
+        monkeypatch.setenv("LUMEN_CUDA_ROUTE_IN_EXPERTS", "0")
+        ref = gpu.ops.moe_shared(x, logits, sg, k, gate_up, down)
+        monkeypatch.setenv("LUMEN_CUDA_ROUTE_IN_EXPERTS", "1")
+        close(gpu.ops.moe_shared(x, logits, sg, k, gate_up, down), ref, 0)
+
+
+@pytest.mark.gpu
 def test_moe_shared_falls_back_where_the_table_cannot_hold_the_shared_expert(cp, gpu, moe, monkeypatch):
     """fp8 routed experts with a bf16 shared expert: the composite (the same numbers as calling it directly)."""
     from lumen_core.ops import COMPOSITES

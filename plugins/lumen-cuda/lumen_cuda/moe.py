@@ -52,6 +52,7 @@ this module's kernels over its own tables.
 from __future__ import annotations
 
 import dataclasses
+import os
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -395,6 +396,72 @@ def experts(x, ids, weights, gate_up, down, act: str = "silu", out=None):
     x3 = fp8_mma.planes_for(gate_up[0][0]) if x3 else 0
     return _launch((tg.ptrs, tg.fmt), (td.ptrs, td.fmt), tg.fmt, td.fmt, tg.block, td.block, inputs,
                    len(gate_up), H, I, act, out, tg.scratch, x3)
+
+
+ROUTED_MAX_E = 512  # ROUTED_MAX_E in moe.cu: the logits a warp routes inside the gate/up kernel
+ROUTED_ROWS = 2  # the rows per warp moe_gate_up_routed_* is compiled for
+
+
+def route_in_experts(env=None) -> bool:
+    """``LUMEN_CUDA_ROUTE_IN_EXPERTS``: 1 lets a one-token ``moe_shared`` route inside its gate/up kernel
+    (``experts_routed``: no routing launch); unset or 0 (the default until a GPU suite has run on it), the routing
+    kernel then the expert kernels. Read at each call; anything else is an error naming it."""
+    v = (os.environ if env is None else env).get("LUMEN_CUDA_ROUTE_IN_EXPERTS", "")
+    if v not in ("", "0", "1"):
+        raise ValueError(f"LUMEN_CUDA_ROUTE_IN_EXPERTS={v!r}: use 1 (route inside the one-token gate/up kernel) or 0 "
+                         "(a routing kernel first, the default)")
+    return v == "1"
+
+
+def experts_routed(x, logits, shared, k: int, gate_up, down, act: str = "silu", normalize: bool = True, out=None,
+                   route_out=None):
+    """``route(logits, k, normalize, shared=shared)`` then ``experts`` for one token, with the routing done inside
+    the gate/up kernel (``moe_gate_up_routed_*``: every warp routes the token's Er <= ROUTED_MAX_E logits with the
+    routing kernel's arithmetic, block (0, 0) writes the ids and weights the down kernel reads): one launch fewer.
+    x (1, H) f32, logits (1, Er) f32, shared (1, 1) f32 (the shared expert's gate logit; the lists' last item is
+    that expert, run as expert Er) or None (the lists are the Er routed experts). ``route_out``: (weights, ids) (1, k
+    [+ 1]) f32 / int64 C-contiguous to keep the routing in (as ``route``'s ``out``). Returns None where this path
+    does not apply (T != 1, too many logits, another table layout): the caller then routes and runs ``experts``."""
+    if not (isinstance(x, cp.ndarray) and isinstance(logits, cp.ndarray) and x.ndim == 2 and x.shape[0] == 1
+            and logits.ndim == 2 and logits.shape[0] == 1 and logits.dtype == cp.float32 and act in ACTS):
+        return None
+    Er = logits.shape[1]
+    n = k + (shared is not None)
+    E = len(gate_up)
+    if not (1 <= k <= min(MAX_K, Er) and Er <= ROUTED_MAX_E and E == len(down) == Er + (shared is not None)):
+        return None
+    if shared is not None and not (isinstance(shared, cp.ndarray) and shared.dtype == cp.float32 and shared.size == 1):
+        return None
+    tg = _table(gate_up, True)
+    td = _table(down, False) if tg is not None else None
+    if td is None:
+        return None
+    I, H = tg.shape
+    if td.shape != (H, I) or x.shape[1] != H:
+        return None
+    if x.dtype != cp.float32 or not x.flags.c_contiguous or x.data.ptr % 16:
+        x = cp.array(x, dtype=cp.float32, order="C", copy=True)
+    lg = cp.ascontiguousarray(logits)
+    sh = cp.ascontiguousarray(shared) if shared is not None else None
+    if route_out is None:
+        w, ids = cp.empty((1, n), dtype=cp.float32), cp.empty((1, n), dtype=cp.int64)
+    else:
+        w, ids = route_out
+        assert w.shape == ids.shape == (1, n) and w.dtype == cp.float32 and ids.dtype == cp.int64
+        assert w.flags.c_contiguous and ids.flags.c_contiguous
+    h = _scratch(tg.scratch, n, I)
+    y = _out(out, 1, H)
+    rg, rd = ROUTED_ROWS, ROWS_DOWN_T1
+    _fn(f"moe_gate_up_routed_{tg.fmt}_r{rg}")(
+        ((I + rg * WARPS - 1) // (rg * WARPS), n), (WARPS * 32,),
+        (tg.ptrs, lg, sh if sh is not None else np.uint64(0), ids, w, x, h, np.int32(k), np.int32(Er), np.int32(E),
+         np.int32(I), np.int32(H), *(np.int32(v) for v in tg.block), np.int32(ACTS[act]),
+         np.int32(bool(normalize))))
+    _fn(f"moe_down_{td.fmt}_r{rd}")(
+        ((H + rd * WARPS - 1) // (rd * WARPS), 1), (WARPS * 32,),
+        (td.ptrs, ids, np.int32(1), w, h, y, np.int32(1), np.int32(n), np.int32(E), np.int32(H), np.int32(I),
+         *(np.int32(v) for v in td.block)))
+    return y
 
 
 def fits_one_table(gate_up, down) -> bool:

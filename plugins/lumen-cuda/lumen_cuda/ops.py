@@ -302,7 +302,9 @@ def moe_shared(x, logits, shared_logit, k: int, gate_up, down, normalize: bool =
     ``moe.experts`` runs the E + 1 experts' table: at T = 1 two launches for routed and shared experts together,
     where the composite adds a gate/up product, the activation, the down product, the sigmoid, a product and a
     sum. Where the table cannot hold the shared expert with the routed ones (another format or shape, experts in
-    host RAM) or with LUMEN_CUDA_DECODE_FUSION=0, the composite of lumen_core.ops, over ``backend``'s ops."""
+    host RAM) or with LUMEN_CUDA_DECODE_FUSION=0, the composite of lumen_core.ops, over ``backend``'s ops. With
+    LUMEN_CUDA_ROUTE_IN_EXPERTS=1 a one-token call routes inside the gate/up kernel (``moe.experts_routed``): the
+    same ids and weights, one launch fewer."""
     from lumen_core.ops import COMPOSITES
 
     E = len(gate_up) - 1
@@ -311,6 +313,10 @@ def moe_shared(x, logits, shared_logit, k: int, gate_up, down, normalize: bool =
              and moe.fits_one_table(gate_up, down))
     if not fused:
         return COMPOSITES["moe_shared"](backend.ops, x, logits, shared_logit, k, gate_up, down, normalize, act)
+    if moe.route_in_experts():  # one token: the gate/up kernel routes (one launch fewer), where it applies
+        y = moe.experts_routed(x, logits, shared_logit, k, gate_up, down, act, normalize)
+        if y is not None:
+            return y
     weights, ids = moe.route(logits, k, normalize, shared=shared_logit)
     return moe.experts(x, ids, weights, gate_up, down, act)
 

@@ -432,49 +432,155 @@ __device__ __forceinline__ long long scale_off(int row, int BR, int SK) {
 // s = t * k + j reads x row t = s / k. The chain per slot is id -> table entries (all of them in one go: data,
 // scales, global scales) -> every weight and scale load of a step; the next slot's id is read before the current
 // slot's GEMV so that a block looping over several slots does not wait for it.
+// One slot of gate_up: this warp's ROWS rows of expert e's gate and up against x row xt into h row hrow (zeros
+// for an id outside [0, E)).
+template <int FMT, int ROWS, bool PACKED>
+__device__ __forceinline__ void gate_up_slot(const void* __restrict__ wsrc, int e, const float* __restrict__ xt,
+                                             float* __restrict__ hrow, int row0, int E, int I, int H, int BR,
+                                             int BC, int SK, int act) {
+  const int lane = threadIdx.x & 31;
+  if (e < 0 || e >= E) {
+    if (lane < ROWS && row0 + lane < I) hrow[row0 + lane] = 0.f;
+    return;
+  }
+  const unsigned char *G, *U, *SG, *SU;
+  float GG, GU;
+  expert_gate_up<FMT, PACKED>(wsrc, e, E, I, H, G, U, SG, SU, GG, GU);
+  const unsigned char* rows[2 * ROWS];
+  const unsigned char* srow[2 * ROWS];
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) {  // a ragged last warp re-reads row I-1, never writes it
+    const int row = min(row0 + r, I - 1);
+    rows[r] = G + nbytes<FMT>((long long)row * H);
+    rows[ROWS + r] = U + nbytes<FMT>((long long)row * H);
+    srow[r] = SG + scale_off<FMT>(row, BR, SK);
+    srow[ROWS + r] = SU + scale_off<FMT>(row, BR, SK);
+  }
+  float acc[2 * ROWS];
+#pragma unroll
+  for (int r = 0; r < 2 * ROWS; ++r) acc[r] = 0.f;
+  warp_dot<FMT, 2 * ROWS>(rows, srow, xt, H, BC, acc);
+  warp_sum<2 * ROWS>(acc);
+  if (lane == 0) {
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+      const float g = FMT == 4 ? acc[r] * GG : acc[r], u = FMT == 4 ? acc[ROWS + r] * GU : acc[ROWS + r];
+      if (row0 + r < I) hrow[row0 + r] = act_mul(g, u, act);
+    }
+  }
+}
+
 template <int FMT, int ROWS, bool PACKED>
 __device__ __forceinline__ void gate_up(const void* __restrict__ wsrc, const void* __restrict__ ids, int ids64,
                                         const float* __restrict__ x, float* __restrict__ h, int S, int k, int E,
                                         int I, int H, int BR, int BC, int SK, int act) {
-  const int lane = threadIdx.x & 31;
   const int row0 = (blockIdx.x * MOE_WARPS + (threadIdx.x >> 5)) * ROWS;
   if (row0 >= I) return;  // warp-uniform
   int e_next = blockIdx.y < S ? load_id(ids, ids64, blockIdx.y) : -1;
   for (int s = blockIdx.y; s < S; s += gridDim.y) {
     const int e = e_next;
     if (s + gridDim.y < S) e_next = load_id(ids, ids64, s + gridDim.y);
-    float* hrow = h + (long long)s * I;
-    const float* xt = x + (long long)(s / k) * H;
-    if (e < 0 || e >= E) {
-      if (lane < ROWS && row0 + lane < I) hrow[row0 + lane] = 0.f;
-      continue;
+    gate_up_slot<FMT, ROWS, PACKED>(wsrc, e, x + (long long)(s / k) * H, h + (long long)s * I, row0, E, I, H, BR,
+                                    BC, SK, act);
+  }
+}
+
+// -- routing inside the gate/up kernel (one token) --------------------------------------------------------------
+// warp_route: one warp routes the row lg (E <= ROUTED_MAX_E logits) with route_row's arithmetic, bit for bit: lane
+// l holds logits l + 32 j; route_row's thread t (block of ROUTE_THREADS) holds logits t and t + ROUTE_THREADS, so
+// its warp w's lane l holds this warp's columns j = w and w + 8 of lane l. The exp-sum therefore adds the pair
+// (j, j + 8) per lane, butterfly-reduces each j < 8 over the lanes (route_row's per-warp reduction) and sums the
+// eight results in j order (route_row's sum over warps). The top k: k rounds of (local best in ascending j, so the
+// lower index among equals; warp arg-max with `beats`); the k weights are summed in slot order for normalising.
+// Lane r < k gets slot r's id (-1 where none: a NaN row) and weight.
+#define ROUTED_PER_LANE 16
+#define ROUTED_MAX_E (32 * ROUTED_PER_LANE)
+
+__device__ __forceinline__ void warp_route(const float* __restrict__ lg, int E, int k, int normalize, int& my_id,
+                                           float& my_w) {
+  static_assert(ROUTE_THREADS == 256 && ROUTED_PER_LANE == 16, "warp_route mirrors route_row's 256 threads");
+  const int lane = threadIdx.x & 31;
+  const float ninf = __uint_as_float(0xff800000u);
+  float p[ROUTED_PER_LANE];
+  float m = ninf;
+#pragma unroll
+  for (int j = 0; j < ROUTED_PER_LANE; ++j) {
+    const int i = lane + 32 * j;
+    p[j] = i < E ? lg[i] : ninf;
+    m = fmaxf(m, p[j]);
+  }
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+#pragma unroll
+  for (int j = 0; j < ROUTED_PER_LANE; ++j) p[j] = lane + 32 * j < E ? expf(p[j] - m) : 0.f;
+  float s = 0.f;
+#pragma unroll
+  for (int w = 0; w < ROUTED_PER_LANE / 2; ++w) {
+    float v = 0.f;
+    if (lane + 32 * w < E) v = v + p[w];
+    if (lane + 32 * (w + 8) < E) v = v + p[w + 8];
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) v = v + __shfl_xor_sync(0xffffffffu, v, off);
+    s = w == 0 ? v : s + v;
+  }
+#pragma unroll
+  for (int j = 0; j < ROUTED_PER_LANE; ++j) p[j] = lane + 32 * j < E ? p[j] / s : -1.f;  // -1: never chosen
+
+  float sum = 0.f, mine = 0.f;
+  int id = -1;
+  for (int r = 0; r < k; ++r) {
+    float bv = -1.f;
+    int bi = 0x7fffffff;
+#pragma unroll
+    for (int j = 0; j < ROUTED_PER_LANE; ++j)
+      if (p[j] > bv) { bv = p[j]; bi = lane + 32 * j; }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+      const float ov = __shfl_xor_sync(0xffffffffu, bv, off);
+      const int oi = __shfl_xor_sync(0xffffffffu, bi, off);
+      if (beats(ov, oi, bv, bi)) { bv = ov; bi = oi; }
     }
-    const unsigned char *G, *U, *SG, *SU;
-    float GG, GU;
-    expert_gate_up<FMT, PACKED>(wsrc, e, E, I, H, G, U, SG, SU, GG, GU);
-    const unsigned char* rows[2 * ROWS];
-    const unsigned char* srow[2 * ROWS];
+    const bool found = bi < E;
 #pragma unroll
-    for (int r = 0; r < ROWS; ++r) {  // a ragged last warp re-reads row I-1, never writes it
-      const int row = min(row0 + r, I - 1);
-      rows[r] = G + nbytes<FMT>((long long)row * H);
-      rows[ROWS + r] = U + nbytes<FMT>((long long)row * H);
-      srow[r] = SG + scale_off<FMT>(row, BR, SK);
-      srow[ROWS + r] = SU + scale_off<FMT>(row, BR, SK);
+    for (int j = 0; j < ROUTED_PER_LANE; ++j)
+      if (found && lane + 32 * j == bi) p[j] = -1.f;
+    const float v = found ? bv : 0.f;
+    sum += v;
+    if (lane == r) { mine = v; id = found ? bi : -1; }
+  }
+  my_id = id;
+  my_w = normalize ? mine / sum : mine;
+}
+
+// gate_up_routed: the T = 1 gate/up kernel that routes for itself (no routing launch before it). Block (x, y) runs
+// slot y: for y < k the y-th pick of the Er logits, for y == k (with `shared`) expert Er, the shared expert of a
+// table of Er + 1 experts. Every warp routes (the same arithmetic, the same answer; no barrier); block (0, 0)'s
+// first warp writes the k (+ 1) ids and weights for the down kernel, exactly as moe_route(_shared)_f32 would.
+template <int FMT, int ROWS>
+__device__ __forceinline__ void gate_up_routed(const void* __restrict__ wsrc, const float* __restrict__ logits,
+                                               const float* __restrict__ shared, long long* __restrict__ ids_out,
+                                               float* __restrict__ w_out, const float* __restrict__ x,
+                                               float* __restrict__ h, int k, int Er, int E, int I, int H, int BR,
+                                               int BC, int SK, int act, int normalize) {
+  const int lane = threadIdx.x & 31;
+  const int row0 = (blockIdx.x * MOE_WARPS + (threadIdx.x >> 5)) * ROWS;
+  if (row0 >= I) return;  // warp-uniform (block (0, 0)'s first warp always has row 0)
+  int my_id;
+  float my_w;
+  warp_route(logits, Er, k, normalize, my_id, my_w);
+  const int s = blockIdx.y;
+  if (blockIdx.x == 0 && s == 0 && threadIdx.x < 32) {
+    if (lane < k) {
+      ids_out[lane] = my_id;
+      w_out[lane] = my_w;
     }
-    float acc[2 * ROWS];
-#pragma unroll
-    for (int r = 0; r < 2 * ROWS; ++r) acc[r] = 0.f;
-    warp_dot<FMT, 2 * ROWS>(rows, srow, xt, H, BC, acc);
-    warp_sum<2 * ROWS>(acc);
-    if (lane == 0) {
-#pragma unroll
-      for (int r = 0; r < ROWS; ++r) {
-        const float g = FMT == 4 ? acc[r] * GG : acc[r], u = FMT == 4 ? acc[ROWS + r] * GU : acc[ROWS + r];
-        if (row0 + r < I) hrow[row0 + r] = act_mul(g, u, act);
-      }
+    if (lane == 0 && shared != nullptr) {  // as route_row
+      ids_out[k] = Er;
+      w_out[k] = 0.5f * (tanhf(0.5f * shared[0]) + 1.f);
     }
   }
+  const int e = __shfl_sync(0xffffffffu, my_id, s < k ? s : 0);
+  gate_up_slot<FMT, ROWS, false>(wsrc, s < k ? e : Er, x, h + (long long)s * I, row0, E, I, H, BR, BC, SK, act);
 }
 
 // down: block (x, y) handles tokens y, y + gridDim.y, ...: out[t, n] = sum_j weights[t, j] * down_{ids[t, j]}[n]
@@ -809,6 +915,20 @@ extern "C" __global__ void __launch_bounds__(256)
     down<FMT, ROWS, PACKED>(wsrc, ids, ids64, weights, h, out, T, k, E, H, I, BR, BC, SK);                     \
   }
 
+// moe_gate_up_routed_<fmt>_r<ROWS>(tab (rows, E) u64, logits (1, Er) f32, shared (1,) f32 or null, ids (k [+ 1],)
+//   int64, weights (k [+ 1],) f32, x (1, H) f32, h (k [+ 1], I) f32, k, Er, E, I, H, BR, BC, SK, act, normalize);
+//   grid (ceil(I / (ROWS * MOE_WARPS)), k [+ 1]); Er <= ROUTED_MAX_E, k <= 32 (gate_up_routed)
+#define MOE_ROUTED(NAME, FMT, ROWS)                                                                            \
+  extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)                                                \
+      moe_gate_up_routed_##NAME##_r##ROWS(const void* __restrict__ wsrc, const float* __restrict__ logits,    \
+                                          const float* __restrict__ shared, long long* __restrict__ ids,       \
+                                          float* __restrict__ w, const float* __restrict__ x,                  \
+                                          float* __restrict__ h, int k, int Er, int E, int I, int H, int BR,   \
+                                          int BC, int SK, int act, int normalize) {                            \
+    pdl_begin();                                                                                               \
+    gate_up_routed<FMT, ROWS>(wsrc, logits, shared, ids, w, x, h, k, Er, E, I, H, BR, BC, SK, act, normalize); \
+  }
+
 #define MOE_GROUPED(NAME, FMT, ROWS, PACKED)                                                                   \
   extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)                                                \
       moe_gate_up_g_##NAME##_r##ROWS(const void* __restrict__ wsrc, const int* __restrict__ off,              \
@@ -838,6 +958,11 @@ MOE_R(f16, 1, false)
 MOE_R(f32, 2, false)
 MOE_R(fp8, 3, false)
 MOE_R(nvfp4, 4, false)
+MOE_ROUTED(bf16, 0, 2)
+MOE_ROUTED(f16, 1, 2)
+MOE_ROUTED(f32, 2, 2)
+MOE_ROUTED(fp8, 3, 2)
+MOE_ROUTED(nvfp4, 4, 2)
 MOE_R(packed_bf16, 0, true)
 MOE_R(packed_f16, 1, true)
 MOE_R(packed_f32, 2, true)
