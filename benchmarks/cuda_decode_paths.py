@@ -4,7 +4,8 @@ fused norms, the gates in the Gated-DeltaNet step) and that with the opt-ins: ``
 ``-noprefetch``, ``-late``: programmatic dependent launch in the captured step) and ``LUMEN_CUDA_PARTIAL_FUSION=1``
 (``fused+partial``: the agreeing members of a projection group fused where others differ, e.g. the Gated-DeltaNet's
 fp8 qkv, z, b, a in one launch) and ``LUMEN_CUDA_ROUTE_IN_EXPERTS=1`` (``fused+route``: the MoE routing inside the
-gate/up kernel, one launch fewer a MoE layer). Per row and variant: the captured decode graph replayed alone (GPU
+gate/up kernel, one launch fewer a MoE layer) and ``LUMEN_CUDA_MOE_GATE_UP_BLOCKS=5`` (``fused+gu5``: the gate/up
+kernels compiled to fit 5 blocks an SM). Per row and variant: the captured decode graph replayed alone (GPU
 ms a step, the median of ``--repeat`` runs of ``--steps`` replays), tok/s, the fraction of the bandwidth bound (bytes a
 step reads / the read bandwidth measured in the same run; a MoE step reads top-k of E routed experts) and the ratio to
 ``base``; then the greedy tokens of each variant against ``base``'s (the fusions change the MoE sum's f32 order only).
@@ -36,9 +37,11 @@ VARIANTS = {"base": {"LUMEN_CUDA_DECODE_FUSION": "0"}, "fused": {"LUMEN_CUDA_DEC
             "fused+partial+pdl-noprefetch": {"LUMEN_CUDA_DECODE_FUSION": "1", "LUMEN_CUDA_PARTIAL_FUSION": "1",
                                              "LUMEN_CUDA_PDL": "noprefetch"},
             "fused+route": {"LUMEN_CUDA_DECODE_FUSION": "1", "LUMEN_CUDA_ROUTE_IN_EXPERTS": "1"},
+            "fused+gu5": {"LUMEN_CUDA_DECODE_FUSION": "1", "LUMEN_CUDA_MOE_GATE_UP_BLOCKS": "5"},
             "fused+partial+route+pdl-noprefetch": {"LUMEN_CUDA_DECODE_FUSION": "1", "LUMEN_CUDA_PARTIAL_FUSION": "1",
                                                    "LUMEN_CUDA_ROUTE_IN_EXPERTS": "1", "LUMEN_CUDA_PDL": "noprefetch"}}
-KNOBS = ("LUMEN_CUDA_DECODE_FUSION", "LUMEN_CUDA_PDL", "LUMEN_CUDA_PARTIAL_FUSION", "LUMEN_CUDA_ROUTE_IN_EXPERTS")
+KNOBS = ("LUMEN_CUDA_DECODE_FUSION", "LUMEN_CUDA_PDL", "LUMEN_CUDA_PARTIAL_FUSION", "LUMEN_CUDA_ROUTE_IN_EXPERTS",
+         "LUMEN_CUDA_MOE_GATE_UP_BLOCKS")
 
 
 def replay_ms(cp, runner, steps: int, repeat: int) -> float:

@@ -586,6 +586,36 @@ def test_experts_routed_declines_what_it_cannot_run(cp, gpu, moe):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["bf16", "fp8-block128", "nvfp4", "f32"])
+def test_gate_up_blocks_setting_changes_no_bit(cp, gpu, moe, monkeypatch, kind):
+    """LUMEN_CUDA_MOE_GATE_UP_BLOCKS=5 (the gate/up kernels built to fit 5 blocks an SM) changes the registers, not
+    the arithmetic: the per-slot path (T = 1, 3) and the routed one equal the default build bit for bit. Bad values
+    are named."""
+    rng = np.random.default_rng(31 + len(kind))
+    E, k, H, I = 16, 4, 256, 128
+    gate_up, down = experts(gpu, rng, E, H, I, kind)
+    outs = {}
+    for blocks in ("", "5"):
+        monkeypatch.setenv("LUMEN_CUDA_MOE_GATE_UP_BLOCKS", blocks)
+        rs = np.random.default_rng(7)
+        got = []
+        for T in (1, 3):
+            ids, w = routing(cp, rs, E, k, T=T)
+            x = cp.asarray(rs.normal(size=(T, H)).astype(np.float32))
+            got.append(moe.experts(x, ids, w, gate_up, down, "silu"))
+        x1 = cp.asarray(rs.normal(size=(1, H)).astype(np.float32))
+        lg = cp.asarray(rs.normal(size=(1, E)).astype(np.float32))
+        got.append(moe.experts_routed(x1, lg, None, k, gate_up, down))
+        outs[blocks] = got
+    for a, b in zip(outs[""], outs["5"], strict=True):
+        close(b, a, 0)
+    assert moe.gate_up_blocks({}) == 0 and moe.gate_up_blocks({"LUMEN_CUDA_MOE_GATE_UP_BLOCKS": "5"}) == 5
+    for bad in ("17", "-1", "five"):
+        with pytest.raises(ValueError, match=f"LUMEN_CUDA_MOE_GATE_UP_BLOCKS='{bad}'"):
+            moe.gate_up_blocks({"LUMEN_CUDA_MOE_GATE_UP_BLOCKS": bad})
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["bf16", "fp8-block128", "nvfp4"])
 def test_moe_shared_routing_in_the_gate_up_kernel_changes_no_bit(cp, gpu, moe, monkeypatch, kind):
     """ops.moe_shared with LUMEN_CUDA_ROUTE_IN_EXPERTS=1 equals it with 0 at T = 1 (bit for bit) and at T = 3 (the

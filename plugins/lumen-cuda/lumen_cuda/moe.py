@@ -79,7 +79,23 @@ ROWS_DOWN_T1 = 1
 ACTS = {"silu": 0, "gelu_tanh": 1}
 
 def _fn(name: str) -> cp.RawKernel:
-    return kernels.function("moe", name)
+    blocks = gate_up_blocks()
+    return kernels.function("moe", name, (f"-DMOE_GATE_UP_MIN_BLOCKS={blocks}",) if blocks else ())
+
+
+def gate_up_blocks(env=None) -> int:
+    """``LUMEN_CUDA_MOE_GATE_UP_BLOCKS``: unset (0), the per-slot gate/up kernels' registers are the compiler's
+    choice; n (1..16), they are compiled to fit n blocks of 128 threads an SM (moe.cu's MOE_GATE_UP_MIN_BLOCKS; not
+    for NVFP4 or 4 rows a warp, which would spill). At the 35B-A3B's decode shape (8 routed + 1 shared expert, I =
+    512: 576 blocks) the fp8 kernel's 123 registers fit 4 blocks an SM, 528 on 132 SMs: a second wave; 5 fits them
+    in one. Read at each call; anything else is an error naming it."""
+    v = (os.environ if env is None else env).get("LUMEN_CUDA_MOE_GATE_UP_BLOCKS", "")
+    if v in ("", "0"):
+        return 0
+    if not (v.isdigit() and 1 <= int(v) <= 16):
+        raise ValueError(f"LUMEN_CUDA_MOE_GATE_UP_BLOCKS={v!r}: use a number of blocks an SM from 1 to 16, or 0 "
+                         "(the compiler's register choice, the default)")
+    return int(v)
 
 
 # -- routing ------------------------------------------------------------------------------------------------------

@@ -898,8 +898,18 @@ extern "C" __global__ void __launch_bounds__(256)
 // moe_gate_up_g_<fmt>_r<ROWS>(tab, off (E + 1,), order (S,), x, h, k, E, I, H, BR, BC, SK, act); grid (.., E)
 // moe_down_g_<fmt>_r<ROWS>(tab, off, order, h, ys (S, H) f32, E, H, I, BR, BC, SK); grid (.., E)
 // *_packed_*: the same with the base pointer of (E, 2I, H) / (E, H, I) in place of the table.
+// Blocks per SM the one-slot-per-block gate/up kernels are compiled to fit (moe.py: LUMEN_CUDA_MOE_GATE_UP_BLOCKS
+// builds this file with -DMOE_GATE_UP_MIN_BLOCKS=n); 1 leaves the registers to the compiler. Not applied where it
+// would spill (nvfp4, 4 rows a warp).
+#ifndef MOE_GATE_UP_MIN_BLOCKS
+#define MOE_GATE_UP_MIN_BLOCKS 0
+#endif
+__host__ __device__ constexpr int gate_up_min_blocks(int fmt, int rows) {
+  return (fmt == 4 || rows > 2) ? 0 : MOE_GATE_UP_MIN_BLOCKS;
+}
+
 #define MOE_KERNELS(NAME, FMT, ROWS, PACKED)                                                                   \
-  extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)                                                \
+  extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32, gate_up_min_blocks(FMT, ROWS))                 \
       moe_gate_up_##NAME##_r##ROWS(const void* __restrict__ wsrc, const void* __restrict__ ids, int ids64,     \
                                    const float* __restrict__ x, float* __restrict__ h, int S, int k, int E,    \
                                    int I, int H, int BR, int BC, int SK, int act) {                            \
@@ -919,7 +929,7 @@ extern "C" __global__ void __launch_bounds__(256)
 //   int64, weights (k [+ 1],) f32, x (1, H) f32, h (k [+ 1], I) f32, k, Er, E, I, H, BR, BC, SK, act, normalize);
 //   grid (ceil(I / (ROWS * MOE_WARPS)), k [+ 1]); Er <= ROUTED_MAX_E, k <= 32 (gate_up_routed)
 #define MOE_ROUTED(NAME, FMT, ROWS)                                                                            \
-  extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)                                                \
+  extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32, gate_up_min_blocks(FMT, ROWS))                 \
       moe_gate_up_routed_##NAME##_r##ROWS(const void* __restrict__ wsrc, const float* __restrict__ logits,    \
                                           const float* __restrict__ shared, long long* __restrict__ ids,       \
                                           float* __restrict__ w, const float* __restrict__ x,                  \
