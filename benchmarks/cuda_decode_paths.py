@@ -2,13 +2,14 @@
 baseline, ``base``: ``LUMEN_CUDA_DECODE_FUSION=0``), the default (``fused``: the shared expert as a routed slot, the
 fused norms, the gates in the Gated-DeltaNet step) and that with the opt-ins: ``LUMEN_CUDA_PDL`` (``fused+pdl``,
 ``-noprefetch``, ``-late``: programmatic dependent launch in the captured step) and ``LUMEN_CUDA_PARTIAL_FUSION=1``
-(``fused+partial``: the agreeing members of a projection group fused where others differ, e.g. the Gated-DeltaNet's
-fp8 qkv, z, b, a in one launch) and ``LUMEN_CUDA_ROUTE_IN_EXPERTS=1`` (``fused+route``: the MoE routing inside the
-gate/up kernel, one launch fewer a MoE layer) and ``LUMEN_CUDA_MOE_GATE_UP_BLOCKS=5`` (``fused+gu5``: the gate/up
-kernels compiled to fit 5 blocks an SM); ``fused+all``: every opt-in at once. Per row and variant: the captured decode graph replayed alone (GPU
-ms a step, the median of ``--repeat`` runs of ``--steps`` replays), tok/s, the fraction of the bandwidth bound (bytes a
-step reads / the read bandwidth measured in the same run; a MoE step reads top-k of E routed experts) and the ratio to
-``base``; then the greedy tokens of each variant against ``base``'s (the fusions change the MoE sum's f32 order only).
+(``fused+partial``: the agreeing members of a projection group fused where others differ, e.g. the Gated-DeltaNet's fp8
+qkv, z, b, a in one launch) and ``LUMEN_CUDA_ROUTE_IN_EXPERTS=1`` (``fused+route``: the MoE routing inside the gate/up
+kernel, one launch fewer a MoE layer) and ``LUMEN_CUDA_MOE_GATE_UP_BLOCKS=5`` (``fused+gu5``: the gate/up kernels
+compiled to fit 5 blocks an SM); ``fused+all``: every opt-in at once. Per row and variant: the captured decode graph
+replayed alone (GPU ms a step, the median of ``--repeat`` runs of ``--steps`` replays), tok/s, the fraction of the
+bandwidth bound (bytes a step reads / the read bandwidth measured in the same run; a MoE step reads top-k of E routed
+experts) and the ratio to ``base``; then the greedy tokens of each variant against ``base``'s (the fusions change the
+MoE sum's f32 order only).
 
     python benchmarks/cuda_decode_paths.py [--models 35b-a3b-fp8,9b-fp8] [--layers 4] [--steps 64] [--repeat 5]
     python benchmarks/cuda_decode_paths.py --models 35b-a3b-fp8 --layers 40   # the real depth (35.7 GB of disk)
