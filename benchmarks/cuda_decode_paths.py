@@ -5,7 +5,8 @@ fused norms, the gates in the Gated-DeltaNet step) and that with the opt-ins: ``
 (``fused+partial``: the agreeing members of a projection group fused where others differ, e.g. the Gated-DeltaNet's fp8
 qkv, z, b, a in one launch) and ``LUMEN_CUDA_ROUTE_IN_EXPERTS=1`` (``fused+route``: the MoE routing inside the gate/up
 kernel, one launch fewer a MoE layer) and ``LUMEN_CUDA_MOE_GATE_UP_BLOCKS=5`` (``fused+gu5``: the gate/up kernels
-compiled to fit 5 blocks an SM); ``fused+all``: every opt-in at once. Per row and variant: the captured decode graph
+compiled to fit 5 blocks an SM) and ``LUMEN_CUDA_GDN_DECODE=1`` (``fused+gdn``: the Gated-DeltaNet's conv, step and
+gated norm in one kernel); ``fused+all``: every opt-in at once. Per row and variant: the captured decode graph
 replayed alone (GPU ms a step, the median of ``--repeat`` runs of ``--steps`` replays), tok/s, the fraction of the
 bandwidth bound (bytes a step reads / the read bandwidth measured in the same run; a MoE step reads top-k of E routed
 experts) and the ratio to ``base``; then the greedy tokens of each variant against ``base``'s (the fusions change the
@@ -39,13 +40,14 @@ VARIANTS = {"base": {"LUMEN_CUDA_DECODE_FUSION": "0"}, "fused": {"LUMEN_CUDA_DEC
                                              "LUMEN_CUDA_PDL": "noprefetch"},
             "fused+route": {"LUMEN_CUDA_DECODE_FUSION": "1", "LUMEN_CUDA_ROUTE_IN_EXPERTS": "1"},
             "fused+gu5": {"LUMEN_CUDA_DECODE_FUSION": "1", "LUMEN_CUDA_MOE_GATE_UP_BLOCKS": "5"},
+            "fused+gdn": {"LUMEN_CUDA_DECODE_FUSION": "1", "LUMEN_CUDA_GDN_DECODE": "1"},
             "fused+all": {"LUMEN_CUDA_DECODE_FUSION": "1", "LUMEN_CUDA_PARTIAL_FUSION": "1",
                           "LUMEN_CUDA_ROUTE_IN_EXPERTS": "1", "LUMEN_CUDA_MOE_GATE_UP_BLOCKS": "5",
-                          "LUMEN_CUDA_PDL": "noprefetch"},
+                          "LUMEN_CUDA_GDN_DECODE": "1", "LUMEN_CUDA_PDL": "noprefetch"},
             "fused+partial+route+pdl-noprefetch": {"LUMEN_CUDA_DECODE_FUSION": "1", "LUMEN_CUDA_PARTIAL_FUSION": "1",
                                                    "LUMEN_CUDA_ROUTE_IN_EXPERTS": "1", "LUMEN_CUDA_PDL": "noprefetch"}}
 KNOBS = ("LUMEN_CUDA_DECODE_FUSION", "LUMEN_CUDA_PDL", "LUMEN_CUDA_PARTIAL_FUSION", "LUMEN_CUDA_ROUTE_IN_EXPERTS",
-         "LUMEN_CUDA_MOE_GATE_UP_BLOCKS")
+         "LUMEN_CUDA_MOE_GATE_UP_BLOCKS", "LUMEN_CUDA_GDN_DECODE")
 
 
 def replay_ms(cp, runner, steps: int, repeat: int) -> float:

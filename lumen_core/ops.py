@@ -79,6 +79,12 @@ OPTIONAL = {
     # recurrence kernel (one launch a decode step where gdn_gates and gated_delta_rule take two)
     "gated_delta_rule_gates": "(q, k (T, Hk, Dk), v (T, Hv, Dv), a, b (T, Hv), neg_a, dt_bias (Hv,), state) -> "
                               "gated_delta_rule(q, k, v, *gdn_gates(a, b, neg_a, dt_bias), state)",
+    # the Gated-DeltaNet token mixer between its input projections and its output projection (Qwen 3.5): a backend may
+    # run a decode step's conv, recurrence and gated norm as one kernel
+    "gated_delta_net": "(qkv (T, C), conv_w (C, K), conv_state, a, b (T, Hv), neg_a, dt_bias (Hv,), delta_state, z "
+                       "(T, Hv * Dv), norm_w (Dv,), eps, dims (Hk, Dk, Hv, Dv)) -> (T, Hv, Dv): x = causal_conv1d(qkv) "
+                       "split into q, k (T, Hk, Dk) and v (T, Hv, Dv) (C = 2 Hk Dk + Hv Dv), then rms_norm_gated("
+                       "gated_delta_rule_gates(q, k, v, a, b, neg_a, dt_bias), z, norm_w, eps); updates both states",
     # a residual add and the norm of its result (a decoder layer between its token mixer and its MLP): one launch
     "add_rms_norm": "(x (T, H), r (T, H), w (H,) | None, eps, offset=0.0) -> (x + r, rms_norm(x + r, w, eps, offset))",
     # a MoE block with a shared expert (Qwen 3.5 MoE) whose routed experts compute on the layer's own backend: the
@@ -151,6 +157,15 @@ def _gated_delta_rule_gates(ops, q, k, v, a, b, neg_a, dt_bias, state):
     return ops.gated_delta_rule(q, k, v, g, beta, state)
 
 
+def _gated_delta_net(ops, qkv, conv_w, conv_state, a, b, neg_a, dt_bias, delta_state, z, norm_w, eps, dims):
+    Hk, Dk, Hv, Dv = dims
+    T, kd = qkv.shape[0], Hk * Dk
+    x = ops.causal_conv1d(qkv, conv_w, conv_state)  # (T, 2 kd + Hv Dv)
+    q, k = x[:, :kd].reshape(T, Hk, Dk), x[:, kd:2 * kd].reshape(T, Hk, Dk)
+    o = ops.gated_delta_rule_gates(q, k, x[:, 2 * kd:].reshape(T, Hv, Dv), a, b, neg_a, dt_bias, delta_state)
+    return ops.rms_norm_gated(o, z.reshape(T, Hv, Dv), norm_w, eps)
+
+
 def _add_rms_norm(ops, x, r, w, eps, offset=0.0):
     s = x + r
     return s, ops.rms_norm(s, w, eps, offset)
@@ -189,7 +204,7 @@ def _sandwich_layer(ops, x, norms, attn, mlp, cache, start, rope, dims, scale, w
 
 
 COMPOSITES = {"sandwich_layer": _sandwich_layer, "moe_shared": _moe_shared, "add_rms_norm": _add_rms_norm,
-              "gated_delta_rule_gates": _gated_delta_rule_gates,
+              "gated_delta_rule_gates": _gated_delta_rule_gates, "gated_delta_net": _gated_delta_net,
               "causal_conv1d_kept": _causal_conv1d_kept, "gated_delta_rule_kept": _gated_delta_rule_kept,
               "linear_group": _linear_group, "gdn_gates": _gdn_gates, "attention_segments": _attention_segments,
               "causal_conv1d_segments": _causal_conv1d_segments,

@@ -253,6 +253,84 @@ def test_gated_delta_step_with_its_gates_is_the_two_launches(cp, mods, Hk, Hv, D
         np.testing.assert_array_equal(host(mine.s), host(ref.s))
 
 
+def gdn_net_inputs(cp, rng, Hk, Hv, Dk, Dv):
+    """One token's projections for ops.gated_delta_net: qkv (1, C) and z as strided views (a fused projection's
+    columns are), a, b (1, Hv), and the layer's conv weight (C, K), neg_a, dt_bias, norm weight."""
+    C = 2 * Hk * Dk + Hv * Dv
+    wide = cp.asarray(rng.normal(size=(1, C + Hv * Dv + 8)).astype(np.float32))
+    qkv, z = wide[:, :C], wide[:, C:C + Hv * Dv]
+    a, b = (cp.asarray(rng.normal(size=(1, Hv)).astype(np.float32) * 2) for _ in range(2))
+    return qkv, z, a, b
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("Hk,Hv,Dk,Dv,K", [(16, 32, 128, 128, 4), (2, 4, 64, 32, 4), (4, 4, 128, 128, 2),
+                                           (2, 6, 32, 48, 3), (1, 2, 256, 100, 4)])
+def test_gated_delta_net_step_is_its_three_kernels(cp, mods, Hk, Hv, Dk, Dv, K, monkeypatch):
+    """gdn_decode_r* (conv, step and gated norm in one launch, LUMEN_CUDA_GDN_DECODE=1) against the three kernels
+    the composite runs (LUMEN_CUDA_GDN_DECODE=0): outputs, the conv state and the delta state bit for bit over several
+    tokens after a prefill, and the counters back at zero after every call."""
+    from lumen_cuda import ops
+    from lumen_cuda.state import derived
+
+    _, decode, delta = mods
+    monkeypatch.setenv("LUMEN_CUDA_DECODE_FUSION", "1")
+    rng = np.random.default_rng(Hk * Hv + Dk + Dv + K)
+    C = 2 * Hk * Dk + Hv * Dv
+    conv_w = cp.asarray(rng.normal(size=(C, K)).astype(np.float32) * 0.5)
+    neg_a = cp.asarray(-rng.uniform(1, 16, size=Hv).astype(np.float32))
+    dt_bias = cp.asarray(rng.normal(size=Hv).astype(np.float32))
+    norm_w = cp.asarray(rng.uniform(0.5, 1.5, size=Dv).astype(np.float32))
+    dims, eps = (Hk, Dk, Hv, Dv), 1e-6
+    ref_c, ref_d = delta.conv_state(C, K), delta.delta_state(Hv, Dk, Dv)
+    delta.causal_conv1d(cp.asarray(rng.normal(size=(9, C)).astype(np.float32)), conv_w, ref_c)
+    delta.gated_delta_rule(*gdn_inputs(cp, rng, 9, Hk, Hv, Dk, Dv), ref_d)
+    mine_c, mine_d = delta.ConvState(ref_c.x.copy()), delta.DeltaState(ref_d.s.copy())
+    for _ in range(STEPS):
+        qkv, z, a, b = gdn_net_inputs(cp, rng, Hk, Hv, Dk, Dv)
+        monkeypatch.setenv("LUMEN_CUDA_GDN_DECODE", "0")
+        want = ops.gated_delta_net(qkv, conv_w, ref_c, a, b, neg_a, dt_bias, ref_d, z, norm_w, eps, dims)
+        monkeypatch.setenv("LUMEN_CUDA_GDN_DECODE", "1")
+        got = ops.gated_delta_net(qkv, conv_w, mine_c, a, b, neg_a, dt_bias, mine_d, z, norm_w, eps, dims)
+        assert got.shape == want.shape == (1, Hv, Dv)
+        np.testing.assert_array_equal(host(got), host(want))
+        np.testing.assert_array_equal(host(mine_c.x), host(ref_c.x))
+        np.testing.assert_array_equal(host(mine_d.s), host(ref_d.s))
+        assert not host(derived(mine_d)["gdn_counters"]).any()
+
+
+@pytest.mark.gpu
+def test_gated_delta_net_step_declines_and_names_its_setting(cp, mods, monkeypatch):
+    """None (the three kernels run) for Dv > 128 and for more than one token through the op; the op then equals the
+    composite; a bad LUMEN_CUDA_GDN_DECODE is named."""
+    from lumen_cuda import ops
+
+    _, decode, delta = mods
+    rng = np.random.default_rng(8)
+    Hk, Hv, Dk, Dv, K = 1, 2, 32, 160, 4
+    C = 2 * Hk * Dk + Hv * Dv
+    conv_w = cp.asarray(rng.normal(size=(C, K)).astype(np.float32))
+    neg_a, dt_bias = cp.full(Hv, -2.0, dtype=cp.float32), cp.zeros(Hv, dtype=cp.float32)
+    norm_w = cp.ones(Dv, dtype=cp.float32)
+    qkv, z, a, b = gdn_net_inputs(cp, rng, Hk, Hv, Dk, Dv)
+    assert decode.gated_delta_net_step(qkv, conv_w, delta.conv_state(C, K), a, b, neg_a, dt_bias,
+                                       delta.delta_state(Hv, Dk, Dv), z, norm_w, 1e-6, (Hk, Dk, Hv, Dv)) is None
+    monkeypatch.setenv("LUMEN_CUDA_DECODE_FUSION", "1")
+    T = 3
+    qkv3 = cp.asarray(rng.normal(size=(T, C)).astype(np.float32))
+    z3 = cp.asarray(rng.normal(size=(T, Hv * Dv)).astype(np.float32))
+    a3, b3 = (cp.asarray(rng.normal(size=(T, Hv)).astype(np.float32)) for _ in range(2))
+    outs = []
+    for v in ("1", "0"):
+        monkeypatch.setenv("LUMEN_CUDA_GDN_DECODE", v)
+        outs.append(ops.gated_delta_net(qkv3, conv_w, delta.conv_state(C, K), a3, b3, neg_a, dt_bias,
+                                        delta.delta_state(Hv, Dk, Dv), z3, norm_w, 1e-6, (Hk, Dk, Hv, Dv)))
+    np.testing.assert_array_equal(host(outs[0]), host(outs[1]))
+    assert decode.gdn_decode({}) is False and decode.gdn_decode({"LUMEN_CUDA_GDN_DECODE": "1"}) is True
+    with pytest.raises(ValueError, match="LUMEN_CUDA_GDN_DECODE='2'"):
+        decode.gdn_decode({"LUMEN_CUDA_GDN_DECODE": "2"})
+
+
 @pytest.mark.gpu
 def test_gated_delta_step_refuses_wide_keys(cp, mods):
     _, decode, delta = mods

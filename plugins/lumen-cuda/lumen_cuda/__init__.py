@@ -63,6 +63,7 @@ def register_ops(register):
     register("gdn_gates", "cuda", _lazy("gdn_gates"))
     register("gated_delta_rule_gates", "cuda", _lazy("gated_delta_rule_gates"))  # a decode step's gates in its kernel
     register("add_rms_norm", "cuda", _lazy_kernel("add_rms_norm"))  # a residual add and the next norm in one kernel
+    register("gated_delta_net", "cuda", _lazy("gated_delta_net"))  # a decode step's token mixer in one kernel
     # a MoE block's shared expert as one more slot of the routed experts' kernels (lumen_cuda.ops.moe_shared)
     register("moe_shared", "cuda", _lazy("moe_shared"))
     # a speculative verify's Gated-DeltaNet: T tokens in one launch each, the states after every token kept

@@ -341,6 +341,7 @@ class CUDABackend(Backend):
         reason where the step cannot be captured (the engine then decodes op by op), or where LUMEN_CUDA_GRAPH=0."""
         if os.environ.get("LUMEN_CUDA_GRAPH", "1") == "0":
             raise NotImplementedError("CUDA graphs are off (LUMEN_CUDA_GRAPH=0)")
+        from .decode import gdn_decode
         from .flash import mode as flash_mode
         from .fp8_mma_model import requested, slot_block
         from .fuse_plan import partial_fusion
@@ -351,9 +352,10 @@ class CUDABackend(Backend):
 
         # a bad LUMEN_HOSTCALL / LUMEN_HOSTCALL_TIMEOUT / LUMEN_CUDA_MMA_PREFILL / LUMEN_CUDA_X3_SLOTS /
         # LUMEN_CUDA_DECODE_FUSION / LUMEN_CUDA_PDL / LUMEN_CUDA_FLASH / LUMEN_CUDA_PARTIAL_FUSION /
-        # LUMEN_CUDA_ROUTE_IN_EXPERTS / LUMEN_CUDA_MOE_GATE_UP_BLOCKS is named here, at load, not mid-prompt
+        # LUMEN_CUDA_ROUTE_IN_EXPERTS / LUMEN_CUDA_MOE_GATE_UP_BLOCKS / LUMEN_CUDA_GDN_DECODE is named here, at load,
+        # not mid-prompt
         mode(), timeout_ns(), requested(os.environ), slot_block(os.environ), decode_fusion(), pdl_enabled()
-        flash_mode(), partial_fusion(), route_in_experts(), gate_up_blocks()
+        flash_mode(), partial_fusion(), route_in_experts(), gate_up_blocks(), gdn_decode()
         runner, why = decode_runner(model, self, context_size)
         if runner is None:
             raise NotImplementedError(why)

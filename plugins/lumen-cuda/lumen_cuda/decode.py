@@ -18,9 +18,13 @@ Launch configurations:
 - ``gated_delta_step``: ``gdn_step_r<RPT>`` grid (Hv, ceil(Dv / 32)), 256 threads, RPT = 4/8/16/32 for
   Dk <= 32/64/128/256.
 - ``causal_conv1d_step``: ``conv1d_step`` grid ceil(C / 128), 128 threads.
+- ``gated_delta_net_step`` (``LUMEN_CUDA_GDN_DECODE=1``): ``gdn_decode_r<RPT>`` grid (Hv, ceil(Dv / 32)), 256
+  threads: the conv, the step and the gated norm of the token mixer in one launch.
 """
 
 from __future__ import annotations
+
+import os
 
 import cupy as cp
 import numpy as np
@@ -28,6 +32,7 @@ import numpy as np
 from . import kernels
 from .attention import KVCache, RingKVCache
 from .delta import ConvState, DeltaState
+from .state import derived
 
 F32 = cp.float32
 ATTN_FILE, GDN_FILE = "decode_attention", "gdn_step"
@@ -230,6 +235,55 @@ def gated_delta_step(q, k, v, g, beta, state: DeltaState, gates=None):
     _fn(GDN_FILE, f"gdn_step_gates_r{rpt}")((Hv, -(-Dv // 32)), (GDN_THREADS,),
                                             (qc, kc, vc, gc, bc, neg_a, dt_bias, s, out, *dims))
     return out
+
+
+def gdn_decode(env=None) -> bool:
+    """``LUMEN_CUDA_GDN_DECODE``: 1 runs a one-token ``ops.gated_delta_net`` as one kernel (``gated_delta_net_step``);
+    unset or 0 (the default until a GPU suite has run on it), its three (conv, step, gated norm). Read at each call;
+    anything else is an error naming it."""
+    v = (os.environ if env is None else env).get("LUMEN_CUDA_GDN_DECODE", "")
+    if v not in ("", "0", "1"):
+        raise ValueError(f"LUMEN_CUDA_GDN_DECODE={v!r}: use 1 (the Gated-DeltaNet decode in one kernel) or 0 (three "
+                         "kernels, the default)")
+    return v == "1"
+
+
+def gated_delta_net_step(qkv, conv_w, conv_state: ConvState, a, b, neg_a, dt_bias, delta_state: DeltaState, z,
+                         norm_w, eps: float, dims):
+    """``ops.gated_delta_net`` for one token in one launch (``gdn_decode_r*``): the q, k, v conv of qkv (1, C), the
+    gated delta rule with its gates from a, b (1, Hv), and rms_norm(o, norm_w) * silu(z) per head; both states
+    updated in place. Bit for bit what ``causal_conv1d_step``, ``gated_delta_step(gates=...)`` and
+    ``gemv.rms_norm_gated`` give (the same arithmetic in the same order). Returns None where it does not apply
+    (another shape, Dv > 128, a state that is not a C-contiguous f32 CuPy array): the caller runs those three.
+    Two int32 counters per k head and v head, zero between calls, are kept on the delta state (lumen_cuda.state)."""
+    Hk, Dk, Hv, Dv = (int(d) for d in dims)
+    C = 2 * Hk * Dk + Hv * Dv
+    arrays = (qkv, conv_w, a, b, neg_a, dt_bias, z, norm_w)
+    if not all(isinstance(x, cp.ndarray) for x in arrays) or not isinstance(conv_state, ConvState):
+        return None
+    K = conv_w.shape[-1]
+    sx, s = conv_state.x, getattr(delta_state, "s", None)
+    rpt = next((r for r in GDN_RPT if Dk <= 8 * r), None)
+    ok = (qkv.shape == (1, C) and conv_w.shape == (C, K) and K >= 2 and a.shape == b.shape == (1, Hv)
+          and neg_a.shape == dt_bias.shape == (Hv,) and z.shape == (1, Hv * Dv) and norm_w.shape == (Dv,)
+          and Hk > 0 and Hv % Hk == 0 and rpt is not None and 0 < Dv <= 128
+          and isinstance(sx, cp.ndarray) and sx.dtype == F32 and sx.flags.c_contiguous and sx.shape == (K - 1, C)
+          and isinstance(s, cp.ndarray) and s.dtype == F32 and s.flags.c_contiguous and s.shape == (Hv, Dk, Dv))
+    if not ok:
+        return None
+    keep = derived(delta_state)
+    cnt = keep.get("gdn_counters")
+    if cnt is None or cnt.shape != (Hk + Hv,):
+        cnt = keep["gdn_counters"] = cp.zeros(Hk + Hv, dtype=cp.int32)
+    o, y = cp.empty((1, Hv, Dv), dtype=F32), cp.empty((1, Hv, Dv), dtype=F32)
+    args = [_f32(x, n) for x, n in zip(arrays, ("qkv", "conv_w", "a", "b", "neg_a", "dt_bias", "z", "norm_w"),
+                                        strict=True)]
+    qkv_c, cw, ac, bc, na, dtb, zc, nw = args
+    _fn(GDN_FILE, f"gdn_decode_r{rpt}")(
+        (Hv, -(-Dv // 32)), (GDN_THREADS,),
+        (qkv_c, cw, sx, ac, bc, na, dtb, s, zc, nw, o, y, cnt, np.int32(Hk), np.int32(Hv), np.int32(Dk),
+         np.int32(Dv), np.int32(K), np.float32(Dk ** -0.5), np.float32(eps)))
+    return y
 
 
 def causal_conv1d_step(x, w, state: ConvState):

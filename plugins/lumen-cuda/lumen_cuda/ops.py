@@ -12,6 +12,8 @@ experts, whose VRAM cache belongs to the backend instance: ``moe_experts`` / ``m
 
 from __future__ import annotations
 
+import sys
+
 import cupy as cp
 import numpy as np
 
@@ -259,6 +261,22 @@ def gated_delta_rule_gates(q, k, v, a, b, neg_a, dt_bias, state):
         return decode.gated_delta_step(q, k, v, a, b, state, gates=(neg_a, dt_bias))
     g, beta = gdn_gates(a, b, neg_a, dt_bias)
     return gated_delta_rule(q, k, v, g, beta, state)
+
+
+def gated_delta_net(qkv, conv_w, conv_state, a, b, neg_a, dt_bias, delta_state, z, norm_w, eps: float, dims):
+    """``ops.gated_delta_net``: with LUMEN_CUDA_GDN_DECODE=1 a one-token call is one kernel
+    (``decode.gated_delta_net_step``: conv, step and gated norm); otherwise, and where that kernel does not apply,
+    lumen_core's composite over this module's ops (``causal_conv1d``, ``gated_delta_rule_gates``,
+    ``rms_norm_gated``): the same numbers either way."""
+    from lumen_core.ops import COMPOSITES
+
+    if qkv.shape[0] == 1 and kernels.decode_fusion() and decode.gdn_decode():
+        y = decode.gated_delta_net_step(qkv, conv_w, conv_state, a, b, neg_a, dt_bias, delta_state, z, norm_w, eps,
+                                        dims)
+        if y is not None:
+            return y
+    return COMPOSITES["gated_delta_net"](sys.modules[__name__], qkv, conv_w, conv_state, a, b, neg_a, dt_bias,
+                                         delta_state, z, norm_w, eps, dims)
 
 
 def causal_conv1d(x, w, state):

@@ -74,6 +74,12 @@ class GatedDeltaNet:
         Hv, Dv = a.linear_num_value_heads, a.linear_value_head_dim
         qkv, z, b, a_in = ops.linear_group(h, [self.qkv, self.z, self.in_b, self.in_a])
         trail = None if isinstance(state, Segmented) else speculative.trail()
+        if not isinstance(state, Segmented) and trail is None and not (a.llama_cpp_layout and Hv != Hk):
+            # one sequence, nothing kept: conv, recurrence (its gates computed by the op) and gated norm in one op,
+            # which a backend may run as one kernel for a decode step
+            o = ops.gated_delta_net(qkv, self.conv, state[0], a_in, b, self.neg_a, self.dt_bias, state[1], z,
+                                    self.norm, a.rms_norm_eps, (Hk, Dk, Hv, Dv))
+            return ops.linear(o.reshape(T, Hv * Dv), self.out)
         if isinstance(state, Segmented):  # several sequences: each convolves and recurs over its own state
             x = ops.causal_conv1d_segments(qkv, self.conv, [st[0] for st in state.states], state.spans)
         elif trail is not None:  # a speculative verify: one token at a time, the state after each one kept

@@ -16,27 +16,29 @@
 //   CuPy op), then state = full[1:].
 // No headers: compiles under NVRTC and nvcc alike (sm_90, sm_120a).
 
+#include "act.cuh"
 #include "pdl.cuh"
 
 #define GDN_WARPS 8
 
-template <int RPT>
-__device__ __forceinline__ void gdn_step(const float* __restrict__ q, const float* __restrict__ k,
-                                         const float* __restrict__ v, float gh, float bh, float* __restrict__ S,
+// The step of block (h, column chunk): qk(i, a, b) gives element i < Dk of head hk's raw q and k, vj this lane's
+// value v[h, j] (j = blockIdx.y * 32 + lane; 0 past Dv).
+template <int RPT, class QK>
+__device__ __forceinline__ void gdn_core(QK qk, float vj, float gh, float bh, float* __restrict__ S,
                                          float* __restrict__ out, int Hk, int Hv, int Dk, int Dv, float qscale,
-                                         float* __restrict__ snap = nullptr) {
+                                         float* __restrict__ snap) {
   __shared__ float qs[GDN_WARPS * RPT], ks[GDN_WARPS * RPT];
   __shared__ float red[GDN_WARPS][32];
   __shared__ float ssq[2][GDN_WARPS];
   const int h = blockIdx.x, tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
-  const int hk = h / (Hv / Hk);
   const int j = blockIdx.y * 32 + lane;
   const bool col = j < Dv;
 
   // L2-normalised q (times qscale) and k of head hk
   float sq = 0.f, sk = 0.f;
   for (int i = tid; i < Dk; i += GDN_WARPS * 32) {
-    const float a = q[(long long)hk * Dk + i], b = k[(long long)hk * Dk + i];
+    float a, b;
+    qk(i, a, b);
     qs[i] = a;
     ks[i] = b;
     sq += a * a;
@@ -82,7 +84,7 @@ __device__ __forceinline__ void gdn_step(const float* __restrict__ q, const floa
   kv = 0.f;
 #pragma unroll
   for (int i = 0; i < GDN_WARPS; ++i) kv += red[i][lane];
-  const float delta = col ? __fmul_rn(v[(long long)h * Dv + j] - kv, bh) : 0.f;
+  const float delta = col ? __fmul_rn(vj - kv, bh) : 0.f;
   __syncthreads();  // red is reused below
 
   float o = 0.f;
@@ -108,6 +110,28 @@ __device__ __forceinline__ void gdn_step(const float* __restrict__ q, const floa
   }
 }
 
+template <int RPT>
+__device__ __forceinline__ void gdn_step(const float* __restrict__ q, const float* __restrict__ k,
+                                         const float* __restrict__ v, float gh, float bh, float* __restrict__ S,
+                                         float* __restrict__ out, int Hk, int Hv, int Dk, int Dv, float qscale,
+                                         float* __restrict__ snap = nullptr) {
+  const long long off = (long long)(blockIdx.x / (Hv / Hk)) * Dk;  // head hk's q and k
+  const int j = blockIdx.y * 32 + (threadIdx.x & 31);
+  const float vj = j < Dv ? v[(long long)blockIdx.x * Dv + j] : 0.f;
+  gdn_core<RPT>([&](int i, float& a, float& b) { a = q[off + i]; b = k[off + i]; }, vj, gh, bh, S, out, Hk, Hv, Dk,
+                Dv, qscale, snap);
+}
+
+// The Gated-DeltaNet gates from the raw projections (cupy_ops.gdn_gates' expressions): g = neg_a softplus(a + dt_bias)
+// and beta = sigmoid(b) of head h.
+__device__ __forceinline__ void gdn_gate_values(const float* __restrict__ a, const float* __restrict__ b,
+                                                const float* __restrict__ neg_a, const float* __restrict__ dt_bias,
+                                                int h, float& gh, float& bh) {
+  const float t = a[h] + dt_bias[h];
+  gh = neg_a[h] * (fmaxf(t, 0.0f) + log1pf(expf(-fabsf(t))));
+  bh = 0.5f * (tanhf(0.5f * b[h]) + 1.0f);
+}
+
 #define GDN_STEP(RPT)                                                                                          \
   extern "C" __global__ void __launch_bounds__(GDN_WARPS * 32) gdn_step_r##RPT(                               \
       const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,                   \
@@ -127,10 +151,8 @@ __device__ __forceinline__ void gdn_step(const float* __restrict__ q, const floa
       const float* __restrict__ dt_bias, float* __restrict__ S, float* __restrict__ out, int Hk, int Hv,       \
       int Dk, int Dv, float qscale) {                                                                          \
     pdl_begin();                                                                                               \
-    const int h = blockIdx.x;                                                                                  \
-    const float t = a[h] + dt_bias[h];                                                                         \
-    const float gh = neg_a[h] * (fmaxf(t, 0.0f) + log1pf(expf(-fabsf(t))));                                   \
-    const float bh = 0.5f * (tanhf(0.5f * b[h]) + 1.0f);                                                       \
+    float gh, bh;                                                                                              \
+    gdn_gate_values(a, b, neg_a, dt_bias, blockIdx.x, gh, bh);                                                 \
     gdn_step<RPT>(q, k, v, gh, bh, S, out, Hk, Hv, Dk, Dv, qscale);                                            \
   }
 
@@ -184,19 +206,31 @@ GDN_STEP_BATCH(8)
 GDN_STEP_BATCH(16)
 GDN_STEP_BATCH(32)
 
+// Channel c of the one-token conv: silu(sum_k full[k] * w[c, k]), full = the state's rows then x (read only).
+__device__ __forceinline__ float conv_value(const float* __restrict__ x, const float* __restrict__ w,
+                                            const float* __restrict__ state, int c, int C, int K) {
+  const float* wc = w + (long long)c * K;
+  float acc = 0.f;
+  for (int t = 0; t < K - 1; ++t) acc = __fadd_rn(acc, __fmul_rn(state[(long long)t * C + c], wc[t]));
+  acc = __fadd_rn(acc, __fmul_rn(x[c], wc[K - 1]));
+  const float th = tanhf(__fmul_rn(0.5f, acc));
+  return __fmul_rn(acc, __fmul_rn(0.5f, __fadd_rn(th, 1.0f)));
+}
+
+// Channel c of the state moved on by one token: full[1:].
+__device__ __forceinline__ void conv_shift(const float* __restrict__ x, float* __restrict__ state, int c, int C,
+                                           int K) {
+  for (int t = 0; t < K - 2; ++t) state[(long long)t * C + c] = state[(long long)(t + 1) * C + c];
+  if (K >= 2) state[(long long)(K - 2) * C + c] = x[c];
+}
+
 __device__ __forceinline__ void conv1d_one(const float* __restrict__ x, const float* __restrict__ w,
                                            float* __restrict__ state, float* __restrict__ y, int C, int K) {
   const int c = blockIdx.x * blockDim.x + threadIdx.x;
   if (c >= C) return;
-  const float* wc = w + (long long)c * K;
-  float acc = 0.f;
-  for (int t = 0; t < K - 1; ++t) acc = __fadd_rn(acc, __fmul_rn(state[(long long)t * C + c], wc[t]));
-  const float xc = x[c];
-  acc = __fadd_rn(acc, __fmul_rn(xc, wc[K - 1]));
-  for (int t = 0; t < K - 2; ++t) state[(long long)t * C + c] = state[(long long)(t + 1) * C + c];
-  if (K >= 2) state[(long long)(K - 2) * C + c] = xc;
-  const float th = tanhf(__fmul_rn(0.5f, acc));
-  y[c] = __fmul_rn(acc, __fmul_rn(0.5f, __fadd_rn(th, 1.0f)));
+  const float v = conv_value(x, w, state, c, C, K);
+  conv_shift(x, state, c, C, K);
+  y[c] = v;
 }
 
 extern "C" __global__ void __launch_bounds__(128) conv1d_step(const float* __restrict__ x,  // (C,)
@@ -207,6 +241,99 @@ extern "C" __global__ void __launch_bounds__(128) conv1d_step(const float* __res
   pdl_begin();
   conv1d_one(x, w, state, y, C, K);
 }
+
+// -- the whole token mixer between its projections, one token (ops.gated_delta_net) ----------------------------------
+// gdn_decode_r<RPT>(qkv (C,), cw (C, K), cs (K-1, C), a, b, neg_a, dt_bias (Hv,), S (Hv, Dk, Dv), z (Hv, Dv),
+//                   nw (Dv,), o (Hv, Dv) scratch, y (Hv, Dv), cnt (Hk + Hv,) int, Hk, Hv, Dk, Dv, K, qscale, eps)
+// with C = 2 Hk Dk + Hv Dv (q, k, v channels); grid (Hv, ceil(Dv / 32)), GDN_WARPS * 32 threads; Dv <= 128 (one warp
+// norms a head, as rms_norm_gated_f32 with 32 threads does). The launches conv1d_step, gdn_step_gates_r and
+// rms_norm_gated_f32 did, bit for bit, in one:
+//   - the conv: block (h, y) computes the q, k channels of head hk (read only; every block of hk does) and its own
+//     32 v channels of head h (only it reads them: it moves their state on itself, after the step);
+//   - the step (gdn_core) writes head h's columns to o;
+//   - then two counters (zero at rest; the last to arrive puts its counter back to zero): cnt[hk] counts the blocks
+//     that have read hk's q, k conv state, and the last of them moves those channels on; cnt[Hk + h] counts head
+//     h's column blocks, and the last of them reads o's row h (written by the others; __threadfence before the
+//     count) and writes y[h] = rms_norm(o[h], nw) * silu(z[h]) with rms_row's arithmetic for a 32-thread block.
+template <int RPT>
+__device__ __forceinline__ void gdn_decode(const float* __restrict__ qkv, const float* __restrict__ cw,
+                                           float* __restrict__ cs, const float* __restrict__ a,
+                                           const float* __restrict__ b, const float* __restrict__ neg_a,
+                                           const float* __restrict__ dt_bias, float* __restrict__ S,
+                                           const float* __restrict__ z, const float* __restrict__ nw,
+                                           float* __restrict__ o, float* __restrict__ y, int* __restrict__ cnt,
+                                           int Hk, int Hv, int Dk, int Dv, int K, float qscale, float eps) {
+  __shared__ int last[2];
+  const int h = blockIdx.x, tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
+  const int hk = h / (Hv / Hk), kd = Hk * Dk, C = 2 * kd + Hv * Dv;
+  const int j = blockIdx.y * 32 + lane;
+  const bool col = j < Dv;
+  const int cv = 2 * kd + h * Dv + j;  // this lane's v channel
+  const float vj = col ? conv_value(qkv, cw, cs, cv, C, K) : 0.f;
+  float gh, bh;
+  gdn_gate_values(a, b, neg_a, dt_bias, h, gh, bh);
+  const int cq = hk * Dk, ck = kd + hk * Dk;
+  gdn_core<RPT>([&](int i, float& qa, float& kb) {
+    qa = conv_value(qkv, cw, cs, cq + i, C, K);
+    kb = conv_value(qkv, cw, cs, ck + i, C, K);
+  }, vj, gh, bh, S, o, Hk, Hv, Dk, Dv, qscale, nullptr);
+  __syncthreads();  // every warp has read the v channels' state (gdn_core's barriers already order q and k's)
+  if (w == 0 && col) conv_shift(qkv, cs, cv, C, K);
+  __threadfence();  // o's row and the moved state visible before the counts below
+  __syncthreads();
+  if (tid == 0) {
+    const int share = (Hv / Hk) * gridDim.y;
+    last[0] = atomicAdd(cnt + hk, 1) == share - 1;
+    if (last[0]) cnt[hk] = 0;
+    last[1] = atomicAdd(cnt + Hk + h, 1) == (int)gridDim.y - 1;
+    if (last[1]) cnt[Hk + h] = 0;
+  }
+  __syncthreads();
+  if (last[0]) {  // every block of head hk has read its q, k channels: move them on
+    for (int i = tid; i < 2 * Dk; i += GDN_WARPS * 32) conv_shift(qkv, cs, i < Dk ? cq + i : ck + i - Dk, C, K);
+  }
+  if (last[1] && w == 0) {  // head h's row of o is complete: its gated norm (rms_row with 32 threads, RMS_VPT 8)
+    __threadfence();
+    float xv[8], wv[8];
+    float ss = 0.f;
+#pragma unroll
+    for (int m = 0; m < 8; ++m) {
+      const int i = lane + 32 * m;
+      xv[m] = i < Dv ? __ldcg(o + (long long)h * Dv + i) : 0.f;
+      wv[m] = i < Dv ? nw[i] : 1.f;
+    }
+#pragma unroll
+    for (int m = 0; m < 8; ++m) ss = fmaf(xv[m], xv[m], ss);
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
+    const float r = 1.0f / sqrtf(ss / (float)Dv + eps);
+#pragma unroll
+    for (int m = 0; m < 8; ++m) {
+      const int i = lane + 32 * m;
+      if (i < Dv) {
+        float v = xv[m] * r;
+        v *= wv[m];
+        y[(long long)h * Dv + i] = mul_silu(v, z[(long long)h * Dv + i]);
+      }
+    }
+  }
+}
+
+#define GDN_DECODE(RPT)                                                                                        \
+  extern "C" __global__ void __launch_bounds__(GDN_WARPS * 32) gdn_decode_r##RPT(                             \
+      const float* __restrict__ qkv, const float* __restrict__ cw, float* __restrict__ cs,                     \
+      const float* __restrict__ a, const float* __restrict__ b, const float* __restrict__ neg_a,               \
+      const float* __restrict__ dt_bias, float* __restrict__ S, const float* __restrict__ z,                   \
+      const float* __restrict__ nw, float* __restrict__ o, float* __restrict__ y, int* __restrict__ cnt,       \
+      int Hk, int Hv, int Dk, int Dv, int K, float qscale, float eps) {                                        \
+    pdl_begin();                                                                                               \
+    gdn_decode<RPT>(qkv, cw, cs, a, b, neg_a, dt_bias, S, z, nw, o, y, cnt, Hk, Hv, Dk, Dv, K, qscale, eps);    \
+  }
+
+GDN_DECODE(4)
+GDN_DECODE(8)
+GDN_DECODE(16)
+GDN_DECODE(32)
 
 // B sequences: grid (ceil(C / 128), B); sequence b = blockIdx.y: row b of x and y, the state states[b].
 extern "C" __global__ void __launch_bounds__(128) conv1d_step_batch(const float* __restrict__ x,  // (B, C)

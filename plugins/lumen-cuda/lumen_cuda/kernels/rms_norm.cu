@@ -3,6 +3,7 @@
 // (offset adds to w; with offset == 0 the weight is used as is). Block: a multiple of 32 threads, <= 1024.
 // No headers: compiles under NVRTC and nvcc alike (sm_90, sm_120a).
 
+#include "act.cuh"
 #include "pdl.cuh"
 
 #define RMS_VPT 8  // values per thread kept in registers (D <= 8 x threads); larger rows re-read x
@@ -24,8 +25,6 @@ __device__ __forceinline__ float block_sum(float v, float* partial) {
   return partial[0];
 }
 
-// u * silu(g) as the elementwise kernel of lumen_cuda.cupy_ops computes it (the sigmoid through tanh, the CPU's)
-__device__ __forceinline__ float mul_silu(float u, float g) { return u * (g * (0.5f * (tanhf(0.5f * g) + 1.0f))); }
 
 // One row; gate (T, D) or nullptr: with it, rms_norm_gated's y = rms_norm(x, w) * silu(gate), the norm's value
 // rounded to f32 first, as the unfused ops (rms_norm, then mul_silu) round it. res (T, D) or nullptr: with it the
