@@ -534,7 +534,7 @@ def test_moe_shared_equals_the_composite(cp, gpu, moe, ops, monkeypatch, kind, T
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("with_shared", [True, False], ids=["shared", "routed-only"])
+@pytest.mark.parametrize("with_shared", [True, False], ids=["with-shared-expert", "routed-only"])
 @pytest.mark.parametrize("kind,E,k,tied", [("fp8-block128", 256, 8, False), ("nvfp4", 256, 8, False),
                                            ("bf16", 256, 8, False), ("f16", 128, 8, True), ("f32", 60, 4, True),
                                            ("fp8-block128", 512, 16, False), ("bf16", 8, 1, False)])

@@ -302,6 +302,11 @@ def _per_slot(gsrc, dsrc, gfmt, dfmt, gblock, dblock, x, ids, ids64, w, y, E, H,
         ((I + rg * WARPS - 1) // (rg * WARPS), min(S, MAX_GRID_Y)), (WARPS * 32,),
         (gsrc[0], ids, np.int32(ids64), x, h, np.int32(S), np.int32(k), np.int32(E), np.int32(I), np.int32(H),
          *(np.int32(v) for v in gblock), a))
+    _down(dsrc, dblock, rd, ids, ids64, w, h, y, T, k, E, H, I)
+
+
+def _down(dsrc, dblock, rd, ids, ids64, w, h, y, T, k, E, H, I):
+    """Kernel B of the per-slot path: y[t] = sum over j of w[t, j] * down_{ids[t, j]} . h[t k + j], rd rows a warp."""
     _fn(f"moe_down_{dsrc[1]}_r{rd}")(
         ((H + rd * WARPS - 1) // (rd * WARPS), min(T, MAX_GRID_Y)), (WARPS * 32,),
         (dsrc[0], ids, np.int32(ids64), w, h, y, np.int32(T), np.int32(k), np.int32(E), np.int32(H), np.int32(I),
@@ -467,16 +472,13 @@ def experts_routed(x, logits, shared, k: int, gate_up, down, act: str = "silu", 
         assert w.flags.c_contiguous and ids.flags.c_contiguous
     h = _scratch(tg.scratch, n, I)
     y = _out(out, 1, H)
-    rg, rd = ROUTED_ROWS, ROWS_DOWN_T1
+    rg = ROUTED_ROWS
     _fn(f"moe_gate_up_routed_{tg.fmt}_r{rg}")(
         ((I + rg * WARPS - 1) // (rg * WARPS), n), (WARPS * 32,),
         (tg.ptrs, lg, sh if sh is not None else np.uint64(0), ids, w, x, h, np.int32(k), np.int32(Er), np.int32(E),
          np.int32(I), np.int32(H), *(np.int32(v) for v in tg.block), np.int32(ACTS[act]),
          np.int32(bool(normalize))))
-    _fn(f"moe_down_{td.fmt}_r{rd}")(
-        ((H + rd * WARPS - 1) // (rd * WARPS), 1), (WARPS * 32,),
-        (td.ptrs, ids, np.int32(1), w, h, y, np.int32(1), np.int32(n), np.int32(E), np.int32(H), np.int32(I),
-         *(np.int32(v) for v in td.block)))
+    _down((td.ptrs, td.fmt), td.block, ROWS_DOWN_T1, ids, 1, w, h, y, 1, n, E, H, I)
     return y
 
 
