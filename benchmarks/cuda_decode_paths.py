@@ -1,12 +1,14 @@
 """Decode step on the GPU with and without the fused decode ops and PDL, in one run: the unfused step (the named
-baseline, ``base``: ``LUMEN_CUDA_DECODE_FUSION=0``), the default (``fused``: the shared expert as a routed slot, the
+baseline, ``base``: ``LUMEN_CUDA_DECODE_FUSION=0``), the fused step (``fused``: the shared expert as a routed slot, the
 fused norms, the gates in the Gated-DeltaNet step) and that with the opt-ins: ``LUMEN_CUDA_PDL`` (``fused+pdl``,
 ``-noprefetch``, ``-late``: programmatic dependent launch in the captured step) and ``LUMEN_CUDA_PARTIAL_FUSION=1``
 (``fused+partial``: the agreeing members of a projection group fused where others differ, e.g. the Gated-DeltaNet's fp8
 qkv, z, b, a in one launch) and ``LUMEN_CUDA_ROUTE_IN_EXPERTS=1`` (``fused+route``: the MoE routing inside the gate/up
 kernel, one launch fewer a MoE layer) and ``LUMEN_CUDA_MOE_GATE_UP_BLOCKS=5`` (``fused+gu5``: the gate/up kernels
 compiled to fit 5 blocks an SM) and ``LUMEN_CUDA_GDN_DECODE=1`` (``fused+gdn``: the Gated-DeltaNet's conv, step and
-gated norm in one kernel); ``fused+all``: every opt-in at once. Per row and variant: the captured decode graph
+gated norm in one kernel); ``fused+all``: all of them (PDL as ``noprefetch``), ``all-<one>``: all but that one.
+Every variant sets every setting (``fused``: fusion on, every other one off), whatever the defaults; ``default`` sets
+none (what a user gets). Per row and variant: the captured decode graph
 replayed alone (GPU ms a step, the median of ``--repeat`` runs of ``--steps`` replays), tok/s, the fraction of the
 bandwidth bound (bytes a step reads / the read bandwidth measured in the same run; a MoE step reads top-k of E routed
 experts) and the ratio to ``base``; then the greedy tokens of each variant against ``base``'s (the fusions change the
@@ -31,23 +33,29 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-VARIANTS = {"base": {"LUMEN_CUDA_DECODE_FUSION": "0"}, "fused": {"LUMEN_CUDA_DECODE_FUSION": "1"},
-            "fused+pdl": {"LUMEN_CUDA_DECODE_FUSION": "1", "LUMEN_CUDA_PDL": "1"},
-            "fused+pdl-noprefetch": {"LUMEN_CUDA_DECODE_FUSION": "1", "LUMEN_CUDA_PDL": "noprefetch"},
-            "fused+pdl-late": {"LUMEN_CUDA_DECODE_FUSION": "1", "LUMEN_CUDA_PDL": "late"},
-            "fused+partial": {"LUMEN_CUDA_DECODE_FUSION": "1", "LUMEN_CUDA_PARTIAL_FUSION": "1"},
-            "fused+partial+pdl-noprefetch": {"LUMEN_CUDA_DECODE_FUSION": "1", "LUMEN_CUDA_PARTIAL_FUSION": "1",
-                                             "LUMEN_CUDA_PDL": "noprefetch"},
-            "fused+route": {"LUMEN_CUDA_DECODE_FUSION": "1", "LUMEN_CUDA_ROUTE_IN_EXPERTS": "1"},
-            "fused+gu5": {"LUMEN_CUDA_DECODE_FUSION": "1", "LUMEN_CUDA_MOE_GATE_UP_BLOCKS": "5"},
-            "fused+gdn": {"LUMEN_CUDA_DECODE_FUSION": "1", "LUMEN_CUDA_GDN_DECODE": "1"},
-            "fused+all": {"LUMEN_CUDA_DECODE_FUSION": "1", "LUMEN_CUDA_PARTIAL_FUSION": "1",
-                          "LUMEN_CUDA_ROUTE_IN_EXPERTS": "1", "LUMEN_CUDA_MOE_GATE_UP_BLOCKS": "5",
-                          "LUMEN_CUDA_GDN_DECODE": "1", "LUMEN_CUDA_PDL": "noprefetch"},
-            "fused+partial+route+pdl-noprefetch": {"LUMEN_CUDA_DECODE_FUSION": "1", "LUMEN_CUDA_PARTIAL_FUSION": "1",
-                                                   "LUMEN_CUDA_ROUTE_IN_EXPERTS": "1", "LUMEN_CUDA_PDL": "noprefetch"}}
 KNOBS = ("LUMEN_CUDA_DECODE_FUSION", "LUMEN_CUDA_PDL", "LUMEN_CUDA_PARTIAL_FUSION", "LUMEN_CUDA_ROUTE_IN_EXPERTS",
          "LUMEN_CUDA_MOE_GATE_UP_BLOCKS", "LUMEN_CUDA_GDN_DECODE")
+# Every variant sets every knob, so that a row means the same whatever the defaults are; ``default`` sets none.
+_OFF = dict.fromkeys(KNOBS, "0") | {"LUMEN_CUDA_DECODE_FUSION": "1"}
+_ON = {"pdl": {"LUMEN_CUDA_PDL": "1"}, "pdl-noprefetch": {"LUMEN_CUDA_PDL": "noprefetch"},
+       "pdl-late": {"LUMEN_CUDA_PDL": "late"}, "partial": {"LUMEN_CUDA_PARTIAL_FUSION": "1"},
+       "route": {"LUMEN_CUDA_ROUTE_IN_EXPERTS": "1"}, "gu5": {"LUMEN_CUDA_MOE_GATE_UP_BLOCKS": "5"},
+       "gdn": {"LUMEN_CUDA_GDN_DECODE": "1"}}
+_ALL = ("partial", "route", "gu5", "gdn", "pdl-noprefetch")
+
+
+def _variant(*parts: str) -> dict:
+    env = dict(_OFF)
+    for part in parts:
+        env |= _ON[part]
+    return env
+
+
+VARIANTS = {"base": _OFF | {"LUMEN_CUDA_DECODE_FUSION": "0"}, "fused": _variant(), "default": {},
+            **{f"fused+{k}": _variant(k) for k in _ON},
+            "fused+partial+pdl-noprefetch": _variant("partial", "pdl-noprefetch"),
+            "fused+partial+route+pdl-noprefetch": _variant("partial", "route", "pdl-noprefetch"),
+            "fused+all": _variant(*_ALL), **{f"all-{k}": _variant(*(o for o in _ALL if o != k)) for k in _ALL}}
 
 
 def replay_ms(cp, runner, steps: int, repeat: int) -> float:
