@@ -86,9 +86,7 @@ def routing(cp, rng, E, k, dtype=np.int64, T=1):
 @pytest.mark.parametrize("normalize", [True, False])
 @pytest.mark.parametrize("E,k,tied", [(8, 2, False), (256, 8, False), (128, 8, True), (512, 16, False),
                                       (60, 4, True)])
-@pytest.mark.parametrize("warp", [True, False], ids=["warp-per-row", "block-per-row"])
-def test_route_matches_ops(cp, moe, ops, E, k, tied, normalize, warp, monkeypatch):
-    monkeypatch.setattr(moe, "ROUTE_WARP", warp)
+def test_route_matches_ops(cp, moe, ops, E, k, tied, normalize):
     rng = np.random.default_rng(E + k)
     for T in (1, 3, 9):
         if tied:  # few distinct values: many equal probabilities, ties -> the lower index first

@@ -67,7 +67,6 @@ from .step import require_host
 WARPS = 4  # MOE_WARPS in moe.cu
 MAX_E, MAX_K = 1024, 32  # ROUTE_MAX_E / ROUTE_MAX_K
 ROUTE_THREADS = 256
-ROUTE_WARP, ROUTE_WARPS = False, 4  # moe_route.cu (one warp a row) measured ~1 us slower than moe.cu (a block a row)
 ALIGN = {"bf16": 8, "f16": 8, "f32": 4, "fp8": 16, "nvfp4": 32}  # values per 16-byte load (K % ALIGN == 0)
 DTYPE = {"bf16": np.uint16, "f16": np.float16, "f32": np.float32, "fp8": np.uint8, "nvfp4": np.uint8}
 NVFP4_GROUP = 16  # values per e4m3 block scale
@@ -131,9 +130,6 @@ def route(logits, k: int, normalize: bool = True, out=None, shared=None):
     if shared is not None:
         _fn("moe_route_shared_f32")((T,), (ROUTE_THREADS,), (lg, cp.ascontiguousarray(shared), w, ids, np.int32(E),
                                                             np.int32(k), np.int32(bool(normalize))))
-    elif ROUTE_WARP:  # one warp per row (kernels/moe_route.cu): no block barriers
-        kernels.function("moe_route", "moe_route_warp")(((T + ROUTE_WARPS - 1) // ROUTE_WARPS,), (ROUTE_WARPS * 32,),
-           (lg, w, ids, np.int32(T), np.int32(E), np.int32(k), np.int32(bool(normalize))))
     else:  # one block per row (moe.cu)
         _fn("moe_route_f32")((T,), (ROUTE_THREADS,), (lg, w, ids, np.int32(E), np.int32(k), np.int32(bool(normalize))))
     return w, ids
