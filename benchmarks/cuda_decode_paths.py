@@ -6,7 +6,9 @@ fused norms, the gates in the Gated-DeltaNet step) and that with the opt-ins: ``
 qkv, z, b, a in one launch) and ``LUMEN_CUDA_ROUTE_IN_EXPERTS=1`` (``fused+route``: the MoE routing inside the gate/up
 kernel, one launch fewer a MoE layer) and ``LUMEN_CUDA_MOE_GATE_UP_BLOCKS=5`` (``fused+gu5``: the gate/up kernels
 compiled to fit 5 blocks an SM) and ``LUMEN_CUDA_GDN_DECODE=1`` (``fused+gdn``: the Gated-DeltaNet's conv, step and
-gated norm in one kernel); ``fused+all``: all of them (PDL as ``noprefetch``), ``all-<one>``: all but that one.
+gated norm in one kernel) and ``LUMEN_CUDA_MOE_DOWN_SPLIT=1`` (``fused+split``: the one-token down GEMV with the
+slots over the block's warps); ``fused+all``: all of them but the last (PDL as ``noprefetch``), ``all+split`` with
+it, ``all-<one>``: all but that one.
 Every variant sets every setting (``fused``: fusion on, every other one off), whatever the defaults; ``default`` sets
 none (what a user gets). Per row and variant: the captured decode graph
 replayed alone (GPU ms a step, the median of ``--repeat`` runs of ``--steps`` replays), tok/s, the fraction of the
@@ -34,13 +36,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 KNOBS = ("LUMEN_CUDA_DECODE_FUSION", "LUMEN_CUDA_PDL", "LUMEN_CUDA_PARTIAL_FUSION", "LUMEN_CUDA_ROUTE_IN_EXPERTS",
-         "LUMEN_CUDA_MOE_GATE_UP_BLOCKS", "LUMEN_CUDA_GDN_DECODE")
+         "LUMEN_CUDA_MOE_GATE_UP_BLOCKS", "LUMEN_CUDA_GDN_DECODE", "LUMEN_CUDA_MOE_DOWN_SPLIT")
 # Every variant sets every knob, so that a row means the same whatever the defaults are; ``default`` sets none.
 _OFF = dict.fromkeys(KNOBS, "0") | {"LUMEN_CUDA_DECODE_FUSION": "1"}
 _ON = {"pdl": {"LUMEN_CUDA_PDL": "1"}, "pdl-noprefetch": {"LUMEN_CUDA_PDL": "noprefetch"},
        "pdl-late": {"LUMEN_CUDA_PDL": "late"}, "partial": {"LUMEN_CUDA_PARTIAL_FUSION": "1"},
        "route": {"LUMEN_CUDA_ROUTE_IN_EXPERTS": "1"}, "gu5": {"LUMEN_CUDA_MOE_GATE_UP_BLOCKS": "5"},
-       "gdn": {"LUMEN_CUDA_GDN_DECODE": "1"}}
+       "gdn": {"LUMEN_CUDA_GDN_DECODE": "1"}, "split": {"LUMEN_CUDA_MOE_DOWN_SPLIT": "1"}}
 _ALL = ("partial", "route", "gu5", "gdn", "pdl-noprefetch")
 
 
@@ -55,7 +57,8 @@ VARIANTS = {"base": _OFF | {"LUMEN_CUDA_DECODE_FUSION": "0"}, "fused": _variant(
             **{f"fused+{k}": _variant(k) for k in _ON},
             "fused+partial+pdl-noprefetch": _variant("partial", "pdl-noprefetch"),
             "fused+partial+route+pdl-noprefetch": _variant("partial", "route", "pdl-noprefetch"),
-            "fused+all": _variant(*_ALL), **{f"all-{k}": _variant(*(o for o in _ALL if o != k)) for k in _ALL}}
+            "fused+all": _variant(*_ALL), "all+split": _variant(*_ALL, "split"),
+            **{f"all-{k}": _variant(*(o for o in _ALL if o != k)) for k in _ALL}}
 
 
 def replay_ms(cp, runner, steps: int, repeat: int) -> float:

@@ -615,6 +615,44 @@ def test_gate_up_blocks_setting_changes_no_bit(cp, gpu, moe, monkeypatch, kind):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["bf16", "fp8-block128", "fp8-channel", "f32", "nvfp4", "packed-bf16"])
+@pytest.mark.parametrize("E,k,H,I", [(16, 4, 256, 128), (64, 9, 512, 256), (40, 13, 272, 64), (48, 40, 64, 32),
+                                      (48, 41, 64, 32)])
+def test_down_split_changes_no_bit(cp, gpu, moe, monkeypatch, kind, E, k, H, I):
+    """LUMEN_CUDA_MOE_DOWN_SPLIT=1 (a token's slots over the block's warps, moe_down_split_*) gives the chunked
+    kernel's bits for one token: k from 4 to SPLIT_MAX_S (one round of loads, two, several; 41 declines), an id
+    outside [0, E) among the slots (skipped); NVFP4 declines (not built). Also through the routed path
+    (experts_routed, k <= MAX_K). Bad values are named."""
+    rng = np.random.default_rng(E + k + H)
+    if kind == "packed-bf16":
+        gate_up = gpu.weight((rng.normal(size=(E, 2 * I, H)) * 0.05).astype(ml_dtypes.bfloat16), "bf16", "vram")
+        down = gpu.weight((rng.normal(size=(E, H, I)) * 0.05).astype(ml_dtypes.bfloat16), "bf16", "vram")
+        run = moe.experts_packed
+    else:
+        gate_up, down = experts(gpu, rng, E, H, I, kind)
+        run = moe.experts
+    x = cp.asarray(rng.normal(size=(1, H)).astype(np.float32))
+    ids, w = routing(cp, rng, E, k)
+    bad = ids.copy()
+    bad[0, k // 2] = E + 3  # an id outside [0, E): its slot contributes nothing
+    logits = cp.asarray((rng.normal(size=(1, E)) * 2).astype(np.float32))
+    outs = {}
+    for v in ("0", "1"):
+        monkeypatch.setenv("LUMEN_CUDA_MOE_DOWN_SPLIT", v)
+        got = [run(x, ids, w, gate_up, down, "silu", out=cp.full((1, H), np.nan, dtype=cp.float32)),
+               run(x, bad, w, gate_up, down, "silu")]
+        if kind != "packed-bf16" and k <= moe.MAX_K:
+            got.append(moe.experts_routed(x, logits, None, k, gate_up, down))
+        outs[v] = got
+    for a, b in zip(outs["0"], outs["1"], strict=True):
+        np.testing.assert_array_equal(host(b), host(a))
+        assert np.isfinite(host(a)).all()
+    assert moe.down_split({}) is False and moe.down_split({"LUMEN_CUDA_MOE_DOWN_SPLIT": "1"}) is True
+    with pytest.raises(ValueError, match="LUMEN_CUDA_MOE_DOWN_SPLIT='yes'"):
+        moe.down_split({"LUMEN_CUDA_MOE_DOWN_SPLIT": "yes"})
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["bf16", "fp8-block128", "nvfp4"])
 def test_moe_shared_routing_in_the_gate_up_kernel_changes_no_bit(cp, gpu, moe, monkeypatch, kind):
     """ops.moe_shared with LUMEN_CUDA_ROUTE_IN_EXPERTS=1 equals it with 0 at T = 1 (bit for bit) and at T = 3 (the

@@ -348,14 +348,14 @@ class CUDABackend(Backend):
         from .graph import decode_runner
         from .hostcall import mode, timeout_ns
         from .kernels import decode_fusion, pdl_enabled
-        from .moe import gate_up_blocks, route_in_experts
+        from .moe import down_split, gate_up_blocks, route_in_experts
 
         # a bad LUMEN_HOSTCALL / LUMEN_HOSTCALL_TIMEOUT / LUMEN_CUDA_MMA_PREFILL / LUMEN_CUDA_X3_SLOTS /
         # LUMEN_CUDA_DECODE_FUSION / LUMEN_CUDA_PDL / LUMEN_CUDA_FLASH / LUMEN_CUDA_PARTIAL_FUSION /
-        # LUMEN_CUDA_ROUTE_IN_EXPERTS / LUMEN_CUDA_MOE_GATE_UP_BLOCKS / LUMEN_CUDA_GDN_DECODE is named here, at load,
-        # not mid-prompt
+        # LUMEN_CUDA_ROUTE_IN_EXPERTS / LUMEN_CUDA_MOE_GATE_UP_BLOCKS / LUMEN_CUDA_GDN_DECODE /
+        # LUMEN_CUDA_MOE_DOWN_SPLIT is named here, at load, not mid-prompt
         mode(), timeout_ns(), requested(os.environ), slot_block(os.environ), decode_fusion(), pdl_enabled()
-        flash_mode(), partial_fusion(), route_in_experts(), gate_up_blocks(), gdn_decode()
+        flash_mode(), partial_fusion(), route_in_experts(), gate_up_blocks(), gdn_decode(), down_split()
         runner, why = decode_runner(model, self, context_size)
         if runner is None:
             raise NotImplementedError(why)

@@ -75,6 +75,7 @@ NVFP4_GROUP = 16  # values per e4m3 block scale
 ROWS_GATE_UP = {"bf16": 2, "f16": 2, "f32": 2, "fp8": 2, "nvfp4": 2}
 ROWS_DOWN = {"bf16": 2, "f16": 2, "f32": 2, "fp8": 4, "nvfp4": 2}
 ROWS_DOWN_T1 = 1
+SPLIT_ROWS, SPLIT_WARPS, SPLIT_MAX_S = 2, 2, 40  # moe.cu's DS_ROWS, DS_WARPS, DS_MAX_S (down_split)
 ACTS = {"silu": 0, "gelu_tanh": 1}
 
 def _fn(name: str) -> cp.RawKernel:
@@ -301,8 +302,27 @@ def _per_slot(gsrc, dsrc, gfmt, dfmt, gblock, dblock, x, ids, ids64, w, y, E, H,
     _down(dsrc, dblock, rd, ids, ids64, w, h, y, T, k, E, H, I)
 
 
+def down_split(env=None) -> bool:
+    """``LUMEN_CUDA_MOE_DOWN_SPLIT``: 1 runs a one-token down GEMV as ``moe_down_split_*`` (a token's slots over the
+    block's warps, one round of dependent loads: moe.cu's down_split; the same bits) where it is built (not NVFP4)
+    and the token has at most ``SPLIT_MAX_S`` slots; unset or 0 (the default until a GPU has measured it), the
+    chunked kernel. Read at each call; anything else is an error naming it."""
+    v = (os.environ if env is None else env).get("LUMEN_CUDA_MOE_DOWN_SPLIT", "")
+    if v not in ("", "0", "1"):
+        raise ValueError(f"LUMEN_CUDA_MOE_DOWN_SPLIT={v!r}: use 1 (the one-token down GEMV with the slots split over "
+                         "warps) or 0 (the chunked kernel, the default)")
+    return v == "1"
+
+
 def _down(dsrc, dblock, rd, ids, ids64, w, h, y, T, k, E, H, I):
-    """Kernel B of the per-slot path: y[t] = sum over j of w[t, j] * down_{ids[t, j]} . h[t k + j], rd rows a warp."""
+    """Kernel B of the per-slot path: y[t] = sum over j of w[t, j] * down_{ids[t, j]} . h[t k + j], rd rows a warp
+    (one token with ``down_split``: ``moe_down_split_*``, SPLIT_ROWS rows a block)."""
+    if T == 1 and k <= SPLIT_MAX_S and not dsrc[1].endswith("nvfp4") and down_split():
+        _fn(f"moe_down_split_{dsrc[1]}")(
+            ((H + SPLIT_ROWS - 1) // SPLIT_ROWS,), (SPLIT_WARPS * 32,),
+            (dsrc[0], ids, np.int32(ids64), w, h, y, np.int32(k), np.int32(E), np.int32(H), np.int32(I),
+             *(np.int32(v) for v in dblock)))
+        return
     _fn(f"moe_down_{dsrc[1]}_r{rd}")(
         ((H + rd * WARPS - 1) // (rd * WARPS), min(T, MAX_GRID_Y)), (WARPS * 32,),
         (dsrc[0], ids, np.int32(ids64), w, h, y, np.int32(T), np.int32(k), np.int32(E), np.int32(H), np.int32(I),

@@ -682,6 +682,110 @@ __device__ __forceinline__ void down(const void* __restrict__ wsrc, const void* 
   }
 }
 
+// -- down for one token, the slots split over the block's warps (LUMEN_CUDA_MOE_DOWN_SPLIT=1, moe.py) -----------
+// down_split: the same sums as down<FMT, 1, PACKED> at T = 1, bit for bit, with a shorter chain of dependent loads.
+// down walks a token's k slots in chunks of KC (id -> table entries -> weights, then the next chunk: at the
+// 35B-A3B's 9 slots two rounds of three dependent loads). Here block b owns rows [DS_ROWS b, DS_ROWS b + DS_ROWS)
+// and warp w the slots w, w + DS_WARPS, ... of the token, for all of the block's rows: with k <= DS_WARPS * DS_KW
+// slots every warp issues its ids, then its table entries, then all its weight loads in one round. Each lane keeps
+// part[c][r] exactly as down does (dot_load over its columns in ascending order; nvfp4 times the expert's global
+// scale) and leaves it in shared memory; then warp r adds row r's parts into acc in slot order, acc = fmaf(w_j,
+// part_j, acc), j ascending (an invalid id: skipped), and reduces acc across the warp with warp_sum: the arithmetic,
+// and so the bits, of down. grid ceil(H / DS_ROWS), DS_WARPS * 32 threads; k <= DS_MAX_S. Sizes: at H = 2048 the
+// 1024 blocks of 64 threads fit one wave on 132 SMs at <= 128 registers (fp8 and nvfp4 spill with 4 rows and 3
+// slots a warp under that cap; nvcc 13, sm_90). Not built for nvfp4 (it spills at these sizes too): down runs.
+#define DS_ROWS 2   // rows a block (<= DS_WARPS: warp r sums row r)
+#define DS_WARPS 2  // warps a block
+#define DS_KW 5     // slots a warp loads in one round: DS_WARPS * DS_KW = 10 slots of a token in one round
+#define DS_MAX_S 40  // slots of the token (k, with the shared expert's): shared memory DS_MAX_S x DS_ROWS x 32 floats
+
+template <int FMT, bool PACKED>
+__device__ __forceinline__ void down_split(const void* __restrict__ wsrc, const void* __restrict__ ids, int ids64,
+                                           const float* __restrict__ weights, const float* __restrict__ h,
+                                           float* __restrict__ out, int k, int E, int H, int I, int BR, int BC,
+                                           int SK) {
+  constexpr int VEC = Fmt<FMT>::VEC, STEP = 32 * VEC;
+  __shared__ float sp[DS_MAX_S][DS_ROWS][32];  // each slot's per-lane partial sums, by row
+  __shared__ float sw[DS_MAX_S];               // each slot's routing weight
+  __shared__ bool sok[DS_MAX_S];               // whether its id is in [0, E)
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int row0 = blockIdx.x * DS_ROWS;
+  long long roff[DS_ROWS], soff[DS_ROWS];
+#pragma unroll
+  for (int r = 0; r < DS_ROWS; ++r) {  // a ragged last block re-reads row H-1, never writes it
+    const int row = min(row0 + r, H - 1);
+    roff[r] = nbytes<FMT>((long long)row * I);
+    soff[r] = scale_off<FMT>(row, BR, SK);
+  }
+  for (int j0 = warp; j0 < k; j0 += DS_WARPS * DS_KW) {
+    int e[DS_KW];
+    float wj[DS_KW];
+#pragma unroll
+    for (int c = 0; c < DS_KW; ++c) {  // 1: this warp's ids and weights
+      const int j = j0 + c * DS_WARPS;
+      e[c] = j < k ? load_id(ids, ids64, j) : -1;
+      wj[c] = j < k ? weights[j] : 0.f;
+    }
+    const unsigned char* D[DS_KW];
+    const unsigned char* S[DS_KW];
+    float GS[DS_KW];
+    bool ok[DS_KW];
+#pragma unroll
+    for (int c = 0; c < DS_KW; ++c) {  // 2: their table entries
+      ok[c] = e[c] >= 0 && e[c] < E;
+      D[c] = S[c] = nullptr;
+      GS[c] = 1.f;
+      if (ok[c]) expert_down<FMT, PACKED>(wsrc, e[c], E, H, I, D[c], S[c], GS[c]);
+    }
+    float part[DS_KW][DS_ROWS];
+#pragma unroll
+    for (int c = 0; c < DS_KW; ++c)
+#pragma unroll
+      for (int r = 0; r < DS_ROWS; ++r) part[c][r] = 0.f;
+#pragma unroll 1
+    for (int k0 = lane * VEC; k0 < I; k0 += STEP) {
+      uint4 wv[DS_KW][DS_ROWS];
+      float2 sc[DS_KW][DS_ROWS];
+#pragma unroll
+      for (int c = 0; c < DS_KW; ++c)  // 3: every weight and scale load of the step before any FMA
+#pragma unroll
+        for (int r = 0; r < DS_ROWS; ++r) {
+          wv[c][r] = ok[c] ? ld_stream16(D[c] + roff[r] + nbytes<FMT>(k0)) : make_uint4(0, 0, 0, 0);
+          sc[c][r] = ok[c] ? load_scale<FMT>(S[c] + soff[r], k0, BC) : make_float2(0.f, 0.f);
+        }
+#pragma unroll
+      for (int c = 0; c < DS_KW; ++c) {
+        if (ok[c]) {
+          float xv[VEC];
+          load_x<VEC>(h + (long long)(j0 + c * DS_WARPS) * I + k0, xv);
+#pragma unroll
+          for (int r = 0; r < DS_ROWS; ++r) part[c][r] = dot_load<FMT>(wv[c][r], xv, sc[c][r], part[c][r]);
+        }
+      }
+    }
+#pragma unroll
+    for (int c = 0; c < DS_KW; ++c) {
+      const int j = j0 + c * DS_WARPS;
+      if (j < k) {
+#pragma unroll
+        for (int r = 0; r < DS_ROWS; ++r) sp[j][r][lane] = FMT == 4 ? part[c][r] * GS[c] : part[c][r];
+        if (lane == 0) {
+          sw[j] = wj[c];
+          sok[j] = ok[c];
+        }
+      }
+    }
+  }
+  __syncthreads();
+  const int r = warp;  // 4: row r's slots in order, as down's acc
+  if (r >= DS_ROWS) return;  // warp-uniform
+  float acc = 0.f;
+  for (int j = 0; j < k; ++j)
+    if (sok[j]) acc = fmaf(sw[j], sp[j][r][lane], acc);
+  warp_sum<1>(&acc);
+  if (lane == 0 && row0 + r < H) out[row0 + r] = acc;
+}
+
 // -- grouped kernels (larger T): slots bucketed by expert on the device ------------------------------------------
 // moe_bucket(ids (S,), ids64, S, E, off (E + 1,) int32, order (S,) int32); grid 1, block BUCKET_THREADS:
 //   order[off[e] .. off[e + 1]) = the slots routed to expert e (any order within a bucket: every slot is computed
@@ -956,6 +1060,17 @@ __host__ __device__ constexpr int gate_up_min_blocks(int fmt, int rows) {
     down_grouped<FMT, ROWS, PACKED>(wsrc, off, order, h, ys, E, H, I, BR, BC, SK);                             \
   }
 
+// moe_down_split_<fmt>(tab or packed base, ids, ids64, weights (k,) f32, h (k, I), out (1, H) f32, k, E, H, I, BR,
+//                      BC, SK); grid ceil(H / DS_ROWS), k <= DS_MAX_S (down_split)
+#define MOE_SPLIT(NAME, FMT, PACKED)                                                                           \
+  extern "C" __global__ void __launch_bounds__(DS_WARPS * 32, 8)                                            \
+      moe_down_split_##NAME(const void* __restrict__ wsrc, const void* __restrict__ ids, int ids64,            \
+                            const float* __restrict__ weights, const float* __restrict__ h,                    \
+                            float* __restrict__ out, int k, int E, int H, int I, int BR, int BC, int SK) {     \
+    pdl_begin();                                                                                               \
+    down_split<FMT, PACKED>(wsrc, ids, ids64, weights, h, out, k, E, H, I, BR, BC, SK);                        \
+  }
+
 #define MOE_R(NAME, FMT, PACKED)      \
   MOE_KERNELS(NAME, FMT, 1, PACKED)   \
   MOE_KERNELS(NAME, FMT, 2, PACKED)   \
@@ -963,6 +1078,13 @@ __host__ __device__ constexpr int gate_up_min_blocks(int fmt, int rows) {
   MOE_GROUPED(NAME, FMT, 2, PACKED)   \
   MOE_GROUPED(NAME, FMT, 4, PACKED)
 
+MOE_SPLIT(bf16, 0, false)
+MOE_SPLIT(f16, 1, false)
+MOE_SPLIT(f32, 2, false)
+MOE_SPLIT(fp8, 3, false)
+MOE_SPLIT(packed_bf16, 0, true)
+MOE_SPLIT(packed_f16, 1, true)
+MOE_SPLIT(packed_f32, 2, true)
 MOE_R(bf16, 0, false)
 MOE_R(f16, 1, false)
 MOE_R(f32, 2, false)
