@@ -600,12 +600,67 @@ __device__ constexpr int down_chunk(int fmt, int rows) {
 #define MOE_DOWN_MIN_BLOCKS 4  // <= 128 registers: 16 warps per SM resident
 #endif
 
+// Steps 1-3 of the down kernels for KC slots j = j0 + c * jstep (c < KC; those at or past jend are skipped): their
+// ids and routing weights, then their table entries (an id outside [0, E): ok false, the slot skipped), then per
+// column step every weight and scale load of all the slots and rows before any FMA; part[c][r] = this lane's sum
+// for row r of slot c (dot_load over its columns in ascending order), wj / ok / GS (nvfp4 global scale) per slot.
+template <int FMT, bool PACKED, int KC, int ROWS>
+__device__ __forceinline__ void down_parts(const void* __restrict__ wsrc, const void* __restrict__ ids, int ids64,
+                                           const float* __restrict__ weights, const float* __restrict__ h, int j0,
+                                           int jstep, int jend, int E, int H, int I, int BC, const long long* roff,
+                                           const long long* soff, float* wj, bool* ok, float* GS,
+                                           float (*part)[ROWS]) {
+  constexpr int VEC = Fmt<FMT>::VEC, STEP = 32 * VEC;
+  const int lane = threadIdx.x & 31;
+  int e[KC];
+#pragma unroll
+  for (int c = 0; c < KC; ++c) {  // 1: the slots' ids and routing weights
+    const int j = j0 + c * jstep;
+    e[c] = j < jend ? load_id(ids, ids64, j) : -1;
+    wj[c] = j < jend ? weights[j] : 0.f;
+  }
+  const unsigned char* D[KC];
+  const unsigned char* S[KC];
+#pragma unroll
+  for (int c = 0; c < KC; ++c) {  // 2: their table entries
+    ok[c] = e[c] >= 0 && e[c] < E;
+    D[c] = S[c] = nullptr;
+    GS[c] = 1.f;
+    if (ok[c]) expert_down<FMT, PACKED>(wsrc, e[c], E, H, I, D[c], S[c], GS[c]);
+  }
+#pragma unroll
+  for (int c = 0; c < KC; ++c)
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) part[c][r] = 0.f;
+#pragma unroll 1  // KC x ROWS loads in flight per step already; unrolling would only add registers
+  for (int k0 = lane * VEC; k0 < I; k0 += STEP) {
+    uint4 wv[KC][ROWS];
+    float2 sc[KC][ROWS];
+#pragma unroll
+    for (int c = 0; c < KC; ++c)  // 3: every weight and scale load of the step, all slots, before any FMA
+#pragma unroll
+      for (int r = 0; r < ROWS; ++r) {
+        wv[c][r] = ok[c] ? ld_stream16(D[c] + roff[r] + nbytes<FMT>(k0)) : make_uint4(0, 0, 0, 0);
+        sc[c][r] = ok[c] ? load_scale<FMT>(S[c] + soff[r], k0, BC) : make_float2(0.f, 0.f);
+      }
+#pragma unroll
+    for (int c = 0; c < KC; ++c) {
+      if (ok[c]) {
+        float xv[VEC];
+        load_x<VEC>(h + (long long)(j0 + c * jstep) * I + k0, xv);
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) part[c][r] = dot_load<FMT>(wv[c][r], xv, sc[c][r], part[c][r]);
+      }
+    }
+  }
+}
+
 template <int FMT, int ROWS, bool PACKED>
 __device__ __forceinline__ void down(const void* __restrict__ wsrc, const void* __restrict__ ids, int ids64,
                                      const float* __restrict__ weights, const float* __restrict__ h,
                                      float* __restrict__ out, int T, int k, int E, int H, int I, int BR, int BC,
                                      int SK) {
-  constexpr int VEC = Fmt<FMT>::VEC, STEP = 32 * VEC, KC = down_chunk(FMT, ROWS);
+  constexpr int KC = down_chunk(FMT, ROWS);
   const int lane = threadIdx.x & 31;
   const int row0 = (blockIdx.x * MOE_WARPS + (threadIdx.x >> 5)) * ROWS;
   if (row0 >= H) return;  // warp-uniform
@@ -622,50 +677,10 @@ __device__ __forceinline__ void down(const void* __restrict__ wsrc, const void* 
     for (int r = 0; r < ROWS; ++r) acc[r] = 0.f;
     const int jend = (t + 1) * k;
     for (int j0 = t * k; j0 < jend; j0 += KC) {
-      int e[KC];
-      float wj[KC];
-#pragma unroll
-      for (int c = 0; c < KC; ++c) {  // 1: the chunk's ids and routing weights
-        e[c] = j0 + c < jend ? load_id(ids, ids64, j0 + c) : -1;
-        wj[c] = j0 + c < jend ? weights[j0 + c] : 0.f;
-      }
-      const unsigned char* D[KC];
-      const unsigned char* S[KC];
-      float GS[KC];
+      float wj[KC], GS[KC], part[KC][ROWS];
       bool ok[KC];
-#pragma unroll
-      for (int c = 0; c < KC; ++c) {  // 2: their table entries (an invalid id: the slot is skipped)
-        ok[c] = e[c] >= 0 && e[c] < E;
-        D[c] = S[c] = nullptr;
-        GS[c] = 1.f;
-        if (ok[c]) expert_down<FMT, PACKED>(wsrc, e[c], E, H, I, D[c], S[c], GS[c]);
-      }
-      float part[KC][ROWS];
-#pragma unroll
-      for (int c = 0; c < KC; ++c)
-#pragma unroll
-        for (int r = 0; r < ROWS; ++r) part[c][r] = 0.f;
-#pragma unroll 1  // KC x ROWS loads in flight per step already; unrolling would only add registers
-      for (int k0 = lane * VEC; k0 < I; k0 += STEP) {
-        uint4 wv[KC][ROWS];
-        float2 sc[KC][ROWS];
-#pragma unroll
-        for (int c = 0; c < KC; ++c)  // 3: every weight and scale load of the step, all slots, before any FMA
-#pragma unroll
-          for (int r = 0; r < ROWS; ++r) {
-            wv[c][r] = ok[c] ? ld_stream16(D[c] + roff[r] + nbytes<FMT>(k0)) : make_uint4(0, 0, 0, 0);
-            sc[c][r] = ok[c] ? load_scale<FMT>(S[c] + soff[r], k0, BC) : make_float2(0.f, 0.f);
-          }
-#pragma unroll
-        for (int c = 0; c < KC; ++c) {
-          if (ok[c]) {
-            float xv[VEC];
-            load_x<VEC>(h + (long long)(j0 + c) * I + k0, xv);
-#pragma unroll
-            for (int r = 0; r < ROWS; ++r) part[c][r] = dot_load<FMT>(wv[c][r], xv, sc[c][r], part[c][r]);
-          }
-        }
-      }
+      down_parts<FMT, PACKED, KC, ROWS>(wsrc, ids, ids64, weights, h, j0, 1, jend, E, H, I, BC, roff, soff, wj, ok, GS,
+                                        part);
 #pragma unroll
       for (int c = 0; c < KC; ++c)  // 4: the slots in order
         if (ok[c]) {
@@ -704,7 +719,6 @@ __device__ __forceinline__ void down_split(const void* __restrict__ wsrc, const 
                                            const float* __restrict__ weights, const float* __restrict__ h,
                                            float* __restrict__ out, int k, int E, int H, int I, int BR, int BC,
                                            int SK) {
-  constexpr int VEC = Fmt<FMT>::VEC, STEP = 32 * VEC;
   __shared__ float sp[DS_MAX_S][DS_ROWS][32];  // each slot's per-lane partial sums, by row
   __shared__ float sw[DS_MAX_S];               // each slot's routing weight
   __shared__ bool sok[DS_MAX_S];               // whether its id is in [0, E)
@@ -718,51 +732,10 @@ __device__ __forceinline__ void down_split(const void* __restrict__ wsrc, const 
     soff[r] = scale_off<FMT>(row, BR, SK);
   }
   for (int j0 = warp; j0 < k; j0 += DS_WARPS * DS_KW) {
-    int e[DS_KW];
-    float wj[DS_KW];
-#pragma unroll
-    for (int c = 0; c < DS_KW; ++c) {  // 1: this warp's ids and weights
-      const int j = j0 + c * DS_WARPS;
-      e[c] = j < k ? load_id(ids, ids64, j) : -1;
-      wj[c] = j < k ? weights[j] : 0.f;
-    }
-    const unsigned char* D[DS_KW];
-    const unsigned char* S[DS_KW];
-    float GS[DS_KW];
+    float wj[DS_KW], GS[DS_KW], part[DS_KW][DS_ROWS];
     bool ok[DS_KW];
-#pragma unroll
-    for (int c = 0; c < DS_KW; ++c) {  // 2: their table entries
-      ok[c] = e[c] >= 0 && e[c] < E;
-      D[c] = S[c] = nullptr;
-      GS[c] = 1.f;
-      if (ok[c]) expert_down<FMT, PACKED>(wsrc, e[c], E, H, I, D[c], S[c], GS[c]);
-    }
-    float part[DS_KW][DS_ROWS];
-#pragma unroll
-    for (int c = 0; c < DS_KW; ++c)
-#pragma unroll
-      for (int r = 0; r < DS_ROWS; ++r) part[c][r] = 0.f;
-#pragma unroll 1
-    for (int k0 = lane * VEC; k0 < I; k0 += STEP) {
-      uint4 wv[DS_KW][DS_ROWS];
-      float2 sc[DS_KW][DS_ROWS];
-#pragma unroll
-      for (int c = 0; c < DS_KW; ++c)  // 3: every weight and scale load of the step before any FMA
-#pragma unroll
-        for (int r = 0; r < DS_ROWS; ++r) {
-          wv[c][r] = ok[c] ? ld_stream16(D[c] + roff[r] + nbytes<FMT>(k0)) : make_uint4(0, 0, 0, 0);
-          sc[c][r] = ok[c] ? load_scale<FMT>(S[c] + soff[r], k0, BC) : make_float2(0.f, 0.f);
-        }
-#pragma unroll
-      for (int c = 0; c < DS_KW; ++c) {
-        if (ok[c]) {
-          float xv[VEC];
-          load_x<VEC>(h + (long long)(j0 + c * DS_WARPS) * I + k0, xv);
-#pragma unroll
-          for (int r = 0; r < DS_ROWS; ++r) part[c][r] = dot_load<FMT>(wv[c][r], xv, sc[c][r], part[c][r]);
-        }
-      }
-    }
+    down_parts<FMT, PACKED, DS_KW, DS_ROWS>(wsrc, ids, ids64, weights, h, j0, DS_WARPS, k, E, H, I, BC, roff, soff, wj,
+                                            ok, GS, part);
 #pragma unroll
     for (int c = 0; c < DS_KW; ++c) {
       const int j = j0 + c * DS_WARPS;
