@@ -622,7 +622,7 @@ def test_down_split_changes_no_bit(cp, gpu, moe, monkeypatch, kind, E, k, H, I):
     """LUMEN_CUDA_MOE_DOWN_SPLIT=1 (a token's slots over the block's warps, moe_down_split_*) gives the chunked
     kernel's bits for one token: k from 4 to SPLIT_MAX_S (one round of loads, two, several; 41 declines), an id
     outside [0, E) among the slots (skipped); NVFP4 declines (not built). Also through the routed path
-    (experts_routed, k <= MAX_K). Bad values are named."""
+    (experts_routed, k <= MAX_K). The split kernel is seen to run (moe._fn watched). Bad values are named."""
     rng = np.random.default_rng(E + k + H)
     if kind == "packed-bf16":
         gate_up = gpu.weight((rng.normal(size=(E, 2 * I, H)) * 0.05).astype(ml_dtypes.bfloat16), "bf16", "vram")
@@ -636,7 +636,13 @@ def test_down_split_changes_no_bit(cp, gpu, moe, monkeypatch, kind, E, k, H, I):
     bad = ids.copy()
     bad[0, k // 2] = E + 3  # an id outside [0, E): its slot contributes nothing
     logits = cp.asarray((rng.normal(size=(1, E)) * 2).astype(np.float32))
-    outs = {}
+    outs, launched, fn = {}, [], moe._fn
+
+    def spy(name):
+        launched.append(name)
+        return fn(name)
+
+    monkeypatch.setattr(moe, "_fn", spy)
     for v in ("0", "1"):
         monkeypatch.setenv("LUMEN_CUDA_MOE_DOWN_SPLIT", v)
         got = [run(x, ids, w, gate_up, down, "silu", out=cp.full((1, H), np.nan, dtype=cp.float32)),
@@ -647,6 +653,12 @@ def test_down_split_changes_no_bit(cp, gpu, moe, monkeypatch, kind, E, k, H, I):
     for a, b in zip(outs["0"], outs["1"], strict=True):
         np.testing.assert_array_equal(host(b), host(a))
         assert np.isfinite(host(a)).all()
+    split = [n for n in launched if n.startswith("moe_down_split_")]
+    if kind == "nvfp4" or k > moe.SPLIT_MAX_S:
+        assert not split
+    else:  # it ran: every call with the setting on (none with it off)
+        fmt = "packed_bf16" if kind == "packed-bf16" else kind.split("-")[0]
+        assert split == [f"moe_down_split_{fmt}"] * len(outs["1"]), launched
     assert moe.down_split({}) is False and moe.down_split({"LUMEN_CUDA_MOE_DOWN_SPLIT": "1"}) is True
     with pytest.raises(ValueError, match="LUMEN_CUDA_MOE_DOWN_SPLIT='yes'"):
         moe.down_split({"LUMEN_CUDA_MOE_DOWN_SPLIT": "yes"})
