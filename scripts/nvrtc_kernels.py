@@ -16,6 +16,7 @@ the CUDA headers (cuda_fp8.h, ...) from ``CUDA_INCLUDE`` or a toolkit under /usr
 
 from __future__ import annotations
 
+import ast
 import ctypes
 import glob
 import os
@@ -25,8 +26,17 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 ARCHS = ("compute_90", "compute_120a")
-PDL_BUILDS = ((), ("-DLUMEN_PDL",), ("-DLUMEN_PDL", "-DLUMEN_PDL_NO_PREFETCH"),
-              ("-DLUMEN_PDL", "-DLUMEN_PDL_NO_PREFETCH", "-DLUMEN_PDL_NO_TRIGGER"))
+
+
+def pdl_builds() -> tuple[tuple[str, ...], ...]:
+    """The plain build and one per ``LUMEN_CUDA_PDL`` mode: lumen_cuda.kernels.PDL_DEFINES, read from its source
+    (importing it needs CuPy)."""
+    tree = ast.parse((ROOT / "plugins/lumen-cuda/lumen_cuda/kernels.py").read_text())
+    modes = next(ast.literal_eval(n.value) for n in tree.body
+                 if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", None) == "PDL_DEFINES")
+    return ((), *(tuple(flags) for flags in modes.values()))
+
+
 # -D settings lumen_cuda adds at run time (gemv.py, moe.py), one build each beside the plain one
 EXTRA = {"gemv": (("-DGEMV_WARPS=8",), ("-DGEMV_U=4",)), "gemv_fp8": (("-DGEMV_U=4",),),
          "moe": (("-DMOE_GATE_UP_MIN_BLOCKS=5",),)}
@@ -97,10 +107,10 @@ def main() -> int:
               "a CUDA toolkit's include directory, or set NVRTC / CUDA_INCLUDE)")
         return 0
     print(f"nvrtc_kernels: {path}, headers {include}")
-    jobs = []
+    jobs, pdl = [], pdl_builds()
     for f in files:
         src = f.read_bytes()
-        builds = [*(PDL_BUILDS if b'#include "pdl.cuh"' in src else ((),)), *EXTRA.get(f.stem, ())]
+        builds = [*(pdl if b'#include "pdl.cuh"' in src else ((),)), *EXTRA.get(f.stem, ())]
         jobs += [(path, str(f), arch, [f"-I{f.parent}", f"-I{include}", f"-arch={arch}",
                                        "--device-as-default-execution-space", *defines])
                  for arch in ARCHS for defines in builds]
